@@ -1,0 +1,124 @@
+"""Artifact folders that are complete or absent, content hashes, and the environment record.
+
+A build writes into a hidden staging folder beside its final place; on success the folder is
+renamed into place and `manifest.json` is written last, atomically. Anything that stops the build
+earlier (error, crash, Ctrl-C) leaves no folder holding a manifest.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import shutil
+import sys
+import tempfile
+from contextlib import contextmanager
+from importlib import metadata
+from pathlib import Path
+
+from pydantic import BaseModel
+
+MANIFEST = "manifest.json"
+_CPU_FLAGS_OF_INTEREST = (
+    "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16",
+    "avx512_fp16", "avx_vnni", "amx_tile", "amx_int8", "amx_bf16", "amx_fp16", "asimd", "sve",
+)
+_TOOLS = ("accel-opt", "onnx", "onnxruntime", "onnxruntime-gpu", "polygraphy", "onnxslim", "numpy", "openvino", "torch", "tensorrt")
+
+
+def sha256_file(path: Path, chunk_bytes: int = 1 << 20) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(chunk_bytes):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def sha256_files(paths: list[Path]) -> str:
+    """One hash over several files (a model and its external data), order-independent by name."""
+    digest = hashlib.sha256()
+    for path in sorted(paths, key=lambda p: p.name):
+        digest.update(path.name.encode())
+        digest.update(bytes.fromhex(sha256_file(path)))
+    return digest.hexdigest()
+
+
+def write_json(path: Path, model: BaseModel | dict) -> None:
+    text = model.model_dump_json(indent=2) if isinstance(model, BaseModel) else json.dumps(model, indent=2)
+    write_text(path, text + "\n")
+
+
+def write_text(path: Path, text: str) -> None:
+    """Write via a temp file in the same folder, fsync, rename: readers never see half a file."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+@contextmanager
+def staging_dir(out_dir: Path, name: str):
+    """Yield a staging folder; on success the caller publishes it with `publish`; else it is removed."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=out_dir, prefix=f".{name}.staging-"))
+    try:
+        yield staging
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def publish(staging: Path, final: Path) -> None:
+    """Move a finished staging folder to `final`, replacing an older build of the same identity."""
+    old = None
+    if final.exists():
+        old = final.with_name(f".{final.name}.old-{os.getpid()}")
+        (final / MANIFEST).unlink(missing_ok=True)  # the old build stops being complete first
+        os.replace(final, old)
+    os.replace(staging, final)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def tool_versions() -> dict[str, str]:
+    versions = {"python": platform.python_version()}
+    for dist in _TOOLS:
+        try:
+            versions[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    return versions
+
+
+def cpu_info() -> dict[str, object]:
+    model, flags = platform.processor() or platform.machine(), set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key == "model name":
+                    model = value.strip()
+                elif key in ("flags", "Features") and not flags:
+                    flags = set(value.split())
+    except OSError:
+        pass
+    return {
+        "model": model,
+        "machine": platform.machine(),
+        "logical_cpus": os.cpu_count(),
+        "available_cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "flags": sorted(flags.intersection(_CPU_FLAGS_OF_INTEREST)),
+        "os": f"{platform.system()} {platform.release()}",
+    }
+
+
+def command_line() -> list[str]:
+    return [Path(sys.argv[0]).name, *sys.argv[1:]]

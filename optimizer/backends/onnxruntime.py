@@ -1,0 +1,118 @@
+"""ONNX Runtime backend: the portable default (CPU EP), CUDA/TensorRT EPs with onnxruntime-gpu."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+
+from polygraphy.backend.onnxrt import OnnxrtRunner
+
+from optimizer.backends.base import Availability, CompiledModel
+from optimizer.errors import InputRejected, Unsupported
+from optimizer.recipe import Precision, Recipe
+
+log = logging.getLogger(__name__)
+
+CPU_PROVIDER = "CPUExecutionProvider"
+
+
+def default_threads() -> int:
+    """CPUs this process may run on (respects taskset/cgroup affinity, unlike os.cpu_count)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def create_session(path: Path, providers: list[str], threads: int, optimize: bool = True):
+    """An InferenceSession with recorded options; fails if a requested provider is not active.
+
+    onnxruntime-gpu silently falls back to CPU when CUDA is missing (ORT #17394), so the active
+    providers are checked here, once, for every session the project creates.
+    """
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.graph_optimization_level = (
+        ort.GraphOptimizationLevel.ORT_ENABLE_ALL if optimize else ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    )
+    options.intra_op_num_threads = threads
+    options.inter_op_num_threads = 1
+    options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    options.log_severity_level = 3
+    try:
+        session = ort.InferenceSession(str(path), sess_options=options, providers=providers)
+    except Exception as exc:  # ORT raises its own exception types from C++
+        message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        if "NOT_IMPLEMENTED" in message or "Could not find an implementation" in message:
+            raise Unsupported(f"ONNX Runtime {providers[0]} cannot run this model: {message}") from None
+        raise InputRejected(f"ONNX Runtime could not load the model: {message}") from None
+    active = session.get_providers()
+    if active[0] != providers[0]:
+        raise Unsupported(f"ONNX Runtime fell back to {active[0]} although {providers[0]} was requested")
+    return session
+
+
+class OnnxRuntimeBackend:
+    name = "onnxruntime"
+    extra = "core (onnxruntime); `gpu` for onnxruntime-gpu"
+
+    def __init__(self, providers: list[str] | None = None):
+        self.providers = providers or [CPU_PROVIDER]
+
+    def available(self) -> Availability:
+        try:
+            import onnxruntime as ort
+        except ImportError:
+            return Availability(False, "onnxruntime is not installed (pip install accel-opt)")
+        if self.providers[0] not in ort.get_available_providers():
+            return Availability(False, f"{self.providers[0]} is not in this onnxruntime build")
+        return Availability(True)
+
+    def supports(self, precision: Precision) -> Availability:
+        if precision is Precision.bf16 and self.providers[0] == CPU_PROVIDER:
+            return Availability(
+                False,
+                "ONNX Runtime's CPU EP has no bfloat16 kernels (MatMul/Conv fail at session creation); "
+                "run bf16 with --backend openvino on a CPU with AMX/AVX512-BF16, or --backend tensorrt on a GPU",
+            )
+        return Availability(True)
+
+    def compile(self, onnx_path: Path, precision: Precision, recipe: Recipe, workdir: Path) -> CompiledModel:
+        import onnxruntime as ort
+
+        threads = recipe.benchmark.threads or default_threads()
+        start = time.perf_counter()
+        session = create_session(onnx_path, self.providers, threads)
+        build_seconds = time.perf_counter() - start
+        providers = session.get_providers()
+        del session
+        return CompiledModel(
+            backend=self.name,
+            path=onnx_path,
+            precision=precision,
+            device="cpu" if self.providers[0] == CPU_PROVIDER else "cuda:0",
+            providers=providers,
+            threads=threads,
+            build_seconds=build_seconds,
+            settings={
+                "onnxruntime_version": ort.__version__,
+                "graph_optimization_level": "ORT_ENABLE_ALL",
+                "intra_op_num_threads": threads,
+                "inter_op_num_threads": 1,
+                "execution_mode": "ORT_SEQUENTIAL",
+            },
+        )
+
+    def runner(self, compiled: CompiledModel) -> OnnxrtRunner:
+        return OnnxrtRunner(
+            lambda: create_session(compiled.path, self.providers, compiled.threads),
+            name=f"{self.name}-{compiled.precision.value}",
+        )
+
+    def synchronize(self) -> None:
+        return None
+
+
+def reference_runner(path: Path, threads: int) -> OnnxrtRunner:
+    """The fp32 reference: the original model on the CPU EP with graph optimizations off."""
+    return OnnxrtRunner(lambda: create_session(path, [CPU_PROVIDER], threads, optimize=False), name="reference-fp32")

@@ -1,0 +1,201 @@
+"""Whole-path timing harness: session load, input preparation and compute, timed separately.
+
+Each timed call is `runner.infer()` followed by the backend's synchronize(), measured around the
+whole call with perf_counter: what an application sees, not a device-side kernel time. Several
+models (the candidate and its fp32 baseline) are measured in interleaved rounds in one run, so a
+noisy neighbour hurts both alike and their ratio stays honest.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+from polygraphy.backend.base import BaseRunner
+from pydantic import BaseModel
+
+from optimizer.data import Sample, batch_of
+from optimizer.recipe import BenchmarkConfig
+
+log = logging.getLogger(__name__)
+ROUNDS = 5  # interleaved rounds per batch size
+
+
+class LatencyStats(BaseModel):
+    iterations: int
+    p50_ms: float
+    p90_ms: float
+    p99_ms: float
+    mean_ms: float
+    min_ms: float
+    max_ms: float
+    std_ms: float
+
+
+class BatchResult(BaseModel):
+    batch_size: int
+    input_prep_ms: float  # building the feed dict from samples (the application's preprocessing share)
+    latency: LatencyStats
+    throughput_per_s: float  # samples (batch rows) per second at p50
+
+
+class ModelBenchmark(BaseModel):
+    label: str
+    session_load_ms: float
+    rss_before_load_mib: float
+    peak_rss_mib: float  # process high-water mark after load and a run at the largest batch
+    model_memory_mib: float  # peak minus what the process held before loading this model
+    batches: list[BatchResult]
+
+    def at(self, batch_size: int) -> BatchResult | None:
+        return next((b for b in self.batches if b.batch_size == batch_size), None)
+
+
+class BenchmarkReport(BaseModel):
+    threads: int
+    synchronized: bool
+    models: list[ModelBenchmark]  # candidate first, then baselines
+    speedup_vs_baseline: dict[str, dict[int, float]]  # baseline label -> batch -> baseline p50 / candidate p50
+
+
+@dataclass
+class Target:
+    label: str
+    runner: BaseRunner
+    synchronize: Callable[[], None] = lambda: None
+
+
+def latency_stats(seconds: list[float]) -> LatencyStats:
+    ms = np.asarray(seconds) * 1e3
+    p50, p90, p99 = np.percentile(ms, [50, 90, 99])
+    return LatencyStats(
+        iterations=len(ms),
+        p50_ms=float(p50),
+        p90_ms=float(p90),
+        p99_ms=float(p99),
+        mean_ms=float(ms.mean()),
+        min_ms=float(ms.min()),
+        max_ms=float(ms.max()),
+        std_ms=float(ms.std()),
+    )
+
+
+def timed_calls(call: Callable[[], object], min_iterations: int, min_seconds: float, max_iterations: int) -> list[float]:
+    """Per-call wall seconds: at least `min_iterations` and `min_seconds`, at most `max_iterations`."""
+    times: list[float] = []
+    clock = time.perf_counter
+    deadline = clock() + min_seconds
+    while len(times) < max_iterations and (len(times) < min_iterations or clock() < deadline):
+        start = clock()
+        call()
+        times.append(clock() - start)
+    return times
+
+
+def run_benchmark(
+    targets: list[Target], samples: list[Sample], batch_sizes: list[int], config: BenchmarkConfig, threads: int
+) -> BenchmarkReport:
+    """Load each target (memory measured), then time every batch size in interleaved rounds."""
+    loads: dict[str, tuple[float, float, float]] = {}
+    biggest = batch_of(samples, max(batch_sizes))
+    try:
+        for target in targets:
+            rss_before = _reset_peak_rss_mib()
+            start = time.perf_counter()
+            target.runner.activate()
+            load_ms = (time.perf_counter() - start) * 1e3
+            target.runner.infer(biggest, check_inputs=True)
+            target.synchronize()
+            loads[target.label] = (load_ms, rss_before, _peak_rss_mib())
+
+        per_batch: dict[str, list[BatchResult]] = {t.label: [] for t in targets}
+        for batch in batch_sizes:
+            start = time.perf_counter()
+            feed = batch_of(samples, batch)
+            prep_ms = (time.perf_counter() - start) * 1e3
+            for target in targets:
+                for _ in range(config.warmup_iterations):
+                    target.runner.infer(feed, check_inputs=False)
+                target.synchronize()
+            times: dict[str, list[float]] = {t.label: [] for t in targets}
+            per_round = dict(
+                min_iterations=math.ceil(config.min_iterations / ROUNDS),
+                min_seconds=config.min_seconds / ROUNDS,
+                max_iterations=math.ceil(config.max_iterations / ROUNDS),
+            )
+            for _ in range(ROUNDS):
+                for target in targets:
+                    times[target.label] += timed_calls(_call(target, feed), **per_round)
+            for target in targets:
+                stats = latency_stats(times[target.label])
+                per_batch[target.label].append(
+                    BatchResult(
+                        batch_size=batch,
+                        input_prep_ms=prep_ms,
+                        latency=stats,
+                        throughput_per_s=batch / (stats.p50_ms / 1e3),
+                    )
+                )
+    finally:
+        for target in targets:
+            if target.runner.is_active:
+                target.runner.deactivate()
+
+    models = [
+        ModelBenchmark(
+            label=t.label,
+            session_load_ms=loads[t.label][0],
+            rss_before_load_mib=loads[t.label][1],
+            peak_rss_mib=loads[t.label][2],
+            model_memory_mib=max(0.0, loads[t.label][2] - loads[t.label][1]),
+            batches=per_batch[t.label],
+        )
+        for t in targets
+    ]
+    candidate, baselines = models[0], models[1:]
+    speedups = {
+        base.label: {b.batch_size: base.at(b.batch_size).latency.p50_ms / b.latency.p50_ms for b in candidate.batches}
+        for base in baselines
+    }
+    return BenchmarkReport(threads=threads, synchronized=True, models=models, speedup_vs_baseline=speedups)
+
+
+def _call(target: Target, feed: Sample) -> Callable[[], object]:
+    infer, sync = target.runner.infer, target.synchronize
+
+    def call():
+        infer(feed, check_inputs=False)
+        sync()
+
+    return call
+
+
+def _status_mib(field: str) -> float:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+def _reset_peak_rss_mib() -> float:
+    """Reset the process's peak-RSS mark (Linux clear_refs 5) and return the current RSS."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        log.debug("cannot reset peak RSS; peak includes earlier work")
+    return _status_mib("VmRSS")
+
+
+def _peak_rss_mib() -> float:
+    return _status_mib("VmHWM")

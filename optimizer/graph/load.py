@@ -1,0 +1,166 @@
+"""Safe loading and validation of an ONNX model file.
+
+Order matters: cheap file checks first, then the protobuf header without external data, then the
+external-data locations (checked by us before anything reads them: the path-traversal CVE family),
+then onnx.checker *by path* (so >2 GB models work), then strict shape inference.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import stat
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import onnx
+from google.protobuf.message import DecodeError
+from onnx import external_data_helper
+
+from optimizer.errors import InputRejected, Unsupported
+
+log = logging.getLogger(__name__)
+
+# Domains that ONNX Runtime (and the other backends' ONNX parsers) implement.
+KNOWN_DOMAINS = {"", "ai.onnx", "ai.onnx.ml", "com.microsoft", "ai.onnx.preview.training"}
+# Nodes that embed or point at a compiled engine: executable, never trusted from an input model.
+UNSAFE_OP_TYPES = {("com.microsoft", "EPContext")}
+_TEXT_SNIFF_BYTES = 512
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    path: Path
+    proto: onnx.ModelProto  # graph structure; external tensor data not loaded
+    external_data_files: list[Path] = field(default_factory=list)
+
+    @property
+    def opset(self) -> int:
+        return next((o.version for o in self.proto.opset_import if o.domain in ("", "ai.onnx")), 0)
+
+
+def _check_file(path: Path) -> None:
+    if not path.exists():
+        raise InputRejected(f"model not found: {path}")
+    if path.is_dir():
+        raise InputRejected(f"model path is a directory, expected an .onnx file: {path}")
+    if not path.is_file():
+        raise InputRejected(f"model path is not a regular file: {path}")
+    size = path.stat().st_size
+    if size == 0:
+        raise InputRejected(f"model file is empty: {path}")
+    with path.open("rb") as f:
+        head = f.read(_TEXT_SNIFF_BYTES)
+    if head.startswith(b"version https://git-lfs"):
+        raise InputRejected(f"model is a Git LFS pointer, not the model itself (run `git lfs pull`): {path}")
+    if _looks_like_text(head):
+        raise InputRejected(f"model file is text, not a binary ONNX protobuf: {path}")
+
+
+def _looks_like_text(head: bytes) -> bool:
+    # An ONNX protobuf starts with field tags (0x08 ir_version, 0x12/0x1a/0x3a ...) and holds binary
+    # bytes early; a text file (JSON, HTML error page, pointer) is printable throughout.
+    try:
+        decoded = head.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return all(ch.isprintable() or ch in "\r\n\t" for ch in decoded)
+
+
+def _parse(path: Path) -> onnx.ModelProto:
+    try:
+        proto = onnx.load(str(path), load_external_data=False)
+    except (DecodeError, RuntimeWarning, ValueError, TypeError) as exc:
+        raise InputRejected(f"not a valid ONNX model (protobuf does not parse: {exc}): {path}") from None
+    except Exception as exc:  # onnx raises assorted types on corrupt input
+        raise InputRejected(f"not a valid ONNX model ({type(exc).__name__}: {exc}): {path}") from None
+    if proto.ir_version <= 0 or not proto.opset_import or not proto.HasField("graph"):
+        raise InputRejected(f"not a valid ONNX model (no IR version, opset or graph; truncated?): {path}")
+    if not proto.graph.output:
+        raise InputRejected(f"ONNX model has no outputs: {path}")
+    return proto
+
+
+def _check_external_data(proto: onnx.ModelProto, model_dir: Path) -> list[Path]:
+    """Every external location must be a relative path that stays inside the model's folder."""
+    base = model_dir.resolve()
+    files: dict[Path, int] = {}
+    for tensor in external_data_helper._get_all_tensors(proto):
+        if not external_data_helper.uses_external_data(tensor):
+            continue
+        info = external_data_helper.ExternalDataInfo(tensor)
+        location = info.location or ""
+        name = tensor.name or "(unnamed)"
+        if not location or os.path.isabs(location) or Path(location).drive:
+            raise InputRejected(f"external data of tensor {name!r}: location {location!r} must be a relative path")
+        if ".." in Path(location).parts:
+            raise InputRejected(f"external data of tensor {name!r}: location {location!r} leaves the model folder")
+        target = base / location
+        if target.is_symlink() or not target.resolve().is_relative_to(base):
+            raise InputRejected(f"external data of tensor {name!r}: {location!r} is a link out of the model folder")
+        if not target.is_file():
+            raise InputRejected(f"external data of tensor {name!r}: file {location!r} is missing beside the model")
+        st = target.stat()
+        if st.st_nlink > 1 and stat.S_ISREG(st.st_mode):
+            raise InputRejected(f"external data of tensor {name!r}: {location!r} is a hard link; copy the file instead")
+        offset, length = int(info.offset or 0), int(info.length or 0)
+        if offset < 0 or length < 0 or offset + length > st.st_size:
+            raise InputRejected(
+                f"external data of tensor {name!r}: offset {offset} + length {length} "
+                f"exceeds {location!r} ({st.st_size} bytes)"
+            )
+        files[target] = st.st_size
+    return sorted(files)
+
+
+def _check_ops(proto: onnx.ModelProto) -> None:
+    imported = {o.domain for o in proto.opset_import}
+    for graph in _all_graphs(proto.graph):
+        for node in graph.node:
+            if (node.domain, node.op_type) in UNSAFE_OP_TYPES:
+                raise InputRejected(
+                    f"node {node.name!r} ({node.domain}::{node.op_type}) embeds a compiled engine; refusing untrusted engines"
+                )
+            if node.domain not in KNOWN_DOMAINS:
+                raise Unsupported(
+                    f"op {node.op_type!r} from unknown domain {node.domain!r} (node {node.name!r}) has no kernel on any backend"
+                )
+            if node.domain not in imported and not (node.domain == "ai.onnx" and "" in imported):
+                raise InputRejected(f"node {node.name!r} uses domain {node.domain!r} without an opset import")
+
+
+def _all_graphs(graph: onnx.GraphProto):
+    yield graph
+    for node in graph.node:
+        for attr in node.attribute:
+            if attr.type == onnx.AttributeProto.GRAPH:
+                yield from _all_graphs(attr.g)
+            elif attr.type == onnx.AttributeProto.GRAPHS:
+                for sub in attr.graphs:
+                    yield from _all_graphs(sub)
+
+
+def load_model(path: str | Path, workdir: Path) -> LoadedModel:
+    """Validate `path` and return its structure; raise InputRejected/Unsupported with one clear line."""
+    path = Path(path)
+    _check_file(path)
+    proto = _parse(path)
+    external_files = _check_external_data(proto, path.parent)
+    _check_ops(proto)
+    try:
+        onnx.checker.check_model(str(path))
+    except onnx.checker.ValidationError as exc:
+        first = str(exc).strip().splitlines()[0]
+        raise InputRejected(f"ONNX checker rejected the model: {first}") from None
+    inferred = workdir / "shape_inferred.onnx"
+    try:
+        # By path: works past protobuf's 2 GB limit. Strict: type errors are errors, not warnings.
+        onnx.shape_inference.infer_shapes_path(str(path), str(inferred), strict_mode=True)
+        shaped = onnx.load(str(inferred), load_external_data=False)
+    except Exception as exc:  # InferenceError, or a C++ error surfaced as RuntimeError
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise InputRejected(f"shape inference failed: {first}") from None
+    finally:
+        inferred.unlink(missing_ok=True)
+    log.info("loaded %s: opset %s, %d nodes", path, proto.opset_import, len(proto.graph.node))
+    return LoadedModel(path=path, proto=shaped, external_data_files=external_files)

@@ -1,0 +1,176 @@
+"""Example models generated deterministically in code (no downloads): the demo, tests and benchmarks.
+
+`resnet()` builds a ResNet-50-layout classifier (bottleneck blocks, batch norm folded into conv
+biases, as inference exporters emit it) with seeded He-initialised weights. Residual branches are
+scaled down so activations stay bounded through depth, as trained networks' are.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+RESNET50_LAYOUT = (3, 4, 6, 3)
+OPSET = 17
+
+
+class _Graph:
+    def __init__(self, seed: int):
+        self.rng = np.random.default_rng(seed)
+        self.nodes: list[onnx.NodeProto] = []
+        self.inits: list[onnx.TensorProto] = []
+        self.count = 0
+
+    def name(self, kind: str) -> str:
+        self.count += 1
+        return f"{kind}_{self.count}"
+
+    def const(self, kind: str, array: np.ndarray) -> str:
+        name = self.name(kind)
+        self.inits.append(numpy_helper.from_array(array.astype(np.float32), name))
+        return name
+
+    def conv(self, x: str, c_in: int, c_out: int, k: int, stride: int = 1, gain: float = 1.0, relu: bool = True) -> str:
+        std = gain * np.sqrt(2.0 / (c_in * k * k))
+        w = self.const("W", self.rng.normal(0, std, (c_out, c_in, k, k)))
+        b = self.const("B", self.rng.normal(0, 0.01, (c_out,)))
+        y = self.name("conv")
+        self.nodes.append(
+            helper.make_node("Conv", [x, w, b], [y], name=y, kernel_shape=[k, k], strides=[stride, stride], pads=[k // 2] * 4)
+        )
+        return self.relu(y) if relu else y
+
+    def relu(self, x: str) -> str:
+        y = self.name("relu")
+        self.nodes.append(helper.make_node("Relu", [x], [y], name=y))
+        return y
+
+    def add(self, a: str, b: str) -> str:
+        y = self.name("add")
+        self.nodes.append(helper.make_node("Add", [a, b], [y], name=y))
+        return y
+
+
+def resnet(
+    layout: tuple[int, ...] = RESNET50_LAYOUT,
+    width: int = 64,
+    num_classes: int = 1000,
+    image_size: int = 224,
+    seed: int = 0,
+    dynamic_batch: bool = True,
+    head_samples: list[dict[str, np.ndarray]] | None = None,
+) -> onnx.ModelProto:
+    """A bottleneck ResNet (ResNet-50 with the defaults) as an ONNX model with input `image`, output `logits`.
+
+    Random deep features share one dominant direction, so every image would get the same class.
+    With `head_samples`, the classifier is standardised on those images' features (data-dependent
+    init), which makes the logits discriminative, as a trained head's are.
+    """
+    g = _Graph(seed)
+    x = g.conv("image", 3, width, 7, stride=2)
+    pooled = g.name("maxpool")
+    g.nodes.append(helper.make_node("MaxPool", [x], [pooled], name=pooled, kernel_shape=[3, 3], strides=[2, 2], pads=[1] * 4))
+    x, c_in = pooled, width
+    for stage, blocks in enumerate(layout):
+        mid = width * 2**stage
+        c_out = mid * 4
+        for block in range(blocks):
+            stride = 2 if stage > 0 and block == 0 else 1
+            y = g.conv(x, c_in, mid, 1)
+            y = g.conv(y, mid, mid, 3, stride=stride)
+            y = g.conv(y, mid, c_out, 1, gain=0.3, relu=False)
+            shortcut = g.conv(x, c_in, c_out, 1, stride=stride, relu=False) if block == 0 else x
+            x, c_in = g.relu(g.add(y, shortcut)), c_out
+    gap, flat, logits = g.name("gap"), g.name("flatten"), "logits"
+    g.nodes.append(helper.make_node("GlobalAveragePool", [x], [gap], name=gap))
+    g.nodes.append(helper.make_node("Flatten", [gap], [flat], name=flat, axis=1))
+    fc_w = g.const("fc_W", g.rng.normal(0, np.sqrt(1.0 / c_in), (num_classes, c_in)))
+    fc_b = g.const("fc_B", np.zeros(num_classes))
+    g.nodes.append(helper.make_node("Gemm", [flat, fc_w, fc_b], [logits], name="fc", transB=1))
+    batch = "batch" if dynamic_batch else 1
+    graph = helper.make_graph(
+        g.nodes,
+        "resnet",
+        [helper.make_tensor_value_info("image", TensorProto.FLOAT, [batch, 3, image_size, image_size])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [batch, num_classes])],
+        g.inits,
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)], producer_name="accel-opt.zoo")
+    model.ir_version = 8
+    onnx.checker.check_model(model)
+    if head_samples:
+        _standardise_head(model, flat, fc_w, fc_b, head_samples)
+    return model
+
+
+def _standardise_head(model: onnx.ModelProto, features: str, fc_w: str, fc_b: str, samples) -> None:
+    import onnxruntime as ort
+
+    probe = onnx.ModelProto()
+    probe.CopyFrom(model)
+    probe.graph.output.append(helper.make_tensor_value_info(features, TensorProto.FLOAT, None))
+    session = ort.InferenceSession(probe.SerializeToString(), providers=["CPUExecutionProvider"])
+    feats = np.concatenate([session.run([features], s)[0] for s in samples])
+    mean, std = feats.mean(axis=0), feats.std(axis=0) + 1e-3
+    inits = {t.name: t for t in model.graph.initializer}
+    weight = numpy_helper.to_array(inits[fc_w]) / std
+    inits[fc_w].CopyFrom(numpy_helper.from_array(weight.astype(np.float32), fc_w))
+    inits[fc_b].CopyFrom(numpy_helper.from_array((-weight @ mean).astype(np.float32), fc_b))
+
+
+def save(model: onnx.ModelProto, path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    onnx.save(model, str(path))
+    return path
+
+
+def demo_classifier(head_samples: list[dict[str, np.ndarray]] | None = None) -> onnx.ModelProto:
+    """The `make demo` model: ResNet layout at a size that builds in seconds on two cores (128x128 input)."""
+    return resnet(layout=(1, 1, 1, 1), width=32, num_classes=100, image_size=128, seed=0, head_samples=head_samples)
+
+
+def photo_samples(size: int = 224, count: int | None = None) -> list[dict[str, np.ndarray]]:
+    """Real photos shipped with scikit-image, ImageNet-preprocessed to `image` feed dicts (batch 1)."""
+    from PIL import Image
+
+    from optimizer.data import preprocess_image
+    from optimizer.recipe import Preprocessing
+
+    images = _skimage_photos()
+    pre = Preprocessing(resize=round(size * 256 / 224), crop=size)
+    samples = []
+    for i, photo in enumerate(images):
+        base = Image.fromarray(photo)
+        # Flips and crops multiply the ~15 photos into distinct, realistic samples.
+        for variant in range(8):
+            img = base.transpose(Image.FLIP_LEFT_RIGHT) if variant % 2 else base
+            if variant >= 2:
+                w, h = img.size
+                f = 0.6 + 0.1 * (variant // 2)
+                img = img.crop((0, 0, int(w * f), int(h * f))) if variant % 4 < 2 else img.crop((int(w * (1 - f)), int(h * (1 - f)), w, h))
+            samples.append({"image": preprocess_image(img, pre)})
+    order = np.random.default_rng(0).permutation(len(samples))
+    samples = [samples[i] for i in order]
+    return samples[:count] if count else samples
+
+
+def _skimage_photos() -> list[np.ndarray]:
+    from skimage import data
+
+    photos = []
+    for name in ("astronaut", "coffee", "chelsea", "rocket", "cat", "hubble_deep_field", "immunohistochemistry",
+                 "motorcycle_left", "motorcycle_right", "retina", "colorwheel", "logo"):
+        try:
+            image = getattr(data, name)()
+        except Exception:  # some need a download, which fails offline
+            continue
+        if isinstance(image, tuple):  # stereo pairs return (left, right, disparity)
+            image = image[0]
+        if image.ndim == 2:
+            image = np.stack([image] * 3, axis=-1)
+        photos.append(np.ascontiguousarray(image[..., :3]).astype(np.uint8))
+    return photos
