@@ -15,6 +15,7 @@ import numpy as np
 from polygraphy.backend.base import BaseRunner
 from polygraphy.comparator import Comparator, CosineSimilarityCompareFunc, SimpleCompareFunc
 from polygraphy.comparator.struct import IterationResult
+from polygraphy.logger import G_LOGGER
 from pydantic import BaseModel
 
 from optimizer.data import Sample
@@ -67,7 +68,12 @@ def compare(
     task_metrics: list[TaskMetric] = (),
 ) -> AccuracyReport:
     """Run both runners on `samples` and judge every output of the candidate against the reference."""
-    run_results = Comparator.run([reference, candidate], data_loader=samples)
+    with G_LOGGER.verbosity(G_LOGGER.INFO if log.isEnabledFor(logging.DEBUG) else G_LOGGER.ERROR):
+        run_results = Comparator.run([reference, candidate], data_loader=samples)
+        return _judge(run_results, tolerance, task_metrics)
+
+
+def _judge(run_results, tolerance: Tolerance, task_metrics: list[TaskMetric]) -> AccuracyReport:
     (ref_name, ref_iters), (cand_name, cand_iters) = run_results.items()
     ref_all = _concatenate(ref_iters, ref_name)
     cand_all = _concatenate(cand_iters, cand_name)
@@ -79,7 +85,7 @@ def compare(
 
     outputs: list[OutputAccuracy] = []
     failures: list[str] = []
-    for name, ref_values in ref_all.items():
+    for name in ref_all:
         if name not in cand_all:
             failures.append(f"{name}: missing from the candidate's outputs")
             continue
@@ -133,7 +139,7 @@ def compare(
 
 def _concatenate(iterations: list[IterationResult], runner_name: str) -> IterationResult:
     outputs = {
-        name: np.concatenate([np.asarray(it[name]).ravel() for it in iterations]) for name in iterations[0].keys()
+        name: np.concatenate([np.asarray(it[name]).ravel() for it in iterations]) for name in iterations[0]
     }
     return IterationResult(outputs=outputs, runner_name=runner_name)
 

@@ -36,15 +36,6 @@ def sha256_file(path: Path, chunk_bytes: int = 1 << 20) -> str:
     return digest.hexdigest()
 
 
-def sha256_files(paths: list[Path]) -> str:
-    """One hash over several files (a model and its external data), order-independent by name."""
-    digest = hashlib.sha256()
-    for path in sorted(paths, key=lambda p: p.name):
-        digest.update(path.name.encode())
-        digest.update(bytes.fromhex(sha256_file(path)))
-    return digest.hexdigest()
-
-
 def write_json(path: Path, model: BaseModel | dict) -> None:
     text = model.model_dump_json(indent=2) if isinstance(model, BaseModel) else json.dumps(model, indent=2)
     write_text(path, text + "\n")
@@ -58,6 +49,7 @@ def write_text(path: Path, text: str) -> None:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)  # mkstemp creates 0600; artifacts are meant to be shared
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -69,6 +61,7 @@ def staging_dir(out_dir: Path, name: str):
     """Yield a staging folder; on success the caller publishes it with `publish`; else it is removed."""
     out_dir.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=out_dir, prefix=f".{name}.staging-"))
+    staging.chmod(0o755)
     try:
         yield staging
     finally:

@@ -143,7 +143,7 @@ def photo_samples(size: int = 224, count: int | None = None) -> list[dict[str, n
     images = _skimage_photos()
     pre = Preprocessing(resize=round(size * 256 / 224), crop=size)
     samples = []
-    for i, photo in enumerate(images):
+    for photo in images:
         base = Image.fromarray(photo)
         # Flips and crops multiply the ~15 photos into distinct, realistic samples.
         for variant in range(8):

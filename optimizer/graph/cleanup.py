@@ -7,6 +7,8 @@ is kept and the report says why: a cleanup must never be the reason a build chan
 
 from __future__ import annotations
 
+import contextlib
+import io
 import logging
 from pathlib import Path
 
@@ -44,9 +46,10 @@ def cleanup(
     before = onnx.load(str(model_path), load_external_data=False)
     counts = dict(nodes_before=len(before.graph.node), ops_before=op_histogram(before))
     try:
-        onnxslim.slim(
-            str(model_path), output_model=str(out_path), save_as_external_data=total_bytes > _EXTERNAL_DATA_ABOVE_BYTES
-        )
+        with contextlib.redirect_stdout(io.StringIO()):  # onnxslim prints a summary table
+            onnxslim.slim(
+                str(model_path), output_model=str(out_path), save_as_external_data=total_bytes > _EXTERNAL_DATA_ABOVE_BYTES
+            )
     except Exception as exc:  # onnxslim surfaces many error types; any failure keeps the original
         reason = f"onnxslim failed ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); original kept"
         log.warning(reason)

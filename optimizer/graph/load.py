@@ -155,7 +155,7 @@ def load_model(path: str | Path, workdir: Path) -> LoadedModel:
     inferred = workdir / "shape_inferred.onnx"
     try:
         # By path: works past protobuf's 2 GB limit. Strict: type errors are errors, not warnings.
-        onnx.shape_inference.infer_shapes_path(str(path), str(inferred), strict_mode=True)
+        onnx.shape_inference.infer_shapes_path(str(path), str(inferred), check_type=True, strict_mode=True)
         shaped = onnx.load(str(inferred), load_external_data=False)
     except Exception as exc:  # InferenceError, or a C++ error surfaced as RuntimeError
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__

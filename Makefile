@@ -1,0 +1,37 @@
+# One command sets up, one runs the demo, one runs the tests. pip + venv only (see README).
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+# The CPU build of torch: any other spec can pull a multi-GB CUDA build (FACTS.md).
+TORCH_PIN := torch==2.13.0
+
+.PHONY: install demo test test-all lint bench clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet "$(TORCH_PIN)"
+	$(BIN)/python -m pip install --quiet -e ".[dev]" "$(TORCH_PIN)"
+	touch $@
+
+demo: install
+	$(BIN)/python examples/demo.py
+
+test: install
+	$(BIN)/python -m pytest
+
+test-all: install
+	$(BIN)/python -m pytest -m ""
+
+lint: install
+	$(BIN)/python -m ruff check .
+
+bench: install
+	$(BIN)/python -m benchmarks.harness_overhead
+	$(BIN)/python -m benchmarks.int8_speed
+	$(BIN)/python -m benchmarks.openvino_speed
+
+clean:
+	rm -rf $(VENV) artifacts/*/ .pytest_cache .ruff_cache

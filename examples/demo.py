@@ -1,0 +1,74 @@
+"""`make demo`: build the bundled example classifier at fp32, fp16 and int8 and show them side by side.
+
+Everything is generated here, offline: a ResNet-layout classifier (optimizer/zoo.py) and real
+photos shipped with scikit-image, preprocessed into .npz feed dicts for --data. Each build is the
+same call `accel-opt build` makes; the table shows what each precision bought, measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from optimizer import build, load_recipe, zoo
+from optimizer.errors import AccelOptError
+
+IMAGE_SIZE = 128  # the demo model's input: small enough to build three precisions in about a minute
+
+
+def prepare(workdir: Path) -> tuple[Path, Path]:
+    """Write the demo model and its photo data set (idempotent, deterministic)."""
+    data_dir = workdir / "data"
+    model_path = workdir / "demo_classifier.onnx"
+    samples = zoo.photo_samples(IMAGE_SIZE)
+    if not model_path.exists():
+        zoo.save(zoo.demo_classifier(head_samples=samples[:32]), model_path)
+    if not data_dir.exists():
+        data_dir.mkdir(parents=True)
+        for i, sample in enumerate(samples):
+            np.savez(data_dir / f"photo_{i:03d}.npz", **sample)
+    return model_path, data_dir
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("artifacts"))
+    parser.add_argument("--precisions", default="fp32,fp16,int8")
+    args = parser.parse_args()
+
+    model_path, data_dir = prepare(args.out / "demo")
+    print(f"model: {model_path} (ResNet layout, {IMAGE_SIZE}x{IMAGE_SIZE}); data: {len(list(data_dir.iterdir()))} photos in {data_dir}")
+    recipe = load_recipe("image-classifier")
+    rows, exit_code = [], 0
+    for precision in args.precisions.split(","):
+        print(f"building {precision} ...", flush=True)
+        try:
+            result = build(model_path, recipe.with_overrides(precision=precision), data_dir=data_dir, out_dir=args.out)
+        except AccelOptError as exc:
+            rows.append((precision, "-", "-", "-", f"error (exit {exc.exit_code}): {exc}", "-"))
+            exit_code = max(exit_code, exc.exit_code)
+            continue
+        by_batch = {h.batch_size: h for h in result.headline}
+        speedups = " / ".join(f"{h.speedup_vs_fp32:.2f}x" for h in result.headline if h.speedup_vs_fp32 is not None)
+        rows.append((
+            precision,
+            f"{by_batch[1].latency_p50_ms:.2f}" if 1 in by_batch else "-",
+            f"{by_batch[8].latency_p50_ms:.2f}" if 8 in by_batch else "-",
+            speedups or "-",
+            "signed off" if result.signed_off else "NOT signed off: " + "; ".join(result.failures),
+            result.artifact_dir,
+        ))
+        exit_code = max(exit_code, result.exit_code)
+
+    header = ("precision", "p50 ms b1", "p50 ms b8", "speedup vs fp32 (b1 / b8)", "accuracy", "artifacts")
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    for row in [header, *rows]:
+        print("  ".join(str(cell).ljust(w) for cell, w in zip(row, widths)))
+    return exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,28 @@
+"""accel-opt: a model optimization compiler with an accuracy sign-off.
+
+Public API: `build(model, recipe, data_dir=..., out_dir=...) -> BuildResult`, `load_recipe`,
+`Recipe`, `Precision`. Heavy modules load on first use so `accel-opt --help` stays fast.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+__all__ = ["BuildResult", "Precision", "Recipe", "__version__", "build", "load_recipe"]
+
+if TYPE_CHECKING:
+    from optimizer.pipeline import BuildResult, build
+    from optimizer.recipe import Precision, Recipe, load_recipe
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("build", "BuildResult"):
+        from optimizer import pipeline
+
+        return getattr(pipeline, name)
+    if name in ("Recipe", "Precision", "load_recipe"):
+        from optimizer import recipe
+
+        return getattr(recipe, name)
+    raise AttributeError(f"module 'optimizer' has no attribute {name!r}")

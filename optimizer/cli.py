@@ -1,0 +1,130 @@
+"""`accel-opt` command line: parse, call the API, render, map errors to exit codes. Thin on purpose."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import tempfile
+import traceback
+from pathlib import Path
+
+import click
+
+from optimizer import __version__
+from optimizer.errors import AccelOptError, InternalError, ResourceExhausted
+
+log = logging.getLogger("optimizer")
+
+EXIT_CODES_HELP = """\b
+Exit codes:
+  0  built and signed off
+  1  built, but a gate failed (reports written, not signed off)
+  2  usage or recipe error
+  3  input rejected (model or data invalid or unsafe)
+  4  unsupported here (backend, device, precision or op)
+  5  resource exhausted (memory, disk, time)
+  70 internal error (a bug; the log path is printed)"""
+
+
+def _setup_logging(verbose: bool) -> None:
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    from polygraphy.logger import G_LOGGER
+
+    G_LOGGER.module_severity = G_LOGGER.INFO if verbose else G_LOGGER.ERROR
+
+
+def _fail(exc: BaseException, verbose: bool, as_json: bool) -> None:
+    """Print one line on stderr (a traceback only with --verbose) and exit with the mapped code."""
+    if isinstance(exc, MemoryError):
+        exc = ResourceExhausted("out of memory")
+    if not isinstance(exc, AccelOptError):
+        with tempfile.NamedTemporaryFile("w", prefix="accel-opt-crash-", suffix=".log", delete=False) as f:
+            traceback.print_exception(exc, file=f)
+        exc = InternalError(f"internal error (a bug, please report it): {type(exc).__name__}: {exc}; log: {f.name}")
+    if verbose:
+        traceback.print_exception(exc.__cause__ or exc, file=sys.stderr)
+    click.echo(f"accel-opt: error: {exc}", err=True)
+    if as_json:
+        click.echo(json.dumps({"exit_code": exc.exit_code, "signed_off": False, "error": str(exc), "artifact_dir": None}))
+    sys.exit(exc.exit_code)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
+@click.version_option(__version__, prog_name="accel-opt")
+def main() -> None:
+    """accel-opt: build a model into a deployable, signed-off artifact (precision, backend, accuracy, benchmark)."""
+
+
+@main.command(epilog=EXIT_CODES_HELP)
+@click.argument("model", type=click.Path(path_type=Path, dir_okay=True, exists=False))
+@click.option("--precision", type=click.Choice(["fp32", "fp16", "bf16", "int8"]), help="Target precision (recipe default: fp32).")
+@click.option("--backend", type=click.Choice(["onnxruntime", "openvino", "tensorrt"]), help="Backend (recipe default: onnxruntime).")
+@click.option("--recipe", "recipe_path", help="Recipe YAML file or bundled name (recipes/NAME.yaml). Default: default.")
+@click.option("--data", "data_dir", type=click.Path(path_type=Path), help="Folder of .npz feed dicts (or images with a preprocessing recipe).")
+@click.option("--shapes", help="Fix dynamic dims, trtexec-style: NAME:1x3x224x224[,NAME:...].")
+@click.option("--keep-io-types/--no-keep-io-types", default=None, help="fp16/bf16: keep inputs/outputs in fp32 (default: keep).")
+@click.option("--calibration", type=click.Choice(["minmax", "entropy", "percentile"]), help="int8 calibration method.")
+@click.option("--threads", type=int, help="Intra-op threads (default: CPUs available).")
+@click.option("--out", "out_dir", type=click.Path(path_type=Path), default=Path("artifacts"), show_default=True, help="Where build folders go.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout (for CI).")
+@click.option("-v", "--verbose", is_flag=True, help="Log progress and show tracebacks.")
+def build(model, precision, backend, recipe_path, data_dir, shapes, keep_io_types, calibration, threads, out_dir, as_json, verbose):
+    """Build MODEL (.onnx) through cleanup, precision, compile, accuracy gate and benchmark."""
+    _setup_logging(verbose)
+    try:
+        from optimizer.pipeline import build as run_build
+        from optimizer.recipe import load_recipe, parse_shapes
+
+        recipe = load_recipe(recipe_path).with_overrides(
+            precision=precision,
+            backend=backend,
+            shapes=parse_shapes(shapes) if shapes else None,
+            **{
+                "precision_options.keep_io_types": keep_io_types,
+                "precision_options.calibration.method": calibration,
+                "benchmark.threads": threads,
+            },
+        )
+        show_progress = not as_json and (verbose or sys.stderr.isatty())  # quiet in CI logs
+        result = run_build(model, recipe, data_dir=data_dir, out_dir=out_dir, on_stage=_print_stage if show_progress else None)
+    except (AccelOptError, MemoryError, Exception) as exc:  # noqa: BLE001 - every error maps to an exit code
+        _fail(exc, verbose, as_json)
+        return
+    except KeyboardInterrupt:
+        click.echo("accel-opt: interrupted; no artifact was written", err=True)
+        sys.exit(130)
+    if as_json:
+        click.echo(result.model_dump_json())
+    else:
+        _print_result(result)
+    sys.exit(result.exit_code)
+
+
+def _print_stage(stage) -> None:
+    mark = {"passed": "ok", "failed": "FAILED", "skipped": "skipped", "not_run": "not run"}[stage.status]
+    detail = "" if stage.status == "failed" and stage.name != "accuracy" else stage.detail  # the error line follows
+    click.echo(f"  {stage.name:<10} {mark:<8} {stage.seconds:6.1f} s  {detail}", err=True)
+
+
+def _print_result(result) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    table = Table(title=f"{Path(result.model).name}: {result.precision} on {result.backend}")
+    for col in ("batch", "p50 ms", "samples/s", "speedup vs fp32"):
+        table.add_column(col, justify="right")
+    for h in result.headline:
+        speedup = f"{h.speedup_vs_fp32:.2f}x" if h.speedup_vs_fp32 is not None else "-"
+        table.add_row(str(h.batch_size), f"{h.latency_p50_ms:.2f}", f"{h.throughput_per_s:.1f}", speedup)
+    console.print(table)
+    verdict = "[green]SIGNED OFF[/green]" if result.signed_off else "[red]NOT SIGNED OFF[/red]"
+    console.print(f"accuracy: {verdict}")
+    for failure in result.failures:
+        console.print(f"  - {failure}")
+    console.print(f"artifacts: {result.artifact_dir}")
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

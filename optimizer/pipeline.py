@@ -1,0 +1,380 @@
+"""The one orchestrator: the order of stages, their timing and status, and the artifact folder.
+
+Domain modules are plain functions (path in -> path out, data in -> report out); only this module
+knows the sequence load -> cleanup -> precision -> compile -> accuracy -> benchmark -> artifacts.
+A stage either passes, is skipped (with the reason), or fails: a failed accuracy gate still
+produces reports (not signed off, exit 1); any other failure raises and leaves no artifact.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Literal
+
+import onnx
+from pydantic import BaseModel
+
+from optimizer import artifacts, report
+from optimizer.accuracy import AccuracyReport, compare
+from optimizer.backends import Backend, CompiledModel, get_backend
+from optimizer.backends.onnxruntime import default_threads, reference_runner
+from optimizer.bench import BenchmarkReport, Target, run_benchmark
+from optimizer.data import DataSummary, Sample, load_samples, shapes_of, split_samples, synthetic_samples
+from optimizer.errors import AccelOptError, Unsupported, UsageError
+from optimizer.graph.cleanup import CleanupReport, cleanup
+from optimizer.graph.inspect import ResolvedShapes, TensorSpec, io_specs, resolve_shapes
+from optimizer.graph.load import LoadedModel, load_model
+from optimizer.precision import PrecisionReport, transform
+from optimizer.recipe import Precision, Recipe, load_recipe
+
+log = logging.getLogger(__name__)
+
+StageStatus = Literal["passed", "failed", "skipped", "not_run"]
+CLEANUP_VERIFY_SAMPLES = 4
+_EXTERNAL_DATA_ABOVE_BYTES = 1_800_000_000
+
+
+class StageResult(BaseModel):
+    name: str
+    status: StageStatus
+    seconds: float = 0.0
+    detail: str = ""
+
+
+class Headline(BaseModel):
+    batch_size: int
+    latency_p50_ms: float
+    throughput_per_s: float
+    speedup_vs_fp32: float | None = None
+
+
+class BuildResult(BaseModel):
+    model: str
+    precision: str
+    backend: str
+    signed_off: bool
+    exit_code: int
+    artifact_dir: str | None = None
+    latency_p50_ms: float | None = None  # at the smallest benchmarked batch
+    throughput_per_s: float | None = None  # at the largest benchmarked batch
+    headline: list[Headline] = []
+    failures: list[str] = []
+    error: str | None = None
+    stages: list[StageResult] = []
+
+
+@dataclass
+class BuildContext:
+    model_path: Path
+    recipe: Recipe
+    data_dir: Path | None
+    workdir: Path
+    staging: Path
+    cache_dir: Path | None
+    backend: Backend
+    threads: int
+    notes: list[str] = field(default_factory=list)
+    loaded: LoadedModel | None = None
+    model_sha256: str = ""
+    external_data_sha256: dict[str, str] = field(default_factory=dict)
+    inputs: list[TensorSpec] = field(default_factory=list)
+    outputs: list[TensorSpec] = field(default_factory=list)
+    shapes: ResolvedShapes | None = None
+    data: DataSummary | None = None
+    calibration_samples: list[Sample] = field(default_factory=list)
+    eval_samples: list[Sample] = field(default_factory=list)
+    cleanup: CleanupReport | None = None
+    fp32_path: Path | None = None  # after cleanup: the baseline every precision is compared with
+    precision: PrecisionReport | None = None
+    candidate_path: Path | None = None
+    compiled: CompiledModel | None = None
+    accuracy: AccuracyReport | None = None
+    bench: BenchmarkReport | None = None
+
+
+class _Skip(Exception):
+    """Raised by a stage that has nothing to do; the message is the reason."""
+
+
+def build(
+    model: str | Path,
+    recipe: Recipe | None = None,
+    data_dir: str | Path | None = None,
+    out_dir: str | Path = "artifacts",
+    cache_dir: str | Path | None = None,
+    on_stage: Callable[[StageResult], None] | None = None,
+) -> BuildResult:
+    """Build, check, benchmark and package `model`; never raises for a failed gate (exit_code 1).
+
+    Raises AccelOptError subclasses for everything else; nothing is left in `out_dir` then.
+    """
+    recipe = recipe or load_recipe()
+    model_path = Path(model)
+    out_dir = Path(out_dir)
+    backend = get_backend(recipe.backend)
+    support = backend.supports(recipe.precision)
+    if not support:
+        raise Unsupported(f"--precision {recipe.precision.value} on {backend.name}: {support.reason}")
+    if recipe.precision is Precision.int8 and data_dir is None:
+        raise UsageError("--precision int8 needs --data: calibrating on random inputs would set meaningless scales")
+    stages: list[StageResult] = []
+    with tempfile.TemporaryDirectory(prefix="accel-opt-") as work, artifacts.staging_dir(out_dir, model_path.stem) as staging:
+        ctx = BuildContext(
+            model_path=model_path, recipe=recipe, data_dir=Path(data_dir) if data_dir else None, workdir=Path(work),
+            staging=staging, cache_dir=Path(cache_dir) if cache_dir else out_dir / ".cache", backend=backend,
+            threads=recipe.benchmark.threads or default_threads(),
+        )
+        for name, stage in STAGES:
+            started = time.perf_counter()
+            try:
+                status, detail = stage(ctx)
+            except _Skip as skip:
+                status, detail = "skipped", str(skip)
+            except BaseException as exc:
+                detail = str(exc) if isinstance(exc, AccelOptError) else f"{type(exc).__name__}: {exc}"
+                stages.append(StageResult(name=name, status="failed", seconds=time.perf_counter() - started, detail=detail))
+                if on_stage:
+                    on_stage(stages[-1])
+                raise
+            stages.append(StageResult(name=name, status=status, seconds=time.perf_counter() - started, detail=detail))
+            if on_stage:
+                on_stage(stages[-1])
+
+        signed_off = ctx.accuracy.passed
+        final = out_dir / _artifact_name(ctx)
+        result = BuildResult(
+            model=str(model_path), precision=recipe.precision.value, backend=backend.name, signed_off=signed_off,
+            exit_code=0 if signed_off else 1, artifact_dir=str(final), failures=ctx.accuracy.failures, stages=stages,
+        )
+        _fill_headline(result, ctx.bench)
+        artifacts.publish(staging, final)
+        _write_manifest(ctx, final, result)
+    return result
+
+
+# ---- stages: each returns (status, detail) or raises _Skip / AccelOptError -----------------------
+
+
+def _stage_load(ctx: BuildContext) -> tuple[StageStatus, str]:
+    ctx.loaded = load_model(ctx.model_path, ctx.workdir)
+    ctx.model_sha256 = artifacts.sha256_file(ctx.model_path)
+    ctx.external_data_sha256 = {p.name: artifacts.sha256_file(p) for p in ctx.loaded.external_data_files}
+    ctx.inputs, ctx.outputs = io_specs(ctx.loaded.proto)
+    recipe = ctx.recipe
+    if ctx.data_dir is not None:
+        samples, ctx.data = load_samples(ctx.data_dir, ctx.inputs, recipe.preprocessing)
+        ctx.shapes = resolve_shapes(ctx.inputs, recipe.shapes, shapes_of(samples))
+    else:
+        ctx.shapes = resolve_shapes(ctx.inputs, recipe.shapes)
+        samples, ctx.data = synthetic_samples(ctx.inputs, ctx.shapes.shapes, recipe.accuracy.synthetic_samples, recipe.accuracy.seed)
+        ctx.notes.append(f"No --data given: {len(samples)} synthetic samples (seed {recipe.accuracy.seed}) were used for the accuracy check.")
+    ctx.notes += ctx.shapes.notes
+    if recipe.precision is Precision.int8:
+        calib, evaluation = split_samples(samples, recipe.precision_options.calibration.samples, recipe.accuracy.seed)
+        ctx.calibration_samples = calib
+    else:
+        evaluation = samples
+    ctx.eval_samples = evaluation[: recipe.accuracy.max_samples]
+    shapes = ", ".join(f"{k}:{'x'.join(map(str, v))}" for k, v in ctx.shapes.shapes.items())
+    return "passed", (
+        f"opset {ctx.loaded.opset}, {len(ctx.loaded.proto.graph.node)} nodes, inputs {shapes}; "
+        f"{len(ctx.calibration_samples)} calibration + {len(ctx.eval_samples)} evaluation samples ({ctx.data.source})"
+    )
+
+
+def _stage_cleanup(ctx: BuildContext) -> tuple[StageStatus, str]:
+    ctx.fp32_path = ctx.model_path
+    if not ctx.recipe.cleanup.enabled:
+        raise _Skip("disabled by the recipe")
+    total_bytes = sum(p.stat().st_size for p in [ctx.model_path, *ctx.loaded.external_data_files])
+    ctx.fp32_path, ctx.cleanup = cleanup(
+        ctx.model_path, total_bytes, ctx.eval_samples[:CLEANUP_VERIFY_SAMPLES], ctx.recipe.cleanup, ctx.threads,
+        ctx.workdir / "cleaned.onnx",
+    )
+    if not ctx.cleanup.applied:
+        raise _Skip(ctx.cleanup.reason)
+    return "passed", f"{ctx.cleanup.nodes_before} -> {ctx.cleanup.nodes_after} nodes; {ctx.cleanup.reason}"
+
+
+def _stage_precision(ctx: BuildContext) -> tuple[StageStatus, str]:
+    ctx.candidate_path = ctx.fp32_path
+    precision = ctx.recipe.precision
+    if precision is Precision.fp32:
+        raise _Skip("fp32: the graph keeps its precision")
+    ctx.precision = transform(
+        ctx.fp32_path, precision, ctx.recipe, ctx.backend.name, ctx.calibration_samples,
+        ctx.workdir / f"{precision.value}.onnx", ctx.cache_dir / "calibration" if ctx.cache_dir else None,
+    )
+    ctx.candidate_path = ctx.workdir / f"{precision.value}.onnx"
+    kept = len(ctx.precision.kept_in_higher_precision)
+    return "passed", f"{ctx.precision.transform}; {kept} nodes kept in higher precision"
+
+
+def _stage_compile(ctx: BuildContext) -> tuple[StageStatus, str]:
+    model_file = ctx.staging / "model.onnx"
+    _save_model(ctx.candidate_path, model_file)
+    ctx.compiled = ctx.backend.compile(model_file, ctx.recipe.precision, ctx.recipe, ctx.workdir)
+    for extra in ctx.compiled.extra_files:
+        if extra.parent != ctx.staging:
+            shutil.copy2(extra, ctx.staging / extra.name)
+    c = ctx.compiled
+    return "passed", f"{c.backend} on {c.device} via {', '.join(c.providers)}, {c.threads} threads, {c.build_seconds:.2f} s"
+
+
+def _stage_accuracy(ctx: BuildContext) -> tuple[StageStatus, str]:
+    recipe = ctx.recipe
+    ctx.accuracy = compare(
+        reference_runner(ctx.model_path, ctx.threads),
+        ctx.backend.runner(ctx.compiled),
+        ctx.eval_samples,
+        recipe.tolerance,
+        recipe.accuracy.task_metrics,
+    )
+    worst = min((o.cosine for o in ctx.accuracy.outputs), default=1.0)
+    summary = f"{ctx.accuracy.sample_count} samples, worst cosine {worst:.6f}"
+    if not ctx.accuracy.passed:
+        return "failed", summary + "; " + "; ".join(ctx.accuracy.failures)
+    return "passed", summary
+
+
+def _stage_benchmark(ctx: BuildContext) -> tuple[StageStatus, str]:
+    label = f"{ctx.backend.name}-{ctx.recipe.precision.value}"
+    targets = [Target(label, ctx.backend.runner(ctx.compiled), ctx.backend.synchronize)]
+    if ctx.recipe.precision is not Precision.fp32:
+        baseline = ctx.backend.compile(ctx.fp32_path, Precision.fp32, ctx.recipe, ctx.workdir)
+        targets.append(Target(f"{ctx.backend.name}-fp32", ctx.backend.runner(baseline), ctx.backend.synchronize))
+    if ctx.shapes.batch_dynamic:
+        batch_sizes = ctx.recipe.benchmark.batch_sizes
+    else:
+        batch_sizes = [next(iter(ctx.shapes.shapes.values()))[0]]
+    ctx.bench = run_benchmark(targets, ctx.eval_samples, batch_sizes, ctx.recipe.benchmark, ctx.threads)
+    first = ctx.bench.models[0].batches[0]
+    return "passed", f"batch {first.batch_size}: p50 {first.latency.p50_ms:.2f} ms over {first.latency.iterations} iterations"
+
+
+def _stage_reports(ctx: BuildContext) -> tuple[StageStatus, str]:
+    staging, name = ctx.staging, ctx.model_path.stem
+    signed_off = ctx.accuracy.passed
+    artifacts.write_json(staging / "accuracy.json", ctx.accuracy)
+    artifacts.write_text(
+        staging / "signoff.md",
+        report.signoff_markdown(name, signed_off, ctx.accuracy, ctx.precision, ctx.data, len(ctx.calibration_samples), ctx.notes),
+    )
+    artifacts.write_json(staging / "benchmark.json", ctx.bench)
+    artifacts.write_text(staging / "benchmark.md", report.benchmark_markdown(name, ctx.bench))
+    artifacts.write_json(staging / "resource_config.json", _resource_config(ctx))
+    build_info = {
+        "cleanup": ctx.cleanup.model_dump(mode="json") if ctx.cleanup else None,
+        "precision": ctx.precision.model_dump(mode="json") if ctx.precision else None,
+        "data": ctx.data.model_dump(mode="json"),
+        "notes": ctx.notes,
+    }
+    artifacts.write_json(staging / "build.json", build_info)
+    return "passed", f"{len(list(staging.iterdir()))} files"
+
+
+STAGES: list[tuple[str, Callable[[BuildContext], tuple[StageStatus, str]]]] = [
+    ("load", _stage_load),
+    ("cleanup", _stage_cleanup),
+    ("precision", _stage_precision),
+    ("compile", _stage_compile),
+    ("accuracy", _stage_accuracy),
+    ("benchmark", _stage_benchmark),
+    ("reports", _stage_reports),
+]
+
+
+# ---- helpers -------------------------------------------------------------------------------------
+
+
+def _save_model(src: Path, dst: Path) -> None:
+    """Write the model the backend will run as one file, or with `model.onnx.data` past 2 GB."""
+    model = onnx.load(str(src))  # resolves external data relative to src
+    large = model.ByteSize() > _EXTERNAL_DATA_ABOVE_BYTES if not _has_external(model) else True
+    onnx.save(model, str(dst), save_as_external_data=large, location=f"{dst.name}.data" if large else None)
+
+
+def _has_external(model: onnx.ModelProto) -> bool:
+    return any(t.data_location == onnx.TensorProto.EXTERNAL for t in model.graph.initializer)
+
+
+def _resource_config(ctx: BuildContext) -> dict:
+    c, bench = ctx.compiled, ctx.bench
+    candidate = bench.models[0]
+    best = max(candidate.batches, key=lambda b: b.throughput_per_s)
+    return {
+        "backend": c.backend,
+        "device": c.device,
+        "providers": c.providers,
+        "precision": c.precision.value,
+        "threads": c.threads,
+        "settings": c.settings,
+        "model_file": c.path.name,
+        "extra_files": [p.name for p in c.extra_files],
+        "inputs": [{**s.model_dump(), "shape_used": ctx.shapes.shapes[s.name]} for s in ctx.inputs],
+        "outputs": [s.model_dump() for s in ctx.outputs],
+        "batch_sizes_measured": [b.batch_size for b in candidate.batches],
+        "batch_dynamic": ctx.shapes.batch_dynamic,
+        "memory": {
+            "peak_rss_mib": candidate.peak_rss_mib,
+            "model_memory_mib": candidate.model_memory_mib,
+            "measured_at_batch": max(b.batch_size for b in candidate.batches),
+        },
+        "session_load_ms": candidate.session_load_ms,
+        "recommended": {"batch_size": best.batch_size, "threads": c.threads, "reason": "highest measured throughput"},
+    }
+
+
+def _artifact_name(ctx: BuildContext) -> str:
+    identity = json.dumps(
+        {"model": ctx.model_sha256, "external_data": ctx.external_data_sha256, "recipe": ctx.recipe.fingerprint(), "data": ctx.data.sha256,
+         "tools": artifacts.tool_versions()},
+        sort_keys=True,
+    )
+    digest = hashlib.sha256(identity.encode()).hexdigest()[:10]
+    return f"{ctx.model_path.stem}-{ctx.recipe.precision.value}-{ctx.backend.name}-{digest}"
+
+
+def _fill_headline(result: BuildResult, bench: BenchmarkReport | None) -> None:
+    if bench is None:
+        return
+    candidate = bench.models[0]
+    ratios = next(iter(bench.speedup_vs_baseline.values()), {})
+    result.headline = [
+        Headline(batch_size=b.batch_size, latency_p50_ms=b.latency.p50_ms, throughput_per_s=b.throughput_per_s,
+                 speedup_vs_fp32=ratios.get(b.batch_size, 1.0 if result.precision == "fp32" else None))
+        for b in candidate.batches
+    ]
+    result.latency_p50_ms = candidate.batches[0].latency.p50_ms
+    result.throughput_per_s = candidate.batches[-1].throughput_per_s
+
+
+def _write_manifest(ctx: BuildContext, final: Path, result: BuildResult) -> None:
+    files = sorted(p for p in final.iterdir() if p.is_file() and p.name != artifacts.MANIFEST)
+    recipe_source = ctx.recipe.name
+    manifest = {
+        "format": 1,
+        "created_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "signed_off": result.signed_off,
+        "exit_code": result.exit_code,
+        "precision": ctx.recipe.precision.value,
+        "backend": ctx.backend.name,
+        "input_model": {"path": str(ctx.model_path), "sha256": ctx.model_sha256, "external_data": ctx.external_data_sha256},
+        "recipe": {"name": recipe_source, "fingerprint": ctx.recipe.fingerprint(), "resolved": ctx.recipe.model_dump(mode="json")},
+        "data": ctx.data.model_dump(mode="json"),
+        "artifacts": {p.name: artifacts.sha256_file(p) for p in files},
+        "stages": [s.model_dump() for s in result.stages],
+        "tools": artifacts.tool_versions(),
+        "cpu": artifacts.cpu_info(),
+        "command_line": artifacts.command_line(),
+    }
+    artifacts.write_json(final / artifacts.MANIFEST, manifest)

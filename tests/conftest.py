@@ -1,0 +1,53 @@
+"""Shared fixtures: small real ONNX models and a fast recipe. No mocks: real ORT sessions throughout."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from optimizer import zoo
+from optimizer.recipe import Recipe, load_recipe
+
+FAST_BENCH = {"warmup_iterations": 1, "min_iterations": 5, "min_seconds": 0.05, "max_iterations": 50, "batch_sizes": [1, 2]}
+
+
+@pytest.fixture(scope="session")
+def tiny_cnn_path(tmp_path_factory) -> Path:
+    """A ResNet-layout classifier small enough to build in about a second: image [batch,3,32,32] -> logits [batch,10]."""
+    path = tmp_path_factory.mktemp("models") / "tiny_cnn.onnx"
+    return zoo.save(zoo.resnet(layout=(1, 1), width=8, num_classes=10, image_size=32, seed=0), path)
+
+
+@pytest.fixture()
+def fast_recipe() -> Recipe:
+    return load_recipe().model_copy(deep=True).with_overrides(
+        benchmark=FAST_BENCH, **{"accuracy.synthetic_samples": 4}
+    )
+
+
+def make_model(nodes, inputs, outputs, initializers=(), opset=17, domains=()) -> onnx.ModelProto:
+    graph = helper.make_graph(nodes, "g", inputs, outputs, list(initializers))
+    opsets = [helper.make_opsetid("", opset)] + [helper.make_opsetid(d, 1) for d in domains]
+    model = helper.make_model(graph, opset_imports=opsets)
+    model.ir_version = 8
+    return model
+
+
+def matmul_model(in_shape=("batch", 4), out_dim: int = 3, seed: int = 0) -> onnx.ModelProto:
+    """y = relu(x @ W): a two-node model with one weight, for fast focused tests."""
+    w = np.random.default_rng(seed).standard_normal((in_shape[-1], out_dim)).astype(np.float32)
+    return make_model(
+        [helper.make_node("MatMul", ["x", "W"], ["h"]), helper.make_node("Relu", ["h"], ["y"])],
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, list(in_shape))],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [*in_shape[:-1], out_dim])],
+        [numpy_helper.from_array(w, "W")],
+    )
+
+
+def save(model: onnx.ModelProto, path: Path) -> Path:
+    onnx.save(model, str(path))
+    return path

@@ -1,0 +1,104 @@
+"""The command a user and a CI pipeline type: exit codes, one-line errors, JSON, nothing half-written."""
+
+import json
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from optimizer.cli import main
+
+from .conftest import FAST_BENCH, matmul_model, save
+
+
+@pytest.fixture()
+def fast_recipe_file(tmp_path):
+    path = tmp_path / "fast.yaml"
+    bench = "\n".join(f"  {k}: {v}" for k, v in FAST_BENCH.items())
+    path.write_text(f"name: fast\naccuracy:\n  synthetic_samples: 4\nbenchmark:\n{bench}\n")
+    return path
+
+
+def _run(*args):
+    return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
+
+
+def test_build_json_for_ci(tiny_cnn_path, fast_recipe_file, tmp_path):
+    result = _run("build", tiny_cnn_path, "--recipe", fast_recipe_file, "--out", tmp_path / "out", "--json")
+    assert result.exit_code == 0, result.stderr
+    payload = json.loads(result.stdout)
+    for key in ("artifact_dir", "signed_off", "precision", "backend", "exit_code", "latency_p50_ms", "throughput_per_s"):
+        assert key in payload
+    assert payload["signed_off"] is True and payload["exit_code"] == 0 and payload["precision"] == "fp32"
+    assert payload["headline"][0]["batch_size"] == 1
+    assert (tmp_path / "out").joinpath(payload["artifact_dir"].split("/")[-1], "manifest.json").is_file()
+
+
+def test_build_table_for_people(tiny_cnn_path, fast_recipe_file, tmp_path):
+    result = _run("build", tiny_cnn_path, "--recipe", fast_recipe_file, "--out", tmp_path, "--shapes", "image:2x3x32x32")
+    assert result.exit_code == 0, result.stderr
+    assert "SIGNED OFF" in result.stdout and "artifacts:" in result.stdout
+    assert result.stderr == ""  # stage progress only on a terminal or with --verbose
+
+
+def _bad_models(tmp_path):
+    (tmp_path / "empty.onnx").write_bytes(b"")
+    (tmp_path / "noise.onnx").write_bytes(np.random.default_rng(0).bytes(2048))
+    (tmp_path / "lfs.onnx").write_text("version https://git-lfs.github.com/spec/v1\noid sha256:abc\nsize 1\n")
+    return {"missing": tmp_path / "none.onnx", "directory": tmp_path, "empty": tmp_path / "empty.onnx",
+            "noise": tmp_path / "noise.onnx", "lfs": tmp_path / "lfs.onnx"}
+
+
+@pytest.mark.parametrize("case", ["missing", "directory", "empty", "noise", "lfs"])
+def test_bad_model_exit_3_one_line_nothing_written(tmp_path, fast_recipe_file, case):
+    model = _bad_models(tmp_path)[case]
+    out = tmp_path / "out"
+    result = _run("build", model, "--recipe", fast_recipe_file, "--out", out)
+    assert result.exit_code == 3
+    assert result.stderr.startswith("accel-opt: error:") and result.stderr.count("\n") == 1
+    assert "Traceback" not in result.stderr
+    assert not out.exists() or not any(out.rglob("manifest.json"))
+
+
+@pytest.mark.parametrize(
+    "extra, code, message",
+    [
+        (["--shapes", "nope:1x4"], 2, "unknown input 'nope'"),
+        (["--shapes", "x:1x4x4"], 2, "rank 3 given"),
+        (["--shapes", "x:1xfour"], 2, "must be integers"),
+        (["--precision", "bf16"], 4, "no bfloat16 kernels"),
+        (["--precision", "int8"], 2, "needs --data"),
+        (["--recipe", "no-such-recipe"], 2, "recipe not found"),
+        (["--precision", "fp64"], 2, "Invalid value"),
+    ],
+)
+def test_usage_and_unsupported_errors(tmp_path, extra, code, message):
+    model = save(matmul_model(), tmp_path / "m.onnx")
+    result = _run("build", model, "--out", tmp_path / "out", *extra)
+    assert result.exit_code == code, result.stderr
+    assert message in result.stderr
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").rglob("manifest.json"))
+
+
+def test_bad_data_folder_exit_3(tmp_path, fast_recipe_file):
+    model = save(matmul_model(), tmp_path / "m.onnx")
+    data = tmp_path / "data"
+    data.mkdir()
+    np.savez(data / "a.npz", x=np.zeros((1, 4), np.float16))
+    result = _run("build", model, "--recipe", fast_recipe_file, "--data", data, "--out", tmp_path / "out", "--json")
+    assert result.exit_code == 3
+    assert "dtype float16" in result.stderr
+    assert json.loads(result.stdout) == {"exit_code": 3, "signed_off": False, "error": result.stderr.split("error: ", 1)[1].strip(), "artifact_dir": None}
+
+
+def test_bad_recipe_exit_2(tmp_path):
+    model = save(matmul_model(), tmp_path / "m.onnx")
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("benchmark:\n  warmup: 3\n")
+    result = _run("build", model, "--recipe", recipe)
+    assert result.exit_code == 2 and "benchmark.warmup" in result.stderr
+
+
+def test_help_lists_exit_codes():
+    result = _run("build", "--help")
+    assert result.exit_code == 0 and "70 internal error" in result.stdout

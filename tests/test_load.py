@@ -1,0 +1,165 @@
+"""Every bad model input gets its own one-line error and exit code, before anything runs it."""
+
+import os
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from optimizer.errors import InputRejected, Unsupported
+from optimizer.graph.load import load_model
+
+from .conftest import make_model, matmul_model, save
+
+
+def _rejects(path, tmp_path, match, error=InputRejected):
+    with pytest.raises(error, match=match) as info:
+        load_model(path, tmp_path)
+    assert "\n" not in str(info.value)
+    return info.value
+
+
+def test_valid_model_loads(tmp_path):
+    loaded = load_model(save(matmul_model(), tmp_path / "m.onnx"), tmp_path)
+    assert loaded.opset == 17
+    assert [o.name for o in loaded.proto.graph.output] == ["y"]
+
+
+def test_missing_file(tmp_path):
+    assert _rejects(tmp_path / "nope.onnx", tmp_path, "not found").exit_code == 3
+
+
+def test_directory(tmp_path):
+    _rejects(tmp_path, tmp_path, "is a directory")
+
+
+def test_empty_file(tmp_path):
+    (tmp_path / "e.onnx").write_bytes(b"")
+    _rejects(tmp_path / "e.onnx", tmp_path, "empty")
+
+
+def test_random_bytes(tmp_path):
+    (tmp_path / "r.onnx").write_bytes(np.random.default_rng(0).bytes(4096))
+    _rejects(tmp_path / "r.onnx", tmp_path, "not a valid ONNX model")
+
+
+def test_truncated_model(tmp_path):
+    data = matmul_model(in_shape=("batch", 64), out_dim=64).SerializeToString()
+    (tmp_path / "t.onnx").write_bytes(data[: len(data) // 2])
+    _rejects(tmp_path / "t.onnx", tmp_path, "not a valid ONNX model")
+
+
+def test_text_file(tmp_path):
+    (tmp_path / "t.onnx").write_text("<html>404 Not Found</html>\n")
+    _rejects(tmp_path / "t.onnx", tmp_path, "is text")
+
+
+def test_git_lfs_pointer(tmp_path):
+    (tmp_path / "p.onnx").write_text(
+        "version https://git-lfs.github.com/spec/v1\noid sha256:4d7a214614ab2935c943f9e0ff69d22eadbb8f32b1258daaa5e2ca24d17e2393\nsize 12345\n"
+    )
+    _rejects(tmp_path / "p.onnx", tmp_path, "Git LFS pointer")
+
+
+def test_graph_failing_the_checker(tmp_path):
+    bad = make_model(
+        [helper.make_node("Relu", ["undefined_tensor"], ["y"])],
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])],
+    )
+    _rejects(save(bad, tmp_path / "c.onnx"), tmp_path, "checker rejected")
+
+
+def test_type_error_fails_shape_inference(tmp_path):
+    bad = make_model(
+        [helper.make_node("Add", ["x", "i"], ["y"])],
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2]), helper.make_tensor_value_info("i", TensorProto.INT64, [2])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])],
+    )
+    _rejects(save(bad, tmp_path / "s.onnx"), tmp_path, "checker rejected|shape inference failed")
+
+
+def test_unknown_domain_is_unsupported(tmp_path):
+    custom = make_model(
+        [helper.make_node("Frobnicate", ["x"], ["y"], domain="com.example")],
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])],
+        domains=["com.example"],
+    )
+    assert _rejects(save(custom, tmp_path / "u.onnx"), tmp_path, "unknown domain 'com.example'", Unsupported).exit_code == 4
+
+
+def test_embedded_engine_is_refused(tmp_path):
+    model = make_model(
+        [helper.make_node("EPContext", ["x"], ["y"], domain="com.microsoft", name="ctx")],
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])],
+        domains=["com.microsoft"],
+    )
+    _rejects(save(model, tmp_path / "e.onnx"), tmp_path, "compiled engine")
+
+
+def _external_model(folder, location: str, offset: int = 0, length: int | None = None):
+    """matmul_model with W stored externally at `location` (written by hand: onnx refuses bad paths)."""
+    model = matmul_model()
+    weight = model.graph.initializer[0]
+    raw = numpy_helper.to_array(weight).tobytes()
+    weight.ClearField("float_data")
+    weight.ClearField("raw_data")
+    weight.data_location = TensorProto.EXTERNAL
+    entries = {"location": location, "offset": str(offset), "length": str(len(raw) if length is None else length)}
+    for key, value in entries.items():
+        weight.external_data.add(key=key, value=value)
+    path = folder / "model.onnx"
+    path.write_bytes(model.SerializeToString())
+    return path, raw
+
+
+def test_external_data_inside_folder_loads(tmp_path):
+    folder = tmp_path / "m"
+    folder.mkdir()
+    path, raw = _external_model(folder, "weights.bin")
+    (folder / "weights.bin").write_bytes(raw)
+    loaded = load_model(path, tmp_path)
+    assert loaded.external_data_files == [(folder / "weights.bin").resolve()]
+
+
+@pytest.mark.parametrize("location, match", [("../secret.bin", "leaves the model folder"), ("/etc/passwd", "relative path")])
+def test_external_data_outside_folder(tmp_path, location, match):
+    folder = tmp_path / "m"
+    folder.mkdir()
+    (tmp_path / "secret.bin").write_bytes(b"\0" * 64)
+    path, _ = _external_model(folder, location)
+    _rejects(path, tmp_path, match)
+
+
+def test_external_data_symlink_out(tmp_path):
+    folder = tmp_path / "m"
+    folder.mkdir()
+    (tmp_path / "secret.bin").write_bytes(b"\0" * 64)
+    os.symlink(tmp_path / "secret.bin", folder / "w.bin")
+    path, _ = _external_model(folder, "w.bin")
+    _rejects(path, tmp_path, "link out of the model folder")
+
+
+def test_external_data_missing(tmp_path):
+    folder = tmp_path / "m"
+    folder.mkdir()
+    path, _ = _external_model(folder, "weights.bin")
+    _rejects(path, tmp_path, "missing beside the model")
+
+
+def test_external_data_offset_past_end(tmp_path):
+    folder = tmp_path / "m"
+    folder.mkdir()
+    path, raw = _external_model(folder, "weights.bin", offset=1 << 40)
+    (folder / "weights.bin").write_bytes(raw)
+    _rejects(path, tmp_path, "exceeds")
+
+
+def test_model_saved_by_onnx_with_external_data_loads(tmp_path):
+    model = matmul_model(in_shape=("batch", 256), out_dim=256)
+    path = tmp_path / "big.onnx"
+    onnx.save(model, str(path), save_as_external_data=True, location="big.onnx.data", size_threshold=0)
+    assert load_model(path, tmp_path).external_data_files

@@ -1,0 +1,98 @@
+"""End-to-end builds on a real (tiny) ResNet-layout model with real ORT sessions and Polygraphy."""
+
+import json
+
+import numpy as np
+import pytest
+
+from optimizer.artifacts import MANIFEST, sha256_file
+from optimizer.errors import Unsupported, UsageError
+from optimizer.pipeline import build
+
+EXPECTED_FILES = {"model.onnx", "resource_config.json", "accuracy.json", "signoff.md", "benchmark.json", "benchmark.md",
+                  "build.json", MANIFEST}
+
+
+def test_fp32_build_signs_off_with_every_artifact(tiny_cnn_path, fast_recipe, tmp_path):
+    result = build(tiny_cnn_path, fast_recipe, out_dir=tmp_path)
+    assert result.signed_off and result.exit_code == 0
+    folder = tmp_path / result.artifact_dir.split("/")[-1]
+    assert folder.name.startswith("tiny_cnn-fp32-onnxruntime-")
+    assert {p.name for p in folder.iterdir()} == EXPECTED_FILES
+    manifest = json.loads((folder / MANIFEST).read_text())
+    assert manifest["signed_off"] is True
+    assert manifest["input_model"]["sha256"] == sha256_file(tiny_cnn_path)
+    for name, digest in manifest["artifacts"].items():
+        assert sha256_file(folder / name) == digest
+    assert [s["name"] for s in manifest["stages"]] == ["load", "cleanup", "precision", "compile", "accuracy", "benchmark", "reports"]
+    assert manifest["stages"][2]["status"] == "skipped"
+    assert manifest["data"]["source"] == "synthetic"
+    assert "avx" in " ".join(manifest["cpu"]["flags"]) or manifest["cpu"]["machine"] != "x86_64"
+
+    config = json.loads((folder / "resource_config.json").read_text())
+    assert config["providers"] == ["CPUExecutionProvider"]
+    assert config["inputs"][0]["shape_used"] == [1, 3, 32, 32]
+    assert config["memory"]["peak_rss_mib"] > 0
+    bench = json.loads((folder / "benchmark.json").read_text())
+    assert [b["batch_size"] for b in bench["models"][0]["batches"]] == [1, 2]
+    assert bench["models"][0]["batches"][0]["latency"]["iterations"] >= 5
+    signoff = (folder / "signoff.md").read_text()
+    assert "SIGNED OFF" in signoff and "Synthetic data was used" in signoff and "batch defaulted to 1" in signoff
+    assert not list(tmp_path.glob(".*staging*"))
+
+
+def test_too_tight_tolerance_fails_the_gate_but_writes_reports(tiny_cnn_path, fast_recipe, tmp_path):
+    tight = fast_recipe.with_overrides(**{"accuracy.tolerances": {"fp32": {"atol": 0, "rtol": 0, "min_cosine": 1.0}},
+                                          "cleanup.enabled": False})
+    # fp32 ORT_ENABLE_ALL fuses and reorders float math against the unoptimized reference: not bit-exact.
+    result = build(tiny_cnn_path, tight, out_dir=tmp_path)
+    assert not result.signed_off and result.exit_code == 1
+    assert result.failures and "logits" in result.failures[0]
+    folder = tmp_path / result.artifact_dir.split("/")[-1]
+    assert "NOT SIGNED OFF" in (folder / "signoff.md").read_text()
+    manifest = json.loads((folder / MANIFEST).read_text())
+    assert manifest["signed_off"] is False and manifest["exit_code"] == 1
+    assert next(s for s in manifest["stages"] if s["name"] == "accuracy")["status"] == "failed"
+
+
+def test_real_data_is_used_and_named(tiny_cnn_path, fast_recipe, tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    rng = np.random.default_rng(1)
+    for i in range(3):
+        np.savez(data / f"s{i}.npz", image=rng.standard_normal((1, 3, 32, 32)).astype(np.float32))
+    result = build(tiny_cnn_path, fast_recipe, data_dir=data, out_dir=tmp_path / "out")
+    folder = tmp_path / "out" / result.artifact_dir.split("/")[-1]
+    manifest = json.loads((folder / MANIFEST).read_text())
+    assert manifest["data"]["source"] == "npz" and manifest["data"]["count"] == 3
+    assert "Synthetic" not in (folder / "signoff.md").read_text()
+
+
+def test_interrupted_build_leaves_no_manifest(tiny_cnn_path, fast_recipe, tmp_path):
+    def interrupt(stage):
+        if stage.name == "benchmark":
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        build(tiny_cnn_path, fast_recipe, out_dir=tmp_path, on_stage=interrupt)
+    assert not list(tmp_path.rglob(MANIFEST))
+    assert not [p for p in tmp_path.iterdir() if p.name != ".cache"]
+
+
+def test_rebuild_replaces_the_same_identity(tiny_cnn_path, fast_recipe, tmp_path):
+    first = build(tiny_cnn_path, fast_recipe, out_dir=tmp_path)
+    second = build(tiny_cnn_path, fast_recipe, out_dir=tmp_path)
+    assert first.artifact_dir == second.artifact_dir
+    assert len([p for p in tmp_path.iterdir() if not p.name.startswith(".")]) == 1
+
+
+def test_bf16_on_ort_cpu_is_unsupported(tiny_cnn_path, fast_recipe, tmp_path):
+    with pytest.raises(Unsupported, match="openvino") as info:
+        build(tiny_cnn_path, fast_recipe.with_overrides(precision="bf16"), out_dir=tmp_path)
+    assert info.value.exit_code == 4
+    assert not list(tmp_path.iterdir())
+
+
+def test_int8_without_data_is_a_usage_error(tiny_cnn_path, fast_recipe, tmp_path):
+    with pytest.raises(UsageError, match="needs --data"):
+        build(tiny_cnn_path, fast_recipe.with_overrides(precision="int8"), out_dir=tmp_path)

@@ -1,0 +1,130 @@
+import numpy as np
+import pytest
+from onnx import TensorProto, helper
+
+from optimizer.data import batch_of, load_samples, split_samples, synthetic_samples
+from optimizer.errors import InputRejected, UsageError
+from optimizer.graph.inspect import TensorSpec, io_specs, resolve_shapes
+
+from .conftest import make_model
+
+IMAGE = TensorSpec(name="image", dtype="float32", shape=["batch", 3, "h", "w"])
+IDS = TensorSpec(name="ids", dtype="int64", shape=["batch", 16])
+
+
+def test_io_specs_skip_initializers_and_keep_symbols():
+    model = make_model(
+        [helper.make_node("Identity", ["x"], ["y"])],
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 3])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 3])],
+    )
+    inputs, outputs = io_specs(model)
+    assert inputs[0].shape == ["n", 3] and inputs[0].dtype == "float32"
+    assert outputs[0].dynamic_axes == [0]
+
+
+def test_dynamic_non_batch_dim_needs_a_shape():
+    with pytest.raises(UsageError, match=r"input 'image' has dynamic dim 2 \(h\)") as info:
+        resolve_shapes([IMAGE], {})
+    assert info.value.exit_code == 2
+
+
+def test_batch_defaults_to_one_and_says_so():
+    resolved = resolve_shapes([IDS], {})
+    assert resolved.shapes == {"ids": [1, 16]}
+    assert resolved.batch_dynamic
+    assert "batch defaulted to 1" in resolved.notes[0]
+
+
+def test_given_shapes_win_over_data_shapes():
+    resolved = resolve_shapes([IMAGE], {"image": [2, 3, 64, 64]}, {"image": [1, 3, 32, 32]})
+    assert resolved.shapes["image"] == [2, 3, 64, 64]
+    assert resolve_shapes([IMAGE], {}, {"image": [1, 3, 32, 32]}).shapes["image"] == [1, 3, 32, 32]
+
+
+@pytest.mark.parametrize(
+    "given, match",
+    [
+        ({"nope": [1]}, "unknown input 'nope'"),
+        ({"image": [1, 3, 32]}, "rank 3 given"),
+        ({"image": [1, 3, 8, 8], "ids": [1, 8]}, "fixed at 16"),
+    ],
+)
+def test_bad_shapes(given, match):
+    with pytest.raises(UsageError, match=match):
+        resolve_shapes([IMAGE, IDS], given)
+
+
+def _write(folder, name, **arrays):
+    folder.mkdir(exist_ok=True)
+    np.savez(folder / name, **arrays)
+
+
+GOOD = {"image": np.zeros((1, 3, 8, 8), np.float32)}
+
+
+def test_npz_folder_loads_sorted(tmp_path):
+    _write(tmp_path / "d", "b.npz", **GOOD)
+    _write(tmp_path / "d", "a.npz", image=np.ones((1, 3, 8, 8), np.float32))
+    samples, summary = load_samples(tmp_path / "d", [IMAGE], None)
+    assert summary.count == 2 and summary.source == "npz" and len(summary.sha256) == 64
+    assert samples[0]["image"].max() == 1.0
+
+
+@pytest.mark.parametrize(
+    "arrays, match",
+    [
+        ({"pixels": GOOD["image"]}, "do not match model inputs"),
+        ({"image": np.zeros((1, 3, 8, 8), np.float64)}, "dtype float64"),
+        ({"image": np.zeros((3, 8, 8), np.float32)}, "rank 3"),
+        ({"image": np.zeros((1, 4, 8, 8), np.float32)}, "dim 1 is 4"),
+        ({"image": np.full((1, 3, 8, 8), np.nan, np.float32)}, "NaN or Inf"),
+        ({"image": np.array([object()], dtype=object)}, "without pickles"),
+    ],
+)
+def test_bad_data(tmp_path, arrays, match):
+    _write(tmp_path / "d", "x.npz", **arrays)
+    with pytest.raises(InputRejected, match=match) as info:
+        load_samples(tmp_path / "d", [IMAGE], None)
+    assert info.value.exit_code == 3
+
+
+def test_empty_or_missing_data_folder(tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(InputRejected, match="no .npz files"):
+        load_samples(tmp_path / "empty", [IMAGE], None)
+    with pytest.raises(InputRejected, match="must be a folder"):
+        load_samples(tmp_path / "missing", [IMAGE], None)
+
+
+def test_images_need_preprocessing(tmp_path):
+    from PIL import Image
+
+    (tmp_path / "d").mkdir()
+    Image.new("RGB", (40, 30), "red").save(tmp_path / "d" / "a.png")
+    with pytest.raises(UsageError, match="preprocessing"):
+        load_samples(tmp_path / "d", [IMAGE], None)
+
+
+def test_split_is_disjoint_and_deterministic():
+    samples = [{"x": np.full((1,), i, np.float32)} for i in range(20)]
+    calib, evaluation = split_samples(samples, 64, seed=0)
+    ids = lambda ss: {int(s["x"][0]) for s in ss}  # noqa: E731
+    assert ids(calib).isdisjoint(ids(evaluation))
+    assert len(calib) + len(evaluation) == 20 and len(evaluation) >= 5
+    assert ids(split_samples(samples, 64, seed=0)[0]) == ids(calib)
+
+
+def test_synthetic_samples_are_seeded_and_typed():
+    spec = [TensorSpec(name="input_ids", dtype="int64", shape=["b", 4]), TensorSpec(name="attention_mask", dtype="int64", shape=["b", 4])]
+    a, summary = synthetic_samples(spec, {"input_ids": [2, 4], "attention_mask": [2, 4]}, 3, seed=1)
+    b, _ = synthetic_samples(spec, {"input_ids": [2, 4], "attention_mask": [2, 4]}, 3, seed=1)
+    assert summary.source == "synthetic" and summary.sha256 is None
+    assert np.array_equal(a[2]["input_ids"], b[2]["input_ids"])
+    assert (a[0]["attention_mask"] == 1).all() and a[0]["input_ids"].dtype == np.int64
+
+
+def test_batch_of_cycles_samples():
+    samples = [{"x": np.full((1, 2), i, np.float32)} for i in range(3)]
+    batch = batch_of(samples, 5)["x"]
+    assert batch.shape == (5, 2) and batch[:, 0].tolist() == [0, 1, 2, 0, 1]
