@@ -68,7 +68,8 @@ def compare(
     task_metrics: list[TaskMetric] = (),
 ) -> AccuracyReport:
     """Run both runners on `samples` and judge every output of the candidate against the reference."""
-    with G_LOGGER.verbosity(G_LOGGER.INFO if log.isEnabledFor(logging.DEBUG) else G_LOGGER.ERROR):
+    # Polygraphy logs to stdout, which must stay clean for --json: only our own report speaks.
+    with G_LOGGER.verbosity(G_LOGGER.INFO if log.isEnabledFor(logging.DEBUG) else G_LOGGER.CRITICAL):
         run_results = Comparator.run([reference, candidate], data_loader=samples)
         return _judge(run_results, tolerance, task_metrics)
 

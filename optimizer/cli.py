@@ -31,7 +31,8 @@ def _setup_logging(verbose: bool) -> None:
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     from polygraphy.logger import G_LOGGER
 
-    G_LOGGER.module_severity = G_LOGGER.INFO if verbose else G_LOGGER.ERROR
+    G_LOGGER.module_severity = G_LOGGER.INFO if verbose else G_LOGGER.CRITICAL
+    G_LOGGER.colors = False  # else Polygraphy prints a hint about the `colored` module on stdout
 
 
 def _fail(exc: BaseException, verbose: bool, as_json: bool) -> None:

@@ -66,8 +66,8 @@ def resnet(
     """A bottleneck ResNet (ResNet-50 with the defaults) as an ONNX model with input `image`, output `logits`.
 
     Random deep features share one dominant direction, so every image would get the same class.
-    With `head_samples`, the classifier is standardised on those images' features (data-dependent
-    init), which makes the logits discriminative, as a trained head's are.
+    With `head_samples`, the classifier is fitted to those images' features (see `_fit_head`),
+    which makes the logits discriminative, as a trained head's are.
     """
     g = _Graph(seed)
     x = g.conv("image", 3, width, 7, stride=2)
@@ -102,21 +102,29 @@ def resnet(
     model.ir_version = 8
     onnx.checker.check_model(model)
     if head_samples:
-        _standardise_head(model, flat, fc_w, fc_b, head_samples)
+        _fit_head(model, flat, fc_w, fc_b, head_samples)
     return model
 
 
-def _standardise_head(model: onnx.ModelProto, features: str, fc_w: str, fc_b: str, samples) -> None:
+def _fit_head(model: onnx.ModelProto, features: str, fc_w: str, fc_b: str, samples, components: int = 4) -> None:
+    """Replace the classifier with a random linear map of the leading principal directions of the
+    centred features: logits then follow the directions along which images really differ, as a
+    trained head's do, instead of dividing by near-zero variances (which amplifies any noise)."""
     import onnxruntime as ort
 
     probe = onnx.ModelProto()
     probe.CopyFrom(model)
     probe.graph.output.append(helper.make_tensor_value_info(features, TensorProto.FLOAT, None))
     session = ort.InferenceSession(probe.SerializeToString(), providers=["CPUExecutionProvider"])
-    feats = np.concatenate([session.run([features], s)[0] for s in samples])
-    mean, std = feats.mean(axis=0), feats.std(axis=0) + 1e-3
+    feats = np.concatenate([session.run([features], s)[0] for s in samples]).astype(np.float64)
+    mean = feats.mean(axis=0)
+    _, singular, directions = np.linalg.svd(feats - mean, full_matrices=False)
+    k = min(components, len(singular))
     inits = {t.name: t for t in model.graph.initializer}
-    weight = numpy_helper.to_array(inits[fc_w]) / std
+    num_classes = numpy_helper.to_array(inits[fc_w]).shape[0]
+    mixing = np.random.default_rng(1).standard_normal((num_classes, k))
+    weight = mixing @ directions[:k]
+    weight *= 3.0 / (np.std((feats - mean) @ weight.T) + 1e-12)  # logits with a std of ~3
     inits[fc_w].CopyFrom(numpy_helper.from_array(weight.astype(np.float32), fc_w))
     inits[fc_b].CopyFrom(numpy_helper.from_array((-weight @ mean).astype(np.float32), fc_b))
 
@@ -130,7 +138,7 @@ def save(model: onnx.ModelProto, path: str | Path) -> Path:
 
 def demo_classifier(head_samples: list[dict[str, np.ndarray]] | None = None) -> onnx.ModelProto:
     """The `make demo` model: ResNet layout at a size that builds in seconds on two cores (128x128 input)."""
-    return resnet(layout=(1, 1, 1, 1), width=32, num_classes=100, image_size=128, seed=0, head_samples=head_samples)
+    return resnet(layout=(1, 1, 1, 1), width=32, num_classes=10, image_size=128, seed=0, head_samples=head_samples)
 
 
 def photo_samples(size: int = 224, count: int | None = None) -> list[dict[str, np.ndarray]]:

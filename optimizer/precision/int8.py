@@ -1,0 +1,357 @@
+"""int8 as a graph transform: calibrated QuantizeLinear/DequantizeLinear pairs (static PTQ, QDQ format).
+
+One Q/DQ graph serves ONNX Runtime, OpenVINO (reads Q/DQ ONNX as int8) and TensorRT (explicit
+quantization), but the integer types must suit the target's kernels: hence per-target presets.
+ONNX Runtime's quantize_static is wrapped once, in `_run_ort_quantization`; its string-keyed
+options never leave that function.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import io
+import logging
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import onnx
+from onnx import external_data_helper
+
+from optimizer.data import Sample
+from optimizer.errors import InputRejected, Unsupported
+from optimizer.precision import CalibrationReport, PrecisionReport
+from optimizer.precision.fp16 import EXTERNAL_DATA_BYTES, opset_of, save_model, validate
+from optimizer.recipe import CalibrationConfig, CalibrationMethod, Precision, QuantTarget
+
+log = logging.getLogger(__name__)
+
+MIN_OPSET = 13  # per-channel DequantizeLinear (`axis`) exists from opset 13; opset 12 gives invalid models
+CALIBRATION_CHUNK = 8  # samples per calibrator pass: bounds the memory of histogram calibration
+_CACHE_FORMAT = 1  # bump when this module's output for the same inputs changes
+
+
+@dataclass(frozen=True)
+class QuantPreset:
+    """Integer types and Q/DQ placement for one kind of hardware; `reason` says why."""
+
+    name: str
+    reason: str
+    activation_type: Literal["uint8", "int8"]
+    weight_type: Literal["int8"]
+    symmetric_activations: bool
+    symmetric_weights: bool
+    keep_removable_activations: bool  # Relu/Clip stay explicit instead of folding into the Q range
+    dedicated_qdq_pairs: bool  # one Q/DQ pair per consumer instead of one shared pair
+    quantize_bias: bool  # int32 bias through a DequantizeLinear, or float bias
+
+
+# ORT's CPU EP runs u8 activations x s8 weights on its VNNI/AMX integer GEMM kernels; signed
+# activations (quantize_static's default) take a slower path: measured here, ResNet-50 batch 8:
+# fp32 163 ms, u8/s8 59 ms, s8/s8 201 ms (FACTS.md). Per-channel s8 weights cost no speed and keep
+# accuracy; asymmetric u8 lets Relu fold into the quantization range (zero point at 0).
+ORT_CPU = QuantPreset(
+    name="ort_cpu",
+    reason="ONNX Runtime CPU EP: uint8 activations x int8 per-channel weights run on its VNNI/AMX u8s8 kernels "
+    "(2.7x fp32 at batch 8 here); int8 activations fall back to a path slower than fp32",
+    activation_type="uint8",
+    weight_type="int8",
+    symmetric_activations=False,
+    symmetric_weights=True,
+    keep_removable_activations=False,
+    dedicated_qdq_pairs=False,
+    quantize_bias=True,
+)
+
+# TensorRT's explicit quantization accepts only symmetric int8 (zero point 0) for activations and
+# weights. A dedicated Q/DQ pair per consumer lets TensorRT fuse each pair into the layer after it
+# (as optimum's AutoQuantizationConfig.tensorrt() does); biases stay float, as ModelOpt emits them,
+# since TensorRT folds them into its int8 kernels; Relu stays explicit so the graph stays correct
+# when TensorRT runs a layer in higher precision and drops its Q/DQ pair.
+TENSORRT = QuantPreset(
+    name="tensorrt",
+    reason="TensorRT explicit quantization: symmetric int8 activations and weights (zero point 0), "
+    "a dedicated Q/DQ pair per consumer for layer fusion, float biases",
+    activation_type="int8",
+    weight_type="int8",
+    symmetric_activations=True,
+    symmetric_weights=True,
+    keep_removable_activations=True,
+    dedicated_qdq_pairs=True,
+    quantize_bias=False,
+)
+
+PRESETS = {QuantTarget.ort_cpu: ORT_CPU, QuantTarget.tensorrt: TENSORRT}
+_AUTO = {"onnxruntime": QuantTarget.ort_cpu, "openvino": QuantTarget.ort_cpu, "tensorrt": QuantTarget.tensorrt}
+
+
+def resolve_preset(target: QuantTarget, backend_name: str) -> QuantPreset:
+    """`auto` follows the backend: ONNX Runtime and OpenVINO -> ort_cpu (u8s8), TensorRT -> tensorrt."""
+    if target is QuantTarget.auto:
+        if backend_name not in _AUTO:
+            raise Unsupported(f"no int8 preset for backend {backend_name!r}; set precision_options.calibration.target")
+        target = _AUTO[backend_name]
+    return PRESETS[target]
+
+
+@dataclass(frozen=True)
+class QuantSettings:
+    """Everything that decides the quantized graph besides the model and the samples."""
+
+    preset: QuantPreset
+    method: CalibrationMethod
+    per_channel: bool
+    percentile: float
+    num_bins: int
+    num_quantized_bins: int = 128  # entropy: bins of the quantized distribution in the KL search (ORT and TensorRT use 128)
+
+
+def quantize(
+    model_path: Path,
+    samples: list[Sample],
+    config: CalibrationConfig,
+    backend_name: str,
+    out_path: Path,
+    cache_dir: Path | None,
+) -> PrecisionReport:
+    """Write the calibrated Q/DQ int8 version of `model_path` to `out_path` (validated), reusing the cache."""
+    start = time.perf_counter()
+    model_path, out_path = Path(model_path), Path(out_path)
+    samples = list(samples[: config.samples])
+    if not samples:
+        raise InputRejected("int8 calibration needs at least one sample")
+    preset = resolve_preset(config.target, backend_name)
+    settings = QuantSettings(preset, config.method, config.per_channel, config.percentile, config.num_bins)
+    key = calibration_key(model_path, samples, settings)
+    opset_before = opset_of(onnx.load(str(model_path), load_external_data=False))
+    notes: list[str] = []
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    cached = Path(cache_dir) / f"{key}.onnx" if cache_dir is not None else None
+    cache_hit = False
+    calib_start = time.perf_counter()
+
+    with tempfile.TemporaryDirectory(prefix="accel-opt-int8-") as tmp_name:
+        tmp = Path(tmp_name)
+        if cached is not None and cached.is_file():
+            shutil.copyfile(cached, out_path)
+            try:
+                validate(out_path, run_session=True, tmp=tmp)
+                cache_hit = True
+                notes.append(f"calibration cache hit: {cached}")
+            except Exception as exc:  # a damaged entry: recalibrate, and overwrite it below
+                notes.append(f"calibration cache entry {cached.name} is invalid ({exc}); recalibrated")
+        if not cache_hit:
+            prepared = _prepare(model_path, tmp, notes)
+            # Staged under the final name: an external data file keeps the name the model refers to.
+            staged = tmp / "staged" / out_path.name
+            staged.parent.mkdir()
+            large = _tensor_bytes(prepared) > EXTERNAL_DATA_BYTES
+            _run_ort_quantization(prepared, samples, settings, tmp, staged, large)
+            validate(staged, run_session=True, tmp=tmp)
+            for produced in staged.parent.iterdir():
+                shutil.move(str(produced), str(out_path.parent / produced.name))
+            if cached is not None and not large:
+                _write_atomically(out_path, cached)
+            elif cached is not None:
+                notes.append("not cached: the quantized model keeps its weights in an external data file")
+    calib_seconds = time.perf_counter() - calib_start
+
+    return PrecisionReport(
+        precision=Precision.int8,
+        transform=f"static int8 Q/DQ ({preset.activation_type} activations, {preset.weight_type} "
+        f"{'per-channel' if config.per_channel else 'per-tensor'} weights), {config.method.value} calibration",
+        opset_before=opset_before,
+        opset_after=opset_of(onnx.load(str(out_path), load_external_data=False)),
+        keep_io_types=True,
+        calibration=CalibrationReport(
+            method=config.method.value,
+            preset=preset.name,
+            preset_reason=preset.reason,
+            activation_type=preset.activation_type,
+            weight_type=preset.weight_type,
+            per_channel=config.per_channel,
+            symmetric_activations=preset.symmetric_activations,
+            sample_count=len(samples),
+            seconds=calib_seconds,
+            cache_hit=cache_hit,
+            cache_key=key,
+        ),
+        seconds=time.perf_counter() - start,
+        notes=notes,
+    )
+
+
+def calibration_key(model_path: Path, samples: list[Sample], settings: QuantSettings) -> str:
+    """Content hash of (model bytes + external data, sample bytes, settings, tool versions)."""
+    import onnxruntime
+
+    digest = hashlib.sha256()
+    for path in [model_path, *_external_files(model_path)]:
+        digest.update(path.name.encode())
+        with path.open("rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+    for sample in samples:
+        for name in sorted(sample):
+            array = sample[name]
+            digest.update(f"{name}|{array.dtype.str}|{array.shape}".encode())
+            digest.update(array.tobytes())
+    fields = {**dataclasses.asdict(settings), "method": settings.method.value}
+    tools = f"ort={onnxruntime.__version__}|onnx={onnx.__version__}|format={_CACHE_FORMAT}"
+    digest.update(f"{sorted(fields.items())}|{tools}".encode())
+    return digest.hexdigest()
+
+
+def _prepare(model_path: Path, tmp: Path, notes: list[str]) -> Path:
+    """Opset 13+ (per-channel), then ORT's pre-processing (shape inference + graph optimization)."""
+    from onnxruntime.quantization.shape_inference import quant_pre_process
+
+    source = model_path
+    skeleton = onnx.load(str(model_path), load_external_data=False)
+    opset = opset_of(skeleton)
+    if opset < MIN_OPSET:
+        model = onnx.load(str(model_path))
+        try:
+            model = onnx.version_converter.convert_version(model, MIN_OPSET)
+        except Exception as exc:
+            raise Unsupported(f"int8 needs opset {MIN_OPSET}+; onnx's version converter failed on opset {opset}: {exc}") from None
+        source = tmp / "upgraded.onnx"
+        save_model(model, source)
+        notes.append(f"opset {opset} -> {MIN_OPSET}: per-channel DequantizeLinear needs opset 13")
+    prepared = tmp / "prepared.onnx"
+    large = _tensor_bytes(source) > EXTERNAL_DATA_BYTES
+    # Dynamic height/width make ORT's symbolic shape inference fail ("Incomplete symbolic shape
+    # inference", FACTS.md); ONNX shape inference alone is enough for image models.
+    skip_symbolic = _dynamic_spatial(skeleton)
+    for attempt_skip in ([True] if skip_symbolic else [False, True]):
+        try:
+            with contextlib.redirect_stdout(io.StringIO()):
+                quant_pre_process(str(source), str(prepared), skip_symbolic_shape=attempt_skip,
+                                  save_as_external_data=large, all_tensors_to_one_file=True)
+            if attempt_skip and not skip_symbolic:
+                notes.append("symbolic shape inference failed; pre-processed with ONNX shape inference only")
+            break
+        except Exception as exc:
+            if attempt_skip:
+                raise Unsupported(f"ONNX Runtime's quantization pre-processing failed: {exc}") from None
+            log.info("pre-processing with symbolic shapes failed (%s); retrying without", exc)
+    return prepared
+
+
+def _run_ort_quantization(
+    model: Path, samples: list[Sample], settings: QuantSettings, tmp: Path, out: Path, large: bool
+) -> None:
+    """The one call site of ORT's static quantization; all of its string options live here.
+
+    quantize_static forwards only some calibrator options (CalibPercentile, CalibTensorRangeSymmetric,
+    ...) and not the histogram's bin counts, so its entropy calibration runs with 128 bins = 128
+    quantized bins, which is the min/max range: a file identical to MinMax (FACTS.md). So the
+    calibrator runs here with every option explicit, and its ranges reach quantize_static through
+    its calibration-cache file.
+    """
+    from onnxruntime.quantization import CalibrationMethod as OrtMethod
+    from onnxruntime.quantization import QuantFormat, QuantType, quantize_static
+    from onnxruntime.quantization.calibrate import create_calibrator, save_tensors_data
+    from onnxruntime.quantization.registry import QDQRegistry, QLinearOpsRegistry
+
+    from optimizer.precision.calibration import SampleReader
+
+    preset = settings.preset
+    qtypes = {"uint8": QuantType.QUInt8, "int8": QuantType.QInt8}
+    method = {
+        CalibrationMethod.minmax: OrtMethod.MinMax,
+        CalibrationMethod.entropy: OrtMethod.Entropy,
+        CalibrationMethod.percentile: OrtMethod.Percentile,
+    }[settings.method]
+    calibrator_options = {
+        "symmetric": preset.symmetric_activations,  # percentile: cut both tails unless the target is symmetric
+        "moving_average": False,  # plain min/max over all samples
+        "num_bins": settings.num_bins,
+        "num_quantized_bins": settings.num_quantized_bins,
+        "percentile": settings.percentile,
+    }
+    with contextlib.redirect_stdout(io.StringIO()):  # ORT's histogram collector prints progress
+        calibrator = create_calibrator(
+            model,
+            sorted(set(QLinearOpsRegistry) | set(QDQRegistry)),  # what quantize_static calibrates by default
+            augmented_model_path=str(tmp / "augmented.onnx"),
+            calibrate_method=method,
+            use_external_data_format=large,
+            providers=["CPUExecutionProvider"],
+            extra_options=calibrator_options,
+        )
+        for begin in range(0, len(samples), CALIBRATION_CHUNK):
+            calibrator.collect_data(SampleReader(samples[begin : begin + CALIBRATION_CHUNK]))
+        ranges = calibrator.compute_data()
+    del calibrator
+    ranges_file = tmp / "ranges.json"
+    save_tensors_data(ranges, ranges_file)
+    quantize_static(
+        str(model),
+        str(out),
+        calibration_data_reader=None,
+        quant_format=QuantFormat.QDQ,
+        per_channel=settings.per_channel,
+        reduce_range=False,  # 7-bit weights only help CPUs without VNNI; this one has VNNI and AMX
+        activation_type=qtypes[preset.activation_type],
+        weight_type=qtypes[preset.weight_type],
+        calibrate_method=method,
+        use_external_data_format=large,
+        calibration_cache_path=str(ranges_file),
+        extra_options={
+            "ActivationSymmetric": preset.symmetric_activations,
+            "WeightSymmetric": preset.symmetric_weights,
+            "QDQKeepRemovableActivations": preset.keep_removable_activations,
+            "DedicatedQDQPair": preset.dedicated_qdq_pairs,
+            "QuantizeBias": preset.quantize_bias,
+            "AddQDQPairToWeight": False,  # int8 weights + DequantizeLinear: 4x smaller than float weights + Q/DQ
+            "CalibTensorRangeSymmetric": preset.symmetric_activations,
+        },
+    )
+
+
+def _write_atomically(src: Path, dest: Path) -> None:
+    """Copy to a temporary file beside `dest`, fsync, rename: a cache entry is complete or absent."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f, src.open("rb") as source:
+            shutil.copyfileobj(source, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp_name, dest)
+    except BaseException:
+        Path(tmp_name).unlink(missing_ok=True)
+        raise
+
+
+def _external_files(model_path: Path) -> list[Path]:
+    skeleton = onnx.load(str(model_path), load_external_data=False)
+    locations = {
+        external_data_helper.ExternalDataInfo(t).location
+        for t in external_data_helper._get_all_tensors(skeleton)
+        if external_data_helper.uses_external_data(t)
+    }
+    return [model_path.parent / loc for loc in sorted(locations)]
+
+
+def _tensor_bytes(model_path: Path) -> int:
+    return model_path.stat().st_size + sum(p.stat().st_size for p in _external_files(model_path))
+
+
+def _dynamic_spatial(model: onnx.ModelProto) -> bool:
+    """True when an image-like input (rank >= 4) has a dynamic dim besides the batch."""
+    initializers = {t.name for t in model.graph.initializer}
+    for value in model.graph.input:
+        if value.name in initializers:
+            continue
+        dims = value.type.tensor_type.shape.dim
+        if len(dims) >= 4 and any(not d.HasField("dim_value") for d in dims[1:]):
+            return True
+    return False
