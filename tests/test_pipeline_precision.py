@@ -1,0 +1,76 @@
+"""Reduced-precision builds end to end: real transforms, real calibration data, the real gate."""
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+
+from optimizer.data import split_samples
+from optimizer.pipeline import build
+
+
+def _write_data(folder, count=16, calibration_scale=1.0, seed=0):
+    """Random images; the ones the pipeline will pick for calibration are scaled by `calibration_scale`."""
+    rng = np.random.default_rng(seed)
+    images = [rng.standard_normal((1, 3, 32, 32)).astype(np.float32) for _ in range(count)]
+    tagged = [{"i": np.array([i])} for i in range(count)]
+    calibration, _ = split_samples(tagged, 64, seed=0)  # the split the pipeline makes (recipe seed 0)
+    calibration_ids = {int(s["i"][0]) for s in calibration}
+    folder.mkdir()
+    for i, image in enumerate(images):
+        scale = calibration_scale if i in calibration_ids else 1.0
+        np.savez(folder / f"{i:02d}.npz", image=(image * scale).astype(np.float32))
+    return folder, calibration_ids
+
+
+def _folder(result, out):
+    return out / result.artifact_dir.split("/")[-1]
+
+
+def test_int8_build_is_qdq_and_signed_off(tiny_cnn_path, fast_recipe, tmp_path):
+    data, calibration_ids = _write_data(tmp_path / "data")
+    result = build(tiny_cnn_path, fast_recipe.with_overrides(precision="int8"), data_dir=data, out_dir=tmp_path / "out")
+    assert result.signed_off, result.failures
+    folder = _folder(result, tmp_path / "out")
+    model = onnx.load(str(folder / "model.onnx"))
+    ops = {n.op_type for n in model.graph.node}
+    assert {"QuantizeLinear", "DequantizeLinear"} <= ops
+    accuracy = json.loads((folder / "accuracy.json").read_text())
+    assert accuracy["sample_count"] == 16 - len(calibration_ids)  # evaluation never reuses calibration samples
+    signoff = (folder / "signoff.md").read_text()
+    assert f"{len(calibration_ids)} calibration samples, disjoint from the {16 - len(calibration_ids)} evaluation" in signoff
+    bench = json.loads((folder / "benchmark.json").read_text())
+    assert [m["label"] for m in bench["models"]] == ["onnxruntime-int8", "onnxruntime-fp32"]
+    assert set(bench["speedup_vs_baseline"]["onnxruntime-fp32"]) == {"1", "2"}
+
+
+def test_broken_calibration_fails_the_gate(tiny_cnn_path, fast_recipe, tmp_path):
+    # Calibrating on inputs 1000x too small sets scales that clip every real activation.
+    data, _ = _write_data(tmp_path / "data", calibration_scale=1e-3)
+    result = build(tiny_cnn_path, fast_recipe.with_overrides(precision="int8"), data_dir=data, out_dir=tmp_path / "out")
+    assert not result.signed_off and result.exit_code == 1
+    assert any("logits" in f and "cosine" in f for f in result.failures)
+    signoff = (_folder(result, tmp_path / "out") / "signoff.md").read_text()
+    assert "NOT SIGNED OFF" in signoff and "| logits |" in signoff and "FAIL" in signoff
+
+
+def test_fp16_build_has_float16_weights_and_fp32_io(tiny_cnn_path, fast_recipe, tmp_path):
+    result = build(tiny_cnn_path, fast_recipe.with_overrides(precision="fp16"), out_dir=tmp_path)
+    assert result.signed_off, result.failures
+    model = onnx.load(str(_folder(result, tmp_path) / "model.onnx"))
+    weights = {onnx.helper.tensor_dtype_to_np_dtype(t.data_type) for t in model.graph.initializer if len(t.dims) == 4}
+    assert weights == {np.dtype("float16")}
+    assert model.graph.input[0].type.tensor_type.elem_type == onnx.TensorProto.FLOAT
+    benchmark_md = (_folder(result, tmp_path) / "benchmark.md").read_text()
+    assert "Speedup of onnxruntime-fp16 over onnxruntime-fp32" in benchmark_md
+
+
+@pytest.mark.parametrize("method", ["entropy", "percentile"])
+def test_calibration_method_reaches_the_report(tiny_cnn_path, fast_recipe, tmp_path, method):
+    data, _ = _write_data(tmp_path / "data")
+    recipe = fast_recipe.with_overrides(precision="int8", **{"precision_options.calibration.method": method,
+                                                              "precision_options.calibration.num_bins": 256})
+    result = build(tiny_cnn_path, recipe, data_dir=data, out_dir=tmp_path / "out")
+    build_json = json.loads((_folder(result, tmp_path / "out") / "build.json").read_text())
+    assert build_json["precision"]["calibration"]["method"] == method
