@@ -59,8 +59,10 @@ def main() -> None:
 
 @main.command(epilog=EXIT_CODES_HELP)
 @click.argument("model", type=click.Path(path_type=Path, dir_okay=True, exists=False))
-@click.option("--precision", type=click.Choice(["fp32", "fp16", "bf16", "int8"]), help="Target precision (recipe default: fp32).")
-@click.option("--backend", type=click.Choice(["onnxruntime", "openvino", "tensorrt"]), help="Backend (recipe default: onnxruntime).")
+@click.option("--precision", type=click.Choice(["fp32", "fp16", "bf16", "int8", "auto"]),
+              help="Target precision (recipe default: fp32). auto: build the precisions that make sense here, keep the fastest that signs off.")
+@click.option("--backend", type=click.Choice(["onnxruntime", "openvino", "tensorrt", "auto"]),
+              help="Backend (recipe default: onnxruntime). auto: OpenVINO on x86 CPUs with AVX-512/AMX when installed, else ONNX Runtime.")
 @click.option("--recipe", "recipe_path", help="Recipe YAML file or bundled name (recipes/NAME.yaml). Default: default.")
 @click.option("--data", "data_dir", type=click.Path(path_type=Path), help="Folder of .npz feed dicts (or images with a preprocessing recipe).")
 @click.option("--shapes", help="Fix dynamic dims, trtexec-style: NAME:1x3x224x224[,NAME:...].")
@@ -77,9 +79,10 @@ def build(model, precision, backend, recipe_path, data_dir, shapes, keep_io_type
         from optimizer.pipeline import build as run_build
         from optimizer.recipe import load_recipe, parse_shapes
 
+        auto = "auto" in (precision, backend)
         recipe = load_recipe(recipe_path).with_overrides(
-            precision=precision,
-            backend=backend,
+            precision=None if precision == "auto" else precision,
+            backend=None if backend == "auto" else backend,
             shapes=parse_shapes(shapes) if shapes else None,
             **{
                 "precision_options.keep_io_types": keep_io_types,
@@ -88,18 +91,41 @@ def build(model, precision, backend, recipe_path, data_dir, shapes, keep_io_type
             },
         )
         show_progress = not as_json and (verbose or sys.stderr.isatty())  # quiet in CI logs
-        result = run_build(model, recipe, data_dir=data_dir, out_dir=out_dir, on_stage=_print_stage if show_progress else None)
+        on_stage = _print_stage if show_progress else None
+        selection = None
+        if auto:
+            from optimizer.auto import build_auto
+
+            result, selection = build_auto(
+                model, recipe, backend or recipe.backend.value, precision or recipe.precision.value, data_dir, out_dir,
+                on_candidate=_print_candidate if show_progress else None, on_stage=on_stage,
+            )
+        else:
+            result = run_build(model, recipe, data_dir=data_dir, out_dir=out_dir, on_stage=on_stage)
     except (AccelOptError, MemoryError, Exception) as exc:  # noqa: BLE001 - every error maps to an exit code
         _fail(exc, verbose, as_json)
         return
     except KeyboardInterrupt:
         click.echo("accel-opt: interrupted; no artifact was written", err=True)
         sys.exit(130)
+    exit_code = result.exit_code if result else 1
     if as_json:
-        click.echo(result.model_dump_json())
+        payload = result.model_dump(mode="json") if result else {"signed_off": False, "exit_code": 1, "artifact_dir": None}
+        if selection is not None:
+            payload["selection"] = selection.model_dump(mode="json")
+        click.echo(json.dumps(payload))
     else:
-        _print_result(result)
-    sys.exit(result.exit_code)
+        if selection is not None:
+            from optimizer.auto import selection_markdown
+
+            click.echo(selection_markdown(Path(model).stem, selection))
+        if result:
+            _print_result(result)
+    sys.exit(exit_code)
+
+
+def _print_candidate(candidate) -> None:
+    click.echo(f"candidate {candidate.backend} {candidate.precision}: {candidate.verdict or 'built'}", err=True)
 
 
 def _print_stage(stage) -> None:

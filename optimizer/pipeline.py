@@ -67,6 +67,7 @@ class BuildResult(BaseModel):
     latency_p50_ms: float | None = None  # at the smallest benchmarked batch
     throughput_per_s: float | None = None  # at the largest benchmarked batch
     headline: list[Headline] = []
+    worst_cosine: float | None = None  # over outputs, against the fp32 reference
     failures: list[str] = []
     error: str | None = None
     stages: list[StageResult] = []
@@ -154,6 +155,7 @@ def build(
         result = BuildResult(
             model=str(model_path), precision=recipe.precision.value, backend=backend.name, signed_off=signed_off,
             exit_code=0 if signed_off else 1, artifact_dir=str(final), failures=ctx.accuracy.failures, stages=stages,
+            worst_cosine=min((o.cosine for o in ctx.accuracy.outputs), default=None),
         )
         _fill_headline(result, ctx.bench)
         artifacts.publish(staging, final)

@@ -168,6 +168,13 @@ class PrecisionConfig(_Strict):
     calibration: CalibrationConfig = Field(default_factory=CalibrationConfig)
 
 
+class SelectionConfig(_Strict):
+    """How `--backend auto` / `--precision auto` pick among signed-off candidates."""
+
+    target_batch_size: int = Field(default=8, ge=1)  # compare candidates' p50 at this batch
+    latency_budget_ms: float | None = Field(default=None, gt=0)  # candidates slower than this lose
+
+
 class Recipe(_Strict):
     name: str = DEFAULT_RECIPE_NAME
     description: str = ""
@@ -179,6 +186,7 @@ class Recipe(_Strict):
     precision_options: PrecisionConfig = Field(default_factory=PrecisionConfig)
     accuracy: AccuracyConfig = Field(default_factory=AccuracyConfig)
     benchmark: BenchmarkConfig = Field(default_factory=BenchmarkConfig)
+    selection: SelectionConfig = Field(default_factory=SelectionConfig)
 
     def fingerprint(self) -> str:
         """Content hash of the resolved recipe: part of a build's identity."""

@@ -208,6 +208,17 @@ def calibration_key(model_path: Path, samples: list[Sample], settings: QuantSett
     return digest.hexdigest()
 
 
+@contextlib.contextmanager
+def _working_directory(path: Path):
+    """contextlib.chdir (3.11+) for Python 3.10."""
+    previous = os.getcwd()
+    os.chdir(path)
+    try:
+        yield
+    finally:
+        os.chdir(previous)
+
+
 def _prepare(model_path: Path, tmp: Path, notes: list[str]) -> Path:
     """Opset 13+ (per-channel), then ORT's pre-processing (shape inference + graph optimization)."""
     from onnxruntime.quantization.shape_inference import quant_pre_process
@@ -231,8 +242,10 @@ def _prepare(model_path: Path, tmp: Path, notes: list[str]) -> Path:
     skip_symbolic = _dynamic_spatial(skeleton)
     for attempt_skip in ([True] if skip_symbolic else [False, True]):
         try:
-            with contextlib.redirect_stdout(io.StringIO()):
-                quant_pre_process(str(source), str(prepared), skip_symbolic_shape=attempt_skip,
+            # ORT writes sym_shape_infer_temp.onnx (+ a .data file) into the *current* folder when
+            # symbolic inference is incomplete: run it from the temporary folder.
+            with contextlib.redirect_stdout(io.StringIO()), _working_directory(tmp):
+                quant_pre_process(str(source.resolve()), str(prepared.resolve()), skip_symbolic_shape=attempt_skip,
                                   save_as_external_data=large, all_tensors_to_one_file=True)
             if attempt_skip and not skip_symbolic:
                 notes.append("symbolic shape inference failed; pre-processed with ONNX shape inference only")

@@ -1,0 +1,379 @@
+"""OpenVINO backend: the fastest CPU runtime on x86 (bf16 on AMX, int8 from the same Q/DQ ONNX).
+
+The backend compiles exactly the ONNX graph it is given. Its one precision knob is the
+INFERENCE_PRECISION_HINT, which is always set: on AMX CPUs OpenVINO silently runs an fp32 model
+in bf16 unless told f32. After compiling, the hint and every layer's runtime precision are read
+back and recorded, so the report says what actually ran, not what was asked for.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import logging
+import time
+from collections import Counter
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from polygraphy.backend.base import BaseRunner
+from polygraphy.common import TensorMetadata
+
+from optimizer.artifacts import sha256_file, write_json
+from optimizer.backends.base import Availability, CompiledModel
+from optimizer.backends.onnxruntime import default_threads
+from optimizer.errors import InputRejected, Unsupported
+from optimizer.recipe import Precision, Recipe
+
+log = logging.getLogger(__name__)
+
+DEVICE = "CPU"
+# The hint per precision. int8: quantized ops run int8 as the Q/DQ nodes say; the rest stays f32,
+# because a bf16 remainder would be a precision change the graph does not ask for.
+HINTS = {Precision.fp32: "f32", Precision.bf16: "bf16", Precision.fp16: "f16", Precision.int8: "f32"}
+NATIVE_FLAGS = {
+    Precision.bf16: ("amx_bf16", "avx512_bf16"),
+    Precision.fp16: ("amx_fp16", "avx512_fp16"),
+}
+CAPABILITY = {Precision.bf16: "BF16", Precision.fp16: "FP16"}
+ISA_PREFIXES = ("avx", "amx", "fma", "f16c", "sse4")  # flags that change which kernels a blob holds
+READ_BACK = ("PERFORMANCE_HINT", "NUM_STREAMS", "INFERENCE_NUM_THREADS", "EXECUTION_MODE_HINT", "ENABLE_CPU_PINNING")
+COMPUTE_LAYERS = ("Convolution", "FullyConnected", "MatMul", "Deconvolution", "GroupConvolution")
+
+
+def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
+    """The CPU feature flags of the first core (empty where /proc/cpuinfo is absent)."""
+    try:
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def isa_flags(flags: frozenset[str]) -> list[str]:
+    return sorted(f for f in flags if f.startswith(ISA_PREFIXES))
+
+
+def precision_support(precision: Precision, flags: frozenset[str], capabilities: tuple[str, ...] = ()) -> Availability:
+    """Whether `precision` runs natively here, from CPU flags and OpenVINO's OPTIMIZATION_CAPABILITIES.
+
+    bf16/fp16 need the CPU instructions (emulation would be slower than fp32) and the runtime's
+    agreement; where flags are unknown (not Linux), the runtime's capabilities decide alone.
+    """
+    if precision in (Precision.fp32, Precision.int8):
+        return Availability(True)
+    wanted = NATIVE_FLAGS[precision]
+    has_flag = bool(flags & set(wanted)) if flags else CAPABILITY[precision] in capabilities
+    runtime_ok = not capabilities or CAPABILITY[precision] in capabilities
+    if has_flag and runtime_ok:
+        return Availability(True)
+    what = " or ".join(f.upper().replace("_", "-") for f in wanted)
+    if not has_flag:
+        reason = f"this CPU has no native {precision.value} ({what} missing); OpenVINO would emulate it, slower than fp32"
+    else:
+        reason = f"this OpenVINO CPU plugin does not offer {CAPABILITY[precision]} here (capabilities: {', '.join(capabilities)})"
+    hint = "use --precision int8 or fp32" if precision is Precision.bf16 else "fp16 is a GPU precision; use bf16 or int8"
+    return Availability(False, f"{reason}; {hint}")
+
+
+@lru_cache(maxsize=1)
+def _core():
+    import openvino as ov
+
+    return ov.Core()
+
+
+def capabilities() -> tuple[str, ...]:
+    return tuple(_core().get_property(DEVICE, "OPTIMIZATION_CAPABILITIES"))
+
+
+def environment() -> dict[str, Any]:
+    """What a compiled blob depends on: OpenVINO version and the CPU (model name and ISA flags)."""
+    import openvino as ov
+
+    return {
+        "openvino_version": ov.get_version(),
+        "cpu_model": str(_core().get_property(DEVICE, "FULL_DEVICE_NAME")),
+        "cpu_isa_flags": isa_flags(cpu_flags()),
+    }
+
+
+def blob_mismatch(meta: dict[str, Any], blob: bytes | None = None) -> str | None:
+    """Why a blob recorded with `meta` must not be loaded here (None: it may be)."""
+    here = environment()
+    for key in ("openvino_version", "cpu_model", "cpu_isa_flags"):
+        if meta.get(key) != here[key]:
+            return f"blob built for {key}={meta.get(key)!r}, this machine has {here[key]!r}"
+    if blob is not None and hashlib.sha256(blob).hexdigest() != meta.get("sha256"):
+        return "blob content does not match its recorded sha256"
+    return None
+
+
+def load_cached_blob(blob_path: Path, meta: dict[str, Any] | None = None):
+    """The openvino.CompiledModel in `blob_path`, or None (rebuild) if it was built elsewhere or altered."""
+    blob_path = Path(blob_path)
+    meta_path = blob_path.with_suffix(blob_path.suffix + ".json")
+    try:
+        meta = json.loads(meta_path.read_text()) if meta is None else meta
+        blob = blob_path.read_bytes()
+    except (OSError, ValueError):
+        return None
+    reason = blob_mismatch(meta, blob)
+    if reason:
+        log.info("not reusing %s: %s", blob_path, reason)
+        return None
+    try:  # the import config matters: a blob imported without its hint runs bf16 on AMX CPUs
+        compiled = _core().import_model(blob, DEVICE, meta.get("config") or {})
+    except Exception as exc:  # OpenVINO refuses blobs of other versions with a RuntimeError
+        log.info("not reusing %s: %s", blob_path, str(exc).strip().splitlines()[:1])
+        return None
+    ran = execution_precisions(compiled)
+    if ran != meta.get("execution_precision_by_layer_type"):
+        log.info("not reusing %s: it runs %s, recorded %s", blob_path, ran, meta.get("execution_precision_by_layer_type"))
+        return None
+    return compiled
+
+
+def _compile(onnx_path: Path, config: dict[str, str], static_shapes: dict[str, list[int]] | None):
+    core = _core()
+    try:
+        model = core.read_model(str(onnx_path))
+    except Exception as exc:  # OpenVINO raises RuntimeError subclasses from C++
+        raise InputRejected(f"OpenVINO could not read {onnx_path.name}: {str(exc).strip().splitlines()[0]}") from None
+    if static_shapes:
+        names = {n for i in model.inputs for n in i.get_names()}
+        unknown = sorted(set(static_shapes) - names)
+        if unknown:
+            raise InputRejected(f"shapes given for unknown inputs {unknown}; the model has {sorted(names)}")
+        model.reshape({name: list(dims) for name, dims in static_shapes.items()})
+    try:
+        return core.compile_model(model, DEVICE, config)
+    except Exception as exc:
+        raise Unsupported(f"OpenVINO CPU cannot compile this model: {str(exc).strip().splitlines()[0]}") from None
+
+
+def execution_precisions(compiled) -> dict[str, dict[str, int]]:
+    """{layer type: {runtime precision: count}} from the executed graph (constants left out)."""
+    counts: dict[str, Counter] = {}
+    for op in compiled.get_runtime_model().get_ordered_ops():
+        info = op.get_rt_info()
+        layer = info["layerType"].astype(str)
+        if layer == "Const":
+            continue
+        counts.setdefault(layer, Counter())[info["runtimePrecision"].astype(str)] += 1
+    return {layer: dict(sorted(c.items())) for layer, c in sorted(counts.items())}
+
+
+def _onnx_io_names(compiled, onnx_path: Path) -> tuple[list[str], list[str]]:
+    """Input/output names as the ONNX graph spells them (an OpenVINO port may carry several names)."""
+    import onnx
+
+    wanted: set[str] = set()
+    if onnx_path.suffix == ".onnx":  # an OpenVINO IR (.xml) keeps its own names
+        graph = onnx.load(str(onnx_path), load_external_data=False).graph
+        wanted = {v.name for v in graph.input} | {v.name for v in graph.output}
+
+    def pick(port) -> str:
+        return next((n for n in sorted(port.get_names()) if n in wanted), port.get_any_name())
+
+    return [pick(p) for p in compiled.inputs], [pick(p) for p in compiled.outputs]
+
+
+def _verify_precision(compiled, precision: Precision) -> dict[str, dict[str, int]]:
+    """Read back what runs; refuse an fp32 build with non-f32 compute or an int8 build without int8."""
+    actual = compiled.get_property("INFERENCE_PRECISION_HINT").get_type_name()
+    if actual != HINTS[precision]:
+        raise Unsupported(f"OpenVINO runs {actual} although {HINTS[precision]} was requested for {precision.value}")
+    by_layer = execution_precisions(compiled)
+    compute = {k: v for k, v in by_layer.items() if k in COMPUTE_LAYERS}
+    if precision is Precision.fp32 and any(set(v) - {"f32"} for v in compute.values()):
+        raise Unsupported(f"OpenVINO fp32 build runs compute layers in other precisions: {compute}")
+    if precision is Precision.int8 and not any(set(v) & {"u8", "i8"} for v in compute.values()):
+        raise Unsupported(f"OpenVINO ran no compute layer in int8 (Q/DQ pattern not recognised): {compute}")
+    return by_layer
+
+
+def _save_blob(compiled, blob_path: Path, meta: dict[str, Any]) -> tuple[Path, Path]:
+    """Write the exported blob, then its meta (with the blob's sha256); both atomically."""
+    blob_path.parent.mkdir(parents=True, exist_ok=True)
+    blob = compiled.export_model()
+    blob = blob.getvalue() if isinstance(blob, io.BytesIO) else bytes(blob)
+    tmp = blob_path.with_name(f".{blob_path.name}.tmp")
+    tmp.write_bytes(blob)
+    tmp.replace(blob_path)
+    meta_path = blob_path.with_suffix(".blob.json")
+    write_json(meta_path, {**meta, "sha256": hashlib.sha256(blob).hexdigest()})
+    return blob_path, meta_path
+
+
+class OpenVinoBackend:
+    name = "openvino"
+    extra = "openvino"
+
+    def available(self) -> Availability:
+        try:
+            import openvino  # noqa: F401
+        except ImportError:
+            return Availability(False, "openvino is not installed (pip install 'accel-opt[openvino]')")
+        if DEVICE not in _core().available_devices:
+            return Availability(False, "OpenVINO sees no CPU device")
+        return Availability(True)
+
+    def supports(self, precision: Precision) -> Availability:
+        return precision_support(precision, cpu_flags(), capabilities())
+
+    def compile(
+        self,
+        onnx_path: Path,
+        precision: Precision,
+        recipe: Recipe,
+        workdir: Path,
+        static_shapes: dict[str, list[int]] | None = None,
+        performance_hint: str = "LATENCY",
+        num_streams: int = 1,
+    ) -> CompiledModel:
+        """Compile on the CPU with the precision hint set, verify what runs, and save the blob.
+
+        `static_shapes` fixes input shapes (faster kernels: a dynamic batch costs 6-20% at int8);
+        the build then runs only those shapes, so compile once per batch size to sweep. recipe.shapes
+        is not applied here because the benchmark sweeps batch sizes through one runner.
+        """
+        support = self.supports(precision)
+        if not support:
+            raise Unsupported(f"OpenVINO {precision.value}: {support.reason}")
+        onnx_path = Path(onnx_path)
+        threads = recipe.benchmark.threads or default_threads()
+        shapes = static_shapes or None
+        config = {
+            "INFERENCE_PRECISION_HINT": HINTS[precision],
+            "PERFORMANCE_HINT": performance_hint,
+            "NUM_STREAMS": str(num_streams),
+            "INFERENCE_NUM_THREADS": str(threads),
+        }
+        start = time.perf_counter()
+        compiled = _compile(onnx_path, config, shapes)
+        build_seconds = time.perf_counter() - start
+
+        by_layer = _verify_precision(compiled, precision)
+        inputs, outputs = _onnx_io_names(compiled, onnx_path)
+        meta = {
+            **environment(),
+            "precision": precision.value,
+            "config": config,
+            "static_shapes": shapes,
+            "execution_precision_by_layer_type": by_layer,
+            "source_sha256": sha256_file(onnx_path),
+        }
+        blob_path, meta_path = _save_blob(compiled, Path(workdir) / f"{onnx_path.stem}.openvino-{precision.value}.blob", meta)
+        settings = {
+            "compile_config": config,
+            "properties": {key: str(compiled.get_property(key)) for key in READ_BACK},
+            "inference_precision": HINTS[precision],
+            "execution_precision_by_layer_type": by_layer,
+            "static_shapes": shapes,
+            "input_names": inputs,
+            "output_names": outputs,
+            "optimization_capabilities": list(capabilities()),
+            **{key: meta[key] for key in ("openvino_version", "cpu_model", "cpu_isa_flags")},
+            "blob": blob_path.name,
+        }
+        return CompiledModel(
+            backend=self.name,
+            path=onnx_path,
+            precision=precision,
+            device="cpu",
+            providers=[f"OpenVINO {DEVICE}"],
+            threads=threads,
+            build_seconds=build_seconds,
+            settings=settings,
+            extra_files=[blob_path, meta_path],
+        )
+
+    def runner(self, compiled: CompiledModel) -> OpenVinoRunner:
+        return OpenVinoRunner(
+            lambda: load_compiled(compiled),
+            compiled.settings["input_names"],
+            compiled.settings["output_names"],
+            name=f"{self.name}-{compiled.precision.value}",
+        )
+
+    def synchronize(self) -> None:
+        return None
+
+
+def load_compiled(compiled: CompiledModel):
+    """The openvino.CompiledModel: the saved blob when it was built here, else a fresh compile."""
+    blob = next((p for p in compiled.extra_files if p.suffix == ".blob"), None)
+    model = load_cached_blob(blob) if blob is not None else None
+    if model is None:
+        model = _compile(compiled.path, compiled.settings["compile_config"], compiled.settings["static_shapes"])
+    return model
+
+
+class OpenVinoRunner(BaseRunner):
+    """A Polygraphy runner over one InferRequest; outputs keyed by the ONNX output names."""
+
+    def __init__(self, load, input_names: list[str], output_names: list[str], name: str | None = None):
+        super().__init__(name=name, prefix="openvino-runner")
+        self._load = load
+        self._input_names = input_names
+        self._output_names = output_names
+
+    def activate_impl(self):
+        self.compiled = self._load()
+        self.request = self.compiled.create_infer_request()
+
+    def get_input_metadata_impl(self):
+        meta = TensorMetadata()
+        for name, port in zip(self._input_names, self.compiled.inputs, strict=True):
+            shape = [None if d.is_dynamic else d.get_length() for d in port.get_partial_shape()]
+            meta.add(name, dtype=port.get_element_type().to_dtype(), shape=shape)
+        return meta
+
+    def infer_impl(self, feed_dict):
+        start = time.perf_counter()
+        results = self.request.infer(feed_dict, share_inputs=True, share_outputs=False)
+        self.inference_time = time.perf_counter() - start
+        return dict(zip(self._output_names, results.to_tuple(), strict=True))
+
+    def deactivate_impl(self):
+        del self.request
+        del self.compiled
+
+
+def throughput(compiled: CompiledModel, feed: dict[str, np.ndarray], streams: int, seconds: float) -> dict[str, Any]:
+    """Samples/s and latency percentiles with `streams` streams and as many requests in flight."""
+    from openvino import AsyncInferQueue
+
+    config = {**compiled.settings["compile_config"], "PERFORMANCE_HINT": "THROUGHPUT", "NUM_STREAMS": str(streams)}
+    model = _compile(compiled.path, config, compiled.settings["static_shapes"])
+    queue = AsyncInferQueue(model, streams)
+    latencies: list[float] = []
+    queue.set_callback(lambda _request, started: latencies.append(time.perf_counter() - started))
+    for _ in range(streams):  # warm-up: one pass per request
+        queue.start_async(feed, time.perf_counter(), share_inputs=True)
+    queue.wait_all()
+    latencies.clear()
+    start = time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        queue.start_async(feed, time.perf_counter(), share_inputs=True)
+    queue.wait_all()
+    wall = time.perf_counter() - start
+    batch = int(next(iter(feed.values())).shape[0])
+    ms = np.asarray(latencies) * 1e3
+    p50, p90, p99 = np.percentile(ms, [50, 90, 99])
+    return {
+        "streams": int(model.get_property("NUM_STREAMS")),
+        "requests": streams,
+        "batch_size": batch,
+        "iterations": len(ms),
+        "samples_per_s": len(ms) * batch / wall,
+        "p50_ms": float(p50),
+        "p90_ms": float(p90),
+        "p99_ms": float(p99),
+    }

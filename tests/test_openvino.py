@@ -1,0 +1,235 @@
+"""OpenVINO backend on real OpenVINO with tiny zoo ResNets; backend/precision choice from injected CPU flags."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from optimizer import zoo
+from optimizer.accuracy import compare
+from optimizer.backends.onnxruntime import reference_runner
+from optimizer.backends.openvino import (
+    OpenVinoBackend,
+    blob_mismatch,
+    cpu_flags,
+    execution_precisions,
+    load_cached_blob,
+    precision_support,
+    throughput,
+)
+from optimizer.backends.select import auto_backend, candidate_precisions
+from optimizer.errors import InputRejected, Unsupported
+from optimizer.recipe import BackendName, Precision, Recipe
+
+needs_openvino = pytest.mark.skipif(importlib.util.find_spec("openvino") is None, reason="openvino is not installed")
+
+AMX = frozenset({"avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_int8", "amx_bf16"})
+AVX2 = frozenset({"sse4_2", "avx", "avx2", "fma", "f16c", "avx_vnni"})
+SKYLAKE = frozenset({"avx2", "avx512f", "avx512bw", "avx512vl"})
+
+
+def _sample(batch: int, seed: int) -> dict[str, np.ndarray]:
+    return {"image": np.random.default_rng(seed).normal(size=(batch, 3, 32, 32)).astype(np.float32)}
+
+
+@pytest.fixture(scope="module")
+def fp32_model(tmp_path_factory) -> Path:
+    model = zoo.resnet(layout=(1, 1), width=8, num_classes=10, image_size=32)
+    return zoo.save(model, tmp_path_factory.mktemp("ov") / "tiny.onnx")
+
+
+@pytest.fixture(scope="module")
+def qdq_model(fp32_model: Path) -> Path:
+    from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
+
+    class Reader(CalibrationDataReader):
+        def __init__(self):
+            self.samples = iter([_sample(1, seed) for seed in range(4)])
+
+        def get_next(self):
+            return next(self.samples, None)
+
+    out = fp32_model.with_name("tiny.qdq.onnx")
+    quantize_static(
+        str(fp32_model), str(out), Reader(), quant_format=QuantFormat.QDQ,
+        activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8, per_channel=True,
+    )
+    return out
+
+
+def _ort_logits(path: Path, feed: dict[str, np.ndarray]) -> np.ndarray:
+    import onnxruntime as ort
+
+    return ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, feed)[0]
+
+
+# --- precision mapping from CPU flags (no OpenVINO needed) ---------------------------------------
+
+
+def test_bf16_needs_native_instructions():
+    assert precision_support(Precision.bf16, AMX, ("BF16", "FP32", "INT8"))
+    assert precision_support(Precision.bf16, frozenset({"avx512_bf16"}), ())
+    missing = precision_support(Precision.bf16, SKYLAKE, ("FP32", "INT8"))
+    assert not missing
+    assert "AMX-BF16 or AVX512-BF16 missing" in missing.reason
+    # Flags present but this runtime does not offer BF16: still refused, saying why.
+    refused = precision_support(Precision.bf16, AMX, ("FP32", "INT8"))
+    assert not refused and "does not offer BF16" in refused.reason
+    # Without /proc/cpuinfo the runtime's capabilities decide.
+    assert precision_support(Precision.bf16, frozenset(), ("BF16",))
+    assert not precision_support(Precision.bf16, frozenset(), ("FP32",))
+
+
+def test_fp16_only_where_native_and_fp32_int8_always():
+    assert precision_support(Precision.fp16, frozenset({"avx512_fp16"}), ("FP16",))
+    assert precision_support(Precision.fp16, frozenset({"amx_fp16"}), ())
+    no_fp16 = precision_support(Precision.fp16, AMX, ("BF16", "FP32"))
+    assert not no_fp16 and "GPU precision" in no_fp16.reason
+    for flags in (AVX2, SKYLAKE, frozenset()):
+        assert precision_support(Precision.fp32, flags, ())
+        assert precision_support(Precision.int8, flags, ())
+
+
+@needs_openvino
+def test_supports_follows_this_cpu():
+    import openvino as ov
+
+    flags = cpu_flags()
+    if not flags:
+        pytest.skip("no /proc/cpuinfo flags on this system")
+    caps = ov.Core().get_property("CPU", "OPTIMIZATION_CAPABILITIES")
+    backend = OpenVinoBackend()
+    assert bool(backend.supports(Precision.bf16)) == (bool(flags & {"amx_bf16", "avx512_bf16"}) and "BF16" in caps)
+    assert bool(backend.supports(Precision.fp16)) == (bool(flags & {"amx_fp16", "avx512_fp16"}) and "FP16" in caps)
+
+
+class _NoBf16Backend(OpenVinoBackend):
+    def supports(self, precision: Precision):
+        return precision_support(precision, SKYLAKE, ("FP32", "INT8"))
+
+
+@needs_openvino
+def test_unsupported_precision_is_exit_4(fp32_model, tmp_path):
+    with pytest.raises(Unsupported) as info:
+        _NoBf16Backend().compile(fp32_model, Precision.bf16, Recipe(), tmp_path)
+    assert info.value.exit_code == 4 and "AVX512-BF16" in str(info.value)
+
+
+# --- backend choice -------------------------------------------------------------------------------
+
+
+def test_auto_backend_from_flags():
+    backend, reason = auto_backend(AMX, "x86_64", True)
+    assert backend is BackendName.openvino and "amx_bf16" in reason
+    assert auto_backend(SKYLAKE, "x86_64", True)[0] is BackendName.openvino
+    assert auto_backend(AVX2, "x86_64", True)[0] is BackendName.onnxruntime
+    assert auto_backend(AMX, "aarch64", True)[0] is BackendName.onnxruntime
+    backend, reason = auto_backend(AMX, "x86_64", False)
+    assert backend is BackendName.onnxruntime and "pip install" in reason
+
+
+def test_candidate_precisions_from_flags():
+    ort = [p for p, _ in candidate_precisions("onnxruntime", AMX)]
+    assert ort == [Precision.fp32, Precision.int8]
+    amx = [p for p, _ in candidate_precisions("openvino", AMX, ("BF16", "FP32", "INT8"))]
+    assert amx == [Precision.fp32, Precision.bf16, Precision.int8]
+    skylake = [p for p, _ in candidate_precisions("openvino", SKYLAKE, ("FP32", "INT8"))]
+    assert skylake == [Precision.fp32, Precision.int8]
+    assert all(reason for _, reason in candidate_precisions("openvino", AVX2, ("FP32",)))
+
+
+# --- real builds ----------------------------------------------------------------------------------
+
+
+@needs_openvino
+def test_fp32_build_runs_f32_and_matches_ort(fp32_model, tmp_path):
+    backend = OpenVinoBackend()
+    compiled = backend.compile(fp32_model, Precision.fp32, Recipe(), tmp_path)
+    assert compiled.settings["inference_precision"] == "f32"
+    assert compiled.settings["compile_config"]["INFERENCE_PRECISION_HINT"] == "f32"
+    by_layer = compiled.settings["execution_precision_by_layer_type"]
+    assert by_layer["Convolution"] == {"f32": 9}
+    assert all(p.is_file() for p in compiled.extra_files)
+    runner = backend.runner(compiled)
+    with runner:
+        assert runner.get_input_metadata(use_numpy_dtypes=False)["image"].shape[0] is None
+        for batch, seed in ((1, 0), (3, 1)):  # dynamic batch
+            feed = _sample(batch, seed)
+            out = runner.infer(feed)
+            assert list(out) == ["logits"]
+            np.testing.assert_allclose(out["logits"], _ort_logits(fp32_model, feed), atol=1e-4, rtol=1e-3)
+            assert runner.last_inference_time() > 0
+    # The project's accuracy gate (Polygraphy Comparator) accepts the runner as it does OnnxrtRunner.
+    report = compare(reference_runner(fp32_model, threads=1), backend.runner(compiled),
+                     [_sample(2, seed) for seed in range(3)], Recipe().tolerance)
+    assert report.passed, report.failures
+
+
+@needs_openvino
+def test_bf16_build_runs_bf16(fp32_model, tmp_path):
+    backend = OpenVinoBackend()
+    if not backend.supports(Precision.bf16):
+        pytest.skip(f"no native bf16 here: {backend.supports(Precision.bf16).reason}")
+    compiled = backend.compile(fp32_model, Precision.bf16, Recipe(), tmp_path)
+    assert compiled.settings["inference_precision"] == "bf16"
+    assert set(compiled.settings["execution_precision_by_layer_type"]["Convolution"]) == {"bf16"}
+
+
+@needs_openvino
+def test_int8_qdq_runs_integer_convolutions(qdq_model, tmp_path):
+    backend = OpenVinoBackend()
+    compiled = backend.compile(qdq_model, Precision.int8, Recipe(), tmp_path, static_shapes={"image": [2, 3, 32, 32]})
+    convs = compiled.settings["execution_precision_by_layer_type"]["Convolution"]
+    assert set(convs) <= {"u8", "i8"} and sum(convs.values()) == 9
+    feed = _sample(2, 5)
+    with backend.runner(compiled) as runner:
+        assert runner.get_input_metadata(use_numpy_dtypes=False)["image"].shape == [2, 3, 32, 32]
+        got = runner.infer(feed)["logits"].ravel()
+    ref = _ort_logits(qdq_model.with_name("tiny.onnx"), feed).ravel()
+    assert float(got @ ref / np.linalg.norm(got) / np.linalg.norm(ref)) > 0.98
+
+
+@needs_openvino
+def test_int8_without_qdq_is_refused_not_run_as_fp32(fp32_model, tmp_path):
+    with pytest.raises(Unsupported, match="no compute layer in int8"):
+        OpenVinoBackend().compile(fp32_model, Precision.int8, Recipe(), tmp_path)
+
+
+@needs_openvino
+def test_static_shapes_for_unknown_input_rejected(fp32_model, tmp_path):
+    with pytest.raises(InputRejected, match="unknown inputs"):
+        OpenVinoBackend().compile(fp32_model, Precision.fp32, Recipe(), tmp_path, static_shapes={"x": [1, 3, 32, 32]})
+
+
+@needs_openvino
+def test_blob_reused_only_on_same_version_and_cpu(fp32_model, tmp_path):
+    backend = OpenVinoBackend()
+    compiled = backend.compile(fp32_model, Precision.fp32, Recipe(), tmp_path)
+    blob, meta_path = compiled.extra_files
+    meta = json.loads(meta_path.read_text())
+    reused = load_cached_blob(blob)
+    # Imported with its recorded config: without it an AMX CPU would run the fp32 blob in bf16.
+    assert reused is not None and execution_precisions(reused)["Convolution"] == {"f32": 9}
+
+    assert "openvino_version" in blob_mismatch({**meta, "openvino_version": "2024.0.0-0000"})
+    assert load_cached_blob(blob, {**meta, "openvino_version": "2024.0.0-0000"}) is None
+    assert load_cached_blob(blob, {**meta, "cpu_isa_flags": ["avx2", "fma"]}) is None
+    assert load_cached_blob(blob, {**meta, "cpu_model": "Some Other CPU"}) is None
+    # A changed blob is refused by its hash; the runner then rebuilds from the ONNX file.
+    blob.write_bytes(blob.read_bytes() + b"\0")
+    assert load_cached_blob(blob) is None
+    feed = _sample(2, 3)
+    with backend.runner(compiled) as runner:
+        np.testing.assert_allclose(runner.infer(feed)["logits"], _ort_logits(fp32_model, feed), atol=1e-4, rtol=1e-3)
+
+
+@needs_openvino
+def test_throughput_with_concurrent_requests(fp32_model, tmp_path):
+    compiled = OpenVinoBackend().compile(fp32_model, Precision.fp32, Recipe(), tmp_path)
+    result = throughput(compiled, _sample(2, 0), streams=2, seconds=0.2)
+    assert result["requests"] == 2 and result["batch_size"] == 2 and result["iterations"] > 0
+    assert result["samples_per_s"] > 0 and result["p50_ms"] <= result["p99_ms"]
