@@ -1,7 +1,8 @@
 """OpenVINO vs ONNX Runtime on the CPU, ResNet-50 layout: latency, accuracy, fraction of the GEMM ceiling.
 
 Variants: ORT fp32 (default session), OpenVINO fp32 (f32 hint), OpenVINO bf16, OpenVINO reading the
-ORT Q/DQ int8 model, OpenVINO with NNCF int8 (the best peer). Blocks are interleaved in rounds and
+ORT Q/DQ int8 model (static shapes, as the pipeline builds by default, and with a dynamic batch, as
+`dynamic_shapes: true` builds), OpenVINO with NNCF int8 (the best peer). Blocks are interleaved in rounds and
 each block waits for idle CPUs (/proc/stat), so a noisy neighbour shows up in the noise column
 instead of in one variant's number. Run: python benchmarks/openvino_speed.py [--quick]
 """
@@ -204,12 +205,16 @@ class Variant:
     top1: float = float("nan")
 
 
-def ov_variant(label: str, kind: str, path: Path, precision: Precision, recipe: Recipe, workdir: Path) -> Variant:
+def ov_variant(
+    label: str, kind: str, path: Path, precision: Precision, recipe: Recipe, workdir: Path, dynamic: bool = False
+) -> Variant:
+    """Static (default): the runner compiles one model per batch size on first use, during warm-up or the
+    accuracy pass. dynamic: one compile with a dynamic batch serves every batch size."""
     backend = OpenVinoBackend()
+    compiled = backend.compile(path, precision, recipe.with_overrides(dynamic_shapes=dynamic),
+                               workdir / label.replace(" ", "_").replace("/", "_"), shapes={"image": [1, 3, SIZE, SIZE]})
 
     def runner_for(batch: int):
-        compiled = backend.compile(path, precision, recipe, workdir / f"{label}-b{batch}",
-                                   static_shapes={"image": [batch, 3, SIZE, SIZE]})
         runner = backend.runner(compiled)
         runner.activate()
         return runner
@@ -286,6 +291,7 @@ def main() -> None:
             variants.append(ov_variant("OV bf16", "bf16", fp32_path, Precision.bf16, recipe, work))
         variants += [
             ov_variant("OV int8 (ORT Q/DQ ONNX)", "int8", qdq_path, Precision.int8, recipe, work),
+            ov_variant("OV int8 (Q/DQ, dynamic)", "int8", qdq_path, Precision.int8, recipe, work, dynamic=True),
             ov_variant("OV int8 (NNCF)", "int8", nncf_path, Precision.int8, recipe, work),
         ]
 
@@ -333,6 +339,10 @@ def main() -> None:
         spread = max(v.spread.values())
         print(f"{v.label:26} {v.ms[1]:8.2f} {v.ms[1] / base[1]:6.2f} {v.ms[8]:8.2f} {v.ms[8] / base[8]:6.2f} "
               f"{pct:>10} {spread:7.1%} {v.cosine:9.5f} {v.feature_cosine:9.5f} {v.top1:6.3f}")
+    by_label = {v.label: v for v in variants}
+    static, dynamic = by_label["OV int8 (ORT Q/DQ ONNX)"], by_label["OV int8 (Q/DQ, dynamic)"]
+    print(f"int8 dynamic batch / static shapes: batch 1 {dynamic.ms[1] / static.ms[1]:.3f}, "
+          f"batch 8 {dynamic.ms[8] / static.ms[8]:.3f} (>1: static is faster)")
     if any(8 * gflop / (v.ms[8] / 1e3) / 1e3 > ceiling.get(v.kind, float("inf")) for v in variants):
         print("!: above the measured GEMM ceiling, so that ceiling was measured low (noisy CPUs or too few reps)")
     print(f"\nnoise: CPUs busy before blocks: median {statistics.median(noise):.0%}, max {max(noise):.0%} "

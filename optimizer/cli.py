@@ -128,6 +128,63 @@ def _print_candidate(candidate) -> None:
     click.echo(f"candidate {candidate.backend} {candidate.precision}: {candidate.verdict or 'built'}", err=True)
 
 
+@main.command("export", epilog="Loading a factory imports and runs its Python file: only export code you trust.\n\n" + EXIT_CODES_HELP)
+@click.argument("factory")
+@click.option("--shapes", required=True, help="Example input shapes, in forward()'s argument order: x:2x3x224x224[,NAME:...].")
+@click.option("-o", "--output", type=click.Path(path_type=Path), help="Output .onnx (default: FACTORY.onnx).")
+@click.option("--dynamic", help="More dynamic axes besides the batch: NAME:AXIS[,NAME:AXIS...], e.g. input_ids:1.")
+@click.option("--opset", type=int, help="ONNX opset (torch's exporter emits 18 or newer).")
+@click.option("--json", "as_json", is_flag=True, help="Print the export and verification reports as JSON.")
+@click.option("-v", "--verbose", is_flag=True)
+def export_command(factory, shapes, output, dynamic, opset, as_json, verbose):
+    """Export a PyTorch model factory (FILE.py:FACTORY or package.module:FACTORY) to ONNX and verify it.
+
+    The factory is a callable returning an nn.Module. The leading dimension of every input is
+    dynamic; verification runs ONNX Runtime against PyTorch on fresh inputs at two batch sizes,
+    and a mismatch beyond tolerance exits 1.
+    """
+    _setup_logging(verbose)
+    try:
+        from optimizer.export import export, load_factory, verify
+        from optimizer.recipe import parse_shapes
+
+        example_shapes = parse_shapes(shapes)
+        loaded = load_factory(factory)
+        hints = loaded.export_hints
+        if dynamic:
+            hints["dynamic"] = {**hints.get("dynamic", {}), **_parse_dynamic(dynamic)}
+        module = loaded()
+        out = output or Path(factory.rpartition(":")[2] + ".onnx")
+        exported = export(module, example_shapes, out, opset=opset, **hints)
+        verification = verify(module, out, example_shapes)
+    except (AccelOptError, MemoryError, Exception) as exc:  # noqa: BLE001
+        _fail(exc, verbose, as_json)
+        return
+    if as_json:
+        click.echo(json.dumps({"exit_code": 0, "export": exported.model_dump(mode="json"),
+                               "verification": verification.model_dump(mode="json")}))
+    else:
+        click.echo(f"exported {factory} -> {exported.path} ({exported.exporter} exporter, opset {exported.opset}, "
+                   f"{exported.size_bytes / 2**20:.1f} MiB, {exported.export_seconds:.1f} s)")
+        for note in exported.notes:
+            click.echo(f"  note: {note}")
+        worst = max((c.max_abs_error for c in verification.checks), default=0.0)
+        click.echo(f"verified against PyTorch at batch sizes {verification.batch_sizes}: max abs error {worst:.3g}")
+    sys.exit(0)
+
+
+def _parse_dynamic(text: str) -> dict[str, list[int]]:
+    from optimizer.errors import UsageError
+
+    axes: dict[str, list[int]] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, sep, axis = item.rpartition(":")
+        if not sep or not name or not axis.isdigit():
+            raise UsageError(f"--dynamic: expected NAME:AXIS, got {item!r}")
+        axes.setdefault(name, []).append(int(axis))
+    return axes
+
+
 def _print_stage(stage) -> None:
     mark = {"passed": "ok", "failed": "FAILED", "skipped": "skipped", "not_run": "not run"}[stage.status]
     detail = "" if stage.status == "failed" and stage.name != "accuracy" else stage.detail  # the error line follows
@@ -140,11 +197,13 @@ def _print_result(result) -> None:
 
     console = Console()
     table = Table(title=f"{Path(result.model).name}: {result.precision} on {result.backend}")
-    for col in ("batch", "p50 ms", "samples/s", "speedup vs fp32"):
+    with_torch = any(h.speedup_vs_pytorch is not None for h in result.headline)
+    for col in ("batch", "p50 ms", "samples/s", "speedup vs fp32") + (("speedup vs PyTorch eager",) if with_torch else ()):
         table.add_column(col, justify="right")
     for h in result.headline:
-        speedup = f"{h.speedup_vs_fp32:.2f}x" if h.speedup_vs_fp32 is not None else "-"
-        table.add_row(str(h.batch_size), f"{h.latency_p50_ms:.2f}", f"{h.throughput_per_s:.1f}", speedup)
+        ratios = [h.speedup_vs_fp32] + ([h.speedup_vs_pytorch] if with_torch else [])
+        table.add_row(str(h.batch_size), f"{h.latency_p50_ms:.2f}", f"{h.throughput_per_s:.1f}",
+                      *(f"{r:.2f}x" if r is not None else "-" for r in ratios))
     console.print(table)
     verdict = "[green]SIGNED OFF[/green]" if result.signed_off else "[red]NOT SIGNED OFF[/red]"
     console.print(f"accuracy: {verdict}")

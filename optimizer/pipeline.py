@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import onnx
 from pydantic import BaseModel
@@ -54,7 +54,8 @@ class Headline(BaseModel):
     batch_size: int
     latency_p50_ms: float
     throughput_per_s: float
-    speedup_vs_fp32: float | None = None
+    speedup_vs_fp32: float | None = None  # same backend, measured in the same run
+    speedup_vs_pytorch: float | None = None  # PyTorch eager fp32, for torch inputs
 
 
 class BuildResult(BaseModel):
@@ -84,6 +85,9 @@ class BuildContext:
     backend: Backend
     threads: int
     notes: list[str] = field(default_factory=list)
+    factory: Any = None  # a torch ModuleFactory when the input is FILE.py:FACTORY
+    torch_module: Any = None  # the exported module: the accuracy reference and a baseline row
+    export: dict[str, Any] | None = None  # export + verification reports
     loaded: LoadedModel | None = None
     model_sha256: str = ""
     external_data_sha256: dict[str, str] = field(default_factory=dict)
@@ -119,7 +123,8 @@ def build(
     Raises AccelOptError subclasses for everything else; nothing is left in `out_dir` then.
     """
     recipe = recipe or load_recipe()
-    model_path = Path(model)
+    factory = _factory_or_none(str(model))
+    model_path = Path(model) if factory is None else Path(str(model).rpartition(":")[2] + ".onnx")
     out_dir = Path(out_dir)
     backend = get_backend(recipe.backend)
     support = backend.supports(recipe.precision)
@@ -132,7 +137,7 @@ def build(
         ctx = BuildContext(
             model_path=model_path, recipe=recipe, data_dir=Path(data_dir) if data_dir else None, workdir=Path(work),
             staging=staging, cache_dir=Path(cache_dir) if cache_dir else out_dir / ".cache", backend=backend,
-            threads=recipe.benchmark.threads or default_threads(),
+            threads=recipe.benchmark.threads or default_threads(), factory=factory,
         )
         for name, stage in STAGES:
             started = time.perf_counter()
@@ -164,6 +169,42 @@ def build(
 
 
 # ---- stages: each returns (status, detail) or raises _Skip / AccelOptError -----------------------
+
+
+def _stage_export(ctx: BuildContext) -> tuple[StageStatus, str]:
+    if ctx.factory is None:
+        raise _Skip("the input is an ONNX model")
+    from optimizer.export import export, verify
+
+    if not ctx.recipe.shapes:
+        raise UsageError(f"{ctx.factory.spec}: a PyTorch factory needs --shapes to build its example inputs")
+    ctx.torch_module = ctx.factory()
+    onnx_path = ctx.workdir / "export" / ctx.model_path.name
+    exported = export(ctx.torch_module, ctx.recipe.shapes, onnx_path, **ctx.factory.export_hints)
+    verification = verify(ctx.torch_module, onnx_path, ctx.recipe.shapes, threads=ctx.threads)  # GateFailed on mismatch
+    ctx.model_path = onnx_path
+    ctx.export = {"factory": ctx.factory.spec, "export": exported.model_dump(mode="json"),
+                  "verification": verification.model_dump(mode="json")}
+    ctx.notes += exported.notes
+    ctx.notes.append(f"Exported from {ctx.factory.spec} ({exported.exporter} exporter, opset {exported.opset}); "
+                     "the PyTorch module is the accuracy reference.")
+    return "passed", f"{exported.exporter} exporter, opset {exported.opset}, verified against PyTorch"
+
+
+def _factory_or_none(spec: str):
+    """A torch ModuleFactory when `spec` names one (FILE.py:FACTORY or package.module:FACTORY)."""
+    from optimizer.backends.torch import load_factory, looks_like_factory
+
+    return load_factory(spec) if looks_like_factory(spec) else None
+
+
+def _reference(ctx: BuildContext):
+    """The accuracy reference: the PyTorch module for torch inputs, else the original ONNX on ORT."""
+    if ctx.torch_module is not None:
+        from optimizer.backends.torch import torch_runner
+
+        return torch_runner(ctx.torch_module, ctx.model_path, ctx.threads, name="reference-pytorch")
+    return reference_runner(ctx.model_path, ctx.threads)
 
 
 def _stage_load(ctx: BuildContext) -> tuple[StageStatus, str]:
@@ -224,7 +265,7 @@ def _stage_precision(ctx: BuildContext) -> tuple[StageStatus, str]:
 def _stage_compile(ctx: BuildContext) -> tuple[StageStatus, str]:
     model_file = ctx.staging / "model.onnx"
     _save_model(ctx.candidate_path, model_file)
-    ctx.compiled = ctx.backend.compile(model_file, ctx.recipe.precision, ctx.recipe, ctx.workdir)
+    ctx.compiled = _compile(ctx, model_file, ctx.recipe.precision)
     for extra in ctx.compiled.extra_files:
         if extra.parent != ctx.staging:
             shutil.copy2(extra, ctx.staging / extra.name)
@@ -235,7 +276,7 @@ def _stage_compile(ctx: BuildContext) -> tuple[StageStatus, str]:
 def _stage_accuracy(ctx: BuildContext) -> tuple[StageStatus, str]:
     recipe = ctx.recipe
     ctx.accuracy = compare(
-        reference_runner(ctx.model_path, ctx.threads),
+        _reference(ctx),
         ctx.backend.runner(ctx.compiled),
         ctx.eval_samples,
         recipe.tolerance,
@@ -252,8 +293,12 @@ def _stage_benchmark(ctx: BuildContext) -> tuple[StageStatus, str]:
     label = f"{ctx.backend.name}-{ctx.recipe.precision.value}"
     targets = [Target(label, ctx.backend.runner(ctx.compiled), ctx.backend.synchronize)]
     if ctx.recipe.precision is not Precision.fp32:
-        baseline = ctx.backend.compile(ctx.fp32_path, Precision.fp32, ctx.recipe, ctx.workdir)
+        baseline = _compile(ctx, ctx.fp32_path, Precision.fp32)
         targets.append(Target(f"{ctx.backend.name}-fp32", ctx.backend.runner(baseline), ctx.backend.synchronize))
+    if ctx.torch_module is not None:
+        from optimizer.backends.torch import torch_runner
+
+        targets.append(Target("pytorch-eager", torch_runner(ctx.torch_module, ctx.model_path, ctx.threads)))
     if ctx.shapes.batch_dynamic:
         batch_sizes = ctx.recipe.benchmark.batch_sizes
     else:
@@ -278,6 +323,7 @@ def _stage_reports(ctx: BuildContext) -> tuple[StageStatus, str]:
         "cleanup": ctx.cleanup.model_dump(mode="json") if ctx.cleanup else None,
         "precision": ctx.precision.model_dump(mode="json") if ctx.precision else None,
         "data": ctx.data.model_dump(mode="json"),
+        "export": ctx.export,
         "notes": ctx.notes,
     }
     artifacts.write_json(staging / "build.json", build_info)
@@ -285,6 +331,7 @@ def _stage_reports(ctx: BuildContext) -> tuple[StageStatus, str]:
 
 
 STAGES: list[tuple[str, Callable[[BuildContext], tuple[StageStatus, str]]]] = [
+    ("export", _stage_export),
     ("load", _stage_load),
     ("cleanup", _stage_cleanup),
     ("precision", _stage_precision),
@@ -296,6 +343,12 @@ STAGES: list[tuple[str, Callable[[BuildContext], tuple[StageStatus, str]]]] = [
 
 
 # ---- helpers -------------------------------------------------------------------------------------
+
+
+def _compile(ctx: BuildContext, path: Path, precision: Precision) -> CompiledModel:
+    """backend.compile, with the resolved input shapes for backends that compile for fixed shapes."""
+    shapes = {"shapes": ctx.shapes.shapes} if getattr(ctx.backend, "compiles_for_shapes", False) else {}
+    return ctx.backend.compile(path, precision, ctx.recipe, ctx.workdir, **shapes)
 
 
 def _save_model(src: Path, dst: Path) -> None:
@@ -350,14 +403,25 @@ def _fill_headline(result: BuildResult, bench: BenchmarkReport | None) -> None:
     if bench is None:
         return
     candidate = bench.models[0]
-    ratios = next(iter(bench.speedup_vs_baseline.values()), {})
+    fp32 = bench.speedup_vs_baseline.get(f"{result.backend}-fp32", {})
+    eager = bench.speedup_vs_baseline.get("pytorch-eager", {})
     result.headline = [
         Headline(batch_size=b.batch_size, latency_p50_ms=b.latency.p50_ms, throughput_per_s=b.throughput_per_s,
-                 speedup_vs_fp32=ratios.get(b.batch_size, 1.0 if result.precision == "fp32" else None))
+                 speedup_vs_fp32=fp32.get(b.batch_size, 1.0 if result.precision == "fp32" else None),
+                 speedup_vs_pytorch=eager.get(b.batch_size))
         for b in candidate.batches
     ]
     result.latency_p50_ms = candidate.batches[0].latency.p50_ms
     result.throughput_per_s = candidate.batches[-1].throughput_per_s
+
+
+def _input_record(ctx: BuildContext) -> dict[str, Any]:
+    record: dict[str, Any] = {"path": str(ctx.model_path), "sha256": ctx.model_sha256, "external_data": ctx.external_data_sha256}
+    if ctx.factory is not None:
+        source = Path(ctx.factory.spec.rpartition(":")[0])
+        record = {"factory": ctx.factory.spec, "exported_onnx_sha256": ctx.model_sha256,
+                  "source_sha256": artifacts.sha256_file(source) if source.is_file() else None}
+    return record
 
 
 def _write_manifest(ctx: BuildContext, final: Path, result: BuildResult) -> None:
@@ -370,7 +434,7 @@ def _write_manifest(ctx: BuildContext, final: Path, result: BuildResult) -> None
         "exit_code": result.exit_code,
         "precision": ctx.recipe.precision.value,
         "backend": ctx.backend.name,
-        "input_model": {"path": str(ctx.model_path), "sha256": ctx.model_sha256, "external_data": ctx.external_data_sha256},
+        "input_model": _input_record(ctx),
         "recipe": {"name": recipe_source, "fingerprint": ctx.recipe.fingerprint(), "resolved": ctx.recipe.model_dump(mode="json")},
         "data": ctx.data.model_dump(mode="json"),
         "artifacts": {p.name: artifacts.sha256_file(p) for p in files},

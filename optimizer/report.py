@@ -7,6 +7,11 @@ from optimizer.bench import BenchmarkReport
 from optimizer.data import DataSummary
 from optimizer.precision import PrecisionReport
 
+REFERENCES = {
+    "reference-fp32": "the original model in fp32 on ONNX Runtime's CPU EP, graph optimizations off",
+    "reference-pytorch": "the PyTorch module in fp32, eager: export errors count too",
+}
+
 
 def _table(header: list[str], rows: list[list[str]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
@@ -30,7 +35,7 @@ def signoff_markdown(
         "",
         f"**Verdict: {verdict}**",
         "",
-        f"- Candidate: `{accuracy.candidate}`; reference: `{accuracy.reference}` (fp32, ONNX Runtime CPU, graph optimizations off)",
+        f"- Candidate: `{accuracy.candidate}`; reference: `{accuracy.reference}` ({REFERENCES.get(accuracy.reference, 'fp32')})",
         f"- Evaluation samples: {accuracy.sample_count} ({_data_line(eval_data)})",
     ]
     if eval_data.source == "synthetic":

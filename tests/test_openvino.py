@@ -13,7 +13,10 @@ from optimizer import zoo
 from optimizer.accuracy import compare
 from optimizer.backends.onnxruntime import reference_runner
 from optimizer.backends.openvino import (
+    HINTS,
     OpenVinoBackend,
+    OpenVinoRunner,
+    StaticCompiler,
     blob_mismatch,
     cpu_flags,
     execution_precisions,
@@ -23,11 +26,13 @@ from optimizer.backends.openvino import (
 )
 from optimizer.backends.select import auto_backend, candidate_precisions
 from optimizer.errors import InputRejected, Unsupported
+from optimizer.pipeline import build
 from optimizer.recipe import BackendName, Precision, Recipe
 
 needs_openvino = pytest.mark.skipif(importlib.util.find_spec("openvino") is None, reason="openvino is not installed")
 
 AMX = frozenset({"avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_int8", "amx_bf16"})
+IMAGE = [1, 3, 32, 32]
 AVX2 = frozenset({"sse4_2", "avx", "avx2", "fma", "f16c", "avx_vnni"})
 SKYLAKE = frozenset({"avx2", "avx512f", "avx512bw", "avx512vl"})
 
@@ -154,10 +159,12 @@ def test_fp32_build_runs_f32_and_matches_ort(fp32_model, tmp_path):
     by_layer = compiled.settings["execution_precision_by_layer_type"]
     assert by_layer["Convolution"] == {"f32": 9}
     assert all(p.is_file() for p in compiled.extra_files)
+    # Without shapes the blob keeps the model's dynamic batch; the runner still runs static compiles.
+    assert compiled.settings["shape_mode"] == "static" and compiled.settings["static_shapes"] is None
     runner = backend.runner(compiled)
     with runner:
         assert runner.get_input_metadata(use_numpy_dtypes=False)["image"].shape[0] is None
-        for batch, seed in ((1, 0), (3, 1)):  # dynamic batch
+        for batch, seed in ((1, 0), (3, 1)):  # any batch: one static compile each
             feed = _sample(batch, seed)
             out = runner.infer(feed)
             assert list(out) == ["logits"]
@@ -182,13 +189,14 @@ def test_bf16_build_runs_bf16(fp32_model, tmp_path):
 @needs_openvino
 def test_int8_qdq_runs_integer_convolutions(qdq_model, tmp_path):
     backend = OpenVinoBackend()
-    compiled = backend.compile(qdq_model, Precision.int8, Recipe(), tmp_path, static_shapes={"image": [2, 3, 32, 32]})
+    compiled = backend.compile(qdq_model, Precision.int8, Recipe(), tmp_path, shapes={"image": IMAGE})
+    assert compiled.settings["static_shapes"] == {"image": [8, 3, 32, 32]}  # the default target batch
     convs = compiled.settings["execution_precision_by_layer_type"]["Convolution"]
     assert set(convs) <= {"u8", "i8"} and sum(convs.values()) == 9
     feed = _sample(2, 5)
     with backend.runner(compiled) as runner:
-        assert runner.get_input_metadata(use_numpy_dtypes=False)["image"].shape == [2, 3, 32, 32]
-        got = runner.infer(feed)["logits"].ravel()
+        got = runner.infer(feed)["logits"].ravel()  # a batch-2 compile, verified to run int8 like the blob
+        assert runner.compiled_shapes == [{"image": [2, 3, 32, 32]}]
     ref = _ort_logits(qdq_model.with_name("tiny.onnx"), feed).ravel()
     assert float(got @ ref / np.linalg.norm(got) / np.linalg.norm(ref)) > 0.98
 
@@ -202,13 +210,73 @@ def test_int8_without_qdq_is_refused_not_run_as_fp32(fp32_model, tmp_path):
 @needs_openvino
 def test_static_shapes_for_unknown_input_rejected(fp32_model, tmp_path):
     with pytest.raises(InputRejected, match="unknown inputs"):
-        OpenVinoBackend().compile(fp32_model, Precision.fp32, Recipe(), tmp_path, static_shapes={"x": [1, 3, 32, 32]})
+        OpenVinoBackend().compile(fp32_model, Precision.fp32, Recipe(), tmp_path, shapes={"x": IMAGE})
+
+
+@needs_openvino
+def test_static_runner_compiles_one_model_per_batch_and_matches_ort(fp32_model, tmp_path):
+    backend = OpenVinoBackend()
+    recipe = Recipe().with_overrides(**{"selection.target_batch_size": 2})
+    compiled = backend.compile(fp32_model, Precision.fp32, recipe, tmp_path, shapes={"image": IMAGE})
+    assert compiled.settings["shape_mode"] == "static"
+    assert compiled.settings["static_shapes"] == {"image": [2, 3, 32, 32]}  # the blob: the target batch
+    meta = json.loads(compiled.extra_files[1].read_text())
+    assert meta["static_shapes"] == {"image": [2, 3, 32, 32]}
+    with backend.runner(compiled) as runner:
+        assert runner.get_input_metadata(use_numpy_dtypes=False)["image"].shape == [None, 3, 32, 32]
+        for batch in (1, 2, 3, 1, 2, 3):
+            feed = _sample(batch, batch)
+            np.testing.assert_allclose(runner.infer(feed)["logits"], _ort_logits(fp32_model, feed), atol=1e-4, rtol=1e-3)
+        # Batch 2 runs on the saved blob; batches 1 and 3 get one static compile each, reused after.
+        assert runner.compiled_shapes == [{"image": [1, 3, 32, 32]}, {"image": [3, 3, 32, 32]}]
+
+
+@needs_openvino
+def test_every_static_compile_is_verified(fp32_model):
+    """A later shape's compile is checked like the saved one: an fp32 graph is refused as int8."""
+    config = {"INFERENCE_PRECISION_HINT": HINTS[Precision.int8], "INFERENCE_NUM_THREADS": "1"}
+    runner = OpenVinoRunner(lambda: None, ["image"], ["logits"], static=StaticCompiler(fp32_model, config, Precision.int8))
+    with runner, pytest.raises(Unsupported, match="no compute layer in int8"):
+        runner.infer(_sample(1, 0))
+
+
+@needs_openvino
+def test_dynamic_shapes_keep_one_dynamic_compile(fp32_model, tmp_path):
+    backend = OpenVinoBackend()
+    recipe = Recipe(dynamic_shapes=True)
+    compiled = backend.compile(fp32_model, Precision.fp32, recipe, tmp_path, shapes={"image": IMAGE})
+    assert compiled.settings["shape_mode"] == "dynamic" and compiled.settings["static_shapes"] is None
+    with backend.runner(compiled) as runner:
+        assert runner.get_input_metadata(use_numpy_dtypes=False)["image"].shape[0] is None
+        for batch in (1, 3):
+            feed = _sample(batch, batch)
+            np.testing.assert_allclose(runner.infer(feed)["logits"], _ort_logits(fp32_model, feed), atol=1e-4, rtol=1e-3)
+        assert runner.compiled_shapes == []
+
+
+@needs_openvino
+def test_pipeline_build_on_openvino_records_static_shapes(tiny_cnn_path, fast_recipe, tmp_path):
+    result = build(tiny_cnn_path, fast_recipe.with_overrides(backend="openvino"), out_dir=tmp_path)
+    assert result.signed_off and result.exit_code == 0, result.failures
+    assert [h.batch_size for h in result.headline] == [1, 2]
+    folder = tmp_path / result.artifact_dir.split("/")[-1]
+    config = json.loads((folder / "resource_config.json").read_text())
+    settings = config["settings"]
+    assert config["backend"] == "openvino" and config["providers"] == ["OpenVINO CPU"]
+    assert settings["shape_mode"] == "static"
+    assert settings["static_shapes"] == {"image": [8, 3, 32, 32]}  # resolved shape at the target batch
+    assert settings["inference_precision"] == "f32"
+    assert settings["execution_precision_by_layer_type"]["Convolution"] == {"f32": 9}
+    blob = folder / settings["blob"]
+    assert blob.is_file() and set(config["extra_files"]) == {blob.name, blob.name + ".json"}
+    assert json.loads((folder / (blob.name + ".json")).read_text())["static_shapes"] == {"image": [8, 3, 32, 32]}
 
 
 @needs_openvino
 def test_blob_reused_only_on_same_version_and_cpu(fp32_model, tmp_path):
     backend = OpenVinoBackend()
-    compiled = backend.compile(fp32_model, Precision.fp32, Recipe(), tmp_path)
+    recipe = Recipe().with_overrides(**{"selection.target_batch_size": 2})
+    compiled = backend.compile(fp32_model, Precision.fp32, recipe, tmp_path, shapes={"image": IMAGE})
     blob, meta_path = compiled.extra_files
     meta = json.loads(meta_path.read_text())
     reused = load_cached_blob(blob)
@@ -225,6 +293,7 @@ def test_blob_reused_only_on_same_version_and_cpu(fp32_model, tmp_path):
     feed = _sample(2, 3)
     with backend.runner(compiled) as runner:
         np.testing.assert_allclose(runner.infer(feed)["logits"], _ort_logits(fp32_model, feed), atol=1e-4, rtol=1e-3)
+        assert runner.compiled_shapes == []  # batch 2: the blob's shapes, compiled afresh from the ONNX file
 
 
 @needs_openvino

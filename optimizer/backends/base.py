@@ -36,6 +36,13 @@ class CompiledModel:
 
 
 class Backend(Protocol):
+    """A runtime the pipeline builds for.
+
+    A backend that compiles kernels for fixed input shapes (OpenVINO) sets the class attribute
+    `compiles_for_shapes = True`; its compile() then also takes the keyword `shapes` (input name ->
+    the deployment's resolved shape) and the pipeline passes it. Others need neither.
+    """
+
     name: str
     extra: str  # the pip extra that installs it
 

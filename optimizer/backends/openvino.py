@@ -4,6 +4,11 @@ The backend compiles exactly the ONNX graph it is given. Its one precision knob 
 INFERENCE_PRECISION_HINT, which is always set: on AMX CPUs OpenVINO silently runs an fp32 model
 in bf16 unless told f32. After compiling, the hint and every layer's runtime precision are read
 back and recorded, so the report says what actually ran, not what was asked for.
+
+Shapes: unless the recipe asks for `dynamic_shapes`, every input-shape set runs on a model compiled
+for exactly those static shapes (a dynamic batch costs 6-20% at int8 here). The runner compiles one
+per shape signature on first use, each verified like the saved one; the saved blob is the compile
+for the deployment's shapes at `selection.target_batch_size`.
 """
 
 from __future__ import annotations
@@ -13,7 +18,9 @@ import io
 import json
 import logging
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -26,6 +33,7 @@ from optimizer.artifacts import sha256_file, write_json
 from optimizer.backends.base import Availability, CompiledModel
 from optimizer.backends.onnxruntime import default_threads
 from optimizer.errors import InputRejected, Unsupported
+from optimizer.graph.inspect import with_batch
 from optimizer.recipe import Precision, Recipe
 
 log = logging.getLogger(__name__)
@@ -42,6 +50,7 @@ CAPABILITY = {Precision.bf16: "BF16", Precision.fp16: "FP16"}
 ISA_PREFIXES = ("avx", "amx", "fma", "f16c", "sse4")  # flags that change which kernels a blob holds
 READ_BACK = ("PERFORMANCE_HINT", "NUM_STREAMS", "INFERENCE_NUM_THREADS", "EXECUTION_MODE_HINT", "ENABLE_CPU_PINNING")
 COMPUTE_LAYERS = ("Convolution", "FullyConnected", "MatMul", "Deconvolution", "GroupConvolution")
+MAX_STATIC_COMPILES = 8  # per runner; the least recently used compile goes first beyond this
 
 
 def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
@@ -139,22 +148,48 @@ def load_cached_blob(blob_path: Path, meta: dict[str, Any] | None = None):
     return compiled
 
 
-def _compile(onnx_path: Path, config: dict[str, str], static_shapes: dict[str, list[int]] | None):
-    core = _core()
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+
+
+def _read(onnx_path: Path):
+    """The openvino.Model of an ONNX file (or OpenVINO IR)."""
     try:
-        model = core.read_model(str(onnx_path))
+        return _core().read_model(str(onnx_path))
     except Exception as exc:  # OpenVINO raises RuntimeError subclasses from C++
-        raise InputRejected(f"OpenVINO could not read {onnx_path.name}: {str(exc).strip().splitlines()[0]}") from None
+        raise InputRejected(f"OpenVINO could not read {Path(onnx_path).name}: {_first_line(exc)}") from None
+
+
+def _compile_model(model, config: dict[str, str], static_shapes: dict[str, list[int]] | None):
+    """Compile `model` (left unchanged) on the CPU; with `static_shapes`, a reshaped copy of it."""
     if static_shapes:
         names = {n for i in model.inputs for n in i.get_names()}
         unknown = sorted(set(static_shapes) - names)
         if unknown:
             raise InputRejected(f"shapes given for unknown inputs {unknown}; the model has {sorted(names)}")
-        model.reshape({name: list(dims) for name, dims in static_shapes.items()})
+        model = model.clone()
+        try:
+            model.reshape({name: list(dims) for name, dims in static_shapes.items()})
+        except Exception as exc:
+            raise InputRejected(f"OpenVINO cannot reshape the model to {static_shapes}: {_first_line(exc)}") from None
     try:
-        return core.compile_model(model, DEVICE, config)
+        return _core().compile_model(model, DEVICE, config)
     except Exception as exc:
-        raise Unsupported(f"OpenVINO CPU cannot compile this model: {str(exc).strip().splitlines()[0]}") from None
+        raise Unsupported(f"OpenVINO CPU cannot compile this model: {_first_line(exc)}") from None
+
+
+def _compile(onnx_path: Path, config: dict[str, str], static_shapes: dict[str, list[int]] | None):
+    return _compile_model(_read(onnx_path), config, static_shapes)
+
+
+def deployment_shapes(model, shapes: dict[str, list[int]] | None, batch: int) -> dict[str, list[int]] | None:
+    """The shapes the saved blob is compiled for: `shapes` with the batch set to `batch` where every
+    input's leading dim is dynamic in `model` (a fixed batch stays as it is); None without shapes."""
+    if not shapes:
+        return None
+    partial = [port.get_partial_shape() for port in model.inputs]
+    batch_dynamic = bool(partial) and all(p.rank.is_static and p.rank.get_length() > 0 and p[0].is_dynamic for p in partial)
+    return with_batch(shapes, batch) if batch_dynamic else {name: list(dims) for name, dims in shapes.items()}
 
 
 def execution_precisions(compiled) -> dict[str, dict[str, int]]:
@@ -211,9 +246,27 @@ def _save_blob(compiled, blob_path: Path, meta: dict[str, Any]) -> tuple[Path, P
     return blob_path, meta_path
 
 
+@dataclass(frozen=True)
+class StaticCompiler:
+    """Builds one static compile per input-shape signature, with the build's config, each verified."""
+
+    path: Path
+    config: dict[str, str]
+    precision: Precision
+
+    def read(self):
+        return _read(self.path)
+
+    def compile(self, model, shapes: dict[str, list[int]]):
+        compiled = _compile_model(model, self.config, shapes)
+        _verify_precision(compiled, self.precision)
+        return compiled
+
+
 class OpenVinoBackend:
     name = "openvino"
     extra = "openvino"
+    compiles_for_shapes = True  # compile() takes the deployment's resolved input shapes (see base.Backend)
 
     def available(self) -> Availability:
         try:
@@ -233,22 +286,25 @@ class OpenVinoBackend:
         precision: Precision,
         recipe: Recipe,
         workdir: Path,
-        static_shapes: dict[str, list[int]] | None = None,
         performance_hint: str = "LATENCY",
         num_streams: int = 1,
+        *,
+        shapes: dict[str, list[int]] | None = None,
     ) -> CompiledModel:
         """Compile on the CPU with the precision hint set, verify what runs, and save the blob.
 
-        `static_shapes` fixes input shapes (faster kernels: a dynamic batch costs 6-20% at int8);
-        the build then runs only those shapes, so compile once per batch size to sweep. recipe.shapes
-        is not applied here because the benchmark sweeps batch sizes through one runner.
+        `shapes`: the deployment's input shapes (the pipeline passes its resolved shapes). Unless
+        `recipe.dynamic_shapes`, the build is static: the saved blob is compiled for `shapes` with a
+        dynamic batch set to `recipe.selection.target_batch_size`, and the runner compiles every other
+        input-shape set it is fed for exactly that set (so one runner still sweeps batch sizes). Without
+        `shapes` the blob keeps the model's own shapes (static only where the model fixes them). With
+        `recipe.dynamic_shapes` one dynamic compile serves every shape.
         """
         support = self.supports(precision)
         if not support:
             raise Unsupported(f"OpenVINO {precision.value}: {support.reason}")
         onnx_path = Path(onnx_path)
         threads = recipe.benchmark.threads or default_threads()
-        shapes = static_shapes or None
         config = {
             "INFERENCE_PRECISION_HINT": HINTS[precision],
             "PERFORMANCE_HINT": performance_hint,
@@ -256,16 +312,21 @@ class OpenVinoBackend:
             "INFERENCE_NUM_THREADS": str(threads),
         }
         start = time.perf_counter()
-        compiled = _compile(onnx_path, config, shapes)
+        model = _read(onnx_path)
+        shape_mode = "dynamic" if recipe.dynamic_shapes else "static"
+        blob_shapes = None if recipe.dynamic_shapes else deployment_shapes(model, shapes, recipe.selection.target_batch_size)
+        compiled = _compile_model(model, config, blob_shapes)
         build_seconds = time.perf_counter() - start
 
         by_layer = _verify_precision(compiled, precision)
         inputs, outputs = _onnx_io_names(compiled, onnx_path)
+        if blob_shapes is None and all(port.get_partial_shape().is_static for port in compiled.inputs):
+            blob_shapes = {name: list(port.get_shape()) for name, port in zip(inputs, compiled.inputs)}  # fixed by the model
         meta = {
             **environment(),
             "precision": precision.value,
             "config": config,
-            "static_shapes": shapes,
+            "static_shapes": blob_shapes,
             "execution_precision_by_layer_type": by_layer,
             "source_sha256": sha256_file(onnx_path),
         }
@@ -275,7 +336,10 @@ class OpenVinoBackend:
             "properties": {key: str(compiled.get_property(key)) for key in READ_BACK},
             "inference_precision": HINTS[precision],
             "execution_precision_by_layer_type": by_layer,
-            "static_shapes": shapes,
+            # static: one compile per input-shape set (the runner compiles each on first use);
+            # dynamic: one compile for every shape. static_shapes: what the saved blob was compiled for.
+            "shape_mode": shape_mode,
+            "static_shapes": blob_shapes,
             "input_names": inputs,
             "output_names": outputs,
             "optimization_capabilities": list(capabilities()),
@@ -295,11 +359,18 @@ class OpenVinoBackend:
         )
 
     def runner(self, compiled: CompiledModel) -> OpenVinoRunner:
+        settings = compiled.settings
+        static = None
+        if settings["shape_mode"] == "static":
+            static = StaticCompiler(compiled.path, settings["compile_config"], compiled.precision)
+        # A static runner starts from the saved blob only where that blob is static (its own shapes).
+        has_start = static is None or settings["static_shapes"]
         return OpenVinoRunner(
-            lambda: load_compiled(compiled),
-            compiled.settings["input_names"],
-            compiled.settings["output_names"],
+            (lambda: load_compiled(compiled)) if has_start else (lambda: None),
+            settings["input_names"],
+            settings["output_names"],
             name=f"{self.name}-{compiled.precision.value}",
+            static=static,
         )
 
     def synchronize(self) -> None:
@@ -312,38 +383,82 @@ def load_compiled(compiled: CompiledModel):
     model = load_cached_blob(blob) if blob is not None else None
     if model is None:
         model = _compile(compiled.path, compiled.settings["compile_config"], compiled.settings["static_shapes"])
+        _verify_precision(model, compiled.precision)
     return model
 
 
 class OpenVinoRunner(BaseRunner):
-    """A Polygraphy runner over one InferRequest; outputs keyed by the ONNX output names."""
+    """A Polygraphy runner; outputs keyed by the ONNX output names.
 
-    def __init__(self, load, input_names: list[str], output_names: list[str], name: str | None = None):
+    Dynamic (`static` None): the model from `load()` serves every input shape through one InferRequest.
+    Static: each distinct input-shape set runs on a model compiled for exactly those shapes by
+    `static` on first use and kept (at most MAX_STATIC_COMPILES, least recently used dropped);
+    `load()` (None: nothing yet) gives the saved build, used for its own shapes. `compiled_shapes`
+    lists the shape sets this runner compiled. Compile time is not part of `inference_time`.
+    """
+
+    def __init__(
+        self,
+        load: Callable[[], Any],
+        input_names: list[str],
+        output_names: list[str],
+        name: str | None = None,
+        static: StaticCompiler | None = None,
+    ):
         super().__init__(name=name, prefix="openvino-runner")
         self._load = load
         self._input_names = input_names
         self._output_names = output_names
+        self._static = static
+        self.compiled_shapes: list[dict[str, list[int]]] = []
 
     def activate_impl(self):
         self.compiled = self._load()
-        self.request = self.compiled.create_infer_request()
+        self._requests: OrderedDict[tuple, Any] = OrderedDict()
+        if self._static is None:
+            self.request = self.compiled.create_infer_request()
+            return
+        self._source = self._static.read()
+        if self.compiled is not None:
+            key = tuple(tuple(port.get_shape()) for port in self.compiled.inputs)
+            self._requests[key] = self.compiled.create_infer_request()
 
     def get_input_metadata_impl(self):
+        ports = self._source.inputs if self._static is not None else self.compiled.inputs
         meta = TensorMetadata()
-        for name, port in zip(self._input_names, self.compiled.inputs, strict=True):
+        for name, port in zip(self._input_names, ports, strict=True):
             shape = [None if d.is_dynamic else d.get_length() for d in port.get_partial_shape()]
             meta.add(name, dtype=port.get_element_type().to_dtype(), shape=shape)
         return meta
 
+    def _request_for(self, feed_dict):
+        if self._static is None:
+            return self.request
+        key = tuple(tuple(np.shape(feed_dict[name])) for name in self._input_names)
+        request = self._requests.get(key)
+        if request is None:
+            shapes = {name: list(dims) for name, dims in zip(self._input_names, key)}
+            log.debug("%s: compiling for %s", self.name, shapes)
+            request = self._static.compile(self._source, shapes).create_infer_request()
+            self.compiled_shapes.append(shapes)
+            self._requests[key] = request
+            while len(self._requests) > MAX_STATIC_COMPILES:
+                self._requests.popitem(last=False)
+        self._requests.move_to_end(key)
+        return request
+
     def infer_impl(self, feed_dict):
+        request = self._request_for(feed_dict)
         start = time.perf_counter()
-        results = self.request.infer(feed_dict, share_inputs=True, share_outputs=False)
+        results = request.infer(feed_dict, share_inputs=True, share_outputs=False)
         self.inference_time = time.perf_counter() - start
         return dict(zip(self._output_names, results.to_tuple(), strict=True))
 
     def deactivate_impl(self):
-        del self.request
-        del self.compiled
+        self.request = None
+        self._requests.clear()
+        self._source = None
+        self.compiled = None
 
 
 def throughput(compiled: CompiledModel, feed: dict[str, np.ndarray], streams: int, seconds: float) -> dict[str, Any]:
@@ -351,7 +466,9 @@ def throughput(compiled: CompiledModel, feed: dict[str, np.ndarray], streams: in
     from openvino import AsyncInferQueue
 
     config = {**compiled.settings["compile_config"], "PERFORMANCE_HINT": "THROUGHPUT", "NUM_STREAMS": str(streams)}
-    model = _compile(compiled.path, config, compiled.settings["static_shapes"])
+    static = compiled.settings["shape_mode"] == "static"
+    model = _compile(compiled.path, config, {name: list(a.shape) for name, a in feed.items()} if static else None)
+    _verify_precision(model, compiled.precision)
     queue = AsyncInferQueue(model, streams)
     latencies: list[float] = []
     queue.set_callback(lambda _request, started: latencies.append(time.perf_counter() - started))

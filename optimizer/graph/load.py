@@ -162,5 +162,6 @@ def load_model(path: str | Path, workdir: Path) -> LoadedModel:
         raise InputRejected(f"shape inference failed: {first}") from None
     finally:
         inferred.unlink(missing_ok=True)
-    log.info("loaded %s: opset %s, %d nodes", path, proto.opset_import, len(proto.graph.node))
-    return LoadedModel(path=path, proto=shaped, external_data_files=external_files)
+    loaded = LoadedModel(path=path, proto=shaped, external_data_files=external_files)
+    log.info("loaded %s: opset %d, %d nodes", path, loaded.opset, len(proto.graph.node))
+    return loaded

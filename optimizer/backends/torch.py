@@ -1,0 +1,326 @@
+"""PyTorch eager: importing a user's model factory, and a Polygraphy runner over the module.
+
+`TorchRunner` is the accuracy reference for torch-sourced builds and the "PyTorch eager"
+baseline row in benchmarks. torch is an optional extra: it is imported inside functions only,
+and its absence is an `Unsupported` error (exit 4) naming the install command.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import importlib.util
+import re
+import sys
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+from polygraphy.backend.base import BaseRunner
+from polygraphy.common import TensorMetadata
+from polygraphy.datatype import DataType
+from pydantic import BaseModel
+
+from optimizer.data import Sample, synthetic_samples
+from optimizer.errors import GateFailed, InputRejected, Unsupported, UsageError
+from optimizer.graph.inspect import TensorSpec, io_specs
+
+TORCH_EXTRA = "pip install 'accel-opt[torch]' torch==2.13.0"
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def require_torch() -> Any:
+    """Import torch or raise Unsupported (exit 4) naming the extra to install."""
+    try:
+        import torch
+    except ImportError:
+        raise Unsupported(f"PyTorch models need torch: {TORCH_EXTRA}") from None
+    return torch
+
+
+def first_line(exc: BaseException | Warning, limit: int = 300) -> str:
+    """An exception's first non-empty line without terminal colour codes, for one-line errors."""
+    text = _ANSI.sub("", str(exc)).strip()
+    line = next((part.strip() for part in text.splitlines() if part.strip()), type(exc).__name__)
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+def flatten_outputs(result: Any) -> list[Any]:
+    """The tensors of a forward() result in order (tuples, lists, dicts flattened as torch.export does)."""
+    import torch
+    from torch.utils._pytree import tree_leaves
+
+    return [leaf for leaf in tree_leaves(result) if isinstance(leaf, torch.Tensor)]
+
+
+def looks_like_factory(spec: str) -> bool:
+    """True for `path/file.py:FACTORY` or `package.module:FACTORY` that is not an existing file."""
+    target, sep, attr = spec.rpartition(":")
+    if not sep or not target or not attr.isidentifier() or Path(spec).exists() or target.endswith(".onnx"):
+        return False
+    return target.endswith(".py") or all(part.isidentifier() for part in target.split("."))
+
+
+EXPORT_HINTS = ("input_dtypes", "dynamic", "output_names")  # optional attributes of a factory function
+
+
+class ModuleFactory:
+    """A user's zero-argument callable building an nn.Module; calling it checks the result and sets eval mode.
+
+    A factory may carry export hints as function attributes, passed on as `export()` keywords:
+    `f.input_dtypes = {"input_ids": "int64"}`, `f.dynamic = {"input_ids": {1: "sequence"}}`,
+    `f.output_names = ["sentence_embedding"]`.
+    """
+
+    def __init__(self, spec: str, fn: Callable[[], Any], search_path: Path | None = None):
+        self.spec, self.fn, self.search_path = spec, fn, search_path
+
+    @property
+    def export_hints(self) -> dict[str, Any]:
+        return {key: getattr(self.fn, key) for key in EXPORT_HINTS if getattr(self.fn, key, None) is not None}
+
+    def __call__(self) -> Any:
+        torch = require_torch()
+        try:
+            with _on_sys_path(self.search_path):
+                model = self.fn()
+        except Exception as exc:
+            raise InputRejected(f"model factory {self.spec} raised {type(exc).__name__}: {first_line(exc)}") from exc
+        if not isinstance(model, torch.nn.Module):
+            raise InputRejected(f"model factory {self.spec} returned {type(model).__name__}, expected a torch.nn.Module")
+        return model.eval()
+
+    def __repr__(self) -> str:
+        return f"ModuleFactory({self.spec!r})"
+
+
+def load_factory(spec: str) -> ModuleFactory:
+    """Import `FILE.py:FACTORY` or `package.module:FACTORY`; return the factory, not yet called.
+
+    This imports, and calling the factory runs, the user's own Python code with the user's
+    privileges: pass only code you trust. Import problems raise UsageError (exit 2); the
+    factory's own failures, raised when it is called, InputRejected (exit 3).
+    """
+    require_torch()
+    target, sep, attr = spec.rpartition(":")
+    if not sep or not target or not attr.isidentifier():
+        raise UsageError(f"expected FILE.py:FACTORY or package.module:FACTORY, got {spec!r}")
+    search_path = None
+    try:
+        if target.endswith(".py"):
+            path = Path(target)
+            if not path.is_file():
+                raise UsageError(f"model factory file not found: {path}")
+            search_path = path.resolve().parent
+            name = f"_accel_opt_user_{re.sub(r'[^0-9A-Za-z_]', '_', path.stem)}_{abs(hash(str(path.resolve()))):x}"
+            module_spec = importlib.util.spec_from_file_location(name, path)
+            if module_spec is None or module_spec.loader is None:
+                raise UsageError(f"cannot import {path} as Python")
+            module = importlib.util.module_from_spec(module_spec)
+            sys.modules[name] = module  # dataclasses, pickling and torch.export look modules up by name
+            with _on_sys_path(search_path):
+                module_spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(target)
+    except UsageError:
+        raise
+    except (Exception, SystemExit) as exc:
+        raise UsageError(f"importing {target} failed: {type(exc).__name__}: {first_line(exc)}") from exc
+    if not hasattr(module, attr):
+        callables = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_"))[:10]
+        raise UsageError(f"{target} has no attribute {attr!r} (callables there: {', '.join(callables) or 'none'})")
+    fn = getattr(module, attr)
+    if not callable(fn):
+        raise UsageError(f"{target}:{attr} is a {type(fn).__name__}, not a callable factory")
+    return ModuleFactory(spec, fn, search_path)
+
+
+@contextlib.contextmanager
+def _on_sys_path(folder: Path | None):
+    """The factory file's folder on sys.path while its code runs, as `python file.py` would have it."""
+    if folder is None or str(folder) in sys.path:
+        yield
+        return
+    sys.path.insert(0, str(folder))
+    try:
+        yield
+    finally:
+        with contextlib.suppress(ValueError):
+            sys.path.remove(str(folder))
+
+
+class TorchRunner(BaseRunner):
+    """Runs an nn.Module eagerly under torch.inference_mode; numpy in, numpy out, keyed like the ONNX model.
+
+    `model` is a module or a factory (called on activate). Positional forward() arguments follow
+    `inputs` order; tuple/dict results are flattened in order onto `output_names`.
+    `torch.set_num_threads` is process-wide: it is set on activate and restored on deactivate.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        inputs: list[TensorSpec],
+        output_names: list[str],
+        threads: int | None = None,
+        name: str | None = None,
+    ):
+        super().__init__(name=name, prefix="torch-runner")
+        self._model, self.inputs, self.output_names, self.threads = model, list(inputs), list(output_names), threads
+
+    def activate_impl(self) -> None:
+        torch = require_torch()
+        model = self._model
+        if not isinstance(model, torch.nn.Module):
+            model = model()
+        self.model = model.eval()
+        self._previous_threads = torch.get_num_threads()
+        if self.threads:
+            torch.set_num_threads(self.threads)
+
+    def get_input_metadata_impl(self) -> TensorMetadata:
+        meta = TensorMetadata()
+        for spec in self.inputs:
+            meta.add(spec.name, dtype=DataType.from_dtype(np.dtype(spec.dtype)), shape=spec.shape)
+        return meta
+
+    def infer_impl(self, feed_dict: dict[str, Any]) -> OrderedDict[str, np.ndarray]:
+        import torch
+
+        args = [self._tensor(feed_dict[spec.name]) for spec in self.inputs]
+        start = time.perf_counter()
+        with torch.inference_mode():
+            result = self.model(*args)
+        outputs = flatten_outputs(result)
+        self.inference_time = time.perf_counter() - start
+        if len(outputs) != len(self.output_names):
+            raise InputRejected(
+                f"the PyTorch model returned {len(outputs)} tensors, the ONNX model has {len(self.output_names)} outputs"
+            )
+        return OrderedDict((n, t.detach().cpu().numpy()) for n, t in zip(self.output_names, outputs, strict=True))
+
+    @staticmethod
+    def _tensor(array: Any) -> Any:
+        import torch
+
+        return array if isinstance(array, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(array))
+
+    def deactivate_impl(self) -> None:
+        import torch
+
+        del self.model
+        torch.set_num_threads(self._previous_threads)
+
+
+def torch_runner(model: Any, onnx_path: Path, threads: int | None = None, name: str = "pytorch-eager") -> TorchRunner:
+    """A TorchRunner whose inputs and output names are those of the model exported to `onnx_path`."""
+    inputs, outputs = io_specs(onnx.load(str(onnx_path), load_external_data=False))
+    return TorchRunner(model, inputs, [o.name for o in outputs], threads=threads, name=name)
+
+
+class OutputCheck(BaseModel):
+    name: str
+    batch_size: int
+    shape: list[int]
+    max_abs_error: float
+    max_rel_error: float  # over elements whose |reference| > atol (relative error of ~0 is noise)
+    passed: bool  # every element: |onnx - torch| <= atol + rtol * |torch|
+
+
+class VerificationReport(BaseModel):
+    onnx_path: str
+    atol: float
+    rtol: float
+    threads: int
+    batch_sizes: list[int]
+    checks: list[OutputCheck]
+    failures: list[str]  # one line each; empty when the export matches PyTorch
+
+    @property
+    def passed(self) -> bool:
+        return not self.failures
+
+
+def verify(
+    module: Any,
+    onnx_path: Path,
+    shapes: dict[str, list[int]],
+    batch_sizes: Sequence[int] | None = None,
+    atol: float = 1e-4,
+    rtol: float = 1e-3,
+    threads: int | None = None,
+    samples: list[Sample] | None = None,
+    seed: int = 1,
+    raise_on_failure: bool = True,
+) -> VerificationReport:
+    """Run the ONNX model (ONNX Runtime CPU) and the module on fresh inputs and compare every output.
+
+    Default batch sizes: the example's and another one (3, or 2), which exercises the dynamic
+    batch axis. `samples` replaces the random inputs (e.g. real tokenized sentences). A mismatch
+    raises GateFailed (exit 1) with the report attached as `.report`, unless `raise_on_failure`
+    is False.
+    """
+    require_torch()
+    from optimizer.backends.onnxruntime import CPU_PROVIDER, create_session, default_threads
+
+    threads = threads or default_threads()
+    inputs, outputs = io_specs(onnx.load(str(onnx_path), load_external_data=False))
+    if [s.name for s in inputs] != list(shapes):
+        raise UsageError(f"shapes name inputs {list(shapes)}, the ONNX model has {[s.name for s in inputs]}")
+    if samples is None:
+        base = shapes[inputs[0].name][0]
+        batch_dynamic = all(s.shape and not isinstance(s.shape[0], int) for s in inputs)
+        batch_sizes = batch_sizes or ((base, 3 if base != 3 else 2) if batch_dynamic else (base,))
+        samples = [
+            synthetic_samples(inputs, {k: [b, *v[1:]] for k, v in shapes.items()}, 1, seed + b)[0][0] for b in batch_sizes
+        ]
+    session = create_session(Path(onnx_path), [CPU_PROVIDER], threads)
+    checks: list[OutputCheck] = []
+    failures: list[str] = []
+    with TorchRunner(module, inputs, [o.name for o in outputs], threads=threads) as reference:
+        for feed in samples:
+            batch = int(next(iter(feed.values())).shape[0])
+            try:
+                got = session.run(None, feed)
+            except Exception as exc:
+                failures.append(f"batch {batch}: ONNX Runtime failed: {first_line(exc)}")
+                continue
+            try:
+                ref = list(reference.infer(feed, check_inputs=False).values())
+            except Exception as exc:
+                failures.append(f"batch {batch}: PyTorch failed: {type(exc).__name__}: {first_line(exc)}")
+                continue
+            for spec, r, g in zip(outputs, ref, got, strict=True):
+                checks.append(_check_output(spec.name, batch, r, g, atol, rtol, failures))
+    report = VerificationReport(
+        onnx_path=str(onnx_path), atol=atol, rtol=rtol, threads=threads,
+        batch_sizes=[int(next(iter(f.values())).shape[0]) for f in samples], checks=checks, failures=failures,
+    )
+    if failures and raise_on_failure:
+        more = f" (+{len(failures) - 1} more)" if len(failures) > 1 else ""
+        error = GateFailed(f"exported model differs from PyTorch: {failures[0]}{more}")
+        error.report = report  # type: ignore[attr-defined]
+        raise error
+    return report
+
+
+def _check_output(name: str, batch: int, ref: np.ndarray, got: np.ndarray, atol: float, rtol: float, failures: list[str]) -> OutputCheck:
+    if ref.shape != got.shape:
+        failures.append(f"batch {batch}: {name}: shape {list(got.shape)} but PyTorch gives {list(ref.shape)}")
+        return OutputCheck(name=name, batch_size=batch, shape=list(got.shape), max_abs_error=float("inf"),
+                           max_rel_error=float("inf"), passed=False)
+    r, g = ref.astype(np.float64), got.astype(np.float64)
+    diff = np.where(np.isnan(r) & np.isnan(g), 0.0, np.abs(g - r))
+    large = np.abs(r) > atol
+    max_abs = float(np.nan_to_num(diff, nan=np.inf).max(initial=0.0))
+    max_rel = float(np.nan_to_num(diff[large] / np.abs(r[large]), nan=np.inf).max(initial=0.0))
+    passed = bool(np.isclose(g, r, atol=atol, rtol=rtol, equal_nan=True).all())
+    if not passed:
+        failures.append(f"batch {batch}: {name}: max abs error {max_abs:.3g}, max rel error {max_rel:.3g} "
+                        f"beyond atol={atol:g}/rtol={rtol:g}")
+    return OutputCheck(name=name, batch_size=batch, shape=list(got.shape), max_abs_error=max_abs,
+                       max_rel_error=max_rel, passed=passed)

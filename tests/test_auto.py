@@ -1,0 +1,143 @@
+"""`--backend auto` / `--precision auto`: the plan, and real candidate builds on the tiny zoo ResNet."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from optimizer import auto
+from optimizer.artifacts import MANIFEST
+from optimizer.auto import AutoSelection, build_auto, plan
+from optimizer.backends.select import auto_backend, candidate_precisions
+from optimizer.errors import InputRejected
+from optimizer.recipe import BackendName, Recipe
+
+TARGET = 2  # a batch size FAST_BENCH measures
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("auto-data")
+    rng = np.random.default_rng(0)
+    for i in range(16):
+        np.savez(folder / f"s{i:02d}.npz", image=rng.standard_normal((1, 3, 32, 32)).astype(np.float32))
+    return folder
+
+
+@pytest.fixture()
+def recipe(fast_recipe) -> Recipe:
+    return fast_recipe.with_overrides(**{"selection.target_batch_size": TARGET})
+
+
+# --- plan -----------------------------------------------------------------------------------------
+
+
+def test_plan_auto_tries_every_sensible_pair_with_a_reason():
+    pairs, reason = plan(Recipe(), "auto", "auto", has_data=True)
+    chosen, expected_reason = auto_backend()
+    assert reason == expected_reason
+    backends = [chosen] + ([BackendName.onnxruntime] if chosen is not BackendName.onnxruntime else [])
+    expected = [(b.value, p.value, why) for b in backends for p, why in candidate_precisions(b)]
+    assert pairs == expected
+    assert pairs[0][0] == chosen.value and ("onnxruntime", "fp32", "reference precision") in pairs
+    assert any(p == "int8" for _, p, _ in pairs) and all(why for _, _, why in pairs)
+
+
+def test_plan_without_data_skips_int8(caplog):
+    with caplog.at_level(logging.WARNING, logger="optimizer.auto"):
+        pairs, _ = plan(Recipe(), "auto", "auto", has_data=False)
+    with_data, _ = plan(Recipe(), "auto", "auto", has_data=True)
+    assert pairs == [pair for pair in with_data if pair[1] != "int8"]
+    assert "calibration needs --data" in caplog.text
+
+
+def test_plan_with_given_backend_or_precision():
+    assert plan(Recipe(), "onnxruntime", "fp32", has_data=False) == (
+        [("onnxruntime", "fp32", "given")], "given on the command line or in the recipe",
+    )
+    pairs, _ = plan(Recipe(), "onnxruntime", "auto", has_data=True)
+    assert [(b, p) for b, p, _ in pairs] == [("onnxruntime", "fp32"), ("onnxruntime", "int8")]
+    pairs, _ = plan(Recipe(), "auto", "fp32", has_data=False)
+    assert [p for _, p, _ in pairs] == ["fp32"] * len(pairs) and pairs[-1][0] == "onnxruntime"
+
+
+def test_plan_does_not_list_onnxruntime_twice(monkeypatch):
+    # A machine where auto picks ONNX Runtime itself (no AVX-512/AMX, or no openvino installed).
+    monkeypatch.setattr(auto, "auto_backend", lambda: (BackendName.onnxruntime, "portable default"))
+    pairs, reason = plan(Recipe(), "auto", "auto", has_data=True)
+    assert reason == "portable default" and {b for b, _, _ in pairs} == {"onnxruntime"}
+    assert [p for _, p, _ in pairs] == ["fp32", "int8"]
+
+
+# --- real builds ----------------------------------------------------------------------------------
+
+
+def _p50_at(artifact_dir: str, batch: int) -> float:
+    bench = json.loads((Path(artifact_dir) / "benchmark.json").read_text())
+    return next(b["latency"]["p50_ms"] for b in bench["models"][0]["batches"] if b["batch_size"] == batch)
+
+
+def test_build_auto_picks_the_fastest_signed_off_candidate(tiny_cnn_path, recipe, data_dir, tmp_path):
+    seen = []
+    result, selection = build_auto(tiny_cnn_path, recipe, "auto", "auto", data_dir, tmp_path, on_candidate=seen.append)
+    pairs, reason = plan(recipe, "auto", "auto", has_data=True)
+    assert [(c.backend, c.precision, c.why_tried) for c in selection.candidates] == pairs
+    assert seen == selection.candidates and selection.backend_reason == reason
+    assert selection.target_batch_size == TARGET and selection.latency_budget_ms is None
+    assert all(c.verdict for c in selection.candidates)
+
+    signed = [c for c in selection.candidates if c.signed_off]
+    assert signed, [c.verdict for c in selection.candidates]
+    for c in selection.candidates:
+        assert c.artifact_dir and (Path(c.artifact_dir) / MANIFEST).is_file(), c.verdict
+        assert c.latency_p50_ms == _p50_at(c.artifact_dir, TARGET)  # compared at the target batch
+        if not c.signed_off:
+            assert c.verdict.startswith("failed the gate")
+    winner = min(signed, key=lambda c: c.latency_p50_ms)
+    assert selection.winner == winner and winner.verdict == f"won: fastest signed-off candidate at batch {TARGET}"
+    for c in signed:
+        if c is not winner:
+            assert c.verdict.startswith("lost: ") and f"the winner's p50 at batch {TARGET}" in c.verdict
+
+    assert result is not None and result.signed_off
+    assert (result.backend, result.precision, result.artifact_dir) == (winner.backend, winner.precision, winner.artifact_dir)
+
+    saved = AutoSelection.model_validate_json((tmp_path / "tiny_cnn-auto-selection.json").read_text())
+    assert saved == selection
+    markdown = (tmp_path / "tiny_cnn-auto-selection.md").read_text()
+    assert f"Target batch {TARGET}; latency budget none" in markdown
+    assert sum(line.startswith(("| onnxruntime ", "| openvino ")) for line in markdown.splitlines()) == len(pairs)
+    assert f"Winner: {winner.backend} {winner.precision} -> {winner.artifact_dir}" in markdown
+
+
+def test_latency_budget_makes_every_candidate_lose(tiny_cnn_path, recipe, data_dir, tmp_path):
+    tight = recipe.with_overrides(**{"selection.latency_budget_ms": 1e-6})
+    result, selection = build_auto(tiny_cnn_path, tight, "onnxruntime", "auto", data_dir, tmp_path)
+    assert result is None and selection.winner is None
+    assert [c.precision for c in selection.candidates] == ["fp32", "int8"]
+    for c in selection.candidates:
+        assert c.latency_p50_ms is not None and c.artifact_dir
+        assert c.verdict.startswith("failed the gate") or "over the 1e-06 ms budget" in c.verdict
+    assert any("over the 1e-06 ms budget" in c.verdict for c in selection.candidates)
+    assert json.loads((tmp_path / "tiny_cnn-auto-selection.json").read_text())["winner"] is None
+    markdown = (tmp_path / "tiny_cnn-auto-selection.md").read_text()
+    assert "latency budget 1e-06 ms" in markdown and "No candidate passed." in markdown
+
+
+def test_unbuildable_candidate_is_listed_with_its_reason(tiny_cnn_path, recipe, tmp_path):
+    result, selection = build_auto(tiny_cnn_path, recipe, "onnxruntime", "bf16", None, tmp_path)
+    assert result is None and selection.winner is None
+    (only,) = selection.candidates
+    assert only.verdict.startswith("could not build (exit 4)") and "bfloat16" in only.verdict
+    assert (tmp_path / "tiny_cnn-auto-selection.md").is_file()
+
+
+def test_bad_data_stops_the_search(tiny_cnn_path, recipe, tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(InputRejected, match="no .npz files"):  # exit 3: no other candidate would do better
+        build_auto(tiny_cnn_path, recipe, "onnxruntime", "fp32", empty, tmp_path / "out")
