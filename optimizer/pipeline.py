@@ -314,7 +314,8 @@ def _stage_reports(ctx: BuildContext) -> tuple[StageStatus, str]:
     artifacts.write_json(staging / "accuracy.json", ctx.accuracy)
     artifacts.write_text(
         staging / "signoff.md",
-        report.signoff_markdown(name, signed_off, ctx.accuracy, ctx.precision, ctx.data, len(ctx.calibration_samples), ctx.notes),
+        report.signoff_markdown(name, signed_off, ctx.accuracy, ctx.precision, ctx.data, len(ctx.calibration_samples),
+                                ctx.notes + (ctx.precision.notes if ctx.precision else [])),
     )
     artifacts.write_json(staging / "benchmark.json", ctx.bench)
     artifacts.write_text(staging / "benchmark.md", report.benchmark_markdown(name, ctx.bench))

@@ -152,6 +152,12 @@ class CalibrationConfig(_Strict):
     percentile: float = Field(default=99.999, gt=90, le=100)
     num_bins: int = Field(default=2048, ge=128)  # entropy / percentile histogram bins
     per_channel: bool = True
+    # Op types that get Q/DQ; None: every op ONNX Runtime has a Q/DQ kernel for (CNNs gain from
+    # quantized Add/Pool too). Transformers: [MatMul, Gemm] keeps masks, softmax and norms in float.
+    op_types: list[str] | None = None
+    # Accuracy-driven fallback: when the int8 model's output cosine against fp32 on the calibration
+    # samples is below this, the most sensitive groups of layers stay in float until it holds.
+    fallback_min_cosine: float | None = Field(default=None, gt=0, le=1)
 
 
 class PrecisionConfig(_Strict):

@@ -183,3 +183,21 @@ def test_transform_entry_point_dispatches_int8_and_fp16(model_path, calib, tmp_p
     assert int8.precision is Precision.int8 and int8.calibration.sample_count == len(calib)
     half = transform(model_path, Precision.fp16, recipe, "onnxruntime", [], tmp_path / "h.onnx", None)
     assert half.precision is Precision.fp16 and half.calibration is None
+
+
+def test_sensitivity_fallback_keeps_damaging_groups_in_float(model_path, calib, evaluation, tmp_path):
+    """A target int8 cannot meet (cosine 0.99999) makes the fallback keep layer groups in float,
+    most damaging first, until it holds; it says which and why, and the error drops."""
+    plain = quantize(model_path, calib, CalibrationConfig(samples=16), "onnxruntime", tmp_path / "plain.onnx", None)
+    assert plain.kept_in_higher_precision == []
+    config = CalibrationConfig(samples=16, fallback_min_cosine=0.99999)
+    rescued = quantize(model_path, calib, config, "onnxruntime", tmp_path / "rescued.onnx", tmp_path / "cache")
+    kept = rescued.kept_in_higher_precision
+    assert kept and all("int8 sensitivity" in k.reason for k in kept)
+    assert any("kept in float" in note for note in rescued.notes)
+    reference = _run(model_path, evaluation)
+    assert _relative_error(_run(tmp_path / "rescued.onnx", evaluation), reference) < _relative_error(
+        _run(tmp_path / "plain.onnx", evaluation), reference
+    )
+    again = quantize(model_path, calib, config, "onnxruntime", tmp_path / "again.onnx", tmp_path / "cache")
+    assert again.calibration.cache_hit and [k.node for k in again.kept_in_higher_precision] == [k.node for k in kept]

@@ -2,7 +2,7 @@
 
 One Q/DQ graph serves ONNX Runtime, OpenVINO (reads Q/DQ ONNX as int8) and TensorRT (explicit
 quantization), but the integer types must suit the target's kernels: hence per-target presets.
-ONNX Runtime's quantize_static is wrapped once, in `_run_ort_quantization`; its string-keyed
+ONNX Runtime's quantize_static is wrapped once, in `_quantize_with_ranges`; its string-keyed
 options never leave that function.
 """
 
@@ -12,27 +12,31 @@ import contextlib
 import dataclasses
 import hashlib
 import io
+import json
 import logging
 import os
 import shutil
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+import numpy as np
 import onnx
 from onnx import external_data_helper
 
 from optimizer.data import Sample
 from optimizer.errors import InputRejected, Unsupported
-from optimizer.precision import CalibrationReport, PrecisionReport
+from optimizer.precision import CalibrationReport, KeptNode, PrecisionReport
 from optimizer.precision.fp16 import EXTERNAL_DATA_BYTES, opset_of, save_model, validate
 from optimizer.recipe import CalibrationConfig, CalibrationMethod, Precision, QuantTarget
 
 log = logging.getLogger(__name__)
 
 MIN_OPSET = 13  # per-channel DequantizeLinear (`axis`) exists from opset 13; opset 12 gives invalid models
+FALLBACK_SAMPLES = 8  # calibration samples the fallback measures on (never the evaluation samples)
 CALIBRATION_CHUNK = 8  # samples per calibrator pass: bounds the memory of histogram calibration
 _CACHE_FORMAT = 1  # bump when this module's output for the same inputs changes
 
@@ -109,6 +113,8 @@ class QuantSettings:
     per_channel: bool
     percentile: float
     num_bins: int
+    op_types: tuple[str, ...] | None = None  # None: every op with a Q/DQ kernel in ORT
+    fallback_min_cosine: float | None = None
     num_quantized_bins: int = 128  # entropy: bins of the quantized distribution in the KL search (ORT and TensorRT use 128)
 
 
@@ -127,10 +133,12 @@ def quantize(
     if not samples:
         raise InputRejected("int8 calibration needs at least one sample")
     preset = resolve_preset(config.target, backend_name)
-    settings = QuantSettings(preset, config.method, config.per_channel, config.percentile, config.num_bins)
+    settings = QuantSettings(preset, config.method, config.per_channel, config.percentile, config.num_bins,
+                             tuple(config.op_types) if config.op_types else None, config.fallback_min_cosine)
     key = calibration_key(model_path, samples, settings)
     opset_before = opset_of(onnx.load(str(model_path), load_external_data=False))
     notes: list[str] = []
+    kept: list[KeptNode] = []
     out_path.parent.mkdir(parents=True, exist_ok=True)
     cached = Path(cache_dir) / f"{key}.onnx" if cache_dir is not None else None
     cache_hit = False
@@ -144,6 +152,7 @@ def quantize(
                 validate(out_path, run_session=True, tmp=tmp)
                 cache_hit = True
                 notes.append(f"calibration cache hit: {cached}")
+                kept = _kept_from_cache(cached)
             except Exception as exc:  # a damaged entry: recalibrate, and overwrite it below
                 notes.append(f"calibration cache entry {cached.name} is invalid ({exc}); recalibrated")
         if not cache_hit:
@@ -152,11 +161,17 @@ def quantize(
             staged = tmp / "staged" / out_path.name
             staged.parent.mkdir()
             large = _tensor_bytes(prepared) > EXTERNAL_DATA_BYTES
-            _run_ort_quantization(prepared, samples, settings, tmp, staged, large)
+            ranges = _calibrate(prepared, samples, settings, tmp, large)
+            _quantize_with_ranges(prepared, ranges, settings, staged, large)
             validate(staged, run_session=True, tmp=tmp)
+            if settings.fallback_min_cosine is not None:
+                kept = _sensitivity_fallback(prepared, ranges, settings, staged, large, samples, notes)
             for produced in staged.parent.iterdir():
                 shutil.move(str(produced), str(out_path.parent / produced.name))
             if cached is not None and not large:
+                if kept:  # written before the model entry, which marks the cache entry complete
+                    cached.parent.mkdir(parents=True, exist_ok=True)
+                    cached.with_suffix(".kept.json").write_text(json.dumps([k.model_dump() for k in kept]))
                 _write_atomically(out_path, cached)
             elif cached is not None:
                 notes.append("not cached: the quantized model keeps its weights in an external data file")
@@ -169,6 +184,7 @@ def quantize(
         opset_before=opset_before,
         opset_after=opset_of(onnx.load(str(out_path), load_external_data=False)),
         keep_io_types=True,
+        kept_in_higher_precision=kept,
         calibration=CalibrationReport(
             method=config.method.value,
             preset=preset.name,
@@ -257,44 +273,32 @@ def _prepare(model_path: Path, tmp: Path, notes: list[str]) -> Path:
     return prepared
 
 
-def _run_ort_quantization(
-    model: Path, samples: list[Sample], settings: QuantSettings, tmp: Path, out: Path, large: bool
-) -> None:
-    """The one call site of ORT's static quantization; all of its string options live here.
+def _calibrate(model: Path, samples: list[Sample], settings: QuantSettings, tmp: Path, large: bool) -> Path:
+    """Activation ranges, computed once, written as ORT's calibration-cache file.
 
     quantize_static forwards only some calibrator options (CalibPercentile, CalibTensorRangeSymmetric,
     ...) and not the histogram's bin counts, so its entropy calibration runs with 128 bins = 128
     quantized bins, which is the min/max range: a file identical to MinMax (FACTS.md). So the
     calibrator runs here with every option explicit, and its ranges reach quantize_static through
-    its calibration-cache file.
+    its calibration-cache file (which also lets the fallback re-quantize without recalibrating).
     """
-    from onnxruntime.quantization import CalibrationMethod as OrtMethod
-    from onnxruntime.quantization import QuantFormat, QuantType, quantize_static
     from onnxruntime.quantization.calibrate import create_calibrator, save_tensors_data
-    from onnxruntime.quantization.registry import QDQRegistry, QLinearOpsRegistry
 
     from optimizer.precision.calibration import SampleReader
 
-    preset = settings.preset
-    qtypes = {"uint8": QuantType.QUInt8, "int8": QuantType.QInt8}
-    method = {
-        CalibrationMethod.minmax: OrtMethod.MinMax,
-        CalibrationMethod.entropy: OrtMethod.Entropy,
-        CalibrationMethod.percentile: OrtMethod.Percentile,
-    }[settings.method]
     calibrator_options = {
-        "symmetric": preset.symmetric_activations,  # percentile: cut both tails unless the target is symmetric
+        "symmetric": settings.preset.symmetric_activations,  # percentile: cut both tails unless the target is symmetric
         "moving_average": False,  # plain min/max over all samples
         "num_bins": settings.num_bins,
         "num_quantized_bins": settings.num_quantized_bins,
         "percentile": settings.percentile,
     }
-    with contextlib.redirect_stdout(io.StringIO()):  # ORT's histogram collector prints progress
+    with contextlib.redirect_stdout(io.StringIO()), _calibration_errors(settings.method):  # the collector prints progress
         calibrator = create_calibrator(
             model,
-            sorted(set(QLinearOpsRegistry) | set(QDQRegistry)),  # what quantize_static calibrates by default
+            _op_types(settings),
             augmented_model_path=str(tmp / "augmented.onnx"),
-            calibrate_method=method,
+            calibrate_method=_ort_method(settings.method),
             use_external_data_format=large,
             providers=["CPUExecutionProvider"],
             extra_options=calibrator_options,
@@ -305,6 +309,33 @@ def _run_ort_quantization(
     del calibrator
     ranges_file = tmp / "ranges.json"
     save_tensors_data(ranges, ranges_file)
+    return ranges_file
+
+
+def _op_types(settings: QuantSettings) -> list[str]:
+    from onnxruntime.quantization.registry import QDQRegistry, QLinearOpsRegistry
+
+    return list(settings.op_types or sorted(set(QLinearOpsRegistry) | set(QDQRegistry)))  # ORT's default set
+
+
+def _ort_method(method: CalibrationMethod):
+    from onnxruntime.quantization import CalibrationMethod as OrtMethod
+
+    return {
+        CalibrationMethod.minmax: OrtMethod.MinMax,
+        CalibrationMethod.entropy: OrtMethod.Entropy,
+        CalibrationMethod.percentile: OrtMethod.Percentile,
+    }[method]
+
+
+def _quantize_with_ranges(
+    model: Path, ranges_file: Path, settings: QuantSettings, out: Path, large: bool, exclude: Sequence[str] = ()
+) -> None:
+    """The one call site of ORT's static quantization; all of its string options live here."""
+    from onnxruntime.quantization import QuantFormat, QuantType, quantize_static
+
+    preset = settings.preset
+    qtypes = {"uint8": QuantType.QUInt8, "int8": QuantType.QInt8}
     quantize_static(
         str(model),
         str(out),
@@ -314,9 +345,11 @@ def _run_ort_quantization(
         reduce_range=False,  # 7-bit weights only help CPUs without VNNI; this one has VNNI and AMX
         activation_type=qtypes[preset.activation_type],
         weight_type=qtypes[preset.weight_type],
-        calibrate_method=method,
+        calibrate_method=_ort_method(settings.method),
         use_external_data_format=large,
         calibration_cache_path=str(ranges_file),
+        op_types_to_quantize=_op_types(settings),
+        nodes_to_exclude=list(exclude),
         extra_options={
             "ActivationSymmetric": preset.symmetric_activations,
             "WeightSymmetric": preset.symmetric_weights,
@@ -327,6 +360,104 @@ def _run_ort_quantization(
             "CalibTensorRangeSymmetric": preset.symmetric_activations,
         },
     )
+
+
+def _layer_groups(model: Path, op_types: list[str]) -> dict[str, list[tuple[str, str]]]:
+    """Quantizable nodes grouped by (op type, weight shape): the unit of the fallback.
+
+    In a transformer the groups are the attention projections, the FFN up- and down-projections and
+    the activation x activation products; in a CNN, convolutions of one shape. Grouping keeps the
+    search at a handful of quantizations instead of one per node.
+    """
+    proto = onnx.load(str(model), load_external_data=False)
+    weights = {t.name: tuple(t.dims) for t in proto.graph.initializer}
+    groups: dict[str, list[tuple[str, str]]] = {}
+    for node in proto.graph.node:
+        if node.op_type not in op_types or not node.name:
+            continue
+        shape = next((weights[i] for i in node.input[1:] if i in weights), None)
+        key = f"{node.op_type} weight {'x'.join(map(str, shape))}" if shape else f"{node.op_type} activation x activation"
+        groups.setdefault(key, []).append((node.name, node.op_type))
+    return groups
+
+
+def _output_cosine(reference: Path, candidate: Path, samples: list[Sample]) -> float:
+    """Worst output cosine over `samples` together (float64), candidate vs reference."""
+    from optimizer.backends.onnxruntime import CPU_PROVIDER, create_session
+
+    ref, cand = create_session(reference, [CPU_PROVIDER], 2), create_session(candidate, [CPU_PROVIDER], 2)
+    ref_out = [ref.run(None, s) for s in samples]
+    cand_out = [cand.run(None, s) for s in samples]
+    worst = 1.0
+    for i in range(len(ref_out[0])):
+        a = np.concatenate([o[i].ravel() for o in ref_out]).astype(np.float64)
+        b = np.concatenate([o[i].ravel() for o in cand_out]).astype(np.float64)
+        norms = np.linalg.norm(a) * np.linalg.norm(b)
+        worst = min(worst, float(a @ b / norms) if norms else 1.0)
+    return worst
+
+
+def _sensitivity_fallback(
+    prepared: Path, ranges: Path, settings: QuantSettings, staged: Path, large: bool, samples: list[Sample],
+    notes: list[str],
+) -> list[KeptNode]:
+    """Keep the most damaging layer groups in float until the calibration-sample cosine holds.
+
+    One re-quantization per group measures what leaving it in float buys (ranges are reused, no
+    recalibration); groups are then excluded greedily, best first. Overwrites `staged`.
+    """
+    target = settings.fallback_min_cosine
+    probe = samples[:FALLBACK_SAMPLES]
+    baseline = _output_cosine(prepared, staged, probe)
+    if baseline >= target:
+        notes.append(f"int8 cosine on calibration samples {baseline:.5f} >= {target}: no layer kept in float")
+        return []
+    groups = _layer_groups(prepared, _op_types(settings))
+    trial = staged.parent.parent / "trial.onnx"  # outside the staged folder, which is published whole
+    gains = {}
+    for key, nodes in groups.items():
+        _quantize_with_ranges(prepared, ranges, settings, trial, large, [n for n, _ in nodes])
+        gains[key] = _output_cosine(prepared, trial, probe)
+    excluded: list[str] = []
+    reached = baseline
+    for key in sorted(gains, key=gains.get, reverse=True):
+        excluded.append(key)
+        names = [n for k in excluded for n, _ in groups[k]]
+        _quantize_with_ranges(prepared, ranges, settings, staged, large, names)
+        reached = _output_cosine(prepared, staged, probe)
+        if reached >= target:
+            break
+    notes.append(
+        f"int8 cosine on {len(probe)} calibration samples was {baseline:.5f} < {target}; kept in float: "
+        + ", ".join(f"{k} ({len(groups[k])} nodes, alone -> {gains[k]:.5f})" for k in excluded)
+        + f"; now {reached:.5f}"
+    )
+    return [
+        KeptNode(node=name, op_type=op, reason=f"int8 sensitivity: group '{key}' (alone in float: cosine {gains[key]:.5f})")
+        for key in excluded
+        for name, op in groups[key]
+    ]
+
+
+def _kept_from_cache(cached: Path) -> list[KeptNode]:
+    kept_file = cached.with_suffix(".kept.json")
+    return [KeptNode(**k) for k in json.loads(kept_file.read_text())] if kept_file.is_file() else []
+
+
+@contextlib.contextmanager
+def _calibration_errors(method: CalibrationMethod):
+    """ORT's histogram calibrators fail on tensors spanning ~float max (attention masks filled with
+    -3.4e38): turn that into a one-line error with the way out, not a crash."""
+    try:
+        yield
+    except ValueError as exc:
+        if "bins" not in str(exc):
+            raise
+        raise Unsupported(
+            f"{method.value} calibration cannot histogram a tensor whose range spans ~float max "
+            f"(typically an attention mask): quantize only matrix ops (precision_options.calibration.op_types: "
+            f"[MatMul, Gemm]) or use --calibration minmax ({exc})"
+        ) from None
 
 
 def _write_atomically(src: Path, dest: Path) -> None:
