@@ -234,9 +234,37 @@ def ort_variant(path: Path, recipe: Recipe, workdir: Path) -> Variant:
     return Variant("ORT fp32", "fp32", runner_for)
 
 
-def minilm_rows(*_args, **_kwargs) -> list[Variant]:
-    """MiniLM-L6 (batch 8, seq 128) rows: a later item, not measured yet."""
-    raise NotImplementedError("MiniLM benchmark rows are a later item")
+def accel_opt_auto_variant(fp32_path: Path, photos: list[dict[str, np.ndarray]], work: Path) -> tuple[Variant, str]:
+    """What `accel-opt build --backend auto --precision auto --recipe image-classifier --data DIR` signs
+    off on this machine: the winner's model.onnx compiled exactly as the pipeline compiles it."""
+    from optimizer.auto import build_auto
+    from optimizer.backends import get_backend
+    from optimizer.recipe import load_recipe
+
+    data = work / "photos"
+    data.mkdir()
+    for i, sample in enumerate(photos):
+        np.savez(data / f"photo_{i:03d}.npz", **sample)
+    recipe = load_recipe("image-classifier")
+    start = time.perf_counter()
+    result, selection = build_auto(fp32_path, recipe, "auto", "auto", data, work / "artifacts")
+    if result is None:
+        raise SystemExit("accel-opt auto signed off no candidate:\n" + "\n".join(c.verdict for c in selection.candidates))
+    summary = (f"accel-opt auto ({time.perf_counter() - start:.0f} s, {len(selection.candidates)} candidates): "
+               + "; ".join(f"{c.backend}/{c.precision} {c.latency_p50_ms or float('nan'):.1f} ms {c.verdict}" for c in selection.candidates))
+    backend = get_backend(result.backend)
+    chosen = recipe.with_overrides(backend=result.backend, precision=result.precision)
+    model_file = Path(result.artifact_dir) / "model.onnx"
+    kwargs = {"shapes": {"image": [recipe.selection.target_batch_size, 3, SIZE, SIZE]}} if getattr(backend, "compiles_for_shapes", False) else {}
+    compiled = backend.compile(model_file, Precision(result.precision), chosen, work / "auto-compile", **kwargs)
+
+    def runner_for(batch: int):
+        runner = backend.runner(compiled)
+        runner.activate()
+        return runner
+
+    kind = {"fp32": "fp32", "bf16": "bf16", "int8": "int8", "fp16": "bf16"}[result.precision]
+    return Variant(f"accel-opt auto: {result.backend} {result.precision}", kind, runner_for), summary
 
 
 def _cosine(a: np.ndarray, b: np.ndarray) -> float:
@@ -294,6 +322,10 @@ def main() -> None:
             ov_variant("OV int8 (Q/DQ, dynamic)", "int8", qdq_path, Precision.int8, recipe, work, dynamic=True),
             ov_variant("OV int8 (NNCF)", "int8", nncf_path, Precision.int8, recipe, work),
         ]
+        # Calibration photos only: the evaluation photos below stay unseen by accel-opt too.
+        auto_variant, auto_summary = accel_opt_auto_variant(fp32_path, calibration, work)
+        variants.append(auto_variant)
+        print(auto_summary)
 
         noise: list[float] = []
         for batch in (8, 1):
