@@ -23,35 +23,13 @@ from onnx import TensorProto, helper, numpy_helper
 
 # Import `optimizer` before onnxruntime.quantization: that module puts onnxruntime/transformers
 # (which holds an `optimizer.py`) on sys.path and would shadow this package.
+from benchmarks._common import wait_for_idle
 from optimizer import zoo
 from optimizer.backends.onnxruntime import OnnxRuntimeBackend
 from optimizer.backends.openvino import OpenVinoBackend
 from optimizer.recipe import BenchmarkConfig, Precision, Recipe
 
 SIZE = 224
-
-
-def cpu_busy(interval: float = 0.25) -> float:
-    """Fraction of all CPUs busy over `interval` seconds, from /proc/stat (this process is idle meanwhile)."""
-
-    def read() -> tuple[int, int]:
-        with open("/proc/stat") as f:
-            values = [int(v) for v in f.readline().split()[1:]]
-        return values[3] + values[4], sum(values[:8])  # idle + iowait, total (without guest)
-
-    idle0, total0 = read()
-    time.sleep(interval)
-    idle1, total1 = read()
-    return 1.0 - (idle1 - idle0) / max(1, total1 - total0)
-
-
-def wait_idle(max_busy: float = 0.15, timeout: float = 20.0) -> float:
-    """Wait until the CPUs are idle; return the last busy fraction seen (high: the block ran noisy)."""
-    deadline = time.monotonic() + timeout
-    busy = cpu_busy()
-    while busy > max_busy and time.monotonic() < deadline:
-        busy = cpu_busy()
-    return busy
 
 
 def flops_per_image(model: onnx.ModelProto) -> float:
@@ -80,7 +58,7 @@ def _best_seconds(call: Callable[[], object], reps: int) -> float:
     call()
     times = []
     for _ in range(reps):
-        wait_idle()
+        wait_for_idle()
         start = time.perf_counter()
         call()
         times.append(time.perf_counter() - start)
@@ -299,7 +277,7 @@ def main() -> None:
     # Pooled features as a second output: a cosine that does not depend on how the synthetic head
     # was fitted (an earlier head amplified noise in near-constant channels: logits cosine 0.2).
     features = next(n for n in model.graph.node if n.op_type == "Flatten").output[0]
-    model.graph.output.append(helper.make_tensor_value_info(features, TensorProto.FLOAT, None))
+    model.graph.output.append(helper.make_tensor_value_info(features, TensorProto.FLOAT, ["batch", 2048]))
     gflop = flops_per_image(model) / 1e9
     with tempfile.TemporaryDirectory(prefix="ov-speed-") as tmp:
         work = Path(tmp)
@@ -339,7 +317,7 @@ def main() -> None:
             medians: dict[str, list[float]] = {v.label: [] for v in variants}
             for _ in range(rounds):
                 for v in variants:
-                    noise.append(wait_idle())
+                    noise.append(wait_for_idle())
                     times = []
                     for _ in range(iters[batch]):
                         start = time.perf_counter()

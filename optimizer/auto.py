@@ -14,7 +14,7 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from optimizer import artifacts
+from optimizer import artifacts, report
 from optimizer.backends.select import auto_backend, candidate_precisions
 from optimizer.errors import AccelOptError
 from optimizer.pipeline import BuildResult, StageResult, build
@@ -116,25 +116,5 @@ def build_auto(
     out.mkdir(parents=True, exist_ok=True)
     stem = Path(model).stem
     artifacts.write_json(out / f"{stem}-auto-selection.json", selection)
-    artifacts.write_text(out / f"{stem}-auto-selection.md", selection_markdown(stem, selection))
+    artifacts.write_text(out / f"{stem}-auto-selection.md", report.selection_markdown(stem, selection))
     return (results[(winner.backend, winner.precision)] if winner else None), selection
-
-
-def selection_markdown(name: str, selection: AutoSelection) -> str:
-    lines = [
-        f"# Automatic choice: {name}",
-        "",
-        f"Target batch {selection.target_batch_size}; latency budget "
-        f"{f'{selection.latency_budget_ms} ms' if selection.latency_budget_ms else 'none'}. Backend: {selection.backend_reason}.",
-        "",
-        "| backend | precision | signed off | p50 ms | samples/s | worst cosine | verdict |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for c in selection.candidates:
-        p50 = f"{c.latency_p50_ms:.2f}" if c.latency_p50_ms is not None else "-"
-        tput = f"{c.throughput_per_s:.1f}" if c.throughput_per_s is not None else "-"
-        cos = f"{c.cosine:.5f}" if c.cosine is not None else "-"
-        lines.append(f"| {c.backend} | {c.precision} | {'yes' if c.signed_off else 'no'} | {p50} | {tput} | {cos} | {c.verdict} |")
-    winner = selection.winner
-    lines += ["", f"Winner: {winner.backend} {winner.precision} -> {winner.artifact_dir}" if winner else "No candidate passed."]
-    return "\n".join(lines) + "\n"

@@ -116,7 +116,7 @@ def build(model, precision, backend, recipe_path, data_dir, shapes, keep_io_type
         click.echo(json.dumps(payload))
     else:
         if selection is not None:
-            from optimizer.auto import selection_markdown
+            from optimizer.report import selection_markdown
 
             click.echo(selection_markdown(Path(model).stem, selection))
         if result:

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from optimizer.accuracy import AccuracyReport
 from optimizer.bench import BenchmarkReport
 from optimizer.data import DataSummary
 from optimizer.precision import PrecisionReport
+
+if TYPE_CHECKING:
+    from optimizer.auto import AutoSelection
 
 REFERENCES = {
     "reference-fp32": "the original model in fp32 on ONNX Runtime's CPU EP, graph optimizations off",
@@ -114,4 +119,26 @@ def benchmark_markdown(model_name: str, bench: BenchmarkReport) -> str:
     for base, ratios in bench.speedup_vs_baseline.items():
         out += ["", f"Speedup of {bench.models[0].label} over {base} (p50 ratio, >1 is faster; measured, not claimed):", ""]
         out.append(_table(["batch", "speedup"], [[str(b), f"{r:.2f}x"] for b, r in ratios.items()]))
+    return "\n".join(out) + "\n"
+
+
+def selection_markdown(name: str, selection: AutoSelection) -> str:
+    budget = f"{selection.latency_budget_ms} ms" if selection.latency_budget_ms else "none"
+    out = [
+        f"# Automatic choice: {name}",
+        "",
+        f"Target batch {selection.target_batch_size}; latency budget {budget}. Backend: {selection.backend_reason}.",
+        "",
+    ]
+
+    def fmt(value: float | None, spec: str) -> str:
+        return format(value, spec) if value is not None else "-"
+
+    out.append(_table(
+        ["backend", "precision", "signed off", "p50 ms", "samples/s", "worst cosine", "verdict"],
+        [[c.backend, c.precision, "yes" if c.signed_off else "no", fmt(c.latency_p50_ms, ".2f"),
+          fmt(c.throughput_per_s, ".1f"), fmt(c.cosine, ".5f"), c.verdict] for c in selection.candidates],
+    ))
+    winner = selection.winner
+    out += ["", f"Winner: {winner.backend} {winner.precision} -> {winner.artifact_dir}" if winner else "No candidate passed."]
     return "\n".join(out) + "\n"

@@ -106,7 +106,7 @@ def resnet(
     return model
 
 
-def _fit_head(model: onnx.ModelProto, features: str, fc_w: str, fc_b: str, samples, components: int = 4) -> None:
+def _fit_head(model: onnx.ModelProto, features: str, fc_w: str, fc_b: str, samples, components: int = 2) -> None:
     """Replace the classifier with a random linear map of the leading principal directions of the
     centred features: logits then follow the directions along which images really differ, as a
     trained head's do, instead of dividing by near-zero variances (which amplifies any noise)."""

@@ -102,3 +102,9 @@ def test_bad_recipe_exit_2(tmp_path):
 def test_help_lists_exit_codes():
     result = _run("build", "--help")
     assert result.exit_code == 0 and "70 internal error" in result.stdout
+
+
+def test_tensorrt_backend_is_refused_with_a_reason(tmp_path):
+    model = save(matmul_model(), tmp_path / "m.onnx")
+    result = _run("build", model, "--backend", "tensorrt", "--out", tmp_path / "out")
+    assert result.exit_code == 4 and "tensorrt is not in this release" in result.stderr

@@ -21,9 +21,12 @@ def get_backend(name: BackendName | str) -> Backend:
 
         backend = OpenVinoBackend()
     else:
-        from optimizer.backends.tensorrt import TensorRtBackend
-
-        backend = TensorRtBackend()
+        # Native TensorRT needs an NVIDIA GPU and NVIDIA's own package index; neither is on the
+        # machines this release is built and tested on, so it is refused rather than half-shipped.
+        raise Unsupported(
+            "backend tensorrt is not in this release (it needs an NVIDIA GPU and TensorRT from NVIDIA's index); "
+            "the int8 Q/DQ graphs accel-opt writes with calibration target tensorrt are TensorRT-ready"
+        )
     availability = backend.available()
     if not availability:
         raise Unsupported(f"backend {name.value} is unavailable here: {availability.reason}")
