@@ -61,12 +61,12 @@ def main() -> int:
             "signed off" if result.signed_off else "NOT signed off: " + "; ".join(result.failures),
             result.artifact_dir,
         ))
-        exit_code = max(exit_code, result.exit_code)
 
     header = ("precision", "p50 ms b1", "p50 ms b8", "speedup vs fp32 (b1 / b8)", "accuracy", "artifacts")
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
     for row in [header, *rows]:
         print("  ".join(str(cell).ljust(w) for cell, w in zip(row, widths)))
+    # A gate that fails is a result the table shows, not a failed demo; errors are.
     return exit_code
 
 

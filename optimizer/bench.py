@@ -13,6 +13,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from polygraphy.backend.base import BaseRunner
@@ -60,6 +61,8 @@ class BenchmarkReport(BaseModel):
     synchronized: bool
     models: list[ModelBenchmark]  # candidate first, then baselines
     speedup_vs_baseline: dict[str, dict[int, float]]  # baseline label -> batch -> baseline p50 / candidate p50
+    # Backends with async requests (OpenVINO): samples/s per stream count at the target batch.
+    concurrency: list[dict[str, Any]] = []
 
 
 @dataclass

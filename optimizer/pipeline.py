@@ -28,7 +28,7 @@ from optimizer.accuracy import AccuracyReport, compare
 from optimizer.backends import Backend, CompiledModel, get_backend
 from optimizer.backends.onnxruntime import default_threads, reference_runner
 from optimizer.bench import BenchmarkReport, Target, run_benchmark
-from optimizer.data import DataSummary, Sample, load_samples, shapes_of, split_samples, synthetic_samples
+from optimizer.data import DataSummary, Sample, batch_of, load_samples, shapes_of, split_samples, synthetic_samples
 from optimizer.errors import AccelOptError, Unsupported, UsageError
 from optimizer.graph.cleanup import CleanupReport, cleanup
 from optimizer.graph.inspect import ResolvedShapes, TensorSpec, io_specs, resolve_shapes
@@ -304,6 +304,10 @@ def _stage_benchmark(ctx: BuildContext) -> tuple[StageStatus, str]:
     else:
         batch_sizes = [next(iter(ctx.shapes.shapes.values()))[0]]
     ctx.bench = run_benchmark(targets, ctx.eval_samples, batch_sizes, ctx.recipe.benchmark, ctx.threads)
+    sweep = getattr(ctx.backend, "concurrency_sweep", None)
+    if sweep is not None:  # streams x async requests: the concurrency a server would run
+        feed = batch_of(ctx.eval_samples, ctx.recipe.selection.target_batch_size if ctx.shapes.batch_dynamic else batch_sizes[0])
+        ctx.bench.concurrency = sweep(ctx.compiled, feed, seconds=max(0.2, ctx.recipe.benchmark.min_seconds / 2))
     first = ctx.bench.models[0].batches[0]
     return "passed", f"batch {first.batch_size}: p50 {first.latency.p50_ms:.2f} ms over {first.latency.iterations} iterations"
 
@@ -386,8 +390,19 @@ def _resource_config(ctx: BuildContext) -> dict:
             "measured_at_batch": max(b.batch_size for b in candidate.batches),
         },
         "session_load_ms": candidate.session_load_ms,
-        "recommended": {"batch_size": best.batch_size, "threads": c.threads, "reason": "highest measured throughput"},
+        "recommended": _recommended(c, best.batch_size, bench),
     }
+
+
+def _recommended(compiled: CompiledModel, batch_size: int, bench: BenchmarkReport) -> dict[str, Any]:
+    recommended: dict[str, Any] = {"batch_size": batch_size, "threads": compiled.threads,
+                                   "reason": "highest measured throughput over the batch sizes benchmarked"}
+    if bench.concurrency:
+        best = max(bench.concurrency, key=lambda row: row["samples_per_s"])
+        recommended.update(streams=best["streams"], requests_in_flight=best["requests"],
+                           streams_reason=f"{best['samples_per_s']:.1f} samples/s at batch {best['batch_size']}, "
+                                          "the best of the concurrency sweep")
+    return recommended
 
 
 def _artifact_name(ctx: BuildContext) -> str:

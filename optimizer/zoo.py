@@ -62,6 +62,7 @@ def resnet(
     seed: int = 0,
     dynamic_batch: bool = True,
     head_samples: list[dict[str, np.ndarray]] | None = None,
+    head_components: int = 2,
 ) -> onnx.ModelProto:
     """A bottleneck ResNet (ResNet-50 with the defaults) as an ONNX model with input `image`, output `logits`.
 
@@ -102,11 +103,11 @@ def resnet(
     model.ir_version = 8
     onnx.checker.check_model(model)
     if head_samples:
-        _fit_head(model, flat, fc_w, fc_b, head_samples)
+        _fit_head(model, flat, fc_w, fc_b, head_samples, head_components)
     return model
 
 
-def _fit_head(model: onnx.ModelProto, features: str, fc_w: str, fc_b: str, samples, components: int = 2) -> None:
+def _fit_head(model: onnx.ModelProto, features: str, fc_w: str, fc_b: str, samples, components: int) -> None:
     """Replace the classifier with a random linear map of the leading principal directions of the
     centred features: logits then follow the directions along which images really differ, as a
     trained head's do, instead of dividing by near-zero variances (which amplifies any noise)."""
@@ -138,7 +139,8 @@ def save(model: onnx.ModelProto, path: str | Path) -> Path:
 
 def demo_classifier(head_samples: list[dict[str, np.ndarray]] | None = None) -> onnx.ModelProto:
     """The `make demo` model: ResNet layout at a size that builds in seconds on two cores (128x128 input)."""
-    return resnet(layout=(1, 1, 1, 1), width=32, num_classes=10, image_size=128, seed=0, head_samples=head_samples)
+    return resnet(layout=(1, 1, 1, 1), width=32, num_classes=10, image_size=128, seed=0, head_samples=head_samples,
+                  head_components=4)
 
 
 def photo_samples(size: int = 224, count: int | None = None) -> list[dict[str, np.ndarray]]:

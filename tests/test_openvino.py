@@ -270,6 +270,10 @@ def test_pipeline_build_on_openvino_records_static_shapes(tiny_cnn_path, fast_re
     blob = folder / settings["blob"]
     assert blob.is_file() and set(config["extra_files"]) == {blob.name, blob.name + ".json"}
     assert json.loads((folder / (blob.name + ".json")).read_text())["static_shapes"] == {"image": [8, 3, 32, 32]}
+    sweep = json.loads((folder / "benchmark.json").read_text())["concurrency"]
+    assert [row["requests"] for row in sweep] == list(range(1, config["threads"] + 1))
+    assert config["recommended"]["streams"] in {row["streams"] for row in sweep}
+    assert "Concurrency sweep" in (folder / "benchmark.md").read_text()
 
 
 @needs_openvino

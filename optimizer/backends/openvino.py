@@ -376,6 +376,10 @@ class OpenVinoBackend:
     def synchronize(self) -> None:
         return None
 
+    def concurrency_sweep(self, compiled: CompiledModel, feed: dict[str, np.ndarray], seconds: float) -> list[dict[str, Any]]:
+        """Throughput with 1..threads streams (one async request in flight per stream), same threads in all."""
+        return [throughput(compiled, feed, streams, seconds) for streams in range(1, max(1, compiled.threads) + 1)]
+
 
 def load_compiled(compiled: CompiledModel):
     """The openvino.CompiledModel: the saved blob when it was built here, else a fresh compile."""
