@@ -23,20 +23,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-import numpy as np
 import onnx
 from onnx import external_data_helper
 
 from optimizer.data import Sample
 from optimizer.errors import InputRejected, Unsupported
-from optimizer.precision import CalibrationReport, KeptNode, PrecisionReport
+from optimizer.precision import CalibrationReport, KeptNode, PrecisionReport, fallback
 from optimizer.precision.fp16 import EXTERNAL_DATA_BYTES, opset_of, save_model, validate
 from optimizer.recipe import CalibrationConfig, CalibrationMethod, Precision, QuantTarget
 
 log = logging.getLogger(__name__)
 
 MIN_OPSET = 13  # per-channel DequantizeLinear (`axis`) exists from opset 13; opset 12 gives invalid models
-FALLBACK_SAMPLES = 8  # calibration samples the fallback measures on (never the evaluation samples)
 CALIBRATION_CHUNK = 8  # samples per calibrator pass: bounds the memory of histogram calibration
 _CACHE_FORMAT = 1  # bump when this module's output for the same inputs changes
 
@@ -152,7 +150,7 @@ def quantize(
                 validate(out_path, run_session=True, tmp=tmp)
                 cache_hit = True
                 notes.append(f"calibration cache hit: {cached}")
-                kept = _kept_from_cache(cached)
+                kept = fallback.kept_from_cache(cached)
             except Exception as exc:  # a damaged entry: recalibrate, and overwrite it below
                 notes.append(f"calibration cache entry {cached.name} is invalid ({exc}); recalibrated")
         if not cache_hit:
@@ -165,7 +163,11 @@ def quantize(
             _quantize_with_ranges(prepared, ranges, settings, staged, large)
             validate(staged, run_session=True, tmp=tmp)
             if settings.fallback_min_cosine is not None:
-                kept = _sensitivity_fallback(prepared, ranges, settings, staged, large, samples, notes)
+                kept = fallback.keep_sensitive_groups_float(
+                    prepared, staged, fallback.layer_groups(prepared, _op_types(settings)),
+                    lambda exclude, out: _quantize_with_ranges(prepared, ranges, settings, out, large, exclude),
+                    samples, settings.fallback_min_cosine, notes,
+                )
             for produced in staged.parent.iterdir():
                 shutil.move(str(produced), str(out_path.parent / produced.name))
             if cached is not None and not large:
@@ -360,88 +362,6 @@ def _quantize_with_ranges(
             "CalibTensorRangeSymmetric": preset.symmetric_activations,
         },
     )
-
-
-def _layer_groups(model: Path, op_types: list[str]) -> dict[str, list[tuple[str, str]]]:
-    """Quantizable nodes grouped by (op type, weight shape): the unit of the fallback.
-
-    In a transformer the groups are the attention projections, the FFN up- and down-projections and
-    the activation x activation products; in a CNN, convolutions of one shape. Grouping keeps the
-    search at a handful of quantizations instead of one per node.
-    """
-    proto = onnx.load(str(model), load_external_data=False)
-    weights = {t.name: tuple(t.dims) for t in proto.graph.initializer}
-    groups: dict[str, list[tuple[str, str]]] = {}
-    for node in proto.graph.node:
-        if node.op_type not in op_types or not node.name:
-            continue
-        shape = next((weights[i] for i in node.input[1:] if i in weights), None)
-        key = f"{node.op_type} weight {'x'.join(map(str, shape))}" if shape else f"{node.op_type} activation x activation"
-        groups.setdefault(key, []).append((node.name, node.op_type))
-    return groups
-
-
-def _output_cosine(reference: Path, candidate: Path, samples: list[Sample]) -> float:
-    """Worst output cosine over `samples` together (float64), candidate vs reference."""
-    from optimizer.backends.onnxruntime import CPU_PROVIDER, create_session
-
-    ref, cand = create_session(reference, [CPU_PROVIDER], 2), create_session(candidate, [CPU_PROVIDER], 2)
-    ref_out = [ref.run(None, s) for s in samples]
-    cand_out = [cand.run(None, s) for s in samples]
-    worst = 1.0
-    for i in range(len(ref_out[0])):
-        a = np.concatenate([o[i].ravel() for o in ref_out]).astype(np.float64)
-        b = np.concatenate([o[i].ravel() for o in cand_out]).astype(np.float64)
-        norms = np.linalg.norm(a) * np.linalg.norm(b)
-        worst = min(worst, float(a @ b / norms) if norms else 1.0)
-    return worst
-
-
-def _sensitivity_fallback(
-    prepared: Path, ranges: Path, settings: QuantSettings, staged: Path, large: bool, samples: list[Sample],
-    notes: list[str],
-) -> list[KeptNode]:
-    """Keep the most damaging layer groups in float until the calibration-sample cosine holds.
-
-    One re-quantization per group measures what leaving it in float buys (ranges are reused, no
-    recalibration); groups are then excluded greedily, best first. Overwrites `staged`.
-    """
-    target = settings.fallback_min_cosine
-    probe = samples[:FALLBACK_SAMPLES]
-    baseline = _output_cosine(prepared, staged, probe)
-    if baseline >= target:
-        notes.append(f"int8 cosine on calibration samples {baseline:.5f} >= {target}: no layer kept in float")
-        return []
-    groups = _layer_groups(prepared, _op_types(settings))
-    trial = staged.parent.parent / "trial.onnx"  # outside the staged folder, which is published whole
-    gains = {}
-    for key, nodes in groups.items():
-        _quantize_with_ranges(prepared, ranges, settings, trial, large, [n for n, _ in nodes])
-        gains[key] = _output_cosine(prepared, trial, probe)
-    excluded: list[str] = []
-    reached = baseline
-    for key in sorted(gains, key=gains.get, reverse=True):
-        excluded.append(key)
-        names = [n for k in excluded for n, _ in groups[k]]
-        _quantize_with_ranges(prepared, ranges, settings, staged, large, names)
-        reached = _output_cosine(prepared, staged, probe)
-        if reached >= target:
-            break
-    notes.append(
-        f"int8 cosine on {len(probe)} calibration samples was {baseline:.5f} < {target}; kept in float: "
-        + ", ".join(f"{k} ({len(groups[k])} nodes, alone -> {gains[k]:.5f})" for k in excluded)
-        + f"; now {reached:.5f}"
-    )
-    return [
-        KeptNode(node=name, op_type=op, reason=f"int8 sensitivity: group '{key}' (alone in float: cosine {gains[key]:.5f})")
-        for key in excluded
-        for name, op in groups[key]
-    ]
-
-
-def _kept_from_cache(cached: Path) -> list[KeptNode]:
-    kept_file = cached.with_suffix(".kept.json")
-    return [KeptNode(**k) for k in json.loads(kept_file.read_text())] if kept_file.is_file() else []
 
 
 @contextlib.contextmanager
