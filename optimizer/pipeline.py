@@ -26,6 +26,7 @@ from pydantic import BaseModel
 from optimizer import artifacts, report
 from optimizer.accuracy import AccuracyReport, compare
 from optimizer.backends import Backend, CompiledModel, get_backend
+from optimizer.backends.base import CastInputsRunner
 from optimizer.backends.onnxruntime import default_threads, reference_runner
 from optimizer.bench import BenchmarkReport, Target, run_benchmark
 from optimizer.data import DataSummary, Sample, batch_of, load_samples, shapes_of, split_samples, synthetic_samples
@@ -93,6 +94,8 @@ class BuildContext:
     external_data_sha256: dict[str, str] = field(default_factory=dict)
     inputs: list[TensorSpec] = field(default_factory=list)
     outputs: list[TensorSpec] = field(default_factory=list)
+    deployed_inputs: list[TensorSpec] = field(default_factory=list)  # of the model the backend runs (fp16 I/O differs)
+    deployed_outputs: list[TensorSpec] = field(default_factory=list)
     shapes: ResolvedShapes | None = None
     data: DataSummary | None = None
     calibration_samples: list[Sample] = field(default_factory=list)
@@ -207,6 +210,14 @@ def _reference(ctx: BuildContext):
     return reference_runner(ctx.model_path, ctx.threads)
 
 
+def _candidate_runner(ctx: BuildContext):
+    """The backend's runner, fed inputs in the candidate's own dtypes (float16 I/O builds)."""
+    runner = ctx.backend.runner(ctx.compiled)
+    expected = {s.name: s.dtype for s in ctx.inputs}
+    differing = {s.name: s.dtype for s in ctx.deployed_inputs if expected.get(s.name) != s.dtype}
+    return CastInputsRunner(runner, differing) if differing else runner
+
+
 def _stage_load(ctx: BuildContext) -> tuple[StageStatus, str]:
     ctx.loaded = load_model(ctx.model_path, ctx.workdir)
     ctx.model_sha256 = artifacts.sha256_file(ctx.model_path)
@@ -266,6 +277,7 @@ def _stage_compile(ctx: BuildContext) -> tuple[StageStatus, str]:
     model_file = ctx.staging / "model.onnx"
     _save_model(ctx.candidate_path, model_file)
     ctx.compiled = _compile(ctx, model_file, ctx.recipe.precision)
+    ctx.deployed_inputs, ctx.deployed_outputs = io_specs(onnx.load(str(model_file), load_external_data=False))
     for extra in ctx.compiled.extra_files:
         if extra.parent != ctx.staging:
             shutil.copy2(extra, ctx.staging / extra.name)
@@ -277,7 +289,7 @@ def _stage_accuracy(ctx: BuildContext) -> tuple[StageStatus, str]:
     recipe = ctx.recipe
     ctx.accuracy = compare(
         _reference(ctx),
-        ctx.backend.runner(ctx.compiled),
+        _candidate_runner(ctx),
         ctx.eval_samples,
         recipe.tolerance,
         recipe.accuracy.task_metrics,
@@ -291,7 +303,7 @@ def _stage_accuracy(ctx: BuildContext) -> tuple[StageStatus, str]:
 
 def _stage_benchmark(ctx: BuildContext) -> tuple[StageStatus, str]:
     label = f"{ctx.backend.name}-{ctx.recipe.precision.value}"
-    targets = [Target(label, ctx.backend.runner(ctx.compiled), ctx.backend.synchronize)]
+    targets = [Target(label, _candidate_runner(ctx), ctx.backend.synchronize)]
     if ctx.recipe.precision is not Precision.fp32:
         baseline = _compile(ctx, ctx.fp32_path, Precision.fp32)
         targets.append(Target(f"{ctx.backend.name}-fp32", ctx.backend.runner(baseline), ctx.backend.synchronize))
@@ -380,8 +392,8 @@ def _resource_config(ctx: BuildContext) -> dict:
         "settings": c.settings,
         "model_file": c.path.name,
         "extra_files": [p.name for p in c.extra_files],
-        "inputs": [{**s.model_dump(), "shape_used": ctx.shapes.shapes[s.name]} for s in ctx.inputs],
-        "outputs": [s.model_dump() for s in ctx.outputs],
+        "inputs": [{**s.model_dump(), "shape_used": ctx.shapes.shapes[s.name]} for s in ctx.deployed_inputs],
+        "outputs": [s.model_dump() for s in ctx.deployed_outputs],
         "batch_sizes_measured": [b.batch_size for b in candidate.batches],
         "batch_dynamic": ctx.shapes.batch_dynamic,
         "memory": {

@@ -74,3 +74,12 @@ def test_calibration_method_reaches_the_report(tiny_cnn_path, fast_recipe, tmp_p
     result = build(tiny_cnn_path, recipe, data_dir=data, out_dir=tmp_path / "out")
     build_json = json.loads((_folder(result, tmp_path / "out") / "build.json").read_text())
     assert build_json["precision"]["calibration"]["method"] == method
+
+
+def test_fp16_with_float16_io_takes_float16_inputs(tiny_cnn_path, fast_recipe, tmp_path):
+    recipe = fast_recipe.with_overrides(precision="fp16", **{"precision_options.keep_io_types": False})
+    result = build(tiny_cnn_path, recipe, out_dir=tmp_path)
+    assert result.signed_off, result.failures
+    folder = _folder(result, tmp_path)
+    config = json.loads((folder / "resource_config.json").read_text())
+    assert config["inputs"][0]["dtype"] == "float16" and config["outputs"][0]["dtype"] == "float16"
