@@ -161,7 +161,7 @@ def build(
         signed_off = ctx.accuracy.passed
         final = out_dir / _artifact_name(ctx)
         result = BuildResult(
-            model=str(model_path), precision=recipe.precision.value, backend=backend.name, signed_off=signed_off,
+            model=str(model), precision=recipe.precision.value, backend=backend.name, signed_off=signed_off,
             exit_code=0 if signed_off else 1, artifact_dir=str(final), failures=ctx.accuracy.failures, stages=stages,
             worst_cosine=min((o.cosine for o in ctx.accuracy.outputs), default=None),
         )

@@ -83,3 +83,20 @@ def test_fp16_with_float16_io_takes_float16_inputs(tiny_cnn_path, fast_recipe, t
     folder = _folder(result, tmp_path)
     config = json.loads((folder / "resource_config.json").read_text())
     assert config["inputs"][0]["dtype"] == "float16" and config["outputs"][0]["dtype"] == "float16"
+
+
+def test_int8_from_a_folder_of_images_with_recipe_preprocessing(tiny_cnn_path, fast_recipe, tmp_path):
+    from PIL import Image
+
+    from optimizer.zoo import _skimage_photos
+
+    images = tmp_path / "images"
+    images.mkdir()
+    for i, photo in enumerate(_skimage_photos()[:6]):
+        for j, angle in enumerate((0, 90)):
+            Image.fromarray(photo).rotate(angle, expand=True).save(images / f"{i:02d}_{j}.jpg")
+    recipe = fast_recipe.with_overrides(precision="int8", preprocessing={"resize": 36, "crop": 32})
+    result = build(tiny_cnn_path, recipe, data_dir=images, out_dir=tmp_path / "out")
+    manifest = json.loads((_folder(result, tmp_path / "out") / "manifest.json").read_text())
+    assert manifest["data"]["source"] == "images" and manifest["data"]["count"] == 12
+    assert result.stages[-1].status == "passed" and result.worst_cosine > 0.9
