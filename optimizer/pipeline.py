@@ -411,9 +411,10 @@ def _recommended(compiled: CompiledModel, batch_size: int, bench: BenchmarkRepor
                                    "reason": "highest measured throughput over the batch sizes benchmarked"}
     if bench.concurrency:
         best = max(bench.concurrency, key=lambda row: row["samples_per_s"])
-        recommended.update(streams=best["streams"], requests_in_flight=best["requests"],
-                           streams_reason=f"{best['samples_per_s']:.1f} samples/s at batch {best['batch_size']}, "
-                                          "the best of the concurrency sweep")
+        recommended.update(performance_hint=best["hint"], threads=best["threads"], streams=best["streams"],
+                           requests_in_flight=best["requests"],
+                           concurrency_reason=f"{best['samples_per_s']:.1f} samples/s at batch {best['batch_size']}, "
+                                              "the best of the threads x streams x hint sweep")
     return recommended
 
 

@@ -117,10 +117,10 @@ def benchmark_markdown(model_name: str, bench: BenchmarkReport) -> str:
         [[m.label, f"{m.session_load_ms:.1f}", f"{m.peak_rss_mib:.0f}", f"{m.model_memory_mib:.0f}"] for m in bench.models],
     )]
     if bench.concurrency:
-        out += ["", "Concurrency sweep (streams, one async request in flight per stream):", ""]
-        out.append(_table(["streams", "batch", "samples/s", "p50 ms", "p99 ms"],
-                          [[str(r["streams"]), str(r["batch_size"]), f"{r['samples_per_s']:.1f}", f"{r['p50_ms']:.2f}",
-                            f"{r['p99_ms']:.2f}"] for r in bench.concurrency]))
+        out += ["", "Concurrency sweep (one async request in flight per stream):", ""]
+        out.append(_table(["hint", "threads", "streams", "batch", "samples/s", "p50 ms", "p99 ms"],
+                          [[r["hint"], str(r["threads"]), str(r["streams"]), str(r["batch_size"]), f"{r['samples_per_s']:.1f}",
+                            f"{r['p50_ms']:.2f}", f"{r['p99_ms']:.2f}"] for r in bench.concurrency]))
     for base, ratios in bench.speedup_vs_baseline.items():
         out += ["", f"Speedup of {bench.models[0].label} over {base} (p50 ratio, >1 is faster; measured, not claimed):", ""]
         out.append(_table(["batch", "speedup"], [[str(b), f"{r:.2f}x"] for b, r in ratios.items()]))

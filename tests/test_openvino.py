@@ -271,8 +271,12 @@ def test_pipeline_build_on_openvino_records_static_shapes(tiny_cnn_path, fast_re
     assert blob.is_file() and set(config["extra_files"]) == {blob.name, blob.name + ".json"}
     assert json.loads((folder / (blob.name + ".json")).read_text())["static_shapes"] == {"image": [8, 3, 32, 32]}
     sweep = json.loads((folder / "benchmark.json").read_text())["concurrency"]
-    assert [row["requests"] for row in sweep] == list(range(1, config["threads"] + 1))
-    assert config["recommended"]["streams"] in {row["streams"] for row in sweep}
+    cores = config["settings"]["compile_config"]["INFERENCE_NUM_THREADS"]
+    assert {(row["hint"], row["threads"], row["requests"]) for row in sweep} == (
+        {("LATENCY", t, 1) for t in range(1, int(cores) + 1)} | {("THROUGHPUT", int(cores), s) for s in range(1, int(cores) + 1)}
+    )
+    best = max(sweep, key=lambda row: row["samples_per_s"])
+    assert (config["recommended"]["performance_hint"], config["recommended"]["streams"]) == (best["hint"], best["streams"])
     assert "Concurrency sweep" in (folder / "benchmark.md").read_text()
 
 

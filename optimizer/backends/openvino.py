@@ -377,8 +377,11 @@ class OpenVinoBackend:
         return None
 
     def concurrency_sweep(self, compiled: CompiledModel, feed: dict[str, np.ndarray], seconds: float) -> list[dict[str, Any]]:
-        """Throughput with 1..threads streams (one async request in flight per stream), same threads in all."""
-        return [throughput(compiled, feed, streams, seconds) for streams in range(1, max(1, compiled.threads) + 1)]
+        """Threads x streams x performance hint: LATENCY with one stream at 1..threads threads, then
+        THROUGHPUT with 1..threads streams (one async request in flight per stream)."""
+        cores = max(1, compiled.threads)
+        configs = [("LATENCY", 1, t) for t in range(1, cores + 1)] + [("THROUGHPUT", s, cores) for s in range(1, cores + 1)]
+        return [throughput(compiled, feed, streams, seconds, hint, threads) for hint, streams, threads in configs]
 
 
 def load_compiled(compiled: CompiledModel):
@@ -465,11 +468,16 @@ class OpenVinoRunner(BaseRunner):
         self.compiled = None
 
 
-def throughput(compiled: CompiledModel, feed: dict[str, np.ndarray], streams: int, seconds: float) -> dict[str, Any]:
+def throughput(
+    compiled: CompiledModel, feed: dict[str, np.ndarray], streams: int, seconds: float,
+    hint: str = "THROUGHPUT", threads: int | None = None,
+) -> dict[str, Any]:
     """Samples/s and latency percentiles with `streams` streams and as many requests in flight."""
     from openvino import AsyncInferQueue
 
-    config = {**compiled.settings["compile_config"], "PERFORMANCE_HINT": "THROUGHPUT", "NUM_STREAMS": str(streams)}
+    threads = threads or compiled.threads
+    config = {**compiled.settings["compile_config"], "PERFORMANCE_HINT": hint, "NUM_STREAMS": str(streams),
+              "INFERENCE_NUM_THREADS": str(threads)}
     static = compiled.settings["shape_mode"] == "static"
     model = _compile(compiled.path, config, {name: list(a.shape) for name, a in feed.items()} if static else None)
     _verify_precision(model, compiled.precision)
@@ -489,6 +497,8 @@ def throughput(compiled: CompiledModel, feed: dict[str, np.ndarray], streams: in
     ms = np.asarray(latencies) * 1e3
     p50, p90, p99 = np.percentile(ms, [50, 90, 99])
     return {
+        "hint": hint,
+        "threads": threads,
         "streams": int(model.get_property("NUM_STREAMS")),
         "requests": streams,
         "batch_size": batch,
