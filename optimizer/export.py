@@ -40,6 +40,7 @@ from optimizer.backends.torch import (
 from optimizer.data import synthetic_samples
 from optimizer.errors import InputRejected, Unsupported, UsageError
 from optimizer.graph.inspect import TensorSpec, io_specs
+from optimizer.graph.save import EXTERNAL_DATA_ABOVE_BYTES
 
 __all__ = [
     "TORCH_EXTRA", "ExportReport", "ModuleFactory", "OutputCheck", "VerificationReport",
@@ -48,7 +49,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-SINGLE_FILE_LIMIT_BYTES = 1800 * 1024 * 1024  # protobuf caps a file at 2 GiB; leave room for the graph
 DYNAMO_MIN_OPSET = 18
 _CHATTY_LOGGERS = ("torch.onnx", "torch.export", "torch._export", "torch._dynamo", "torch.fx", "onnxscript", "onnx_ir")
 
@@ -231,7 +231,7 @@ def _export_dynamo(module, args, input_names, output_names, axes, opset, path: P
     _rename_values(graph, list(graph.inputs), input_names, notes)
     _rename_values(graph, list(graph.outputs), output_names, notes, outputs=True)
     big = sum(v.const_value.nbytes for v in graph.initializers.values() if v.const_value is not None)
-    program.save(path, external_data=big > SINGLE_FILE_LIMIT_BYTES)
+    program.save(path, external_data=big > EXTERNAL_DATA_ABOVE_BYTES)
 
 
 def _rename_dims(graph, input_names: list[str], axes: dict[str, dict[int, str]]) -> None:
@@ -340,7 +340,7 @@ def _reason(exc: BaseException) -> str:
 def _single_file_if_small(model: Path) -> list[str]:
     """Fold side files (external data) back into the model when it fits one file; return those still needed."""
     side = [f for f in model.parent.iterdir() if f != model]  # the staging folder holds only this export
-    if not side or sum(f.stat().st_size for f in side) > SINGLE_FILE_LIMIT_BYTES:
+    if not side or sum(f.stat().st_size for f in side) > EXTERNAL_DATA_ABOVE_BYTES:
         return sorted(f.name for f in side)
     onnx.save(onnx.load(str(model)), str(model))
     for f in side:

@@ -34,6 +34,7 @@ from optimizer.errors import AccelOptError, Unsupported, UsageError
 from optimizer.graph.cleanup import CleanupReport, cleanup
 from optimizer.graph.inspect import ResolvedShapes, TensorSpec, io_specs, resolve_shapes
 from optimizer.graph.load import LoadedModel, load_model
+from optimizer.graph.save import save_model
 from optimizer.precision import PrecisionReport, transform
 from optimizer.recipe import Precision, Recipe, load_recipe
 
@@ -41,7 +42,6 @@ log = logging.getLogger(__name__)
 
 StageStatus = Literal["passed", "failed", "skipped", "not_run"]
 CLEANUP_VERIFY_SAMPLES = 4
-_EXTERNAL_DATA_ABOVE_BYTES = 1_800_000_000
 
 
 class StageResult(BaseModel):
@@ -275,7 +275,7 @@ def _stage_precision(ctx: BuildContext) -> tuple[StageStatus, str]:
 
 def _stage_compile(ctx: BuildContext) -> tuple[StageStatus, str]:
     model_file = ctx.staging / "model.onnx"
-    _save_model(ctx.candidate_path, model_file)
+    save_model(onnx.load(str(ctx.candidate_path)), model_file)  # external data resolved next to the source
     ctx.compiled = _compile(ctx, model_file, ctx.recipe.precision)
     ctx.deployed_inputs, ctx.deployed_outputs = io_specs(onnx.load(str(model_file), load_external_data=False))
     for extra in ctx.compiled.extra_files:
@@ -366,17 +366,6 @@ def _compile(ctx: BuildContext, path: Path, precision: Precision) -> CompiledMod
     """backend.compile, with the resolved input shapes for backends that compile for fixed shapes."""
     shapes = {"shapes": ctx.shapes.shapes} if getattr(ctx.backend, "compiles_for_shapes", False) else {}
     return ctx.backend.compile(path, precision, ctx.recipe, ctx.workdir, **shapes)
-
-
-def _save_model(src: Path, dst: Path) -> None:
-    """Write the model the backend will run as one file, or with `model.onnx.data` past 2 GB."""
-    model = onnx.load(str(src))  # resolves external data relative to src
-    large = model.ByteSize() > _EXTERNAL_DATA_ABOVE_BYTES if not _has_external(model) else True
-    onnx.save(model, str(dst), save_as_external_data=large, location=f"{dst.name}.data" if large else None)
-
-
-def _has_external(model: onnx.ModelProto) -> bool:
-    return any(t.data_location == onnx.TensorProto.EXTERNAL for t in model.graph.initializer)
 
 
 def _resource_config(ctx: BuildContext) -> dict:

@@ -138,7 +138,7 @@ def test_output_name_colliding_with_internal_value_gives_valid_model(tmp_path: P
 
 
 def test_large_models_keep_external_data_beside_the_model(tmp_path: Path, monkeypatch) -> None:
-    monkeypatch.setattr(exp, "SINGLE_FILE_LIMIT_BYTES", 1024)  # pretend the CNN is over the 2 GB limit
+    monkeypatch.setattr(exp, "EXTERNAL_DATA_ABOVE_BYTES", 1024)  # pretend the CNN is over the 2 GB limit
     model = exp.load_factory(f"{TINY}:cnn")()
     out = tmp_path / "big" / "cnn.onnx"
     report = exp.export(model, SHAPES["cnn"], out)

@@ -20,10 +20,10 @@ from optimizer.backends.onnxruntime import reference_runner
 from optimizer.data import Sample
 from optimizer.errors import AccelOptError
 from optimizer.graph.inspect import op_histogram
+from optimizer.graph.save import EXTERNAL_DATA_ABOVE_BYTES
 from optimizer.recipe import CleanupConfig, Tolerance
 
 log = logging.getLogger(__name__)
-_EXTERNAL_DATA_ABOVE_BYTES = 1_800_000_000  # protobuf's 2 GB cap, with headroom
 
 
 class CleanupReport(BaseModel):
@@ -48,7 +48,7 @@ def cleanup(
     try:
         with contextlib.redirect_stdout(io.StringIO()):  # onnxslim prints a summary table
             onnxslim.slim(
-                str(model_path), output_model=str(out_path), save_as_external_data=total_bytes > _EXTERNAL_DATA_ABOVE_BYTES
+                str(model_path), output_model=str(out_path), save_as_external_data=total_bytes > EXTERNAL_DATA_ABOVE_BYTES
             )
     except Exception as exc:  # onnxslim surfaces many error types; any failure keeps the original
         reason = f"onnxslim failed ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); original kept"

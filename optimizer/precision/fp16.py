@@ -18,13 +18,11 @@ import onnx
 from onnx import TensorProto, external_data_helper, numpy_helper
 
 from optimizer.errors import Unsupported
+from optimizer.graph.save import save_model
 from optimizer.precision import KeptNode, PrecisionReport
 from optimizer.recipe import Precision, PrecisionConfig
 
 log = logging.getLogger(__name__)
-
-# Protobuf cannot serialize a message past 2 GiB; leave headroom for the graph itself.
-EXTERNAL_DATA_BYTES = 1536 * 2**20
 
 # Why each overflow- or precision-prone op type of the recipe's block list stays in fp32.
 _BLOCK_REASONS = {
@@ -110,19 +108,6 @@ def convert_float(model_path: Path, precision: Precision, options: PrecisionConf
 
 def opset_of(model: onnx.ModelProto) -> int:
     return next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
-
-
-def save_model(model: onnx.ModelProto, path: Path) -> None:
-    """Save, with weights in `<name>.data` beside the model when they approach protobuf's 2 GB limit."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    data_file = path.with_name(path.name + ".data")
-    data_file.unlink(missing_ok=True)  # onnx appends to an existing data file
-    size = sum(len(t.raw_data) for t in external_data_helper._get_all_tensors(model))
-    if size > EXTERNAL_DATA_BYTES:
-        onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
-                        location=data_file.name, size_threshold=1024)
-    else:
-        onnx.save_model(model, str(path))
 
 
 def validate(path: Path, run_session: bool, tmp: Path) -> None:

@@ -28,8 +28,9 @@ from onnx import external_data_helper
 
 from optimizer.data import Sample
 from optimizer.errors import InputRejected, Unsupported
+from optimizer.graph.save import EXTERNAL_DATA_ABOVE_BYTES, save_model
 from optimizer.precision import CalibrationReport, KeptNode, PrecisionReport, fallback
-from optimizer.precision.fp16 import EXTERNAL_DATA_BYTES, opset_of, save_model, validate
+from optimizer.precision.fp16 import opset_of, validate
 from optimizer.recipe import CalibrationConfig, CalibrationMethod, Precision, QuantTarget
 
 log = logging.getLogger(__name__)
@@ -158,7 +159,7 @@ def quantize(
             # Staged under the final name: an external data file keeps the name the model refers to.
             staged = tmp / "staged" / out_path.name
             staged.parent.mkdir()
-            large = _tensor_bytes(prepared) > EXTERNAL_DATA_BYTES
+            large = _tensor_bytes(prepared) > EXTERNAL_DATA_ABOVE_BYTES
             ranges = _calibrate(prepared, samples, settings, tmp, large)
             _quantize_with_ranges(prepared, ranges, settings, staged, large)
             validate(staged, run_session=True, tmp=tmp)
@@ -254,7 +255,7 @@ def _prepare(model_path: Path, tmp: Path, notes: list[str]) -> Path:
         save_model(model, source)
         notes.append(f"opset {opset} -> {MIN_OPSET}: per-channel DequantizeLinear needs opset 13")
     prepared = tmp / "prepared.onnx"
-    large = _tensor_bytes(source) > EXTERNAL_DATA_BYTES
+    large = _tensor_bytes(source) > EXTERNAL_DATA_ABOVE_BYTES
     # Dynamic height/width make ORT's symbolic shape inference fail ("Incomplete symbolic shape
     # inference", FACTS.md); ONNX shape inference alone is enough for image models.
     skip_symbolic = _dynamic_spatial(skeleton)

@@ -1,0 +1,27 @@
+"""Saving ONNX models: one self-contained file below protobuf's 2 GB cap, weights in `<name>.data` above it.
+
+The single threshold every writer of the project uses (pipeline, cleanup, precision transforms, export).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import onnx
+from onnx import external_data_helper
+
+# Protobuf cannot serialize a message past 2 GiB; leave headroom for the graph itself.
+EXTERNAL_DATA_ABOVE_BYTES = 1536 * 2**20
+
+
+def save_model(model: onnx.ModelProto, path: Path) -> None:
+    """Save `model` (tensor data loaded) to `path`, with `<name>.data` beside it when the weights are large."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data_file = path.with_name(path.name + ".data")
+    data_file.unlink(missing_ok=True)  # onnx appends to an existing data file
+    size = sum(len(t.raw_data) for t in external_data_helper._get_all_tensors(model))
+    if size > EXTERNAL_DATA_ABOVE_BYTES:
+        onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+                        location=data_file.name, size_threshold=1024)
+    else:
+        onnx.save_model(model, str(path))
