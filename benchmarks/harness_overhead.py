@@ -19,7 +19,7 @@ import onnxruntime as ort
 from benchmarks._common import wait_for_idle
 from optimizer import zoo
 from optimizer.backends.onnxruntime import OnnxRuntimeBackend, default_threads
-from optimizer.bench import Target, _call, latency_stats, timed_calls
+from optimizer.bench import Target, infer_and_sync, latency_stats, timed_calls
 from optimizer.recipe import Precision, load_recipe
 
 LIMIT = 1.05
@@ -44,7 +44,7 @@ def main() -> int:
         bare = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
         for batch in (1, 8):
             feed = {"image": np.random.default_rng(0).standard_normal((batch, 3, 128, 128), dtype=np.float32)}
-            harness_call = _call(Target("accel-opt", runner, backend.synchronize), feed)
+            harness_call = infer_and_sync(Target("accel-opt", runner, backend.synchronize), feed)
             bare_call = lambda feed=feed: bare.run(None, feed)  # noqa: E731
             for _ in range(5):
                 harness_call(), bare_call()

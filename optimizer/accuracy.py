@@ -59,6 +59,10 @@ class AccuracyReport(BaseModel):
     def passed(self) -> bool:
         return not self.failures
 
+    @property
+    def worst_cosine(self) -> float:
+        return min((o.cosine for o in self.outputs), default=1.0)
+
 
 def compare(
     reference: BaseRunner,

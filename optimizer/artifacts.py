@@ -42,11 +42,22 @@ def write_json(path: Path, model: BaseModel | dict) -> None:
 
 
 def write_text(path: Path, text: str) -> None:
+    _write_atomically(path, lambda f: f.write(text.encode("utf-8")))
+
+
+def copy_file(src: Path, dest: Path) -> None:
+    """Copy `src` to `dest` atomically (a cache entry is complete or absent)."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with open(src, "rb") as source:
+        _write_atomically(dest, lambda f: shutil.copyfileobj(source, f))
+
+
+def _write_atomically(path: Path, write) -> None:
     """Write via a temp file in the same folder, fsync, rename: readers never see half a file."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
+        with os.fdopen(fd, "wb") as f:
+            write(f)
             f.flush()
             os.fsync(f.fileno())
         os.chmod(tmp, 0o644)  # mkstemp creates 0600; artifacts are meant to be shared

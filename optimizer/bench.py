@@ -132,7 +132,7 @@ def run_benchmark(
             )
             for _ in range(ROUNDS):
                 for target in targets:
-                    times[target.label] += timed_calls(_call(target, feed), **per_round)
+                    times[target.label] += timed_calls(infer_and_sync(target, feed), **per_round)
             for target in targets:
                 stats = latency_stats(times[target.label])
                 per_batch[target.label].append(
@@ -167,7 +167,8 @@ def run_benchmark(
     return BenchmarkReport(threads=threads, synchronized=True, models=models, speedup_vs_baseline=speedups)
 
 
-def _call(target: Target, feed: Sample) -> Callable[[], object]:
+def infer_and_sync(target: Target, feed: Sample) -> Callable[[], object]:
+    """The timed unit: one inference on `feed`, then the backend's synchronize."""
     infer, sync = target.runner.infer, target.synchronize
 
     def call():

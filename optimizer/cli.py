@@ -186,7 +186,7 @@ def _parse_dynamic(text: str) -> dict[str, list[int]]:
 
 
 def _print_stage(stage) -> None:
-    mark = {"passed": "ok", "failed": "FAILED", "skipped": "skipped", "not_run": "not run"}[stage.status]
+    mark = {"passed": "ok", "failed": "FAILED", "skipped": "skipped"}[stage.status]
     detail = "" if stage.status == "failed" and stage.name != "accuracy" else stage.detail  # the error line follows
     click.echo(f"  {stage.name:<10} {mark:<8} {stage.seconds:6.1f} s  {detail}", err=True)
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 from pydantic import BaseModel
 
+from optimizer.artifacts import sha256_file
 from optimizer.errors import InputRejected, UsageError
 from optimizer.graph.inspect import TensorSpec
 from optimizer.recipe import Preprocessing
@@ -53,7 +54,7 @@ def load_samples(
     digest = hashlib.sha256()
     for path in files:
         digest.update(path.name.encode())
-        digest.update(hashlib.sha256(path.read_bytes()).digest())
+        digest.update(bytes.fromhex(sha256_file(path)))
     summary = DataSummary(source=source, path=str(root), count=len(samples), sha256=digest.hexdigest())
     return samples, summary
 

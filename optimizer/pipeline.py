@@ -40,7 +40,7 @@ from optimizer.recipe import Precision, Recipe, load_recipe
 
 log = logging.getLogger(__name__)
 
-StageStatus = Literal["passed", "failed", "skipped", "not_run"]
+StageStatus = Literal["passed", "failed", "skipped"]
 CLEANUP_VERIFY_SAMPLES = 4
 
 
@@ -163,7 +163,7 @@ def build(
         result = BuildResult(
             model=str(model), precision=recipe.precision.value, backend=backend.name, signed_off=signed_off,
             exit_code=0 if signed_off else 1, artifact_dir=str(final), failures=ctx.accuracy.failures, stages=stages,
-            worst_cosine=min((o.cosine for o in ctx.accuracy.outputs), default=None),
+            worst_cosine=ctx.accuracy.worst_cosine,
         )
         _fill_headline(result, ctx.bench)
         artifacts.publish(staging, final)
@@ -294,8 +294,7 @@ def _stage_accuracy(ctx: BuildContext) -> tuple[StageStatus, str]:
         recipe.tolerance,
         recipe.accuracy.task_metrics,
     )
-    worst = min((o.cosine for o in ctx.accuracy.outputs), default=1.0)
-    summary = f"{ctx.accuracy.sample_count} samples, worst cosine {worst:.6f}"
+    summary = f"{ctx.accuracy.sample_count} samples, worst cosine {ctx.accuracy.worst_cosine:.6f}"
     if not ctx.accuracy.passed:
         return "failed", summary + "; " + "; ".join(ctx.accuracy.failures)
     return "passed", summary

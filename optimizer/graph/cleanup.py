@@ -64,7 +64,7 @@ def cleanup(
         reason = f"simplified model does not load ({exc}); original kept"
         return model_path, CleanupReport(applied=False, reason=reason, **counts)
     max_abs = max((o.max_abs_error for o in report.outputs), default=0.0)
-    cosine = min((o.cosine for o in report.outputs), default=1.0)
+    cosine = report.worst_cosine
     if not report.passed:
         reason = f"simplified model differs from the original ({'; '.join(report.failures)}); original kept"
         log.warning(reason)

@@ -26,6 +26,7 @@ from typing import Literal
 import onnx
 from onnx import external_data_helper
 
+from optimizer import artifacts
 from optimizer.data import Sample
 from optimizer.errors import InputRejected, Unsupported
 from optimizer.graph.save import EXTERNAL_DATA_ABOVE_BYTES, save_model
@@ -175,7 +176,7 @@ def quantize(
                 if kept:  # written before the model entry, which marks the cache entry complete
                     cached.parent.mkdir(parents=True, exist_ok=True)
                     cached.with_suffix(".kept.json").write_text(json.dumps([k.model_dump() for k in kept]))
-                _write_atomically(out_path, cached)
+                artifacts.copy_file(out_path, cached)
             elif cached is not None:
                 notes.append("not cached: the quantized model keeps its weights in an external data file")
     calib_seconds = time.perf_counter() - calib_start
@@ -212,10 +213,7 @@ def calibration_key(model_path: Path, samples: list[Sample], settings: QuantSett
 
     digest = hashlib.sha256()
     for path in [model_path, *_external_files(model_path)]:
-        digest.update(path.name.encode())
-        with path.open("rb") as f:
-            for block in iter(lambda: f.read(1 << 20), b""):
-                digest.update(block)
+        digest.update(f"{path.name}|{artifacts.sha256_file(path)}".encode())
     for sample in samples:
         for name in sorted(sample):
             array = sample[name]
@@ -379,21 +377,6 @@ def _calibration_errors(method: CalibrationMethod):
             f"(typically an attention mask): quantize only matrix ops (precision_options.calibration.op_types: "
             f"[MatMul, Gemm]) or use --calibration minmax ({exc})"
         ) from None
-
-
-def _write_atomically(src: Path, dest: Path) -> None:
-    """Copy to a temporary file beside `dest`, fsync, rename: a cache entry is complete or absent."""
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f, src.open("rb") as source:
-            shutil.copyfileobj(source, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp_name, dest)
-    except BaseException:
-        Path(tmp_name).unlink(missing_ok=True)
-        raise
 
 
 def _external_files(model_path: Path) -> list[Path]:
