@@ -18,8 +18,9 @@ import onnxruntime as ort
 
 from benchmarks._common import wait_for_idle
 from optimizer import zoo
-from optimizer.backends.onnxruntime import OnnxRuntimeBackend, default_threads
+from optimizer.backends.onnxruntime import OnnxRuntimeBackend
 from optimizer.bench import Target, infer_and_sync, latency_stats, timed_calls
+from optimizer.hardware import available_cpus
 from optimizer.recipe import Precision, load_recipe
 
 LIMIT = 1.05
@@ -29,7 +30,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--seconds", type=float, default=1.5, help="per round and contender")
-    parser.add_argument("--threads", type=int, default=default_threads())
+    parser.add_argument("--threads", type=int, default=available_cpus())
     args = parser.parse_args()
 
     rows, worst = [], 0.0

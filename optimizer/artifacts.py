@@ -21,10 +21,6 @@ from pathlib import Path
 from pydantic import BaseModel
 
 MANIFEST = "manifest.json"
-_CPU_FLAGS_OF_INTEREST = (
-    "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16",
-    "avx512_fp16", "avx_vnni", "amx_tile", "amx_int8", "amx_bf16", "amx_fp16", "asimd", "sve",
-)
 _TOOLS = ("accel-opt", "onnx", "onnxruntime", "onnxruntime-gpu", "polygraphy", "onnxslim", "numpy", "openvino", "torch", "tensorrt")
 
 
@@ -99,29 +95,6 @@ def tool_versions() -> dict[str, str]:
         except metadata.PackageNotFoundError:
             continue
     return versions
-
-
-def cpu_info() -> dict[str, object]:
-    model, flags = platform.processor() or platform.machine(), set()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                key = key.strip()
-                if key == "model name":
-                    model = value.strip()
-                elif key in ("flags", "Features") and not flags:
-                    flags = set(value.split())
-    except OSError:
-        pass
-    return {
-        "model": model,
-        "machine": platform.machine(),
-        "logical_cpus": os.cpu_count(),
-        "available_cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
-        "flags": sorted(flags.intersection(_CPU_FLAGS_OF_INTEREST)),
-        "os": f"{platform.system()} {platform.release()}",
-    }
 
 
 def command_line() -> list[str]:

@@ -23,11 +23,11 @@ from typing import Any, Literal
 import onnx
 from pydantic import BaseModel
 
-from optimizer import artifacts, report
+from optimizer import artifacts, hardware, report
 from optimizer.accuracy import AccuracyReport, compare
 from optimizer.backends import Backend, CompiledModel, get_backend
 from optimizer.backends.base import CastInputsRunner
-from optimizer.backends.onnxruntime import default_threads, reference_runner
+from optimizer.backends.onnxruntime import reference_runner
 from optimizer.bench import BenchmarkReport, Target, run_benchmark
 from optimizer.data import DataSummary, Sample, batch_of, load_samples, shapes_of, split_samples, synthetic_samples
 from optimizer.errors import AccelOptError, Unsupported, UsageError
@@ -140,7 +140,7 @@ def build(
         ctx = BuildContext(
             model_path=model_path, recipe=recipe, data_dir=Path(data_dir) if data_dir else None, workdir=Path(work),
             staging=staging, cache_dir=Path(cache_dir) if cache_dir else out_dir / ".cache", backend=backend,
-            threads=recipe.benchmark.threads or default_threads(), factory=factory,
+            threads=recipe.benchmark.threads or hardware.available_cpus(), factory=factory,
         )
         for name, stage in STAGES:
             started = time.perf_counter()
@@ -457,7 +457,7 @@ def _write_manifest(ctx: BuildContext, final: Path, result: BuildResult) -> None
         "artifacts": {p.name: artifacts.sha256_file(p) for p in files},
         "stages": [s.model_dump() for s in result.stages],
         "tools": artifacts.tool_versions(),
-        "cpu": artifacts.cpu_info(),
+        "cpu": hardware.cpu_info(),
         "command_line": artifacts.command_line(),
     }
     artifacts.write_json(final / artifacts.MANIFEST, manifest)

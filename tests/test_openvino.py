@@ -18,7 +18,6 @@ from optimizer.backends.openvino import (
     OpenVinoRunner,
     StaticCompiler,
     blob_mismatch,
-    cpu_flags,
     execution_precisions,
     load_cached_blob,
     precision_support,
@@ -26,6 +25,7 @@ from optimizer.backends.openvino import (
 )
 from optimizer.backends.select import auto_backend, candidate_precisions
 from optimizer.errors import InputRejected, Unsupported
+from optimizer.hardware import cpu_flags
 from optimizer.pipeline import build
 from optimizer.recipe import BackendName, Precision, Recipe
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections import OrderedDict
 from pathlib import Path
@@ -12,16 +11,12 @@ from polygraphy.backend.onnxrt import OnnxrtRunner
 
 from optimizer.backends.base import Availability, CompiledModel
 from optimizer.errors import InputRejected, Unsupported
+from optimizer.hardware import available_cpus
 from optimizer.recipe import Precision, Recipe
 
 log = logging.getLogger(__name__)
 
 CPU_PROVIDER = "CPUExecutionProvider"
-
-
-def default_threads() -> int:
-    """CPUs this process may run on (respects taskset/cgroup affinity, unlike os.cpu_count)."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def create_session(path: Path, providers: list[str], threads: int, optimize: bool = True):
@@ -100,7 +95,7 @@ class OnnxRuntimeBackend:
     def compile(self, onnx_path: Path, precision: Precision, recipe: Recipe, workdir: Path) -> CompiledModel:
         import onnxruntime as ort
 
-        threads = recipe.benchmark.threads or default_threads()
+        threads = recipe.benchmark.threads or available_cpus()
         start = time.perf_counter()
         session = create_session(onnx_path, self.providers, threads)
         build_seconds = time.perf_counter() - start

@@ -31,9 +31,9 @@ from polygraphy.common import TensorMetadata
 
 from optimizer.artifacts import sha256_file, write_json
 from optimizer.backends.base import Availability, CompiledModel
-from optimizer.backends.onnxruntime import default_threads
 from optimizer.errors import InputRejected, Unsupported
 from optimizer.graph.inspect import with_batch
+from optimizer.hardware import available_cpus, cpu_flags
 from optimizer.recipe import Precision, Recipe
 
 log = logging.getLogger(__name__)
@@ -51,17 +51,6 @@ ISA_PREFIXES = ("avx", "amx", "fma", "f16c", "sse4")  # flags that change which 
 READ_BACK = ("PERFORMANCE_HINT", "NUM_STREAMS", "INFERENCE_NUM_THREADS", "EXECUTION_MODE_HINT", "ENABLE_CPU_PINNING")
 COMPUTE_LAYERS = ("Convolution", "FullyConnected", "MatMul", "Deconvolution", "GroupConvolution")
 MAX_STATIC_COMPILES = 8  # per runner; the least recently used compile goes first beyond this
-
-
-def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
-    """The CPU feature flags of the first core (empty where /proc/cpuinfo is absent)."""
-    try:
-        for line in cpuinfo.read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
 
 
 def isa_flags(flags: frozenset[str]) -> list[str]:
@@ -304,7 +293,7 @@ class OpenVinoBackend:
         if not support:
             raise Unsupported(f"OpenVINO {precision.value}: {support.reason}")
         onnx_path = Path(onnx_path)
-        threads = recipe.benchmark.threads or default_threads()
+        threads = recipe.benchmark.threads or available_cpus()
         config = {
             "INFERENCE_PRECISION_HINT": HINTS[precision],
             "PERFORMANCE_HINT": performance_hint,

@@ -11,7 +11,8 @@ from __future__ import annotations
 import importlib.util
 import platform
 
-from optimizer.backends.openvino import cpu_flags, precision_support
+from optimizer.backends.openvino import precision_support
+from optimizer.hardware import cpu_flags
 from optimizer.recipe import BackendName, Precision
 
 X86 = ("x86_64", "amd64", "i686", "i386")

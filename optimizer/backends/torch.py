@@ -265,9 +265,10 @@ def verify(
     is False.
     """
     require_torch()
-    from optimizer.backends.onnxruntime import CPU_PROVIDER, create_session, default_threads
+    from optimizer.backends.onnxruntime import CPU_PROVIDER, create_session
+    from optimizer.hardware import available_cpus
 
-    threads = threads or default_threads()
+    threads = threads or available_cpus()
     inputs, outputs = io_specs(onnx.load(str(onnx_path), load_external_data=False))
     if [s.name for s in inputs] != list(shapes):
         raise UsageError(f"shapes name inputs {list(shapes)}, the ONNX model has {[s.name for s in inputs]}")
