@@ -41,6 +41,10 @@ def write_text(path: Path, text: str) -> None:
     _write_atomically(path, lambda f: f.write(text.encode("utf-8")))
 
 
+def write_bytes(path: Path, data: bytes) -> None:
+    _write_atomically(path, lambda f: f.write(data))
+
+
 def copy_file(src: Path, dest: Path) -> None:
     """Copy `src` to `dest` atomically (a cache entry is complete or absent)."""
     dest.parent.mkdir(parents=True, exist_ok=True)

@@ -2,6 +2,17 @@
 
 from __future__ import annotations
 
+import re
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+
+def first_line(exc: BaseException | Warning, limit: int = 300) -> str:
+    """An exception's first non-empty line without terminal colour codes, for one-line errors."""
+    text = _ANSI.sub("", str(exc)).strip()
+    line = next((part.strip() for part in text.splitlines() if part.strip()), type(exc).__name__)
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
 
 class AccelOptError(Exception):
     """Base class: a failure we understand, reported as one line with a documented exit code."""

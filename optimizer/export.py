@@ -30,7 +30,6 @@ from optimizer.backends.torch import (
     ModuleFactory,
     OutputCheck,
     VerificationReport,
-    first_line,
     flatten_outputs,
     load_factory,
     looks_like_factory,
@@ -38,7 +37,7 @@ from optimizer.backends.torch import (
     verify,
 )
 from optimizer.data import synthetic_samples
-from optimizer.errors import InputRejected, Unsupported, UsageError
+from optimizer.errors import InputRejected, Unsupported, UsageError, first_line
 from optimizer.graph.inspect import TensorSpec, io_specs
 from optimizer.graph.save import EXTERNAL_DATA_ABOVE_BYTES
 

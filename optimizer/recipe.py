@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from optimizer.errors import UsageError
+from optimizer.errors import UsageError, first_line
 
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
 DEFAULT_RECIPE_NAME = "default"
@@ -243,7 +243,7 @@ def load_recipe(path_or_name: str | Path | None = None) -> Recipe:
     try:
         data = yaml.safe_load(path.read_text(encoding="utf-8"))
     except (yaml.YAMLError, UnicodeDecodeError) as exc:
-        raise UsageError(f"recipe {path}: not valid YAML: {str(exc).splitlines()[0]}") from None
+        raise UsageError(f"recipe {path}: not valid YAML: {first_line(exc)}") from None
     if data is None:
         data = {}
     if not isinstance(data, dict):

@@ -10,7 +10,7 @@ from pathlib import Path
 from polygraphy.backend.onnxrt import OnnxrtRunner
 
 from optimizer.backends.base import Availability, CompiledModel
-from optimizer.errors import InputRejected, Unsupported
+from optimizer.errors import InputRejected, Unsupported, first_line
 from optimizer.hardware import available_cpus
 from optimizer.recipe import Precision, Recipe
 
@@ -38,7 +38,7 @@ def create_session(path: Path, providers: list[str], threads: int, optimize: boo
     try:
         session = ort.InferenceSession(str(path), sess_options=options, providers=providers)
     except Exception as exc:  # ORT raises its own exception types from C++
-        message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        message = first_line(exc)
         if "NOT_IMPLEMENTED" in message or "Could not find an implementation" in message:
             raise Unsupported(f"ONNX Runtime {providers[0]} cannot run this model: {message}") from None
         raise InputRejected(f"ONNX Runtime could not load the model: {message}") from None

@@ -29,9 +29,9 @@ import numpy as np
 from polygraphy.backend.base import BaseRunner
 from polygraphy.common import TensorMetadata
 
-from optimizer.artifacts import sha256_file, write_json
+from optimizer.artifacts import sha256_file, write_bytes, write_json
 from optimizer.backends.base import Availability, CompiledModel
-from optimizer.errors import InputRejected, Unsupported
+from optimizer.errors import InputRejected, Unsupported, first_line
 from optimizer.graph.inspect import with_batch
 from optimizer.hardware import available_cpus, cpu_flags
 from optimizer.recipe import Precision, Recipe
@@ -128,7 +128,7 @@ def load_cached_blob(blob_path: Path, meta: dict[str, Any] | None = None):
     try:  # the import config matters: a blob imported without its hint runs bf16 on AMX CPUs
         compiled = _core().import_model(blob, DEVICE, meta.get("config") or {})
     except Exception as exc:  # OpenVINO refuses blobs of other versions with a RuntimeError
-        log.info("not reusing %s: %s", blob_path, str(exc).strip().splitlines()[:1])
+        log.info("not reusing %s: %s", blob_path, first_line(exc))
         return None
     ran = execution_precisions(compiled)
     if ran != meta.get("execution_precision_by_layer_type"):
@@ -137,16 +137,12 @@ def load_cached_blob(blob_path: Path, meta: dict[str, Any] | None = None):
     return compiled
 
 
-def _first_line(exc: BaseException) -> str:
-    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-
-
 def _read(onnx_path: Path):
     """The openvino.Model of an ONNX file (or OpenVINO IR)."""
     try:
         return _core().read_model(str(onnx_path))
     except Exception as exc:  # OpenVINO raises RuntimeError subclasses from C++
-        raise InputRejected(f"OpenVINO could not read {Path(onnx_path).name}: {_first_line(exc)}") from None
+        raise InputRejected(f"OpenVINO could not read {Path(onnx_path).name}: {first_line(exc)}") from None
 
 
 def _compile_model(model, config: dict[str, str], static_shapes: dict[str, list[int]] | None):
@@ -160,11 +156,11 @@ def _compile_model(model, config: dict[str, str], static_shapes: dict[str, list[
         try:
             model.reshape({name: list(dims) for name, dims in static_shapes.items()})
         except Exception as exc:
-            raise InputRejected(f"OpenVINO cannot reshape the model to {static_shapes}: {_first_line(exc)}") from None
+            raise InputRejected(f"OpenVINO cannot reshape the model to {static_shapes}: {first_line(exc)}") from None
     try:
         return _core().compile_model(model, DEVICE, config)
     except Exception as exc:
-        raise Unsupported(f"OpenVINO CPU cannot compile this model: {_first_line(exc)}") from None
+        raise Unsupported(f"OpenVINO CPU cannot compile this model: {first_line(exc)}") from None
 
 
 def _compile(onnx_path: Path, config: dict[str, str], static_shapes: dict[str, list[int]] | None):
@@ -227,9 +223,7 @@ def _save_blob(compiled, blob_path: Path, meta: dict[str, Any]) -> tuple[Path, P
     blob_path.parent.mkdir(parents=True, exist_ok=True)
     blob = compiled.export_model()
     blob = blob.getvalue() if isinstance(blob, io.BytesIO) else bytes(blob)
-    tmp = blob_path.with_name(f".{blob_path.name}.tmp")
-    tmp.write_bytes(blob)
-    tmp.replace(blob_path)
+    write_bytes(blob_path, blob)
     meta_path = blob_path.with_suffix(".blob.json")
     write_json(meta_path, {**meta, "sha256": hashlib.sha256(blob).hexdigest()})
     return blob_path, meta_path

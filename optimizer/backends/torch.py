@@ -26,11 +26,10 @@ from polygraphy.datatype import DataType
 from pydantic import BaseModel
 
 from optimizer.data import Sample, synthetic_samples
-from optimizer.errors import GateFailed, InputRejected, Unsupported, UsageError
+from optimizer.errors import GateFailed, InputRejected, Unsupported, UsageError, first_line
 from optimizer.graph.inspect import TensorSpec, io_specs
 
 TORCH_EXTRA = "pip install 'accel-opt[torch]' torch==2.13.0"
-_ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
 def require_torch() -> Any:
@@ -40,13 +39,6 @@ def require_torch() -> Any:
     except ImportError:
         raise Unsupported(f"PyTorch models need torch: {TORCH_EXTRA}") from None
     return torch
-
-
-def first_line(exc: BaseException | Warning, limit: int = 300) -> str:
-    """An exception's first non-empty line without terminal colour codes, for one-line errors."""
-    text = _ANSI.sub("", str(exc)).strip()
-    line = next((part.strip() for part in text.splitlines() if part.strip()), type(exc).__name__)
-    return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
 def flatten_outputs(result: Any) -> list[Any]:

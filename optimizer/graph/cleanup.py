@@ -18,7 +18,7 @@ from pydantic import BaseModel
 from optimizer.accuracy import compare
 from optimizer.backends.onnxruntime import reference_runner
 from optimizer.data import Sample
-from optimizer.errors import AccelOptError
+from optimizer.errors import AccelOptError, first_line
 from optimizer.graph.inspect import op_histogram
 from optimizer.graph.save import EXTERNAL_DATA_ABOVE_BYTES
 from optimizer.recipe import CleanupConfig, Tolerance
@@ -51,7 +51,7 @@ def cleanup(
                 str(model_path), output_model=str(out_path), save_as_external_data=total_bytes > EXTERNAL_DATA_ABOVE_BYTES
             )
     except Exception as exc:  # onnxslim surfaces many error types; any failure keeps the original
-        reason = f"onnxslim failed ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); original kept"
+        reason = f"onnxslim failed ({type(exc).__name__}: {first_line(exc)}); original kept"
         log.warning(reason)
         return model_path, CleanupReport(applied=False, reason=reason, nodes_after=counts["nodes_before"],
                                          ops_after=counts["ops_before"], **counts)

@@ -17,7 +17,7 @@ import onnx
 from google.protobuf.message import DecodeError
 from onnx import external_data_helper
 
-from optimizer.errors import InputRejected, Unsupported
+from optimizer.errors import InputRejected, Unsupported, first_line
 
 log = logging.getLogger(__name__)
 
@@ -150,16 +150,14 @@ def load_model(path: str | Path, workdir: Path) -> LoadedModel:
     try:
         onnx.checker.check_model(str(path))
     except onnx.checker.ValidationError as exc:
-        first = str(exc).strip().splitlines()[0]
-        raise InputRejected(f"ONNX checker rejected the model: {first}") from None
+        raise InputRejected(f"ONNX checker rejected the model: {first_line(exc)}") from None
     inferred = workdir / "shape_inferred.onnx"
     try:
         # By path: works past protobuf's 2 GB limit. Strict: type errors are errors, not warnings.
         onnx.shape_inference.infer_shapes_path(str(path), str(inferred), check_type=True, strict_mode=True)
         shaped = onnx.load(str(inferred), load_external_data=False)
     except Exception as exc:  # InferenceError, or a C++ error surfaced as RuntimeError
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise InputRejected(f"shape inference failed: {first}") from None
+        raise InputRejected(f"shape inference failed: {first_line(exc)}") from None
     finally:
         inferred.unlink(missing_ok=True)
     loaded = LoadedModel(path=path, proto=shaped, external_data_files=external_files)

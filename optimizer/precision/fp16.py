@@ -17,7 +17,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, external_data_helper, numpy_helper
 
-from optimizer.errors import Unsupported
+from optimizer.errors import Unsupported, first_line
 from optimizer.graph.save import save_model
 from optimizer.precision import KeptNode, PrecisionReport
 from optimizer.recipe import Precision, PrecisionConfig
@@ -116,8 +116,7 @@ def validate(path: Path, run_session: bool, tmp: Path) -> None:
         onnx.checker.check_model(str(path))
         onnx.shape_inference.infer_shapes_path(str(path), str(tmp / "validated.onnx"), check_type=True, strict_mode=True)
     except Exception as exc:  # ValidationError, InferenceError, or C++ errors as RuntimeError
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise Unsupported(f"the transformed model is not valid ONNX ({path.name}): {first}") from None
+        raise Unsupported(f"the transformed model is not valid ONNX ({path.name}): {first_line(exc)}") from None
     finally:
         (tmp / "validated.onnx").unlink(missing_ok=True)
     if run_session:
