@@ -38,7 +38,7 @@ from optimizer.backends.torch import (
 )
 from optimizer.data import synthetic_samples
 from optimizer.errors import InputRejected, Unsupported, UsageError, first_line
-from optimizer.graph.inspect import TensorSpec, io_specs
+from optimizer.graph.inspect import TensorSpec, io_specs, opset_of
 from optimizer.graph.save import EXTERNAL_DATA_ABOVE_BYTES
 
 __all__ = [
@@ -129,7 +129,7 @@ def export(
 
     proto = onnx.load(str(out_path), load_external_data=False)
     inputs, outputs = io_specs(proto)
-    actual_opset = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), 0)
+    actual_opset = opset_of(proto)
     if opset is not None and actual_opset != opset:
         notes.append(
             f"opset {opset} was requested but the model uses opset {actual_opset}"

@@ -13,7 +13,7 @@ from onnx.reference import ReferenceEvaluator
 import optimizer.graph.save
 from optimizer import zoo
 from optimizer.backends.onnxruntime import CPU_PROVIDER, create_session
-from optimizer.precision import fp16
+from optimizer.graph.inspect import opset_of
 from optimizer.precision.fp16 import convert_float
 from optimizer.recipe import Precision, PrecisionConfig
 
@@ -105,7 +105,7 @@ def test_bf16_upgrades_opset_for_conv_and_matches_fp32(small_resnet, images, tmp
     onnx.checker.check_model(str(out), full_check=True)
     model = onnx.load(str(out))
     assert report.opset_before == 17 and report.opset_after >= 22
-    assert fp16.opset_of(model) >= 22
+    assert opset_of(model) >= 22
     assert {t.data_type for t in model.graph.initializer} == {TensorProto.BFLOAT16}
     assert any("opset 17 -> 22" in note for note in report.notes)
     # ORT's CPU EP has no bf16 kernels; ONNX's reference evaluator runs the graph as written.

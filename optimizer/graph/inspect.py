@@ -107,6 +107,11 @@ def with_batch(shapes: dict[str, list[int]], batch: int) -> dict[str, list[int]]
     return {name: [batch, *dims[1:]] for name, dims in shapes.items()}
 
 
+def opset_of(model: onnx.ModelProto) -> int:
+    """The default-domain opset a model imports (0 if none)."""
+    return next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
+
+
 def op_histogram(model: onnx.ModelProto) -> dict[str, int]:
     return dict(Counter(n.op_type for n in model.graph.node).most_common())
 

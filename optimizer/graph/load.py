@@ -18,6 +18,7 @@ from google.protobuf.message import DecodeError
 from onnx import external_data_helper
 
 from optimizer.errors import InputRejected, Unsupported, first_line
+from optimizer.graph.inspect import opset_of
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +37,7 @@ class LoadedModel:
 
     @property
     def opset(self) -> int:
-        return next((o.version for o in self.proto.opset_import if o.domain in ("", "ai.onnx")), 0)
+        return opset_of(self.proto)
 
 
 def _check_file(path: Path) -> None:

@@ -10,6 +10,8 @@ from pathlib import Path
 import onnx
 from onnx import external_data_helper
 
+from optimizer.errors import Unsupported, first_line
+
 # Protobuf cannot serialize a message past 2 GiB; leave headroom for the graph itself.
 EXTERNAL_DATA_ABOVE_BYTES = 1536 * 2**20
 
@@ -25,3 +27,15 @@ def save_model(model: onnx.ModelProto, path: Path) -> None:
                         location=data_file.name, size_threshold=1024)
     else:
         onnx.save_model(model, str(path))
+
+
+def upgrade_opset(source: Path, target: int, dest: Path, why: str) -> Path:
+    """Convert `source` to opset `target` with onnx's version converter and save it to `dest`."""
+    model = onnx.load(str(source))
+    try:
+        model = onnx.version_converter.convert_version(model, target)
+    except Exception as exc:  # the converter raises assorted C++ errors
+        raise Unsupported(f"{why} needs opset {target}; onnx's version converter failed: {first_line(exc)}") from None
+    model.ir_version = max(model.ir_version, onnx.helper.find_min_ir_version_for(list(model.opset_import)))
+    save_model(model, dest)
+    return dest

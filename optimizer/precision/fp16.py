@@ -18,7 +18,8 @@ import onnx
 from onnx import TensorProto, external_data_helper, numpy_helper
 
 from optimizer.errors import Unsupported, first_line
-from optimizer.graph.save import save_model
+from optimizer.graph.inspect import opset_of
+from optimizer.graph.save import save_model, upgrade_opset
 from optimizer.precision import KeptNode, PrecisionReport
 from optimizer.recipe import Precision, PrecisionConfig
 
@@ -72,7 +73,7 @@ def convert_float(model_path: Path, precision: Precision, options: PrecisionConf
             block_ops |= no_bf16
             target = _bf16_opset(skeleton, block_ops, set(options.block_nodes))
             if target > opset_before:
-                source = _upgrade_opset(model_path, target, tmp / "upgraded.onnx")
+                source = upgrade_opset(model_path, target, tmp / "upgraded.onnx", "bf16")
                 notes.append(f"opset {opset_before} -> {target}: ONNX admits bfloat16 on Conv/pooling only from opset 22")
         model = _load_with_shapes(source, tmp)
         original = {t.name: t for t in model.graph.initializer} if precision is Precision.bf16 else {}
@@ -104,10 +105,6 @@ def convert_float(model_path: Path, precision: Precision, options: PrecisionConf
         seconds=time.perf_counter() - start,
         notes=notes,
     )
-
-
-def opset_of(model: onnx.ModelProto) -> int:
-    return next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
 
 
 def validate(path: Path, run_session: bool, tmp: Path) -> None:
@@ -142,17 +139,6 @@ def _load_with_shapes(source: Path, tmp: Path) -> onnx.ModelProto:
         del model.graph.input[:]
         model.graph.input.extend(kept_inputs)
     return model
-
-
-def _upgrade_opset(source: Path, target: int, dest: Path) -> Path:
-    model = onnx.load(str(source))
-    try:
-        model = onnx.version_converter.convert_version(model, target)
-    except Exception as exc:
-        raise Unsupported(f"bf16 needs opset {target}; onnx's version converter failed: {exc}") from None
-    model.ir_version = max(model.ir_version, onnx.helper.find_min_ir_version_for(list(model.opset_import)))
-    save_model(model, dest)
-    return dest
 
 
 def _allows_bf16(op_type: str, opset: int) -> bool | None:

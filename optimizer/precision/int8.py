@@ -29,9 +29,10 @@ from onnx import external_data_helper
 from optimizer import artifacts
 from optimizer.data import Sample
 from optimizer.errors import InputRejected, Unsupported
-from optimizer.graph.save import EXTERNAL_DATA_ABOVE_BYTES, save_model
+from optimizer.graph.inspect import opset_of
+from optimizer.graph.save import EXTERNAL_DATA_ABOVE_BYTES, upgrade_opset
 from optimizer.precision import CalibrationReport, KeptNode, PrecisionReport, fallback
-from optimizer.precision.fp16 import opset_of, validate
+from optimizer.precision.fp16 import validate
 from optimizer.recipe import CalibrationConfig, CalibrationMethod, Precision, QuantTarget
 
 log = logging.getLogger(__name__)
@@ -244,13 +245,7 @@ def _prepare(model_path: Path, tmp: Path, notes: list[str]) -> Path:
     skeleton = onnx.load(str(model_path), load_external_data=False)
     opset = opset_of(skeleton)
     if opset < MIN_OPSET:
-        model = onnx.load(str(model_path))
-        try:
-            model = onnx.version_converter.convert_version(model, MIN_OPSET)
-        except Exception as exc:
-            raise Unsupported(f"int8 needs opset {MIN_OPSET}+; onnx's version converter failed on opset {opset}: {exc}") from None
-        source = tmp / "upgraded.onnx"
-        save_model(model, source)
+        source = upgrade_opset(model_path, MIN_OPSET, tmp / "upgraded.onnx", f"per-channel int8 (model at opset {opset})")
         notes.append(f"opset {opset} -> {MIN_OPSET}: per-channel DequantizeLinear needs opset 13")
     prepared = tmp / "prepared.onnx"
     large = _tensor_bytes(source) > EXTERNAL_DATA_ABOVE_BYTES
