@@ -183,6 +183,17 @@ class Variant:
     top1: float = float("nan")
 
 
+def _runner_for(backend, compiled) -> Callable[[int], object]:
+    """Batch size -> activated runner; one runner serves every batch (OpenVINO compiles per shape inside)."""
+
+    def runner_for(_batch: int):
+        runner = backend.runner(compiled)
+        runner.activate()
+        return runner
+
+    return runner_for
+
+
 def ov_variant(
     label: str, kind: str, path: Path, precision: Precision, recipe: Recipe, workdir: Path, dynamic: bool = False
 ) -> Variant:
@@ -192,24 +203,14 @@ def ov_variant(
     compiled = backend.compile(path, precision, recipe.with_overrides(dynamic_shapes=dynamic),
                                workdir / label.replace(" ", "_").replace("/", "_"), shapes={"image": [1, 3, SIZE, SIZE]})
 
-    def runner_for(batch: int):
-        runner = backend.runner(compiled)
-        runner.activate()
-        return runner
-
-    return Variant(label, kind, runner_for)
+    return Variant(label, kind, _runner_for(backend, compiled))
 
 
 def ort_variant(path: Path, recipe: Recipe, workdir: Path) -> Variant:
     backend = OnnxRuntimeBackend()
     compiled = backend.compile(path, Precision.fp32, recipe, workdir)
 
-    def runner_for(batch: int):  # one dynamic-batch session serves every batch size
-        runner = backend.runner(compiled)
-        runner.activate()
-        return runner
-
-    return Variant("ORT fp32", "fp32", runner_for)
+    return Variant("ORT fp32", "fp32", _runner_for(backend, compiled))
 
 
 def accel_opt_auto_variant(fp32_path: Path, photos: list[dict[str, np.ndarray]], work: Path) -> tuple[Variant, str]:
@@ -236,11 +237,7 @@ def accel_opt_auto_variant(fp32_path: Path, photos: list[dict[str, np.ndarray]],
     kwargs = {"shapes": {"image": [recipe.selection.target_batch_size, 3, SIZE, SIZE]}} if getattr(backend, "compiles_for_shapes", False) else {}
     compiled = backend.compile(model_file, Precision(result.precision), chosen, work / "auto-compile", **kwargs)
 
-    def runner_for(batch: int):
-        runner = backend.runner(compiled)
-        runner.activate()
-        return runner
-
+    runner_for = _runner_for(backend, compiled)
     kind = {"fp32": "fp32", "bf16": "bf16", "int8": "int8", "fp16": "bf16"}[result.precision]
     return Variant(f"accel-opt auto: {result.backend} {result.precision}", kind, runner_for), summary
 
