@@ -23,9 +23,11 @@ def prepare(workdir: Path) -> tuple[Path, Path]:
     """Write the demo model and its photo data set (idempotent, deterministic)."""
     data_dir = workdir / "data"
     model_path = workdir / "demo_classifier.onnx"
-    samples = zoo.photo_samples(IMAGE_SIZE)
+    samples, labels = zoo.photo_dataset(IMAGE_SIZE)
+    head = zoo.HEAD_TRAINING_COUNT
     if not model_path.exists():
-        zoo.save(zoo.demo_classifier(head_samples=samples[:32]), model_path)
+        zoo.save(zoo.demo_classifier(head_training=(samples[:head], labels[:head])), model_path)
+    samples = samples[head:]  # the build calibrates and evaluates on images the head never saw
     if not data_dir.exists():
         data_dir.mkdir(parents=True)
         for i, sample in enumerate(samples):

@@ -2,7 +2,8 @@
 
 `resnet()` builds a ResNet-50-layout classifier (bottleneck blocks, batch norm folded into conv
 biases, as inference exporters emit it) with seeded He-initialised weights. Residual branches are
-scaled down so activations stay bounded through depth, as trained networks' are.
+scaled down so activations stay bounded through depth, as trained networks' are. Its classifier can
+be trained on `photo_dataset()`: crops of real photos labelled with the photo they came from.
 """
 
 from __future__ import annotations
@@ -57,19 +58,20 @@ class _Graph:
 def resnet(
     layout: tuple[int, ...] = RESNET50_LAYOUT,
     width: int = 64,
-    num_classes: int = 1000,
+    num_classes: int | None = None,
     image_size: int = 224,
     seed: int = 0,
     dynamic_batch: bool = True,
-    head_samples: list[dict[str, np.ndarray]] | None = None,
-    head_components: int = 2,
+    head_training: tuple[list[dict[str, np.ndarray]], np.ndarray] | None = None,
 ) -> onnx.ModelProto:
     """A bottleneck ResNet (ResNet-50 with the defaults) as an ONNX model with input `image`, output `logits`.
 
-    Random deep features share one dominant direction, so every image would get the same class.
-    With `head_samples`, the classifier is fitted to those images' features (see `_fit_head`),
-    which makes the logits discriminative, as a trained head's are.
+    The body keeps its random weights. With `head_training=(samples, labels)` (see `photo_dataset`),
+    the classifier is trained on those images' features (see `_train_head`), so its logits have the
+    class margins of a trained classifier; without it the head is random and 1000 classes wide.
     """
+    if num_classes is None:
+        num_classes = int(head_training[1].max()) + 1 if head_training else 1000
     g = _Graph(seed)
     x = g.conv("image", 3, width, 7, stride=2)
     pooled = g.name("maxpool")
@@ -102,15 +104,23 @@ def resnet(
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)], producer_name="accel-opt.zoo")
     model.ir_version = 8
     onnx.checker.check_model(model)
-    if head_samples:
-        _fit_head(model, flat, fc_w, fc_b, head_samples, head_components)
+    if head_training:
+        _train_head(model, flat, fc_w, fc_b, *head_training)
     return model
 
 
-def _fit_head(model: onnx.ModelProto, features: str, fc_w: str, fc_b: str, samples, components: int) -> None:
-    """Replace the classifier with a random linear map of the leading principal directions of the
-    centred features: logits then follow the directions along which images really differ, as a
-    trained head's do, instead of dividing by near-zero variances (which amplifies any noise)."""
+def _train_head(
+    model: onnx.ModelProto, features: str, fc_w: str, fc_b: str, samples, labels: np.ndarray,
+    components: int = 32, l2: float = 1e-3, steps: int = 2000, learning_rate: float = 0.5,
+) -> None:
+    """Train the classifier (softmax regression) on the body's features of `samples`.
+
+    Random deep features share one dominant direction; the head reads the leading `components`
+    principal directions of the centred features, standardised, so the fit neither sees that
+    common offset nor divides by near-zero variances (which would amplify any noise). The result is
+    a trained linear classifier with real margins. Written out because it is ten lines of numpy
+    and scikit-learn is not a dependency.
+    """
     import onnxruntime as ort
 
     probe = onnx.ModelProto()
@@ -119,15 +129,25 @@ def _fit_head(model: onnx.ModelProto, features: str, fc_w: str, fc_b: str, sampl
     session = ort.InferenceSession(probe.SerializeToString(), providers=["CPUExecutionProvider"])
     feats = np.concatenate([session.run([features], s)[0] for s in samples]).astype(np.float64)
     mean = feats.mean(axis=0)
-    _, singular, directions = np.linalg.svd(feats - mean, full_matrices=False)
-    k = min(components, len(singular))
+    _, _, directions = np.linalg.svd(feats - mean, full_matrices=False)
+    projection = directions[:components]
+    coords = (feats - mean) @ projection.T
+    scale = coords.std(axis=0) + 1e-12
+    coords /= scale
     inits = {t.name: t for t in model.graph.initializer}
     num_classes = numpy_helper.to_array(inits[fc_w]).shape[0]
-    mixing = np.random.default_rng(1).standard_normal((num_classes, k))
-    weight = mixing @ directions[:k]
-    weight *= 3.0 / (np.std((feats - mean) @ weight.T) + 1e-12)  # logits with a std of ~3
-    inits[fc_w].CopyFrom(numpy_helper.from_array(weight.astype(np.float32), fc_w))
-    inits[fc_b].CopyFrom(numpy_helper.from_array((-weight @ mean).astype(np.float32), fc_b))
+    targets = np.eye(num_classes)[labels]
+    weight, bias = np.zeros((num_classes, coords.shape[1])), np.zeros(num_classes)
+    for _ in range(steps):  # full-batch gradient descent on the cross-entropy
+        logits = coords @ weight.T + bias
+        prob = np.exp(logits - logits.max(axis=1, keepdims=True))
+        prob /= prob.sum(axis=1, keepdims=True)
+        grad = (prob - targets) / len(coords)
+        weight -= learning_rate * (grad.T @ coords + l2 * weight)
+        bias -= learning_rate * grad.sum(axis=0)
+    fc = (weight / scale) @ projection  # back to the 2048 raw features
+    inits[fc_w].CopyFrom(numpy_helper.from_array(fc.astype(np.float32), fc_w))
+    inits[fc_b].CopyFrom(numpy_helper.from_array((bias - fc @ mean).astype(np.float32), fc_b))
 
 
 def save(model: onnx.ModelProto, path: str | Path) -> Path:
@@ -137,42 +157,53 @@ def save(model: onnx.ModelProto, path: str | Path) -> Path:
     return path
 
 
-def demo_classifier(head_samples: list[dict[str, np.ndarray]] | None = None) -> onnx.ModelProto:
+def demo_classifier(head_training: tuple[list[dict[str, np.ndarray]], np.ndarray] | None = None) -> onnx.ModelProto:
     """The `make demo` model: ResNet layout at a size that builds in seconds on two cores (128x128 input)."""
-    return resnet(layout=(1, 1, 1, 1), width=32, num_classes=10, image_size=128, seed=0, head_samples=head_samples,
-                  head_components=4)
+    return resnet(layout=(1, 1, 1, 1), width=32, image_size=128, seed=0, head_training=head_training)
 
 
-def photo_samples(size: int = 224, count: int | None = None) -> list[dict[str, np.ndarray]]:
-    """Real photos shipped with scikit-image, ImageNet-preprocessed to `image` feed dicts (batch 1)."""
+HEAD_TRAINING_COUNT = 96  # photo_dataset() images the demo and benchmarks train the head on, then set aside
+
+
+def photo_dataset(size: int = 224, per_photo: int = 48, seed: int = 0) -> tuple[list[dict[str, np.ndarray]], np.ndarray]:
+    """Labelled images: random crops (45-100% of the side, aspect 0.8-1.25, half of them mirrored)
+    of the distinct photos shipped with scikit-image, ImageNet-preprocessed to `image` feed dicts
+    (batch 1). The label is the photo a crop came from. Shuffled, deterministic for a seed."""
     from PIL import Image
 
     from optimizer.data import preprocess_image
     from optimizer.recipe import Preprocessing
 
-    images = _skimage_photos()
+    rng = np.random.default_rng(seed)
     pre = Preprocessing(resize=round(size * 256 / 224), crop=size)
-    samples = []
-    for photo in images:
+    samples, labels = [], []
+    for label, photo in enumerate(_skimage_photos()):
         base = Image.fromarray(photo)
-        # Flips and crops multiply the ~15 photos into distinct, realistic samples.
-        for variant in range(8):
-            img = base.transpose(Image.FLIP_LEFT_RIGHT) if variant % 2 else base
-            if variant >= 2:
-                w, h = img.size
-                f = 0.6 + 0.1 * (variant // 2)
-                img = img.crop((0, 0, int(w * f), int(h * f))) if variant % 4 < 2 else img.crop((int(w * (1 - f)), int(h * (1 - f)), w, h))
+        width, height = base.size
+        for _ in range(per_photo):
+            side, aspect = rng.uniform(0.45, 1.0), rng.uniform(0.8, 1.25)
+            crop_w = min(width, int(width * side * np.sqrt(aspect)))
+            crop_h = min(height, int(height * side / np.sqrt(aspect)))
+            left, top = int(rng.integers(0, width - crop_w + 1)), int(rng.integers(0, height - crop_h + 1))
+            img = base.crop((left, top, left + crop_w, top + crop_h))
+            if rng.random() < 0.5:
+                img = img.transpose(Image.FLIP_LEFT_RIGHT)
             samples.append({"image": preprocess_image(img, pre)})
-    order = np.random.default_rng(0).permutation(len(samples))
-    samples = [samples[i] for i in order]
-    return samples[:count] if count else samples
+            labels.append(label)
+    order = rng.permutation(len(samples))
+    return [samples[i] for i in order], np.asarray(labels)[order]
+
+
+def photo_samples(size: int = 224, count: int | None = None) -> list[dict[str, np.ndarray]]:
+    """The images of `photo_dataset` without labels (the first `count`)."""
+    return photo_dataset(size)[0][:count]
 
 
 def _skimage_photos() -> list[np.ndarray]:
     from skimage import data
 
     photos = []
-    for name in ("astronaut", "coffee", "chelsea", "rocket", "cat", "hubble_deep_field", "immunohistochemistry",
+    for name in ("astronaut", "coffee", "chelsea", "rocket", "hubble_deep_field", "immunohistochemistry",
                  "motorcycle_left", "motorcycle_right", "retina", "colorwheel", "logo"):
         try:
             image = getattr(data, name)()
