@@ -10,6 +10,7 @@ embedding cosine) are computed here because Polygraphy has none.
 from __future__ import annotations
 
 import logging
+import math
 
 import numpy as np
 from polygraphy.backend.base import BaseRunner
@@ -44,6 +45,7 @@ class TaskMetricResult(BaseModel):
     values: dict[str, float]
     thresholds: dict[str, float]
     passed: bool
+    note: str | None = None  # e.g. too few samples for the threshold to tolerate a single change
 
 
 class AccuracyReport(BaseModel):
@@ -128,6 +130,7 @@ def _judge(run_results, tolerance: Tolerance, task_metrics: list[TaskMetric]) ->
     task_results = [_task_metric(metric, ref_iters, cand_iters) for metric in task_metrics]
     failures += [
         f"task metric {r.kind} on {r.output}: " + ", ".join(f"{k}={r.values[k]:.4f} (min {v})" for k, v in r.thresholds.items())
+        + (f" ({r.note})" if r.note else "")
         for r in task_results
         if not r.passed
     ]
@@ -158,11 +161,13 @@ def _rows(iterations: list[IterationResult], name: str) -> np.ndarray:
 def _task_metric(metric: TaskMetric, ref_iters, cand_iters) -> TaskMetricResult:
     name = metric.output or next(iter(ref_iters[0].keys()))
     ref, cand = _rows(ref_iters, name), _rows(cand_iters, name)
+    note = None
     if isinstance(metric, TopKMetric):
         ref_top1 = ref.argmax(axis=1)
         ranked = np.argsort(-cand, axis=1)
         values = {f"top{k}": float(np.mean([r in row[:k] for r, row in zip(ref_top1, ranked)])) for k in metric.min_agreement}
         thresholds = {f"top{k}": v for k, v in metric.min_agreement.items()}
+        note = _resolution_note(len(ref), min(thresholds.values()))
     elif isinstance(metric, CosineMetric):
         dots = (ref * cand).sum(axis=1)
         norms = np.linalg.norm(ref, axis=1) * np.linalg.norm(cand, axis=1)
@@ -172,4 +177,14 @@ def _task_metric(metric: TaskMetric, ref_iters, cand_iters) -> TaskMetricResult:
     else:  # pragma: no cover - the recipe schema admits only the kinds above
         raise TypeError(f"unknown task metric {metric!r}")
     passed = all(values[k] >= v for k, v in thresholds.items())
-    return TaskMetricResult(kind=metric.kind, output=name, values=values, thresholds=thresholds, passed=passed)
+    return TaskMetricResult(kind=metric.kind, output=name, values=values, thresholds=thresholds, passed=passed,
+                            note=note)
+
+
+def _resolution_note(rows: int, min_agreement: float) -> str | None:
+    """Say so when one changed prediction alone fails an agreement threshold that means to allow some."""
+    if min_agreement >= 1.0 or (rows - 1) / rows >= min_agreement:
+        return None
+    needed = math.ceil(1 / (1 - min_agreement) - 1e-9)
+    return (f"{rows} evaluation rows: one changed prediction ({1 / rows:.1%}) already fails the minimum "
+            f"{min_agreement}; give at least {needed} for the gate to tolerate a single near-tie")

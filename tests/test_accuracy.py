@@ -66,3 +66,13 @@ def test_task_metrics(tmp_path):
     assert not other.passed
     assert other.task_metrics[0].values["top8"] == 1.0 and other.task_metrics[0].values["top1"] < 0.9
     assert any("task metric topk" in f for f in other.failures)
+
+
+def test_topk_gate_says_when_samples_are_too_few_to_allow_one_change(tmp_path):
+    ref = save(matmul_model(out_dim=8), tmp_path / "m.onnx")
+    metric = [TopKMetric(min_agreement={1: 0.97})]
+    few = compare(reference_runner(ref, 1), reference_runner(ref, 1), [{"x": s["x"]} for s in _samples(8)], TOL, metric)  # 2 rows each
+    assert few.passed  # the note explains a threshold; it is not a failure by itself
+    assert "16 evaluation rows" in few.task_metrics[0].note and "at least 34" in few.task_metrics[0].note
+    enough = compare(reference_runner(ref, 1), reference_runner(ref, 1), [{"x": s["x"]} for s in _samples(17)], TOL, metric)
+    assert enough.task_metrics[0].note is None
