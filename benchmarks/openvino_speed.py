@@ -237,6 +237,8 @@ def accel_opt_auto_variant(fp32_path: Path, photos: list[dict[str, np.ndarray]],
     model_file = Path(result.artifact_dir) / "model.onnx"
     kwargs = {"shapes": {"image": [recipe.selection.target_batch_size, 3, SIZE, SIZE]}} if getattr(backend, "compiles_for_shapes", False) else {}
     compiled = backend.compile(model_file, Precision(result.precision), chosen, work / "auto-compile", **kwargs)
+    if "kernels_by_layer_type" in compiled.settings:
+        summary += f"\nauto's compute kernels: {compiled.settings['kernels_by_layer_type']}"
 
     runner_for = _runner_for(backend, compiled)
     kind = {"fp32": "fp32", "bf16": "bf16", "int8": "int8", "fp16": "bf16"}[result.precision]

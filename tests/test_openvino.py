@@ -184,6 +184,7 @@ def test_bf16_build_runs_bf16(fp32_model, tmp_path):
     compiled = backend.compile(fp32_model, Precision.bf16, Recipe(), tmp_path)
     assert compiled.settings["inference_precision"] == "bf16"
     assert set(compiled.settings["execution_precision_by_layer_type"]["Convolution"]) == {"bf16"}
+    assert all(k.endswith("bf16") for k in compiled.settings["kernels_by_layer_type"]["Convolution"])
 
 
 @needs_openvino
@@ -193,6 +194,8 @@ def test_int8_qdq_runs_integer_convolutions(qdq_model, tmp_path):
     assert compiled.settings["static_shapes"] == {"image": [8, 3, 32, 32]}  # the default target batch
     convs = compiled.settings["execution_precision_by_layer_type"]["Convolution"]
     assert set(convs) <= {"u8", "i8"} and sum(convs.values()) == 9
+    kernels = compiled.settings["kernels_by_layer_type"]["Convolution"]  # e.g. brgconv_avx512_amx_I8
+    assert sum(kernels.values()) == 9 and all(k.lower().endswith("i8") for k in kernels), kernels
     feed = _sample(2, 5)
     with backend.runner(compiled) as runner:
         got = runner.infer(feed)["logits"].ravel()  # a batch-2 compile, verified to run int8 like the blob

@@ -179,13 +179,22 @@ def deployment_shapes(model, shapes: dict[str, list[int]] | None, batch: int) ->
 
 def execution_precisions(compiled) -> dict[str, dict[str, int]]:
     """{layer type: {runtime precision: count}} from the executed graph (constants left out)."""
+    return _runtime_counts(compiled, "runtimePrecision")
+
+
+def compute_kernels(compiled) -> dict[str, dict[str, int]]:
+    """{compute layer type: {kernel: count}}, e.g. brgconv_avx512_amx_I8: which ISA really runs the math."""
+    return _runtime_counts(compiled, "primitiveType", COMPUTE_LAYERS)
+
+
+def _runtime_counts(compiled, key: str, layers: tuple[str, ...] | None = None) -> dict[str, dict[str, int]]:
     counts: dict[str, Counter] = {}
     for op in compiled.get_runtime_model().get_ordered_ops():
         info = op.get_rt_info()
         layer = info["layerType"].astype(str)
-        if layer == "Const":
+        if layer == "Const" or (layers is not None and layer not in layers):
             continue
-        counts.setdefault(layer, Counter())[info["runtimePrecision"].astype(str)] += 1
+        counts.setdefault(layer, Counter())[info[key].astype(str)] += 1
     return {layer: dict(sorted(c.items())) for layer, c in sorted(counts.items())}
 
 
@@ -319,6 +328,7 @@ class OpenVinoBackend:
             "properties": {key: str(compiled.get_property(key)) for key in READ_BACK},
             "inference_precision": HINTS[precision],
             "execution_precision_by_layer_type": by_layer,
+            "kernels_by_layer_type": compute_kernels(compiled),
             # static: one compile per input-shape set (the runner compiles each on first use);
             # dynamic: one compile for every shape. static_shapes: what the saved blob was compiled for.
             "shape_mode": shape_mode,
