@@ -20,8 +20,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Literal
 
+import numpy as np
 import onnx
-from pydantic import BaseModel
+from pydantic import BaseModel, PrivateAttr
 
 from optimizer import artifacts, hardware, report
 from optimizer.accuracy import AccuracyReport, compare
@@ -73,6 +74,11 @@ class BuildResult(BaseModel):
     failures: list[str] = []
     error: str | None = None
     stages: list[StageResult] = []
+    _eval_samples: list[Sample] = PrivateAttr(default_factory=list)  # in memory only: what the build timed
+
+    @property
+    def eval_samples(self) -> list[Sample]:
+        return self._eval_samples
 
 
 @dataclass
@@ -166,6 +172,7 @@ def build(
             worst_cosine=ctx.accuracy.worst_cosine,
         )
         _fill_headline(result, ctx.bench)
+        result._eval_samples = ctx.eval_samples
         artifacts.publish(staging, final)
         _write_manifest(ctx, final, result)
     return result
@@ -356,6 +363,23 @@ STAGES: list[tuple[str, Callable[[BuildContext], tuple[StageStatus, str]]]] = [
     ("benchmark", _stage_benchmark),
     ("reports", _stage_reports),
 ]
+
+
+def artifact_target(artifact_dir: Path, recipe: Recipe, workdir: Path, feed_dtypes: dict[str, np.dtype]) -> Target:
+    """A benchmark target for a published build, compiled from its folder as the build compiled it.
+
+    `feed_dtypes`: the dtypes of the samples it will be fed; inputs the build deployed in another
+    dtype (float16 I/O) are cast inside the timed call, as during the build.
+    """
+    config = json.loads((artifact_dir / "resource_config.json").read_text())
+    backend, precision = get_backend(config["backend"]), Precision(config["precision"])
+    shapes = {"shapes": {i["name"]: i["shape_used"] for i in config["inputs"]}} if getattr(backend, "compiles_for_shapes", False) else {}
+    compiled = backend.compile(artifact_dir / config["model_file"], precision,
+                               recipe.with_overrides(backend=backend.name, precision=precision), workdir, **shapes)
+    runner = backend.runner(compiled)
+    differing = {i["name"]: i["dtype"] for i in config["inputs"] if np.dtype(i["dtype"]) != feed_dtypes.get(i["name"])}
+    return Target(f"{backend.name}-{precision.value}", CastInputsRunner(runner, differing) if differing else runner,
+                  backend.synchronize)
 
 
 # ---- helpers -------------------------------------------------------------------------------------

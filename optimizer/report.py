@@ -134,6 +134,7 @@ def selection_markdown(name: str, selection: AutoSelection) -> str:
         f"# Automatic choice: {name}",
         "",
         f"Target batch {selection.target_batch_size}; latency budget {budget}. Backend: {selection.backend_reason}.",
+        f"Latency: {selection.timing}.",
         "",
     ]
 
@@ -141,9 +142,10 @@ def selection_markdown(name: str, selection: AutoSelection) -> str:
         return format(value, spec) if value is not None else "-"
 
     out.append(_table(
-        ["backend", "precision", "signed off", "p50 ms", "samples/s", "worst cosine", "verdict"],
+        ["backend", "precision", "signed off", "p50 ms", "p50 ms in its build", "samples/s", "worst cosine", "verdict"],
         [[c.backend, c.precision, "yes" if c.signed_off else "no", fmt(c.latency_p50_ms, ".2f"),
-          fmt(c.throughput_per_s, ".1f"), fmt(c.cosine, ".5f"), c.verdict] for c in selection.candidates],
+          fmt(c.build_latency_p50_ms, ".2f"), fmt(c.throughput_per_s, ".1f"), fmt(c.cosine, ".5f"), c.verdict]
+         for c in selection.candidates],
     ))
     winner = selection.winner
     out += ["", f"Winner: {winner.backend} {winner.precision} -> {winner.artifact_dir}" if winner else "No candidate passed."]
