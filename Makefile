@@ -32,6 +32,7 @@ bench: install
 	$(BIN)/python -m benchmarks.harness_overhead
 	$(BIN)/python -m benchmarks.int8_speed
 	$(BIN)/python -m benchmarks.openvino_speed
+	$(BIN)/python -m benchmarks.quiet_state_ratio
 
 clean:
 	rm -rf $(VENV) artifacts/*/ .pytest_cache .ruff_cache

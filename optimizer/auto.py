@@ -20,6 +20,7 @@ from pydantic import BaseModel
 from optimizer import artifacts, hardware, report
 from optimizer.backends.select import auto_backend, candidate_precisions
 from optimizer.bench import run_benchmark
+from optimizer.data import Sample
 from optimizer.errors import AccelOptError
 from optimizer.pipeline import BuildResult, StageResult, artifact_target, build
 from optimizer.recipe import BackendName, Precision, Recipe
@@ -133,7 +134,7 @@ def build_auto(
     return (results[(winner.backend, winner.precision)] if winner else None), selection
 
 
-def _runoff(candidates: list[Candidate], samples: list, recipe: Recipe) -> str:
+def _runoff(candidates: list[Candidate], samples: list[Sample], recipe: Recipe) -> str:
     """Time the candidates' published builds against each other in interleaved rounds at their batch
     size (the same samples every build timed); updates each candidate's latency and throughput."""
     batch = candidates[0].batch_size

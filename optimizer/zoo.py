@@ -145,7 +145,7 @@ def _train_head(
         grad = (prob - targets) / len(coords)
         weight -= learning_rate * (grad.T @ coords + l2 * weight)
         bias -= learning_rate * grad.sum(axis=0)
-    fc = (weight / scale) @ projection  # back to the 2048 raw features
+    fc = (weight / scale) @ projection  # back to the raw features
     inits[fc_w].CopyFrom(numpy_helper.from_array(fc.astype(np.float32), fc_w))
     inits[fc_b].CopyFrom(numpy_helper.from_array((bias - fc @ mean).astype(np.float32), fc_b))
 
