@@ -45,6 +45,7 @@ class QuantTarget(str, enum.Enum):
 
     auto = "auto"  # follows the backend
     ort_cpu = "ort_cpu"
+    openvino = "openvino"
     tensorrt = "tensorrt"
 
 

@@ -13,7 +13,7 @@ from optimizer import zoo
 from optimizer.backends.onnxruntime import CPU_PROVIDER, create_session
 from optimizer.errors import Unsupported
 from optimizer.precision import transform
-from optimizer.precision.int8 import ORT_CPU, TENSORRT, quantize, resolve_preset
+from optimizer.precision.int8 import OPENVINO, ORT_CPU, TENSORRT, quantize, resolve_preset
 from optimizer.recipe import CalibrationConfig, CalibrationMethod, Precision, QuantTarget, Recipe
 
 SIZE = 32
@@ -96,6 +96,18 @@ def test_ort_cpu_preset_uint8_activations_int8_per_channel_weights(model_path, c
     assert _relative_error(_run(out, evaluation), _run(model_path, evaluation)) < 0.1
 
 
+def test_openvino_preset_quantizes_the_signed_image_input_symmetric_int8(model_path, calib, evaluation, tmp_path):
+    out = tmp_path / "ov.onnx"
+    report = quantize(model_path, calib, CalibrationConfig(samples=8), "openvino", out, cache_dir=None)
+    assert report.calibration.preset == "openvino"
+    model, inits = _quantize_ops(out)
+    zero_points = {n.input[0]: inits[n.input[2]] for n in model.graph.node if n.op_type == "QuantizeLinear"}
+    image = zero_points.pop("image")  # normalized pixels go negative: int8 with zero point 0, no compensation
+    assert image.dtype == np.int8 and not image.any()
+    assert zero_points and {z.dtype for z in zero_points.values()} == {np.dtype(np.uint8)}  # after Relu: uint8
+    assert _relative_error(_run(out, evaluation), _run(model_path, evaluation)) < 0.1
+
+
 def test_tensorrt_preset_is_symmetric_int8_with_float_bias(model_path, calib, evaluation, tmp_path):
     out = tmp_path / "trt.onnx"
     config = CalibrationConfig(target=QuantTarget.tensorrt, samples=8)
@@ -112,7 +124,7 @@ def test_tensorrt_preset_is_symmetric_int8_with_float_bias(model_path, calib, ev
 
 def test_auto_target_follows_backend():
     assert resolve_preset(QuantTarget.auto, "onnxruntime") is ORT_CPU
-    assert resolve_preset(QuantTarget.auto, "openvino") is ORT_CPU
+    assert resolve_preset(QuantTarget.auto, "openvino") is OPENVINO
     assert resolve_preset(QuantTarget.auto, "tensorrt") is TENSORRT
     assert resolve_preset(QuantTarget.tensorrt, "onnxruntime") is TENSORRT
     with pytest.raises(Unsupported):
