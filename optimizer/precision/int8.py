@@ -177,12 +177,13 @@ def quantize(
             staged.parent.mkdir()
             large = _tensor_bytes(prepared) > EXTERNAL_DATA_ABOVE_BYTES
             ranges = _calibrate(prepared, samples, settings, tmp, large)
-            _quantize_with_ranges(prepared, ranges, settings, staged, large)
+            overrides = _signed_input_overrides(prepared, ranges) if settings.preset.symmetric_signed_inputs else {}
+            _quantize_with_ranges(prepared, ranges, overrides, settings, staged, large)
             validate(staged, run_session=True, tmp=tmp)
             if settings.fallback_min_cosine is not None:
                 kept = fallback.keep_sensitive_groups_float(
                     prepared, staged, fallback.layer_groups(prepared, _op_types(settings)),
-                    lambda exclude, out: _quantize_with_ranges(prepared, ranges, settings, out, large, exclude),
+                    lambda exclude, out: _quantize_with_ranges(prepared, ranges, overrides, settings, out, large, exclude),
                     samples, settings.fallback_min_cosine, notes,
                 )
             for produced in staged.parent.iterdir():
@@ -339,9 +340,11 @@ def _ort_method(method: CalibrationMethod):
 
 
 def _quantize_with_ranges(
-    model: Path, ranges_file: Path, settings: QuantSettings, out: Path, large: bool, exclude: Sequence[str] = ()
+    model: Path, ranges_file: Path, overrides: dict[str, list[dict]], settings: QuantSettings, out: Path, large: bool,
+    exclude: Sequence[str] = (),
 ) -> None:
-    """The one call site of ORT's static quantization; all of its string options live here."""
+    """The one call site of ORT's static quantization; all of its string options live here.
+    `overrides`: ORT's per-tensor TensorQuantOverrides (see `_signed_input_overrides`)."""
     from onnxruntime.quantization import QuantFormat, QuantType, quantize_static
 
     preset = settings.preset
@@ -368,7 +371,7 @@ def _quantize_with_ranges(
             "QuantizeBias": preset.quantize_bias,
             "AddQDQPairToWeight": False,  # int8 weights + DequantizeLinear: 4x smaller than float weights + Q/DQ
             "CalibTensorRangeSymmetric": preset.symmetric_activations,
-            "TensorQuantOverrides": _signed_input_overrides(model, ranges_file) if preset.symmetric_signed_inputs else {},
+            "TensorQuantOverrides": overrides,
         },
     )
 
