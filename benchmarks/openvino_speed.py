@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import statistics
 import tempfile
 import time
@@ -229,9 +230,9 @@ def ort_variant(path: Path, recipe: Recipe, workdir: Path) -> Variant:
 
 def accel_opt_auto_variant(fp32_path: Path, photos: list[dict[str, np.ndarray]], work: Path) -> tuple[Variant, str]:
     """What `accel-opt build --backend auto --precision auto --recipe image-classifier --data DIR` signs
-    off on this machine: the winner's model.onnx compiled exactly as the pipeline compiles it."""
+    off on this machine: the winner's folder compiled exactly as the pipeline compiled it."""
     from optimizer.auto import build_auto
-    from optimizer.backends import get_backend
+    from optimizer.pipeline import artifact_target
     from optimizer.recipe import load_recipe
 
     data = work / "photos"
@@ -245,15 +246,16 @@ def accel_opt_auto_variant(fp32_path: Path, photos: list[dict[str, np.ndarray]],
         raise SystemExit("accel-opt auto signed off no candidate:\n" + "\n".join(c.verdict for c in selection.candidates))
     summary = (f"accel-opt auto ({time.perf_counter() - start:.0f} s, {len(selection.candidates)} candidates): "
                + "; ".join(f"{c.backend}/{c.precision} {c.latency_p50_ms or float('nan'):.1f} ms {c.verdict}" for c in selection.candidates))
-    backend = get_backend(result.backend)
-    chosen = recipe.with_overrides(backend=result.backend, precision=result.precision)
-    model_file = Path(result.artifact_dir) / "model.onnx"
-    kwargs = {"shapes": {"image": [recipe.selection.target_batch_size, 3, SIZE, SIZE]}} if getattr(backend, "compiles_for_shapes", False) else {}
-    compiled = backend.compile(model_file, Precision(result.precision), chosen, work / "auto-compile", **kwargs)
-    if "kernels_by_layer_type" in compiled.settings:
-        summary += f"\nauto's compute kernels: {compiled.settings['kernels_by_layer_type']}"
+    artifact = Path(result.artifact_dir)
+    kernels = json.loads((artifact / "resource_config.json").read_text())["settings"].get("kernels_by_layer_type")
+    if kernels:
+        summary += f"\nauto's compute kernels: {kernels}"
+    runner = artifact_target(artifact, recipe, work / "auto-compile", {"image": np.dtype(np.float32)}).runner
 
-    runner_for = _runner_for(backend, compiled)
+    def runner_for(_batch: int):
+        runner.activate()
+        return runner
+
     kind = {"fp32": "fp32", "bf16": "bf16", "int8": "int8", "fp16": "bf16"}[result.precision]
     return Variant(f"accel-opt auto: {result.backend} {result.precision}", kind, runner_for), summary
 

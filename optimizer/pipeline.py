@@ -219,9 +219,13 @@ def _reference(ctx: BuildContext):
 
 def _candidate_runner(ctx: BuildContext):
     """The backend's runner, fed inputs in the candidate's own dtypes (float16 I/O builds)."""
-    runner = ctx.backend.runner(ctx.compiled)
-    expected = {s.name: s.dtype for s in ctx.inputs}
-    differing = {s.name: s.dtype for s in ctx.deployed_inputs if expected.get(s.name) != s.dtype}
+    return _casting_inputs(ctx.backend.runner(ctx.compiled), {s.name: s.dtype for s in ctx.inputs},
+                           {s.name: s.dtype for s in ctx.deployed_inputs})
+
+
+def _casting_inputs(runner, fed: dict[str, Any], deployed: dict[str, Any]):
+    """`runner`, wrapped to cast the inputs fed in another dtype than the model deploys (in the timed call)."""
+    differing = {name: dtype for name, dtype in deployed.items() if np.dtype(fed.get(name, dtype)) != np.dtype(dtype)}
     return CastInputsRunner(runner, differing) if differing else runner
 
 
@@ -373,22 +377,25 @@ def artifact_target(artifact_dir: Path, recipe: Recipe, workdir: Path, feed_dtyp
     """
     config = json.loads((artifact_dir / "resource_config.json").read_text())
     backend, precision = get_backend(config["backend"]), Precision(config["precision"])
-    shapes = {"shapes": {i["name"]: i["shape_used"] for i in config["inputs"]}} if getattr(backend, "compiles_for_shapes", False) else {}
-    compiled = backend.compile(artifact_dir / config["model_file"], precision,
-                               recipe.with_overrides(backend=backend.name, precision=precision), workdir, **shapes)
-    runner = backend.runner(compiled)
-    differing = {i["name"]: i["dtype"] for i in config["inputs"] if np.dtype(i["dtype"]) != feed_dtypes.get(i["name"])}
-    return Target(f"{backend.name}-{precision.value}", CastInputsRunner(runner, differing) if differing else runner,
-                  backend.synchronize)
+    compiled = _compile_with_shapes(backend, artifact_dir / config["model_file"], precision,
+                                    recipe.with_overrides(backend=backend.name, precision=precision), workdir,
+                                    {i["name"]: i["shape_used"] for i in config["inputs"]})
+    runner = _casting_inputs(backend.runner(compiled), feed_dtypes, {i["name"]: i["dtype"] for i in config["inputs"]})
+    return Target(f"{backend.name}-{precision.value}", runner, backend.synchronize)
 
 
 # ---- helpers -------------------------------------------------------------------------------------
 
 
 def _compile(ctx: BuildContext, path: Path, precision: Precision) -> CompiledModel:
-    """backend.compile, with the resolved input shapes for backends that compile for fixed shapes."""
-    shapes = {"shapes": ctx.shapes.shapes} if getattr(ctx.backend, "compiles_for_shapes", False) else {}
-    return ctx.backend.compile(path, precision, ctx.recipe, ctx.workdir, **shapes)
+    return _compile_with_shapes(ctx.backend, path, precision, ctx.recipe, ctx.workdir, ctx.shapes.shapes)
+
+
+def _compile_with_shapes(backend: Backend, path: Path, precision: Precision, recipe: Recipe, workdir: Path,
+                         shapes: dict[str, list[int]]) -> CompiledModel:
+    """backend.compile, with the input shapes for backends that compile for fixed shapes."""
+    kwargs = {"shapes": shapes} if getattr(backend, "compiles_for_shapes", False) else {}
+    return backend.compile(path, precision, recipe, workdir, **kwargs)
 
 
 def _resource_config(ctx: BuildContext) -> dict:
