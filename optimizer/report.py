@@ -81,7 +81,8 @@ def signoff_markdown(
                  for m in accuracy.task_metrics for k, v in m.thresholds.items()],
             )
         )
-        out += [f"\n- {m.kind}: {m.note}" for m in accuracy.task_metrics if m.note]
+        metric_notes = [f"- {m.kind}: {m.note}" for m in accuracy.task_metrics if m.note]
+        out += [""] + metric_notes if metric_notes else []
     if precision is not None and precision.kept_in_higher_precision:
         out += ["", "## Kept in higher precision", ""]
         out.append(_table(["node", "op", "why"], [[k.node, k.op_type, k.reason] for k in precision.kept_in_higher_precision]))

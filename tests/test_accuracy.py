@@ -4,7 +4,9 @@ from onnx import numpy_helper
 
 from optimizer.accuracy import compare
 from optimizer.backends.onnxruntime import reference_runner
+from optimizer.data import DataSummary
 from optimizer.recipe import CosineMetric, Tolerance, TopKMetric
+from optimizer.report import signoff_markdown
 
 from .conftest import matmul_model, save
 
@@ -74,5 +76,7 @@ def test_topk_gate_says_when_samples_are_too_few_to_allow_one_change(tmp_path):
     few = compare(reference_runner(ref, 1), reference_runner(ref, 1), [{"x": s["x"]} for s in _samples(8)], TOL, metric)  # 2 rows each
     assert few.passed  # the note explains a threshold; it is not a failure by itself
     assert "16 evaluation rows" in few.task_metrics[0].note and "at least 34" in few.task_metrics[0].note
+    data = DataSummary(source="npz", path="d", count=8, sha256="0", seed=0)
+    assert f"- topk: {few.task_metrics[0].note}" in signoff_markdown("m", True, few, None, data, 0, [])
     enough = compare(reference_runner(ref, 1), reference_runner(ref, 1), [{"x": s["x"]} for s in _samples(17)], TOL, metric)
     assert enough.task_metrics[0].note is None
