@@ -33,6 +33,7 @@ bench: install
 	$(BIN)/python -m benchmarks.int8_speed
 	$(BIN)/python -m benchmarks.openvino_speed
 	$(BIN)/python -m benchmarks.quiet_state_ratio
+	$(BIN)/python -m benchmarks.minilm_speed
 
 clean:
 	rm -rf $(VENV) artifacts/*/ .pytest_cache .ruff_cache
