@@ -24,9 +24,9 @@ import numpy as np
 
 from benchmarks._common import wait_for_idle
 from optimizer.auto import build_auto
-from optimizer.backends import get_backend
 from optimizer.bench import timed_calls
-from optimizer.recipe import Precision, load_recipe
+from optimizer.pipeline import artifact_target
+from optimizer.recipe import load_recipe
 
 ROOT = Path(__file__).resolve().parent.parent
 FACTORY = f"{ROOT / 'examples' / 'minilm.py'}:minilm"
@@ -69,11 +69,8 @@ def main() -> int:
 
         feeds = [dict(np.load(p)) for p in sorted((work / "feeds").glob("*.npz"))]
         feed = {k: np.concatenate([f[k] for f in feeds[:BATCH]]) for k in feeds[0]}
-        backend = get_backend(winner.backend)
-        chosen = recipe.with_overrides(backend=winner.backend, precision=winner.precision)
-        model_file = Path(winner.artifact_dir) / "model.onnx"
-        shapes = {"shapes": {k: list(v.shape) for k, v in feed.items()}} if getattr(backend, "compiles_for_shapes", False) else {}
-        runner = backend.runner(backend.compile(model_file, Precision(winner.precision), chosen, work / "compile", **shapes))
+        runner = artifact_target(Path(winner.artifact_dir), recipe, work / "compile",
+                                 {k: v.dtype for k, v in feed.items()}).runner
         runner.activate()
         exported = next(Path(c.artifact_dir) for c in selection.candidates
                         if c.artifact_dir and c.backend == "onnxruntime" and c.precision == "fp32")
