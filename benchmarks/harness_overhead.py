@@ -16,12 +16,12 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
+from accel_opt import zoo
+from accel_opt.backends.onnxruntime import OnnxRuntimeBackend
+from accel_opt.bench import Target, infer_and_sync, latency_stats, timed_calls
+from accel_opt.hardware import available_cpus
+from accel_opt.recipe import Precision, load_recipe
 from benchmarks._common import wait_for_idle
-from optimizer import zoo
-from optimizer.backends.onnxruntime import OnnxRuntimeBackend
-from optimizer.bench import Target, infer_and_sync, latency_stats, timed_calls
-from optimizer.hardware import available_cpus
-from optimizer.recipe import Precision, load_recipe
 
 LIMIT = 1.05
 

@@ -1,4 +1,4 @@
-"""int8 Q/DQ (optimizer.precision.int8, ort_cpu preset) vs fp32 on ONNX Runtime's CPU EP, ResNet-50 layout.
+"""int8 Q/DQ (accel_opt.precision.int8, ort_cpu preset) vs fp32 on ONNX Runtime's CPU EP, ResNet-50 layout.
 
 Builds the zoo ResNet-50 with a head trained on crops of real photos, quantizes it with `quantize()` on photo
 samples disjoint from the evaluation photos, then times default ORT sessions (ORT_ENABLE_ALL,
@@ -22,14 +22,12 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-# Import `optimizer` before onnxruntime.quantization, which puts onnxruntime/transformers (holding
-# an `optimizer.py`) on sys.path.
+from accel_opt import zoo
+from accel_opt.backends.onnxruntime import CPU_PROVIDER, create_session
+from accel_opt.data import batch_of
+from accel_opt.precision.int8 import quantize
+from accel_opt.recipe import CalibrationConfig
 from benchmarks._common import wait_for_idle
-from optimizer import zoo
-from optimizer.backends.onnxruntime import CPU_PROVIDER, create_session
-from optimizer.data import batch_of
-from optimizer.precision.int8 import quantize
-from optimizer.recipe import CalibrationConfig
 
 SIZE = 224
 THREADS = 2

@@ -22,11 +22,11 @@ from pathlib import Path
 
 import numpy as np
 
+from accel_opt.auto import build_auto
+from accel_opt.bench import timed_calls
+from accel_opt.pipeline import artifact_target
+from accel_opt.recipe import load_recipe
 from benchmarks._common import wait_for_idle
-from optimizer.auto import build_auto
-from optimizer.bench import timed_calls
-from optimizer.pipeline import artifact_target
-from optimizer.recipe import load_recipe
 
 ROOT = Path(__file__).resolve().parent.parent
 FACTORY = f"{ROOT / 'examples' / 'minilm.py'}:minilm"

@@ -25,13 +25,11 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-# Import `optimizer` before onnxruntime.quantization: that module puts onnxruntime/transformers
-# (which holds an `optimizer.py`) on sys.path and would shadow this package.
+from accel_opt import zoo
+from accel_opt.backends.onnxruntime import OnnxRuntimeBackend
+from accel_opt.backends.openvino import OpenVinoBackend
+from accel_opt.recipe import BenchmarkConfig, Precision, Recipe
 from benchmarks._common import ContentionGate, wait_for_idle
-from optimizer import zoo
-from optimizer.backends.onnxruntime import OnnxRuntimeBackend
-from optimizer.backends.openvino import OpenVinoBackend
-from optimizer.recipe import BenchmarkConfig, Precision, Recipe
 
 SIZE = 224
 
@@ -231,9 +229,9 @@ def ort_variant(path: Path, recipe: Recipe, workdir: Path) -> Variant:
 def accel_opt_auto_variant(fp32_path: Path, photos: list[dict[str, np.ndarray]], work: Path) -> tuple[Variant, str]:
     """What `accel-opt build --backend auto --precision auto --recipe image-classifier --data DIR` signs
     off on this machine: the winner's folder compiled exactly as the pipeline compiled it."""
-    from optimizer.auto import build_auto
-    from optimizer.pipeline import artifact_target
-    from optimizer.recipe import load_recipe
+    from accel_opt.auto import build_auto
+    from accel_opt.pipeline import artifact_target
+    from accel_opt.recipe import load_recipe
 
     data = work / "photos"
     data.mkdir()

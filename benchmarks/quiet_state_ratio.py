@@ -17,11 +17,10 @@ from pathlib import Path
 
 import numpy as np
 
-# Import `optimizer` (via openvino_speed) before onnxruntime.quantization; see that script.
+from accel_opt import zoo
+from accel_opt.precision.int8 import quantize
+from accel_opt.recipe import BenchmarkConfig, CalibrationConfig, Precision, Recipe
 from benchmarks.openvino_speed import SIZE, nncf_int8, ort_variant, ov_variant
-from optimizer import zoo
-from optimizer.precision.int8 import quantize
-from optimizer.recipe import BenchmarkConfig, CalibrationConfig, Precision, Recipe
 
 BATCH = 8
 

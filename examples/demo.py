@@ -13,8 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
-from optimizer import build, load_recipe, zoo
-from optimizer.errors import AccelOptError
+from accel_opt import build, load_recipe, zoo
+from accel_opt.errors import AccelOptError
 
 IMAGE_SIZE = 128  # the demo model's input: small enough to build three precisions in about a minute
 

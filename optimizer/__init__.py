@@ -12,17 +12,17 @@ __version__ = "0.1.0"
 __all__ = ["BuildResult", "Precision", "Recipe", "__version__", "build", "load_recipe"]
 
 if TYPE_CHECKING:
-    from optimizer.pipeline import BuildResult, build
-    from optimizer.recipe import Precision, Recipe, load_recipe
+    from accel_opt.pipeline import BuildResult, build
+    from accel_opt.recipe import Precision, Recipe, load_recipe
 
 
 def __getattr__(name: str) -> Any:
     if name in ("build", "BuildResult"):
-        from optimizer import pipeline
+        from accel_opt import pipeline
 
         return getattr(pipeline, name)
     if name in ("Recipe", "Precision", "load_recipe"):
-        from optimizer import recipe
+        from accel_opt import recipe
 
         return getattr(recipe, name)
-    raise AttributeError(f"module 'optimizer' has no attribute {name!r}")
+    raise AttributeError(f"module 'accel_opt' has no attribute {name!r}")

@@ -19,8 +19,8 @@ from polygraphy.comparator.struct import IterationResult
 from polygraphy.logger import G_LOGGER
 from pydantic import BaseModel
 
-from optimizer.data import Sample
-from optimizer.recipe import CosineMetric, TaskMetric, Tolerance, TopKMetric
+from accel_opt.data import Sample
+from accel_opt.recipe import CosineMetric, TaskMetric, Tolerance, TopKMetric
 
 log = logging.getLogger(__name__)
 

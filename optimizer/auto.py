@@ -17,13 +17,13 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from optimizer import artifacts, hardware, report
-from optimizer.backends.select import auto_backend, candidate_precisions
-from optimizer.bench import run_benchmark
-from optimizer.data import Sample
-from optimizer.errors import AccelOptError
-from optimizer.pipeline import BuildResult, StageResult, artifact_target, build
-from optimizer.recipe import BackendName, Precision, Recipe
+from accel_opt import artifacts, hardware, report
+from accel_opt.backends.select import auto_backend, candidate_precisions
+from accel_opt.bench import run_benchmark
+from accel_opt.data import Sample
+from accel_opt.errors import AccelOptError
+from accel_opt.pipeline import BuildResult, StageResult, artifact_target, build
+from accel_opt.recipe import BackendName, Precision, Recipe
 
 log = logging.getLogger(__name__)
 AUTO = "auto"

@@ -19,8 +19,8 @@ import numpy as np
 from polygraphy.backend.base import BaseRunner
 from pydantic import BaseModel
 
-from optimizer.data import Sample, batch_of
-from optimizer.recipe import BenchmarkConfig
+from accel_opt.data import Sample, batch_of
+from accel_opt.recipe import BenchmarkConfig
 
 log = logging.getLogger(__name__)
 ROUNDS = 5  # interleaved rounds per batch size

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import click
 
-from optimizer import __version__
-from optimizer.errors import AccelOptError, InternalError, ResourceExhausted
+from accel_opt import __version__
+from accel_opt.errors import AccelOptError, InternalError, ResourceExhausted
 
-log = logging.getLogger("optimizer")
+log = logging.getLogger("accel_opt")
 
 EXIT_CODES_HELP = """\b
 Exit codes:
@@ -76,8 +76,8 @@ def build(model, precision, backend, recipe_path, data_dir, shapes, keep_io_type
     """Build MODEL (.onnx) through cleanup, precision, compile, accuracy gate and benchmark."""
     _setup_logging(verbose)
     try:
-        from optimizer.pipeline import build as run_build
-        from optimizer.recipe import load_recipe, parse_shapes
+        from accel_opt.pipeline import build as run_build
+        from accel_opt.recipe import load_recipe, parse_shapes
 
         auto = "auto" in (precision, backend)
         recipe = load_recipe(recipe_path).with_overrides(
@@ -94,7 +94,7 @@ def build(model, precision, backend, recipe_path, data_dir, shapes, keep_io_type
         on_stage = _print_stage if show_progress else None
         selection = None
         if auto:
-            from optimizer.auto import build_auto
+            from accel_opt.auto import build_auto
 
             result, selection = build_auto(
                 model, recipe, backend or recipe.backend.value, precision or recipe.precision.value, data_dir, out_dir,
@@ -116,7 +116,7 @@ def build(model, precision, backend, recipe_path, data_dir, shapes, keep_io_type
         click.echo(json.dumps(payload))
     else:
         if selection is not None:
-            from optimizer.report import selection_markdown
+            from accel_opt.report import selection_markdown
 
             click.echo(selection_markdown(Path(model).stem, selection))
         if result:
@@ -145,8 +145,8 @@ def export_command(factory, shapes, output, dynamic, opset, as_json, verbose):
     """
     _setup_logging(verbose)
     try:
-        from optimizer.export import export, load_factory, verify
-        from optimizer.recipe import parse_shapes
+        from accel_opt.export import export, load_factory, verify
+        from accel_opt.recipe import parse_shapes
 
         example_shapes = parse_shapes(shapes)
         loaded = load_factory(factory)
@@ -174,7 +174,7 @@ def export_command(factory, shapes, output, dynamic, opset, as_json, verbose):
 
 
 def _parse_dynamic(text: str) -> dict[str, list[int]]:
-    from optimizer.errors import UsageError
+    from accel_opt.errors import UsageError
 
     axes: dict[str, list[int]] = {}
     for item in filter(None, (part.strip() for part in text.split(","))):

@@ -15,10 +15,10 @@ from pathlib import Path
 import numpy as np
 from pydantic import BaseModel
 
-from optimizer.artifacts import sha256_file
-from optimizer.errors import InputRejected, UsageError
-from optimizer.graph.inspect import TensorSpec
-from optimizer.recipe import Preprocessing
+from accel_opt.artifacts import sha256_file
+from accel_opt.errors import InputRejected, UsageError
+from accel_opt.graph.inspect import TensorSpec
+from accel_opt.recipe import Preprocessing
 
 Sample = dict[str, np.ndarray]
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff"}

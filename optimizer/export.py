@@ -25,7 +25,7 @@ import numpy as np
 import onnx
 from pydantic import BaseModel
 
-from optimizer.backends.torch import (
+from accel_opt.backends.torch import (
     TORCH_EXTRA,
     ModuleFactory,
     OutputCheck,
@@ -36,10 +36,10 @@ from optimizer.backends.torch import (
     require_torch,
     verify,
 )
-from optimizer.data import synthetic_samples
-from optimizer.errors import InputRejected, Unsupported, UsageError, first_line
-from optimizer.graph.inspect import TensorSpec, io_specs, opset_of
-from optimizer.graph.save import EXTERNAL_DATA_ABOVE_BYTES
+from accel_opt.data import synthetic_samples
+from accel_opt.errors import InputRejected, Unsupported, UsageError, first_line
+from accel_opt.graph.inspect import TensorSpec, io_specs, opset_of
+from accel_opt.graph.save import EXTERNAL_DATA_ABOVE_BYTES
 
 __all__ = [
     "TORCH_EXTRA", "ExportReport", "ModuleFactory", "OutputCheck", "VerificationReport",

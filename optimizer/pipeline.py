@@ -24,20 +24,20 @@ import numpy as np
 import onnx
 from pydantic import BaseModel, PrivateAttr
 
-from optimizer import artifacts, hardware, report
-from optimizer.accuracy import AccuracyReport, compare
-from optimizer.backends import Backend, CompiledModel, get_backend
-from optimizer.backends.base import CastInputsRunner
-from optimizer.backends.onnxruntime import reference_runner
-from optimizer.bench import BenchmarkReport, Target, run_benchmark
-from optimizer.data import DataSummary, Sample, batch_of, load_samples, shapes_of, split_samples, synthetic_samples
-from optimizer.errors import AccelOptError, Unsupported, UsageError
-from optimizer.graph.cleanup import CleanupReport, cleanup
-from optimizer.graph.inspect import ResolvedShapes, TensorSpec, io_specs, resolve_shapes
-from optimizer.graph.load import LoadedModel, load_model
-from optimizer.graph.save import save_model
-from optimizer.precision import PrecisionReport, transform
-from optimizer.recipe import Precision, Recipe, load_recipe
+from accel_opt import artifacts, hardware, report
+from accel_opt.accuracy import AccuracyReport, compare
+from accel_opt.backends import Backend, CompiledModel, get_backend
+from accel_opt.backends.base import CastInputsRunner
+from accel_opt.backends.onnxruntime import reference_runner
+from accel_opt.bench import BenchmarkReport, Target, run_benchmark
+from accel_opt.data import DataSummary, Sample, batch_of, load_samples, shapes_of, split_samples, synthetic_samples
+from accel_opt.errors import AccelOptError, Unsupported, UsageError
+from accel_opt.graph.cleanup import CleanupReport, cleanup
+from accel_opt.graph.inspect import ResolvedShapes, TensorSpec, io_specs, resolve_shapes
+from accel_opt.graph.load import LoadedModel, load_model
+from accel_opt.graph.save import save_model
+from accel_opt.precision import PrecisionReport, transform
+from accel_opt.recipe import Precision, Recipe, load_recipe
 
 log = logging.getLogger(__name__)
 
@@ -184,7 +184,7 @@ def build(
 def _stage_export(ctx: BuildContext) -> tuple[StageStatus, str]:
     if ctx.factory is None:
         raise _Skip("the input is an ONNX model")
-    from optimizer.export import export, verify
+    from accel_opt.export import export, verify
 
     if not ctx.recipe.shapes:
         raise UsageError(f"{ctx.factory.spec}: a PyTorch factory needs --shapes to build its example inputs")
@@ -203,7 +203,7 @@ def _stage_export(ctx: BuildContext) -> tuple[StageStatus, str]:
 
 def _factory_or_none(spec: str):
     """A torch ModuleFactory when `spec` names one (FILE.py:FACTORY or package.module:FACTORY)."""
-    from optimizer.backends.torch import load_factory, looks_like_factory
+    from accel_opt.backends.torch import load_factory, looks_like_factory
 
     return load_factory(spec) if looks_like_factory(spec) else None
 
@@ -211,7 +211,7 @@ def _factory_or_none(spec: str):
 def _reference(ctx: BuildContext):
     """The accuracy reference: the PyTorch module for torch inputs, else the original ONNX on ORT."""
     if ctx.torch_module is not None:
-        from optimizer.backends.torch import torch_runner
+        from accel_opt.backends.torch import torch_runner
 
         return torch_runner(ctx.torch_module, ctx.model_path, ctx.threads, name="reference-pytorch")
     return reference_runner(ctx.model_path, ctx.threads)
@@ -318,7 +318,7 @@ def _stage_benchmark(ctx: BuildContext) -> tuple[StageStatus, str]:
         baseline = _compile(ctx, ctx.fp32_path, Precision.fp32)
         targets.append(Target(f"{ctx.backend.name}-fp32", ctx.backend.runner(baseline), ctx.backend.synchronize))
     if ctx.torch_module is not None:
-        from optimizer.backends.torch import torch_runner
+        from accel_opt.backends.torch import torch_runner
 
         targets.append(Target("pytorch-eager", torch_runner(ctx.torch_module, ctx.model_path, ctx.threads)))
     if ctx.shapes.batch_dynamic:

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from optimizer.accuracy import AccuracyReport
-from optimizer.bench import BenchmarkReport
-from optimizer.data import DataSummary
-from optimizer.precision import PrecisionReport
+from accel_opt.accuracy import AccuracyReport
+from accel_opt.bench import BenchmarkReport
+from accel_opt.data import DataSummary
+from accel_opt.precision import PrecisionReport
 
 if TYPE_CHECKING:
-    from optimizer.auto import AutoSelection
+    from accel_opt.auto import AutoSelection
 
 REFERENCES = {
     "reference-fp32": "the original model in fp32 on ONNX Runtime's CPU EP, graph optimizations off",

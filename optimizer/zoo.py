@@ -171,8 +171,8 @@ def photo_dataset(size: int = 224, per_photo: int = 48, seed: int = 0) -> tuple[
     (batch 1). The label is the photo a crop came from. Shuffled, deterministic for a seed."""
     from PIL import Image
 
-    from optimizer.data import preprocess_image
-    from optimizer.recipe import Preprocessing
+    from accel_opt.data import preprocess_image
+    from accel_opt.recipe import Preprocessing
 
     rng = np.random.default_rng(seed)
     pre = Preprocessing(resize=round(size * 256 / 224), crop=size)

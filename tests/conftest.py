@@ -9,8 +9,8 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from optimizer import zoo
-from optimizer.recipe import Recipe, load_recipe
+from accel_opt import zoo
+from accel_opt.recipe import Recipe, load_recipe
 
 FAST_BENCH = {"warmup_iterations": 1, "min_iterations": 5, "min_seconds": 0.05, "max_iterations": 50, "batch_sizes": [1, 2]}
 

@@ -2,11 +2,11 @@ import numpy as np
 import pytest
 from onnx import numpy_helper
 
-from optimizer.accuracy import compare
-from optimizer.backends.onnxruntime import reference_runner
-from optimizer.data import DataSummary
-from optimizer.recipe import CosineMetric, Tolerance, TopKMetric
-from optimizer.report import signoff_markdown
+from accel_opt.accuracy import compare
+from accel_opt.backends.onnxruntime import reference_runner
+from accel_opt.data import DataSummary
+from accel_opt.recipe import CosineMetric, Tolerance, TopKMetric
+from accel_opt.report import signoff_markdown
 
 from .conftest import matmul_model, save
 

@@ -9,12 +9,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from optimizer import auto
-from optimizer.artifacts import MANIFEST
-from optimizer.auto import AutoSelection, build_auto, plan
-from optimizer.backends.select import auto_backend, candidate_precisions
-from optimizer.errors import InputRejected
-from optimizer.recipe import BackendName, Recipe
+from accel_opt import auto
+from accel_opt.artifacts import MANIFEST
+from accel_opt.auto import AutoSelection, build_auto, plan
+from accel_opt.backends.select import auto_backend, candidate_precisions
+from accel_opt.errors import InputRejected
+from accel_opt.recipe import BackendName, Recipe
 
 TARGET = 2  # a batch size FAST_BENCH measures
 
@@ -48,7 +48,7 @@ def test_plan_auto_tries_every_sensible_pair_with_a_reason():
 
 
 def test_plan_without_data_skips_int8(caplog):
-    with caplog.at_level(logging.WARNING, logger="optimizer.auto"):
+    with caplog.at_level(logging.WARNING, logger="accel_opt.auto"):
         pairs, _ = plan(Recipe(), "auto", "auto", has_data=False)
     with_data, _ = plan(Recipe(), "auto", "auto", has_data=True)
     assert pairs == [pair for pair in with_data if pair[1] != "int8"]

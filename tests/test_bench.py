@@ -1,8 +1,8 @@
 import numpy as np
 
-from optimizer.backends.onnxruntime import reference_runner
-from optimizer.bench import Target, latency_stats, run_benchmark, timed_calls
-from optimizer.recipe import BenchmarkConfig
+from accel_opt.backends.onnxruntime import reference_runner
+from accel_opt.bench import Target, latency_stats, run_benchmark, timed_calls
+from accel_opt.recipe import BenchmarkConfig
 
 from .conftest import matmul_model, save
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from optimizer.cli import main
+from accel_opt.cli import main
 
 from .conftest import FAST_BENCH, matmul_model, save
 

@@ -7,8 +7,8 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from optimizer.errors import InputRejected, Unsupported
-from optimizer.graph.load import load_model
+from accel_opt.errors import InputRejected, Unsupported
+from accel_opt.graph.load import load_model
 
 from .conftest import make_model, matmul_model, save
 

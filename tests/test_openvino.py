@@ -9,10 +9,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from optimizer import zoo
-from optimizer.accuracy import compare
-from optimizer.backends.onnxruntime import reference_runner
-from optimizer.backends.openvino import (
+from accel_opt import zoo
+from accel_opt.accuracy import compare
+from accel_opt.backends.onnxruntime import reference_runner
+from accel_opt.backends.openvino import (
     HINTS,
     OpenVinoBackend,
     OpenVinoRunner,
@@ -23,11 +23,11 @@ from optimizer.backends.openvino import (
     precision_support,
     throughput,
 )
-from optimizer.backends.select import auto_backend, candidate_precisions
-from optimizer.errors import InputRejected, Unsupported
-from optimizer.hardware import cpu_flags
-from optimizer.pipeline import build
-from optimizer.recipe import BackendName, Precision, Recipe
+from accel_opt.backends.select import auto_backend, candidate_precisions
+from accel_opt.errors import InputRejected, Unsupported
+from accel_opt.hardware import cpu_flags
+from accel_opt.pipeline import build
+from accel_opt.recipe import BackendName, Precision, Recipe
 
 needs_openvino = pytest.mark.skipif(importlib.util.find_spec("openvino") is None, reason="openvino is not installed")
 

@@ -5,9 +5,9 @@ import json
 import numpy as np
 import pytest
 
-from optimizer.artifacts import MANIFEST, sha256_file
-from optimizer.errors import Unsupported, UsageError
-from optimizer.pipeline import build
+from accel_opt.artifacts import MANIFEST, sha256_file
+from accel_opt.errors import Unsupported, UsageError
+from accel_opt.pipeline import build
 
 EXPECTED_FILES = {"model.onnx", "resource_config.json", "accuracy.json", "signoff.md", "benchmark.json", "benchmark.md",
                   "build.json", MANIFEST}

@@ -6,8 +6,8 @@ import numpy as np
 import onnx
 import pytest
 
-from optimizer.data import split_samples
-from optimizer.pipeline import build
+from accel_opt.data import split_samples
+from accel_opt.pipeline import build
 
 
 def _write_data(folder, count=16, calibration_scale=1.0, seed=0):
@@ -88,7 +88,7 @@ def test_fp16_with_float16_io_takes_float16_inputs(tiny_cnn_path, fast_recipe, t
 def test_int8_from_a_folder_of_images_with_recipe_preprocessing(tiny_cnn_path, fast_recipe, tmp_path):
     from PIL import Image
 
-    from optimizer.zoo import _skimage_photos
+    from accel_opt.zoo import _skimage_photos
 
     images = tmp_path / "images"
     images.mkdir()

@@ -10,12 +10,12 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 from onnx.reference import ReferenceEvaluator
 
-import optimizer.graph.save
-from optimizer import zoo
-from optimizer.backends.onnxruntime import CPU_PROVIDER, create_session
-from optimizer.graph.inspect import opset_of
-from optimizer.precision.fp16 import convert_float
-from optimizer.recipe import Precision, PrecisionConfig
+import accel_opt.graph.save
+from accel_opt import zoo
+from accel_opt.backends.onnxruntime import CPU_PROVIDER, create_session
+from accel_opt.graph.inspect import opset_of
+from accel_opt.precision.fp16 import convert_float
+from accel_opt.recipe import Precision, PrecisionConfig
 
 
 def _cosine(a: np.ndarray, b: np.ndarray) -> float:
@@ -92,7 +92,7 @@ def test_fp16_large_model_is_saved_with_external_data(small_resnet, images, tmp_
     source_dir.mkdir()
     onnx.save_model(onnx.load(str(small_resnet)), str(source_dir / "m.onnx"), save_as_external_data=True,
                     location="m.onnx.data", size_threshold=0)
-    monkeypatch.setattr(optimizer.graph.save, "EXTERNAL_DATA_ABOVE_BYTES", 0)
+    monkeypatch.setattr(accel_opt.graph.save, "EXTERNAL_DATA_ABOVE_BYTES", 0)
     out = tmp_path / "out" / "fp16.onnx"
     convert_float(source_dir / "m.onnx", Precision.fp16, PrecisionConfig(), out)
     assert (out.parent / "fp16.onnx.data").stat().st_size > 0

@@ -9,12 +9,12 @@ import onnx
 import pytest
 from onnx import TensorProto, numpy_helper
 
-from optimizer import zoo
-from optimizer.backends.onnxruntime import CPU_PROVIDER, create_session
-from optimizer.errors import Unsupported
-from optimizer.precision import transform
-from optimizer.precision.int8 import OPENVINO, ORT_CPU, TENSORRT, quantize, resolve_preset
-from optimizer.recipe import CalibrationConfig, CalibrationMethod, Precision, QuantTarget, Recipe
+from accel_opt import zoo
+from accel_opt.backends.onnxruntime import CPU_PROVIDER, create_session
+from accel_opt.errors import Unsupported
+from accel_opt.precision import transform
+from accel_opt.precision.int8 import OPENVINO, ORT_CPU, TENSORRT, quantize, resolve_preset
+from accel_opt.recipe import CalibrationConfig, CalibrationMethod, Precision, QuantTarget, Recipe
 
 SIZE = 32
 

@@ -1,7 +1,7 @@
 import pytest
 
-from optimizer.errors import UsageError
-from optimizer.recipe import Precision, load_recipe, parse_shapes
+from accel_opt.errors import UsageError
+from accel_opt.recipe import Precision, load_recipe, parse_shapes
 
 
 def test_default_recipe_loads_by_name():
@@ -12,7 +12,7 @@ def test_default_recipe_loads_by_name():
 
 
 def test_every_bundled_recipe_validates():
-    from optimizer.recipe import RECIPES_DIR
+    from accel_opt.recipe import RECIPES_DIR
 
     names = sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
     assert "default" in names

@@ -2,9 +2,9 @@ import numpy as np
 import pytest
 from onnx import TensorProto, helper
 
-from optimizer.data import batch_of, load_samples, split_samples, synthetic_samples
-from optimizer.errors import InputRejected, UsageError
-from optimizer.graph.inspect import TensorSpec, io_specs, resolve_shapes
+from accel_opt.data import batch_of, load_samples, split_samples, synthetic_samples
+from accel_opt.errors import InputRejected, UsageError
+from accel_opt.graph.inspect import TensorSpec, io_specs, resolve_shapes
 
 from .conftest import make_model
 

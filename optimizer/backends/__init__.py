@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from optimizer.backends.base import Availability, Backend, CompiledModel
-from optimizer.errors import Unsupported
-from optimizer.recipe import BackendName
+from accel_opt.backends.base import Availability, Backend, CompiledModel
+from accel_opt.errors import Unsupported
+from accel_opt.recipe import BackendName
 
 __all__ = ["Availability", "Backend", "CompiledModel", "get_backend"]
 
@@ -13,11 +13,11 @@ def get_backend(name: BackendName | str) -> Backend:
     """The backend object for `name`; raises Unsupported (exit 4) with a reason if it cannot run here."""
     name = BackendName(name)
     if name is BackendName.onnxruntime:
-        from optimizer.backends.onnxruntime import OnnxRuntimeBackend
+        from accel_opt.backends.onnxruntime import OnnxRuntimeBackend
 
         backend: Backend = OnnxRuntimeBackend()
     elif name is BackendName.openvino:
-        from optimizer.backends.openvino import OpenVinoBackend
+        from accel_opt.backends.openvino import OpenVinoBackend
 
         backend = OpenVinoBackend()
     else:

@@ -11,7 +11,7 @@ from polygraphy.backend.base import BaseRunner
 from polygraphy.common import TensorMetadata
 from polygraphy.datatype import DataType
 
-from optimizer.recipe import Precision, Recipe
+from accel_opt.recipe import Precision, Recipe
 
 
 @dataclass(frozen=True)

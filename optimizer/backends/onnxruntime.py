@@ -9,10 +9,10 @@ from pathlib import Path
 
 from polygraphy.backend.onnxrt import OnnxrtRunner
 
-from optimizer.backends.base import Availability, CompiledModel
-from optimizer.errors import InputRejected, Unsupported, first_line
-from optimizer.hardware import available_cpus
-from optimizer.recipe import Precision, Recipe
+from accel_opt.backends.base import Availability, CompiledModel
+from accel_opt.errors import InputRejected, Unsupported, first_line
+from accel_opt.hardware import available_cpus
+from accel_opt.recipe import Precision, Recipe
 
 log = logging.getLogger(__name__)
 

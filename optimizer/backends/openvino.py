@@ -29,12 +29,12 @@ import numpy as np
 from polygraphy.backend.base import BaseRunner
 from polygraphy.common import TensorMetadata
 
-from optimizer.artifacts import sha256_file, write_bytes, write_json
-from optimizer.backends.base import Availability, CompiledModel
-from optimizer.errors import InputRejected, Unsupported, first_line
-from optimizer.graph.inspect import with_batch
-from optimizer.hardware import available_cpus, cpu_flags
-from optimizer.recipe import Precision, Recipe
+from accel_opt.artifacts import sha256_file, write_bytes, write_json
+from accel_opt.backends.base import Availability, CompiledModel
+from accel_opt.errors import InputRejected, Unsupported, first_line
+from accel_opt.graph.inspect import with_batch
+from accel_opt.hardware import available_cpus, cpu_flags
+from accel_opt.recipe import Precision, Recipe
 
 log = logging.getLogger(__name__)
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 import importlib.util
 import platform
 
-from optimizer.backends.openvino import precision_support
-from optimizer.hardware import cpu_flags
-from optimizer.recipe import BackendName, Precision
+from accel_opt.backends.openvino import precision_support
+from accel_opt.hardware import cpu_flags
+from accel_opt.recipe import BackendName, Precision
 
 X86 = ("x86_64", "amd64", "i686", "i386")
 
@@ -57,7 +57,7 @@ def candidate_precisions(
         ]
     if backend is BackendName.openvino:
         if capabilities is None:
-            from optimizer.backends.openvino import capabilities as ov_capabilities
+            from accel_opt.backends.openvino import capabilities as ov_capabilities
 
             capabilities = ov_capabilities()
         out = [(Precision.fp32, "reference precision (INFERENCE_PRECISION_HINT=f32)")]

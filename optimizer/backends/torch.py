@@ -25,9 +25,9 @@ from polygraphy.common import TensorMetadata
 from polygraphy.datatype import DataType
 from pydantic import BaseModel
 
-from optimizer.data import Sample, synthetic_samples
-from optimizer.errors import GateFailed, InputRejected, Unsupported, UsageError, first_line
-from optimizer.graph.inspect import TensorSpec, io_specs
+from accel_opt.data import Sample, synthetic_samples
+from accel_opt.errors import GateFailed, InputRejected, Unsupported, UsageError, first_line
+from accel_opt.graph.inspect import TensorSpec, io_specs
 
 TORCH_EXTRA = "pip install 'accel-opt[torch]' torch==2.13.0"
 
@@ -257,8 +257,8 @@ def verify(
     is False.
     """
     require_torch()
-    from optimizer.backends.onnxruntime import CPU_PROVIDER, create_session
-    from optimizer.hardware import available_cpus
+    from accel_opt.backends.onnxruntime import CPU_PROVIDER, create_session
+    from accel_opt.hardware import available_cpus
 
     threads = threads or available_cpus()
     inputs, outputs = io_specs(onnx.load(str(onnx_path), load_external_data=False))

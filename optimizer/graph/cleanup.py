@@ -15,13 +15,13 @@ from pathlib import Path
 import onnx
 from pydantic import BaseModel
 
-from optimizer.accuracy import compare
-from optimizer.backends.onnxruntime import reference_runner
-from optimizer.data import Sample
-from optimizer.errors import AccelOptError, first_line
-from optimizer.graph.inspect import op_histogram
-from optimizer.graph.save import EXTERNAL_DATA_ABOVE_BYTES
-from optimizer.recipe import CleanupConfig, Tolerance
+from accel_opt.accuracy import compare
+from accel_opt.backends.onnxruntime import reference_runner
+from accel_opt.data import Sample
+from accel_opt.errors import AccelOptError, first_line
+from accel_opt.graph.inspect import op_histogram
+from accel_opt.graph.save import EXTERNAL_DATA_ABOVE_BYTES
+from accel_opt.recipe import CleanupConfig, Tolerance
 
 log = logging.getLogger(__name__)
 

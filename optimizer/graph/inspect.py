@@ -9,7 +9,7 @@ import onnx
 from onnx import helper
 from pydantic import BaseModel
 
-from optimizer.errors import UsageError
+from accel_opt.errors import UsageError
 
 Dim = int | str | None  # int: fixed; str: symbolic name; None: unknown
 

@@ -17,8 +17,8 @@ import onnx
 from google.protobuf.message import DecodeError
 from onnx import external_data_helper
 
-from optimizer.errors import InputRejected, Unsupported, first_line
-from optimizer.graph.inspect import opset_of
+from accel_opt.errors import InputRejected, Unsupported, first_line
+from accel_opt.graph.inspect import opset_of
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import onnx
 from onnx import external_data_helper
 
-from optimizer.errors import Unsupported, first_line
+from accel_opt.errors import Unsupported, first_line
 
 # Protobuf cannot serialize a message past 2 GiB; leave headroom for the graph itself.
 EXTERNAL_DATA_ABOVE_BYTES = 1536 * 2**20

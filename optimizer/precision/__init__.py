@@ -11,8 +11,8 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from optimizer.data import Sample
-from optimizer.recipe import Precision, Recipe
+from accel_opt.data import Sample
+from accel_opt.recipe import Precision, Recipe
 
 
 class KeptNode(BaseModel):
@@ -58,11 +58,11 @@ def transform(
 ) -> PrecisionReport:
     """Write the `precision` version of `model_path` to `out_path` (validated: checker + session load)."""
     if precision in (Precision.fp16, Precision.bf16):
-        from optimizer.precision.fp16 import convert_float
+        from accel_opt.precision.fp16 import convert_float
 
         return convert_float(model_path, precision, recipe.precision_options, out_path)
     if precision is Precision.int8:
-        from optimizer.precision.int8 import quantize
+        from accel_opt.precision.int8 import quantize
 
         return quantize(model_path, calibration_samples, recipe.precision_options.calibration, backend_name, out_path, cache_dir)
     raise ValueError(f"no transform for {precision.value}")

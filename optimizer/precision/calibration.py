@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from onnxruntime.quantization import CalibrationDataReader
 
-from optimizer.data import Sample
+from accel_opt.data import Sample
 
 
 class SampleReader(CalibrationDataReader):

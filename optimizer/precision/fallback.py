@@ -15,8 +15,8 @@ from pathlib import Path
 import numpy as np
 import onnx
 
-from optimizer.data import Sample
-from optimizer.precision import KeptNode
+from accel_opt.data import Sample
+from accel_opt.precision import KeptNode
 
 PROBE_SAMPLES = 8  # calibration samples the fallback measures on
 
@@ -37,7 +37,7 @@ def layer_groups(model: Path, op_types: list[str]) -> dict[str, list[tuple[str, 
 
 def output_cosine(reference: Path, candidate: Path, samples: list[Sample]) -> float:
     """Worst output cosine over `samples` together (float64), candidate vs reference."""
-    from optimizer.backends.onnxruntime import CPU_PROVIDER, create_session
+    from accel_opt.backends.onnxruntime import CPU_PROVIDER, create_session
 
     ref, cand = create_session(reference, [CPU_PROVIDER], 2), create_session(candidate, [CPU_PROVIDER], 2)
     ref_out = [ref.run(None, s) for s in samples]

@@ -17,11 +17,11 @@ import numpy as np
 import onnx
 from onnx import TensorProto, external_data_helper, numpy_helper
 
-from optimizer.errors import Unsupported, first_line
-from optimizer.graph.inspect import opset_of
-from optimizer.graph.save import save_model, upgrade_opset
-from optimizer.precision import KeptNode, PrecisionReport
-from optimizer.recipe import Precision, PrecisionConfig
+from accel_opt.errors import Unsupported, first_line
+from accel_opt.graph.inspect import opset_of
+from accel_opt.graph.save import save_model, upgrade_opset
+from accel_opt.precision import KeptNode, PrecisionReport
+from accel_opt.recipe import Precision, PrecisionConfig
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +117,7 @@ def validate(path: Path, run_session: bool, tmp: Path) -> None:
     finally:
         (tmp / "validated.onnx").unlink(missing_ok=True)
     if run_session:
-        from optimizer.backends.onnxruntime import CPU_PROVIDER, create_session
+        from accel_opt.backends.onnxruntime import CPU_PROVIDER, create_session
 
         create_session(path, [CPU_PROVIDER], threads=1)
 

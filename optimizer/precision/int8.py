@@ -27,14 +27,14 @@ import numpy as np
 import onnx
 from onnx import external_data_helper
 
-from optimizer import artifacts
-from optimizer.data import Sample
-from optimizer.errors import InputRejected, Unsupported
-from optimizer.graph.inspect import opset_of
-from optimizer.graph.save import EXTERNAL_DATA_ABOVE_BYTES, upgrade_opset
-from optimizer.precision import CalibrationReport, KeptNode, PrecisionReport, fallback
-from optimizer.precision.fp16 import validate
-from optimizer.recipe import CalibrationConfig, CalibrationMethod, Precision, QuantTarget
+from accel_opt import artifacts
+from accel_opt.data import Sample
+from accel_opt.errors import InputRejected, Unsupported
+from accel_opt.graph.inspect import opset_of
+from accel_opt.graph.save import EXTERNAL_DATA_ABOVE_BYTES, upgrade_opset
+from accel_opt.precision import CalibrationReport, KeptNode, PrecisionReport, fallback
+from accel_opt.precision.fp16 import validate
+from accel_opt.recipe import CalibrationConfig, CalibrationMethod, Precision, QuantTarget
 
 log = logging.getLogger(__name__)
 
@@ -295,7 +295,7 @@ def _calibrate(model: Path, samples: list[Sample], settings: QuantSettings, tmp:
     """
     from onnxruntime.quantization.calibrate import create_calibrator, save_tensors_data
 
-    from optimizer.precision.calibration import SampleReader
+    from accel_opt.precision.calibration import SampleReader
 
     calibrator_options = {
         "symmetric": settings.preset.symmetric_activations,  # percentile: cut both tails unless the target is symmetric
