@@ -1,41 +1,64 @@
-"""Accuracy gate: a candidate runner against the fp32 reference runner, with Polygraphy.
+"""Accuracy gate: every sample and every output of a candidate against the fp32 reference.
 
-Polygraphy's Comparator runs both runners over the same samples; its compare functions compute the
-error statistics and cosine similarity. We apply them to all evaluation samples *together* (outputs
-concatenated), because a per-sample cosine is meaningless on a sample whose reference output is
-nearly all zeros, and a reviewer wants one number per output. Task metrics (top-k agreement,
-embedding cosine) are computed here because Polygraphy has none.
+The reference runs sample by sample; the candidate runs as deployed: batches of the deployed batch
+size, cut back into samples (data.split_outputs). Each output is judged at its own scale (see
+recipe.Tolerance, the one definition of "within tolerance"): over all samples together (scaled
+error, cosine, gain, and Polygraphy's absolute statistics) and within each sample (scaled error,
+cosine), so one broken sample among many fails and is named. Task metrics (top-k agreement,
+embedding cosine, detection precision/recall) are computed here because Polygraphy has none.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Sequence
+from typing import Literal
 
 import numpy as np
 from polygraphy.backend.base import BaseRunner
-from polygraphy.comparator import Comparator, CosineSimilarityCompareFunc, SimpleCompareFunc
+from polygraphy.comparator import CosineSimilarityCompareFunc, SimpleCompareFunc
 from polygraphy.comparator.struct import IterationResult
 from polygraphy.logger import G_LOGGER
 from pydantic import BaseModel
 
-from accel_opt.data import Sample
-from accel_opt.recipe import CosineMetric, TaskMetric, Tolerance, TopKMetric
+from accel_opt.data import BatchAxes, Sample, concat_samples, pack_batches, split_outputs
+from accel_opt.recipe import CosineMetric, DetectionMetric, TaskMetric, Tolerance, TopKMetric
 
 log = logging.getLogger(__name__)
+
+NEAR_ZERO_RMS_FRACTION = 1e-2  # a sample whose reference RMS is below 1% of the output's has no direction
+WORST_SAMPLES_PER_OUTPUT = 3  # listed in the sign-off besides every failing sample
+MAX_LISTED_SAMPLES = 20
+
+
+class SampleAccuracy(BaseModel):
+    sample: str  # the file it came from (or synthetic-NNNN)
+    output: str
+    error: float  # the error statistic of |cand - ref| / scale within this sample
+    cosine: float | None  # None: the reference is ~all zeros here, no direction to compare
+    non_finite_count: int
+    passed: bool
 
 
 class OutputAccuracy(BaseModel):
     name: str
-    shape: list[int]  # of one sample
-    max_abs_error: float
+    shape: list[int]  # of one sample's reference output
+    scale: float  # what errors are divided by
+    scale_basis: Literal["std", "max abs", "unit"]  # std of the reference; its max |value| if constant; 1 if all zero
+    error: float  # error statistic of the scaled error over all samples
+    worst_sample_error: float
+    cosine: float  # over all samples (Polygraphy)
+    worst_sample_cosine: float | None
+    samples_without_direction: int  # per-sample cosine skipped: reference ~all zeros
+    failed_samples: int
+    gain: float  # least-squares gain <cand, ref> / <ref, ref>; 1 = no systematic scale error
+    max_abs_error: float  # absolute statistics over all samples (Polygraphy)
     mean_abs_error: float
     median_abs_error: float
     max_rel_error: float
     mean_rel_error: float
-    cosine: float
     non_finite_count: int  # NaN or Inf in the candidate output
-    within_tolerance: bool
     passed: bool
 
 
@@ -46,6 +69,17 @@ class TaskMetricResult(BaseModel):
     thresholds: dict[str, float]
     passed: bool
     note: str | None = None  # e.g. too few samples for the threshold to tolerate a single change
+    worst_samples: list[str] = []  # samples whose prediction changed (top-k) or that lost most (detection)
+
+
+class Evaluation(BaseModel):
+    """How the candidate was run: what the verdict rests on besides the data."""
+
+    mode: Literal["batched", "per-sample"]
+    batch_size: int  # rows per candidate call
+    calls: int
+    note: str | None = None  # why batching fell back to one sample per call
+    deployment: str | None = None  # the artifact folder and file the candidate was loaded from (set by the build)
 
 
 class AccuracyReport(BaseModel):
@@ -53,7 +87,9 @@ class AccuracyReport(BaseModel):
     candidate: str
     tolerance: Tolerance
     sample_count: int
+    evaluation: Evaluation
     outputs: list[OutputAccuracy]
+    worst_samples: list[SampleAccuracy]  # every failing sample and the worst few that passed, worst first
     task_metrics: list[TaskMetricResult]
     failures: list[str]  # one line per failed check, empty when passed
 
@@ -71,114 +107,287 @@ def compare(
     candidate: BaseRunner,
     samples: list[Sample],
     tolerance: Tolerance,
-    task_metrics: list[TaskMetric] = (),
+    task_metrics: Sequence[TaskMetric] = (),
+    names: list[str] | None = None,
+    batch_size: int = 1,
+    batch_axes: BatchAxes | None = None,
 ) -> AccuracyReport:
-    """Run both runners on `samples` and judge every output of the candidate against the reference."""
+    """Run the reference per sample and the candidate in batches of `batch_size` rows (along
+    `batch_axes`), then judge every output of every sample."""
+    names = names or [f"sample-{i:04d}" for i in range(len(samples))]
     # Polygraphy logs to stdout, which must stay clean for --json: only our own report speaks.
     with G_LOGGER.verbosity(G_LOGGER.INFO if log.isEnabledFor(logging.DEBUG) else G_LOGGER.CRITICAL):
-        run_results = Comparator.run([reference, candidate], data_loader=samples)
-        return _judge(run_results, tolerance, task_metrics)
+        with reference:
+            ref_outs = [dict(reference.infer(s)) for s in samples]
+        with candidate:
+            cand_outs, evaluation = _run_candidate(candidate, samples, ref_outs, batch_size, batch_axes or {})
+    return judge(ref_outs, cand_outs, names, tolerance, task_metrics, reference.name, candidate.name, evaluation)
 
 
-def _judge(run_results, tolerance: Tolerance, task_metrics: list[TaskMetric]) -> AccuracyReport:
-    (ref_name, ref_iters), (cand_name, cand_iters) = run_results.items()
-    ref_all = _concatenate(ref_iters, ref_name)
-    cand_all = _concatenate(cand_iters, cand_name)
+def _run_candidate(runner: BaseRunner, samples: list[Sample], ref_outs: list[dict[str, np.ndarray]], batch_size: int,
+                   axes: BatchAxes) -> tuple[list[dict[str, np.ndarray]], Evaluation]:
+    note = None
+    groups = pack_batches(samples, batch_size, axes) if batch_size > 1 else None
+    if batch_size > 1 and groups is None:
+        note = f"the samples cannot be packed into batches of exactly {batch_size} rows: run one sample per call"
+    if groups is not None:
+        outs: list[dict[str, np.ndarray] | None] = [None] * len(samples)
+        for group in groups:
+            batch_out = runner.infer(concat_samples([samples[i] for i in group], axes), check_inputs=False)
+            for name, array in batch_out.items():
+                parts = split_outputs(np.asarray(array), [ref_outs[i][name].shape for i in group if name in ref_outs[i]])
+                if parts is None or len(parts) != len(group):
+                    note = f"output {name} cannot be cut back into samples: run one sample per call"
+                    break
+                for index, part in zip(group, parts):
+                    outs[index] = outs[index] or {}
+                    outs[index].setdefault(name, part)  # a padded repeat keeps its first result
+            if note:
+                break
+        if note is None:
+            return outs, Evaluation(mode="batched", batch_size=batch_size, calls=len(groups))
+    outs = [dict(runner.infer(s, check_inputs=False)) for s in samples]
+    rows = {int(np.shape(next(iter(s.values())))[0]) if np.ndim(next(iter(s.values()))) else 1 for s in samples}
+    return outs, Evaluation(mode="per-sample", batch_size=min(rows), calls=len(samples), note=note)
 
-    simple = SimpleCompareFunc(atol=tolerance.atol, rtol=tolerance.rtol, check_error_stat=tolerance.error_stat)
-    cosine = CosineSimilarityCompareFunc(cosine_similarity_threshold=tolerance.min_cosine)
-    simple_results = simple(cand_all, ref_all)  # Polygraphy's rtol is relative to the second (reference)
-    cosine_results = cosine(cand_all, ref_all)
 
+def judge(
+    ref_outs: list[dict[str, np.ndarray]],
+    cand_outs: list[dict[str, np.ndarray]],
+    names: list[str],
+    tolerance: Tolerance,
+    task_metrics: Sequence[TaskMetric] = (),
+    reference_name: str = "reference",
+    candidate_name: str = "candidate",
+    evaluation: Evaluation | None = None,
+) -> AccuracyReport:
+    """The verdict on per-sample outputs of the reference and the candidate (same order as `names`)."""
     outputs: list[OutputAccuracy] = []
+    per_sample: list[SampleAccuracy] = []
     failures: list[str] = []
-    for name in ref_all:
-        if name not in cand_all:
-            failures.append(f"{name}: missing from the candidate's outputs")
+    for name in ref_outs[0]:
+        missing = [n for n, out in zip(names, cand_outs) if name not in out]
+        if missing:
+            failures.append(f"{name}: missing from the candidate's outputs ({len(missing)} samples)")
             continue
-        stats, cos = simple_results[name], cosine_results[name].cosine_similarity
-        non_finite = int(np.size(cand_all[name]) - np.isfinite(np.asarray(cand_all[name], dtype=np.float64)).sum())
-        within = bool(stats) and non_finite == 0
-        passed = within and cos >= tolerance.min_cosine
-        outputs.append(
-            OutputAccuracy(
-                name=name,
-                shape=list(np.shape(ref_iters[0][name])),
-                max_abs_error=stats.max_absdiff,
-                mean_abs_error=stats.mean_absdiff,
-                median_abs_error=stats.median_absdiff,
-                max_rel_error=stats.max_reldiff,
-                mean_rel_error=stats.mean_reldiff,
-                cosine=cos,
-                non_finite_count=non_finite,
-                within_tolerance=within,
-                passed=passed,
-            )
-        )
-        if non_finite:
-            failures.append(f"{name}: {non_finite} NaN/Inf values in the candidate output")
-        elif not bool(stats):
-            stat = tolerance.error_stat if tolerance.error_stat != "elemwise" else "max"
-            abs_err, rel_err = getattr(stats, f"{stat}_absdiff"), getattr(stats, f"{stat}_reldiff")
-            failures.append(
-                f"{name}: {tolerance.error_stat} error beyond atol={tolerance.atol:g}/rtol={tolerance.rtol:g} "
-                f"({stat} abs {abs_err:.3g}, {stat} rel {rel_err:.3g})"
-            )
-        if cos < tolerance.min_cosine or np.isnan(cos):
-            failures.append(f"{name}: cosine {cos:.6f} < {tolerance.min_cosine}")
+        bad_shape = next(((n, c[name].shape, r[name].shape) for n, r, c in zip(names, ref_outs, cand_outs)
+                          if np.shape(c[name]) != np.shape(r[name])), None)
+        if bad_shape:
+            failures.append(f"{name}: sample {bad_shape[0]}: candidate shape {list(bad_shape[1])} != reference {list(bad_shape[2])}")
+            continue
+        output, samples = _judge_output(name, [r[name] for r in ref_outs], [c[name] for c in cand_outs], names, tolerance)
+        outputs.append(output)
+        per_sample += samples
+        failures += _output_failures(output, samples, tolerance)
 
-    task_results = [_task_metric(metric, ref_iters, cand_iters) for metric in task_metrics]
+    task_results = [_task_metric(metric, ref_outs, cand_outs, names) for metric in task_metrics]
     failures += [
         f"task metric {r.kind} on {r.output}: " + ", ".join(f"{k}={r.values[k]:.4f} (min {v})" for k, v in r.thresholds.items())
         + (f" ({r.note})" if r.note else "")
+        + (f"; worst: {', '.join(r.worst_samples[:3])}" if r.worst_samples else "")
         for r in task_results
         if not r.passed
     ]
     return AccuracyReport(
-        reference=ref_name,
-        candidate=cand_name,
+        reference=reference_name,
+        candidate=candidate_name,
         tolerance=tolerance,
-        sample_count=len(ref_iters),
+        sample_count=len(ref_outs),
+        evaluation=evaluation or Evaluation(mode="per-sample", batch_size=1, calls=len(ref_outs)),
         outputs=outputs,
+        worst_samples=_worst(per_sample, tolerance),
         task_metrics=task_results,
         failures=failures,
     )
 
 
-def _concatenate(iterations: list[IterationResult], runner_name: str) -> IterationResult:
-    outputs = {
-        name: np.concatenate([np.asarray(it[name]).ravel() for it in iterations]) for name in iterations[0]
-    }
-    return IterationResult(outputs=outputs, runner_name=runner_name)
+def _stat(values: np.ndarray, stat: str) -> float:
+    if values.size == 0:
+        return 0.0
+    return float({"mean": np.mean, "median": np.median, "max": np.max}[stat](values))
 
 
-def _rows(iterations: list[IterationResult], name: str) -> np.ndarray:
-    """Stack one output over samples as (rows, last_dim) in float64."""
-    arrays = [np.asarray(it[name], dtype=np.float64) for it in iterations]
-    return np.concatenate([a.reshape(-1, a.shape[-1]) if a.ndim else a.reshape(1, 1) for a in arrays])
+def _cosine(a: np.ndarray, b: np.ndarray) -> float:
+    norms = float(np.linalg.norm(a) * np.linalg.norm(b))
+    return float(a @ b / norms) if norms > 0 else 0.0
 
 
-def _task_metric(metric: TaskMetric, ref_iters, cand_iters) -> TaskMetricResult:
-    name = metric.output or next(iter(ref_iters[0].keys()))
-    ref, cand = _rows(ref_iters, name), _rows(cand_iters, name)
-    note = None
+def _judge_output(name: str, refs: list[np.ndarray], cands: list[np.ndarray], names: list[str],
+                  tol: Tolerance) -> tuple[OutputAccuracy, list[SampleAccuracy]]:
+    ref_flat = [np.asarray(r, dtype=np.float64).ravel() for r in refs]
+    cand_raw = [np.asarray(c, dtype=np.float64).ravel() for c in cands]
+    finite = [np.isfinite(c) for c in cand_raw]
+    cand_flat = [np.where(ok, c, 0.0) for c, ok in zip(cand_raw, finite)]  # statistics on finite values; NaN/Inf fail apart
+    ref_all, cand_all = np.concatenate(ref_flat), np.concatenate(cand_flat)
+    non_finite = int(sum(int((~ok).sum()) for ok in finite))
+
+    std = float(ref_all.std())
+    peak = float(np.abs(ref_all).max()) if ref_all.size else 0.0
+    scale, basis = (std, "std") if std > 0 else ((peak, "max abs") if peak > 0 else (1.0, "unit"))
+    ref_rms = float(np.sqrt(np.mean(ref_all**2))) if ref_all.size else 0.0
+
+    samples: list[SampleAccuracy] = []
+    for sample, r, c, ok in zip(names, ref_flat, cand_flat, finite):
+        error = _stat(np.abs(c - r) / scale, tol.error_stat)
+        has_direction = ref_rms > 0 and float(np.sqrt(np.mean(r**2))) >= NEAR_ZERO_RMS_FRACTION * ref_rms
+        cosine = _cosine(c, r) if has_direction else None
+        bad = int((~ok).sum())
+        passed = bad == 0 and error <= tol.max_sample_error and (cosine is None or cosine >= tol.min_sample_cosine)
+        samples.append(SampleAccuracy(sample=sample, output=name, error=error, cosine=cosine, non_finite_count=bad,
+                                      passed=passed))
+
+    # Polygraphy's own statistics and cosine, over all samples together (absolute units).
+    absolute = tol.atol is not None or tol.rtol is not None
+    simple = SimpleCompareFunc(atol=tol.atol or 0.0 if absolute else math.inf, rtol=tol.rtol or 0.0 if absolute else math.inf,
+                               check_error_stat=tol.error_stat)
+    as_cand = IterationResult(outputs={name: cand_all}, runner_name="candidate")
+    as_ref = IterationResult(outputs={name: ref_all}, runner_name="reference")
+    stats = simple(as_cand, as_ref)[name]  # Polygraphy's rtol is relative to the second (reference)
+    cosine = CosineSimilarityCompareFunc()(as_cand, as_ref)[name].cosine_similarity
+    energy = float(ref_all @ ref_all)
+    gain = float(cand_all @ ref_all / energy) if energy > 0 else (1.0 if not cand_all.any() else math.inf)
+    directions = [s.cosine for s in samples if s.cosine is not None]
+    output = OutputAccuracy(
+        name=name,
+        shape=list(np.shape(refs[0])),
+        scale=scale,
+        scale_basis=basis,
+        error=_stat(np.abs(cand_all - ref_all) / scale, tol.error_stat),
+        worst_sample_error=max(s.error for s in samples),
+        cosine=float(cosine),
+        worst_sample_cosine=min(directions, default=None),
+        samples_without_direction=len(samples) - len(directions),
+        failed_samples=sum(not s.passed for s in samples),
+        gain=gain,
+        max_abs_error=float(stats.max_absdiff),
+        mean_abs_error=float(stats.mean_absdiff),
+        median_abs_error=float(stats.median_absdiff),
+        max_rel_error=float(stats.max_reldiff),
+        mean_rel_error=float(stats.mean_reldiff),
+        non_finite_count=non_finite,
+        passed=False,
+    )
+    output.passed = not _output_failures(output, samples, tol) and (not absolute or bool(stats))
+    return output, samples
+
+
+def _output_failures(o: OutputAccuracy, samples: list[SampleAccuracy], tol: Tolerance) -> list[str]:
+    failures = []
+    if o.non_finite_count:
+        failures.append(f"{o.name}: {o.non_finite_count} NaN/Inf values in the candidate output")
+    if o.error > tol.max_error:
+        failures.append(f"{o.name}: {tol.error_stat} error {o.error:.3g} of the output's scale > {tol.max_error:g} "
+                        f"(scale: {o.scale_basis} {o.scale:.4g}; {tol.error_stat} abs error {_abs(o, tol.error_stat):.4g})")
+    if not o.cosine >= tol.min_cosine:  # NaN fails too
+        failures.append(f"{o.name}: cosine {o.cosine:.6f} < {tol.min_cosine}")
+    if not abs(o.gain - 1) <= tol.max_gain_error:
+        failures.append(f"{o.name}: gain {o.gain:.4f}: the candidate is {o.gain:.3f}x the reference "
+                        f"(|gain - 1| > {tol.max_gain_error:g})")
+    failed = [s for s in samples if not s.passed]
+    if failed:
+        worst = max(failed, key=lambda s: _severity(s, tol))
+        why = []
+        if worst.non_finite_count:
+            why.append(f"{worst.non_finite_count} NaN/Inf")
+        if worst.cosine is not None and not worst.cosine >= tol.min_sample_cosine:
+            why.append(f"cosine {worst.cosine:.4f} < {tol.min_sample_cosine}")
+        if worst.error > tol.max_sample_error:
+            why.append(f"error {worst.error:.3g} > {tol.max_sample_error:g}")
+        failures.append(f"{o.name}: {len(failed)} of {len(samples)} samples fail the per-sample check; "
+                        f"worst {worst.sample}: {', '.join(why)}")
+    if tol.atol is not None or tol.rtol is not None:
+        stat = tol.error_stat
+        abs_err, rel_err = _abs(o, stat), {"max": o.max_rel_error, "mean": o.mean_rel_error}.get(stat, o.mean_rel_error)
+        if abs_err > (tol.atol or 0.0) and rel_err > (tol.rtol or 0.0):
+            failures.append(f"{o.name}: {stat} error beyond atol={tol.atol or 0:g}/rtol={tol.rtol or 0:g} "
+                            f"({stat} abs {abs_err:.3g}, {stat} rel {rel_err:.3g})")
+    return failures
+
+
+def _abs(o: OutputAccuracy, stat: str) -> float:
+    return {"max": o.max_abs_error, "mean": o.mean_abs_error, "median": o.median_abs_error}[stat]
+
+
+def _severity(s: SampleAccuracy, tol: Tolerance) -> float:
+    """How far a sample is from its limits (1 = at a limit); NaN/Inf first."""
+    if s.non_finite_count:
+        return math.inf
+    by_error = s.error / max(tol.max_sample_error, 1e-12)
+    by_cosine = (1 - s.cosine) / max(1 - tol.min_sample_cosine, 1e-12) if s.cosine is not None else 0.0
+    return max(by_error, by_cosine)
+
+
+def _worst(samples: list[SampleAccuracy], tol: Tolerance) -> list[SampleAccuracy]:
+    ranked = sorted(samples, key=lambda s: _severity(s, tol), reverse=True)
+    listed, per_output = [], {}
+    for s in ranked:
+        shown = per_output.get(s.output, 0)
+        if not s.passed or shown < WORST_SAMPLES_PER_OUTPUT:
+            listed.append(s)
+            per_output[s.output] = shown + 1
+    return listed[:MAX_LISTED_SAMPLES]
+
+
+def _rows(outputs: list[dict[str, np.ndarray]], name: str) -> list[np.ndarray]:
+    """One output per sample as (rows, last_dim) float64."""
+    arrays = [np.asarray(out[name], dtype=np.float64) for out in outputs]
+    return [a.reshape(-1, a.shape[-1]) if a.ndim else a.reshape(1, 1) for a in arrays]
+
+
+def _task_metric(metric: TaskMetric, ref_outs, cand_outs, names: list[str]) -> TaskMetricResult:
+    name = metric.output or next(iter(ref_outs[0].keys()))
+    note, worst = None, []
+    if isinstance(metric, DetectionMetric):
+        return _detection_metric(metric, name, ref_outs, cand_outs, names)
+    ref_rows, cand_rows = _rows(ref_outs, name), _rows(cand_outs, name)
+    ref, cand = np.concatenate(ref_rows), np.concatenate(cand_rows)
+    owner = np.repeat(np.arange(len(names)), [len(r) for r in ref_rows])
     if isinstance(metric, TopKMetric):
         ref_top1 = ref.argmax(axis=1)
         ranked = np.argsort(-cand, axis=1)
         values = {f"top{k}": float(np.mean([r in row[:k] for r, row in zip(ref_top1, ranked)])) for k in metric.min_agreement}
         thresholds = {f"top{k}": v for k, v in metric.min_agreement.items()}
         note = _resolution_note(len(ref), min(thresholds.values()))
+        changed = sorted({int(i) for i in owner[ranked[:, 0] != ref_top1]})
+        worst = [names[i] for i in changed][:MAX_LISTED_SAMPLES]
     elif isinstance(metric, CosineMetric):
         dots = (ref * cand).sum(axis=1)
         norms = np.linalg.norm(ref, axis=1) * np.linalg.norm(cand, axis=1)
         cos = np.where(norms > 0, dots / np.maximum(norms, 1e-30), 1.0)
         values = {"mean_cosine": float(cos.mean()), "worst_cosine": float(cos.min())}
         thresholds = {"mean_cosine": metric.min_mean_cosine, "worst_cosine": metric.min_worst_cosine}
+        worst = [names[int(owner[i])] for i in np.argsort(cos)[:3] if cos[i] < metric.min_worst_cosine]
     else:  # pragma: no cover - the recipe schema admits only the kinds above
         raise TypeError(f"unknown task metric {metric!r}")
     passed = all(values[k] >= v for k, v in thresholds.items())
     return TaskMetricResult(kind=metric.kind, output=name, values=values, thresholds=thresholds, passed=passed,
-                            note=note)
+                            note=note, worst_samples=worst)
+
+
+def _detection_metric(metric: DetectionMetric, name: str, ref_outs, cand_outs, names: list[str]) -> TaskMetricResult:
+    from accel_opt import detection
+
+    def detections(array: np.ndarray) -> detection.Detections:
+        if metric.decoded:
+            rows = np.asarray(array, dtype=np.float64).reshape(-1, 6)
+            rows = rows[rows[:, 4] >= metric.score_threshold]
+            return detection.Detections(rows[:, :4], rows[:, 4], rows[:, 5].astype(np.int64))
+        raw = detection.decode_predictions(np.asarray(array), box_format=metric.box_format, layout=metric.layout,
+                                           has_objectness=metric.has_objectness, score_threshold=metric.score_threshold)
+        return detection.nms(raw, metric.nms_iou)
+
+    counts = []
+    for ref, cand in zip(ref_outs, cand_outs):
+        counts.append(detection.match(detections(ref[name]), detections(cand[name]), metric.match_iou))
+    pooled = detection.sum_counts(counts)
+    values = {"precision": pooled.precision, "recall": pooled.recall}
+    thresholds = {"precision": metric.min_precision, "recall": metric.min_recall}
+    order = sorted(range(len(counts)), key=lambda i: min(counts[i].precision, counts[i].recall))
+    worst = [f"{names[i]} (P {counts[i].precision:.2f}, R {counts[i].recall:.2f})" for i in order[:5]
+             if min(counts[i].precision, counts[i].recall) < 1.0]
+    note = f"{pooled.reference} reference and {pooled.candidate} candidate boxes over {len(counts)} samples"
+    return TaskMetricResult(kind=metric.kind, output=name, values=values, thresholds=thresholds,
+                            passed=all(values[k] >= v for k, v in thresholds.items()), note=note, worst_samples=worst)
 
 
 def _resolution_note(rows: int, min_agreement: float) -> str | None:

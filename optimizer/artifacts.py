@@ -1,26 +1,42 @@
 """Artifact folders that are complete or absent, content hashes, and the environment record.
 
-A build writes into a hidden staging folder beside its final place; on success the folder is
-renamed into place and `manifest.json` is written last, atomically. Anything that stops the build
-earlier (error, crash, Ctrl-C) leaves no folder holding a manifest.
+A build works in a hidden folder under `--out` (`.<model>.build-XXXX/`: `staging/` becomes the
+artifact, `work/` holds intermediates), locked by its process for its whole life. `manifest.json` is
+written last into `staging/`, which is then renamed into place under a per-artifact lock, so a
+folder is complete when it appears. Anything that stops the build earlier (error, Ctrl-C, SIGTERM)
+removes the hidden folder; one left by a killed process (its lock free) is removed by the next build.
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import hashlib
 import json
+import logging
 import os
 import platform
 import shutil
 import sys
 import tempfile
+import time
+from collections.abc import Iterator
 from contextlib import contextmanager
+from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
+from typing import Any
 
 from pydantic import BaseModel
 
+from accel_opt.errors import ResourceExhausted, UsageError, no_space_error
+
+log = logging.getLogger(__name__)
+
 MANIFEST = "manifest.json"
+BUILD_PREFIX = ".build-"  # .<model>.build-XXXX: one build's hidden folder
+OWNER_LOCK = "owner.lock"  # inside it, flock-ed by the building process while it lives
+UNLOCKED_GRACE_SECONDS = 600  # a build folder without its lock file yet is left alone this long
 _TOOLS = ("accel-opt", "onnx", "onnxruntime", "onnxruntime-gpu", "polygraphy", "onnxslim", "numpy", "openvino", "torch", "tensorrt")
 
 
@@ -67,28 +83,122 @@ def _write_atomically(path: Path, write) -> None:
         raise
 
 
-@contextmanager
-def staging_dir(out_dir: Path, name: str):
-    """Yield a staging folder; on success the caller publishes it with `publish`; else it is removed."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=out_dir, prefix=f".{name}.staging-"))
-    staging.chmod(0o755)
+class Manifest(BaseModel):
+    """`manifest.json`: written last; its presence marks a complete artifact folder."""
+
+    format: int = 1
+    created_utc: str
+    signed_off: bool
+    exit_code: int
+    precision: str
+    backend: str
+    input_model: dict[str, Any]
+    recipe: dict[str, Any]
+    data: dict[str, Any]  # source, path, count, evaluation/calibration counts, synthetic
+    artifacts: dict[str, str]  # file name -> sha256, every file of the folder but this one
+    stages: list[dict[str, Any]]
+    tools: dict[str, str]
+    cpu: dict[str, Any]
+    command_line: list[str]
+
+
+def now_utc() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def file_hashes(folder: Path) -> dict[str, str]:
+    """sha256 of every file directly in `folder` except the manifest, by name."""
+    return {p.name: sha256_file(p) for p in sorted(folder.iterdir()) if p.is_file() and p.name != MANIFEST}
+
+
+def prepare_out_dir(out_dir: Path) -> Path:
+    """Create `out_dir`; an unusable one is a usage error (exit 2) with one line, a full disk exit 5."""
     try:
-        yield staging
+        out_dir.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=out_dir, prefix=".write-probe-"):
+            pass
+    except OSError as exc:
+        raise _out_dir_error(out_dir, exc) from None
+    return out_dir
+
+
+def _out_dir_error(out_dir: Path, exc: OSError) -> UsageError | ResourceExhausted:
+    full = no_space_error(exc)
+    if full is not None:
+        return full
+    if isinstance(exc, FileExistsError) or (out_dir.exists() and not out_dir.is_dir()):
+        return UsageError(f"--out {out_dir}: exists and is not a folder")
+    if isinstance(exc, NotADirectoryError):
+        return UsageError(f"--out {out_dir}: a parent of it is a file, not a folder")
+    return UsageError(f"--out {out_dir}: cannot write there ({exc.strerror or exc})")
+
+
+@contextmanager
+def build_folder(out_dir: Path, name: str) -> Iterator[tuple[Path, Path]]:
+    """Yield (staging, work) inside a hidden build folder under `out_dir` that this process holds
+    locked; the folder is removed at the end, however the build ends. Publish `staging` with `publish`."""
+    out_dir = prepare_out_dir(Path(out_dir))
+    remove_stale_builds(out_dir)
+    try:
+        root = Path(tempfile.mkdtemp(dir=out_dir, prefix=f".{name}{BUILD_PREFIX}"))
+        owner = open(root / OWNER_LOCK, "w")  # noqa: SIM115 - held open (locked) for the build's life
+    except OSError as exc:
+        raise _out_dir_error(out_dir, exc) from None
+    try:
+        fcntl.flock(owner, fcntl.LOCK_EX)
+        staging, work = root / "staging", root / "work"
+        staging.mkdir()
+        staging.chmod(0o755)
+        work.mkdir()
+        yield staging, work
     finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        shutil.rmtree(root, ignore_errors=True)
+        owner.close()
+
+
+def remove_stale_builds(out_dir: Path) -> list[Path]:
+    """Remove build folders whose process is gone (its owner lock can be taken); return them."""
+    removed = []
+    for root in out_dir.glob(f".*{BUILD_PREFIX}*"):
+        if not root.is_dir():
+            continue
+        try:
+            with open(root / OWNER_LOCK) as owner:
+                fcntl.flock(owner, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except FileNotFoundError:
+            try:
+                if time.time() - root.stat().st_mtime < UNLOCKED_GRACE_SECONDS:
+                    continue  # just created; its owner is about to lock it
+            except FileNotFoundError:
+                continue
+        except OSError as exc:
+            if exc.errno in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+                continue  # its build is running
+            raise
+        shutil.rmtree(root, ignore_errors=True)
+        removed.append(root)
+        log.info("removed %s, left by a build that did not finish", root)
+    return removed
+
+
+@contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    with open(path, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def publish(staging: Path, final: Path) -> None:
-    """Move a finished staging folder to `final`, replacing an older build of the same identity."""
-    old = None
-    if final.exists():
-        old = final.with_name(f".{final.name}.old-{os.getpid()}")
-        (final / MANIFEST).unlink(missing_ok=True)  # the old build stops being complete first
-        os.replace(final, old)
-    os.replace(staging, final)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+    """Move a finished staging folder (manifest inside) to `final`, replacing an older build of the
+    same identity. Under a lock per artifact name: concurrent builds of one identity take turns, and
+    each rename moves a complete folder in. The replaced folder goes into the build folder, removed with it."""
+    with _locked(final.parent / f".{final.name}.lock"):
+        if final.exists() or final.is_symlink():
+            os.replace(final, staging.parent / "replaced")
+        os.replace(staging, final)
 
 
 def tool_versions() -> dict[str, str]:

@@ -11,18 +11,17 @@ shared machine a build that happened to run in a busy minute would otherwise los
 from __future__ import annotations
 
 import logging
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
 from pydantic import BaseModel
 
-from accel_opt import artifacts, hardware, report
+from accel_opt import artifacts, hardware, report, runtime
 from accel_opt.backends.select import auto_backend, candidate_precisions
 from accel_opt.bench import run_benchmark
 from accel_opt.data import Sample
-from accel_opt.errors import AccelOptError
-from accel_opt.pipeline import BuildResult, StageResult, artifact_target, build
+from accel_opt.errors import AccelOptError, UsageError, write_crash_log
+from accel_opt.pipeline import BuildResult, StageResult, build
 from accel_opt.recipe import BackendName, Precision, Recipe
 
 log = logging.getLogger(__name__)
@@ -86,15 +85,17 @@ def build_auto(
     budget = recipe.selection.latency_budget_ms
     results: dict[tuple[str, str], BuildResult] = {}
     candidates: list[Candidate] = []
+    errors: list[BaseException] = []
     for b, p, why in pairs:
         candidate = Candidate(backend=b, precision=p, why_tried=why)
         try:
             result = build(model, recipe.with_overrides(backend=b, precision=p), data_dir=data_dir, out_dir=out_dir,
                            on_stage=on_stage)
-        except AccelOptError as exc:
-            if exc.exit_code in (2, 3):  # the model or the data is wrong: no candidate will do better
-                raise
-            candidate.verdict = f"could not build (exit {exc.exit_code}): {exc}"
+        except UsageError:  # the command line or the recipe is wrong: no candidate will do better
+            raise
+        except Exception as exc:  # noqa: BLE001 - one candidate failing for any reason must not end the others
+            errors.append(exc)
+            candidate.verdict = f"could not build: {_failure_line(exc)}"
         else:
             results[(b, p)] = result
             at_target = next((h for h in result.headline if h.batch_size == target), result.headline[-1])
@@ -131,19 +132,27 @@ def build_auto(
     stem = Path(model).stem
     artifacts.write_json(out / f"{stem}-auto-selection.json", selection)
     artifacts.write_text(out / f"{stem}-auto-selection.md", report.selection_markdown(stem, selection))
+    if not results and errors:  # nothing built at all: the (first) error is the answer, with its exit code
+        raise errors[0]
     return (results[(winner.backend, winner.precision)] if winner else None), selection
 
 
+def _failure_line(exc: BaseException) -> str:
+    """A candidate's failure in one line; a bug's traceback goes to a log file named in the line."""
+    if isinstance(exc, AccelOptError):
+        return f"(exit {exc.exit_code}) {exc}"
+    return f"(internal error, a bug: please report it) {type(exc).__name__}: {exc}; log: {write_crash_log(exc)}"
+
+
 def _runoff(candidates: list[Candidate], samples: list[Sample], recipe: Recipe) -> str:
-    """Time the candidates' published builds against each other in interleaved rounds at their batch
-    size (the same samples every build timed); updates each candidate's latency and throughput."""
+    """Time the candidates' published builds, loaded through the runtime as deployed, against each other
+    in interleaved rounds at their batch size (the same samples every build timed); updates each
+    candidate's latency and throughput."""
     batch = candidates[0].batch_size
-    feed_dtypes = {name: array.dtype for name, array in samples[0].items()}
     threads = recipe.benchmark.threads or hardware.available_cpus()
-    with tempfile.TemporaryDirectory(prefix="accel-opt-runoff-") as work:
-        targets = [artifact_target(Path(c.artifact_dir), recipe, Path(work) / f"{c.backend}-{c.precision}", feed_dtypes)
-                   for c in candidates]
-        bench = run_benchmark(targets, samples, [batch], recipe.benchmark, threads)
+    deployments = [runtime.load(c.artifact_dir) for c in candidates]
+    targets = [d.target(runtime.feed_dtypes_of(samples)) for d in deployments]
+    bench = run_benchmark(targets, samples, [batch], recipe.benchmark, threads, deployments[0].batch_axes)
     for c, timed in zip(candidates, bench.models, strict=True):
         c.latency_p50_ms = timed.batches[0].latency.p50_ms
         c.throughput_per_s = timed.batches[0].throughput_per_s

@@ -19,7 +19,7 @@ import numpy as np
 from polygraphy.backend.base import BaseRunner
 from pydantic import BaseModel
 
-from accel_opt.data import Sample, batch_of
+from accel_opt.data import BatchAxes, Sample, batch_of
 from accel_opt.recipe import BenchmarkConfig
 
 log = logging.getLogger(__name__)
@@ -100,11 +100,13 @@ def timed_calls(call: Callable[[], object], min_iterations: int, min_seconds: fl
 
 
 def run_benchmark(
-    targets: list[Target], samples: list[Sample], batch_sizes: list[int], config: BenchmarkConfig, threads: int
+    targets: list[Target], samples: list[Sample], batch_sizes: list[int], config: BenchmarkConfig, threads: int,
+    batch_axes: BatchAxes | None = None,
 ) -> BenchmarkReport:
-    """Load each target (memory measured), then time every batch size in interleaved rounds."""
+    """Load each target (memory measured), then time every batch size in interleaved rounds.
+    Only inputs with a batch axis (`batch_axes`; default: axis 0 of every input that has one) are batched."""
     loads: dict[str, tuple[float, float, float]] = {}
-    biggest = batch_of(samples, max(batch_sizes))
+    biggest = batch_of(samples, max(batch_sizes), batch_axes)
     try:
         for target in targets:
             rss_before = _reset_peak_rss_mib()
@@ -118,7 +120,7 @@ def run_benchmark(
         per_batch: dict[str, list[BatchResult]] = {t.label: [] for t in targets}
         for batch in batch_sizes:
             start = time.perf_counter()
-            feed = batch_of(samples, batch)
+            feed = batch_of(samples, batch, batch_axes)
             prep_ms = (time.perf_counter() - start) * 1e3
             for target in targets:
                 for _ in range(config.warmup_iterations):

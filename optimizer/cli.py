@@ -4,15 +4,23 @@ from __future__ import annotations
 
 import json
 import logging
+import signal
 import sys
-import tempfile
 import traceback
 from pathlib import Path
 
 import click
 
 from accel_opt import __version__
-from accel_opt.errors import AccelOptError, InternalError, ResourceExhausted
+from accel_opt.errors import (
+    AccelOptError,
+    InternalError,
+    ResourceExhausted,
+    Terminated,
+    UsageError,
+    no_space_error,
+    write_crash_log,
+)
 
 log = logging.getLogger("accel_opt")
 
@@ -39,10 +47,10 @@ def _fail(exc: BaseException, verbose: bool, as_json: bool) -> None:
     """Print one line on stderr (a traceback only with --verbose) and exit with the mapped code."""
     if isinstance(exc, MemoryError):
         exc = ResourceExhausted("out of memory")
+    exc = no_space_error(exc) or exc
     if not isinstance(exc, AccelOptError):
-        with tempfile.NamedTemporaryFile("w", prefix="accel-opt-crash-", suffix=".log", delete=False) as f:
-            traceback.print_exception(exc, file=f)
-        exc = InternalError(f"internal error (a bug, please report it): {type(exc).__name__}: {exc}; log: {f.name}")
+        exc = InternalError(f"internal error (a bug, please report it): {type(exc).__name__}: {exc}; "
+                            f"log: {write_crash_log(exc)}")
     if verbose:
         traceback.print_exception(exc.__cause__ or exc, file=sys.stderr)
     click.echo(f"accel-opt: error: {exc}", err=True)
@@ -51,10 +59,23 @@ def _fail(exc: BaseException, verbose: bool, as_json: bool) -> None:
     sys.exit(exc.exit_code)
 
 
+def _terminate(signum, _frame) -> None:
+    raise Terminated(signum)
+
+
+def _interrupted(exc: KeyboardInterrupt) -> None:
+    """Ctrl-C (exit 130) or SIGTERM (exit 143): the build's cleanup has run; say so and exit."""
+    signum = getattr(exc, "signum", signal.SIGINT)
+    click.echo(f"accel-opt: {'terminated' if signum == signal.SIGTERM else 'interrupted'}; no artifact was written", err=True)
+    sys.exit(128 + signum)
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
 @click.version_option(__version__, prog_name="accel-opt")
 def main() -> None:
     """accel-opt: build a model into a deployable, signed-off artifact (precision, backend, accuracy, benchmark)."""
+    # SIGTERM (a CI job cancelled, a container stopped) cleans up like Ctrl-C: staging removed, exit 143.
+    signal.signal(signal.SIGTERM, _terminate)
 
 
 @main.command(epilog=EXIT_CODES_HELP)
@@ -66,24 +87,30 @@ def main() -> None:
 @click.option("--recipe", "recipe_path", help="Recipe YAML file or bundled name (recipes/NAME.yaml). Default: default.")
 @click.option("--data", "data_dir", type=click.Path(path_type=Path), help="Folder of .npz feed dicts (or images with a preprocessing recipe).")
 @click.option("--shapes", help="Fix dynamic dims, trtexec-style: NAME:1x3x224x224[,NAME:...].")
+@click.option("--batch-axes", help="Batch axis of inputs whose dims do not tell: NAME:AXIS or NAME:none (not batched)[,...].")
+@click.option("--require-data", is_flag=True, help="Refuse synthetic inputs: without --data, exit 2 (for CI sign-offs).")
 @click.option("--keep-io-types/--no-keep-io-types", default=None, help="fp16/bf16: keep inputs/outputs in fp32 (default: keep).")
 @click.option("--calibration", type=click.Choice(["minmax", "entropy", "percentile"]), help="int8 calibration method.")
 @click.option("--threads", type=int, help="Intra-op threads (default: CPUs available).")
 @click.option("--out", "out_dir", type=click.Path(path_type=Path), default=Path("artifacts"), show_default=True, help="Where build folders go.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout (for CI).")
 @click.option("-v", "--verbose", is_flag=True, help="Log progress and show tracebacks.")
-def build(model, precision, backend, recipe_path, data_dir, shapes, keep_io_types, calibration, threads, out_dir, as_json, verbose):
+def build(model, precision, backend, recipe_path, data_dir, shapes, batch_axes, require_data, keep_io_types, calibration,
+          threads, out_dir, as_json, verbose):
     """Build MODEL (.onnx) through cleanup, precision, compile, accuracy gate and benchmark."""
     _setup_logging(verbose)
     try:
         from accel_opt.pipeline import build as run_build
-        from accel_opt.recipe import load_recipe, parse_shapes
+        from accel_opt.recipe import load_recipe, parse_batch_axes, parse_shapes
 
+        if require_data and data_dir is None:
+            raise UsageError("--require-data: give --data DIR; a sign-off on synthetic inputs says nothing about real ones")
         auto = "auto" in (precision, backend)
         recipe = load_recipe(recipe_path).with_overrides(
             precision=None if precision == "auto" else precision,
             backend=None if backend == "auto" else backend,
             shapes=parse_shapes(shapes) if shapes else None,
+            batch_axes=parse_batch_axes(batch_axes) if batch_axes else None,
             **{
                 "precision_options.keep_io_types": keep_io_types,
                 "precision_options.calibration.method": calibration,
@@ -105,9 +132,8 @@ def build(model, precision, backend, recipe_path, data_dir, shapes, keep_io_type
     except (AccelOptError, MemoryError, Exception) as exc:  # noqa: BLE001 - every error maps to an exit code
         _fail(exc, verbose, as_json)
         return
-    except KeyboardInterrupt:
-        click.echo("accel-opt: interrupted; no artifact was written", err=True)
-        sys.exit(130)
+    except KeyboardInterrupt as exc:
+        _interrupted(exc)
     exit_code = result.exit_code if result else 1
     if as_json:
         payload = result.model_dump(mode="json") if result else {"signed_off": False, "exit_code": 1, "artifact_dir": None}
@@ -174,7 +200,6 @@ def export_command(factory, shapes, output, dynamic, opset, as_json, verbose):
 
 
 def _parse_dynamic(text: str) -> dict[str, list[int]]:
-    from accel_opt.errors import UsageError
 
     axes: dict[str, list[int]] = {}
     for item in filter(None, (part.strip() for part in text.split(","))):

@@ -30,6 +30,11 @@ class DataSummary(BaseModel):
     count: int
     sha256: str | None  # content hash of the files read (None for synthetic)
     seed: int | None = None
+    names: list[str] = []  # one per sample, in sample order: file names, or synthetic-0000...
+
+    @property
+    def synthetic(self) -> bool:
+        return self.source == "synthetic"
 
 
 def load_samples(
@@ -55,7 +60,8 @@ def load_samples(
     for path in files:
         digest.update(path.name.encode())
         digest.update(bytes.fromhex(sha256_file(path)))
-    summary = DataSummary(source=source, path=str(root), count=len(samples), sha256=digest.hexdigest())
+    summary = DataSummary(source=source, path=str(root), count=len(samples), sha256=digest.hexdigest(),
+                          names=[p.name for p in files])
     return samples, summary
 
 
@@ -133,7 +139,8 @@ def synthetic_samples(
     """Seeded inputs: N(0,1) floats; masks all ones, type ids zeros, other integers in [0, 100)."""
     rng = np.random.default_rng(seed)
     samples = [{spec.name: _random_array(spec, shapes[spec.name], rng) for spec in inputs} for _ in range(count)]
-    return samples, DataSummary(source="synthetic", path=None, count=count, sha256=None, seed=seed)
+    names = [f"synthetic-{i:04d}" for i in range(count)]
+    return samples, DataSummary(source="synthetic", path=None, count=count, sha256=None, seed=seed, names=names)
 
 
 def _random_array(spec: TensorSpec, shape: list[int], rng: np.random.Generator) -> np.ndarray:
@@ -150,31 +157,117 @@ def _random_array(spec: TensorSpec, shape: list[int], rng: np.random.Generator) 
     return rng.integers(0, 100, size=shape).astype(dtype)
 
 
+def split_indices(count: int, calibration_count: int, seed: int) -> tuple[list[int], list[int]]:
+    """Deterministic disjoint split of `count` samples into (calibration, evaluation) indices, each sorted."""
+    if count < 2:
+        raise InputRejected(f"--data needs at least 2 samples to calibrate and evaluate on disjoint sets, got {count}")
+    order = np.random.default_rng(seed).permutation(count)
+    # Keep at least a quarter of the data (and one sample) for evaluation.
+    n_calib = min(calibration_count, count - max(1, count // 4))
+    return sorted(int(i) for i in order[:n_calib]), sorted(int(i) for i in order[n_calib:])
+
+
 def split_samples(samples: list[Sample], calibration_count: int, seed: int) -> tuple[list[Sample], list[Sample]]:
     """Deterministic disjoint split into (calibration, evaluation); evaluation never reuses calibration."""
-    if len(samples) < 2:
-        raise InputRejected(f"--data needs at least 2 samples to calibrate and evaluate on disjoint sets, got {len(samples)}")
-    order = np.random.default_rng(seed).permutation(len(samples))
-    # Keep at least a quarter of the data (and one sample) for evaluation.
-    n_calib = min(calibration_count, len(samples) - max(1, len(samples) // 4))
-    calib = [samples[i] for i in sorted(order[:n_calib])]
-    evaluation = [samples[i] for i in sorted(order[n_calib:])]
-    return calib, evaluation
+    calib, evaluation = split_indices(len(samples), calibration_count, seed)
+    return [samples[i] for i in calib], [samples[i] for i in evaluation]
 
 
-def batch_of(samples: list[Sample], batch: int) -> Sample:
-    """Concatenate samples along axis 0 (cycling) until each input has `batch` rows."""
-    names = list(samples[0])
-    rows: dict[str, list[np.ndarray]] = {name: [] for name in names}
+BatchAxes = dict[str, int | None]
+
+
+def rows_of(sample: Sample, axes: BatchAxes) -> int:
+    """How many batch rows `sample` holds (1 when none of its inputs is batched)."""
+    return next((int(sample[n].shape[a]) for n, a in axes.items() if a is not None and n in sample), 1)
+
+
+def leading_axes(sample: Sample) -> BatchAxes:
+    """Batch axis 0 for every input with a dimension: the layout of most models' inputs."""
+    return {name: 0 if np.ndim(array) else None for name, array in sample.items()}
+
+
+def concat_samples(samples: list[Sample], axes: BatchAxes) -> Sample:
+    """One feed from several samples: batched inputs concatenated along their batch axis; inputs
+    without one (a scalar sample rate, a fixed table) must be equal in all samples and are taken once."""
+    out: Sample = {}
+    for name, first in samples[0].items():
+        axis = axes.get(name)
+        if axis is None:
+            if any(not np.array_equal(s[name], first) for s in samples[1:]):
+                raise ValueError(f"input {name} is not batched and differs between samples")
+            out[name] = first
+        else:
+            out[name] = np.ascontiguousarray(np.concatenate([s[name] for s in samples], axis=axis))
+    return out
+
+
+def batch_of(samples: list[Sample], batch: int, axes: BatchAxes | None = None) -> Sample:
+    """A feed of exactly `batch` rows, taken from `samples` in order (cycling). Only inputs with a batch
+    axis (default: axis 0 of every input that has one) are batched; with none, the first sample as is."""
+    axes = leading_axes(samples[0]) if axes is None else axes
+    if all(a is None for a in axes.values()):
+        return dict(samples[0])
+    parts: list[Sample] = []
     have, index = 0, 0
     while have < batch:
         sample = samples[index % len(samples)]
-        take = min(batch - have, sample[names[0]].shape[0])
-        for name in names:
-            rows[name].append(sample[name][:take])
+        take = min(batch - have, rows_of(sample, axes))
+        parts.append({n: (np.take(a, range(take), axis=axes[n]) if axes.get(n) is not None else a) for n, a in sample.items()})
         have += take
         index += 1
-    return {name: np.ascontiguousarray(np.concatenate(parts, axis=0)) for name, parts in rows.items()}
+    return concat_samples(parts, axes)
+
+
+def pack_batches(samples: list[Sample], batch: int, axes: BatchAxes) -> list[list[int]] | None:
+    """Group whole samples, in order, into batches of exactly `batch` rows; the last is padded by repeating
+    its last sample (the padding's outputs are dropped). Returns sample indices per batch, or None when
+    samples cannot be packed exactly (rows that do not add up to `batch`, or unbatched inputs that differ)."""
+    if all(a is None for a in axes.values()):
+        return None
+    groups: list[list[int]] = []
+    current: list[int] = []
+    rows = 0
+    for i, sample in enumerate(samples):
+        rows += rows_of(sample, axes)
+        current.append(i)
+        if rows > batch:
+            return None
+        if rows == batch:
+            groups.append(current)
+            current, rows = [], 0
+    if current:
+        pad_rows = rows_of(samples[current[-1]], axes)
+        if (batch - rows) % pad_rows:
+            return None
+        current += [current[-1]] * ((batch - rows) // pad_rows)
+        groups.append(current)
+    for group in groups:
+        try:
+            concat_samples([samples[i] for i in group[:2]] + [samples[group[-1]]], axes)
+        except ValueError:
+            return None
+    return groups
+
+
+def split_outputs(output: np.ndarray, per_sample_shapes: list[tuple[int, ...]]) -> list[np.ndarray] | None:
+    """Cut one batch output back into the samples it was run for, given each sample's output shape
+    alone (from the reference). The batch axis is the one axis along which the sample shapes add up
+    to the output's; an output that does not depend on the batch (same shape as each sample's) is
+    given to every sample. None when no axis, or more than one, fits."""
+    shape, first = tuple(output.shape), per_sample_shapes[0]
+    if len(per_sample_shapes) == 1 and shape == first:
+        return [output]
+    if any(len(s) != len(shape) for s in per_sample_shapes):
+        return None
+    if all(s == shape for s in per_sample_shapes):
+        return [output] * len(per_sample_shapes)
+    fits = [axis for axis in range(len(shape))
+            if sum(s[axis] for s in per_sample_shapes) == shape[axis]
+            and all(s[b] == shape[b] for s in per_sample_shapes for b in range(len(shape)) if b != axis)]
+    if len(fits) != 1:
+        return None
+    bounds = np.cumsum([s[fits[0]] for s in per_sample_shapes])[:-1]
+    return np.split(output, bounds, axis=fits[0])
 
 
 def shapes_of(samples: list[Sample]) -> dict[str, list[int]]:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import errno
 import re
+import tempfile
+import traceback
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
@@ -54,3 +57,31 @@ class InternalError(AccelOptError):
     """A bug in accel-opt."""
 
     exit_code = 70
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised like Ctrl-C so that every `finally` cleans up (staging folders, sessions)."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"terminated by signal {signum}")
+        self.signum = signum
+
+
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+
+
+def no_space_error(exc: BaseException) -> ResourceExhausted | None:
+    """A ResourceExhausted for a full disk (OSError ENOSPC/EDQUOT, or a native library's message saying so)."""
+    if isinstance(exc, OSError) and exc.errno in _NO_SPACE:
+        where = f" ({exc.filename})" if exc.filename else ""
+        return ResourceExhausted(f"no space left on the device{where}: {exc.strerror}; free space or choose another --out")
+    if "No space left on device" in str(exc):
+        return ResourceExhausted(f"no space left on the device: {first_line(exc)}; free space or choose another --out")
+    return None
+
+
+def write_crash_log(exc: BaseException) -> str:
+    """Write `exc`'s traceback to a log file and return its path (for one-line internal-error reports)."""
+    with tempfile.NamedTemporaryFile("w", prefix="accel-opt-crash-", suffix=".log", delete=False) as f:
+        traceback.print_exception(exc, file=f)
+    return f.name

@@ -12,32 +12,29 @@ import hashlib
 import json
 import logging
 import shutil
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Literal
 
-import numpy as np
 import onnx
 from pydantic import BaseModel, PrivateAttr
 
-from accel_opt import artifacts, hardware, report
+from accel_opt import artifacts, hardware, report, runtime
 from accel_opt.accuracy import AccuracyReport, compare
-from accel_opt.backends import Backend, CompiledModel, get_backend
-from accel_opt.backends.base import CastInputsRunner
+from accel_opt.backends import Backend, CompiledModel, compile_for, get_backend
 from accel_opt.backends.onnxruntime import reference_runner
 from accel_opt.bench import BenchmarkReport, Target, run_benchmark
-from accel_opt.data import DataSummary, Sample, batch_of, load_samples, shapes_of, split_samples, synthetic_samples
-from accel_opt.errors import AccelOptError, Unsupported, UsageError
+from accel_opt.data import DataSummary, Sample, batch_of, load_samples, shapes_of, split_indices, synthetic_samples
+from accel_opt.errors import AccelOptError, Unsupported, UsageError, no_space_error
 from accel_opt.graph.cleanup import CleanupReport, cleanup
-from accel_opt.graph.inspect import ResolvedShapes, TensorSpec, io_specs, resolve_shapes
+from accel_opt.graph.inspect import ResolvedShapes, TensorSpec, io_specs, resolve_shapes, with_batch
 from accel_opt.graph.load import LoadedModel, load_model
 from accel_opt.graph.save import save_model
 from accel_opt.precision import PrecisionReport, transform
 from accel_opt.recipe import Precision, Recipe, load_recipe
+from accel_opt.runtime import DeployedInput, Deployment, ResourceConfig
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +57,17 @@ class Headline(BaseModel):
     speedup_vs_pytorch: float | None = None  # PyTorch eager fp32, for torch inputs
 
 
+class DataRecord(BaseModel):
+    """What the verdict rests on: where the samples came from and how many were used for what."""
+
+    source: str  # "npz", "images" or "synthetic"
+    path: str | None
+    synthetic: bool  # random inputs: the numeric gate holds, task quality was not measured
+    samples: int  # read or generated
+    evaluation_samples: int
+    calibration_samples: int
+
+
 class BuildResult(BaseModel):
     model: str
     precision: str
@@ -73,6 +81,8 @@ class BuildResult(BaseModel):
     worst_cosine: float | None = None  # over outputs, against the fp32 reference
     failures: list[str] = []
     error: str | None = None
+    data: DataRecord | None = None
+    evaluated: str | None = None  # what the gate ran: the artifact's files, backend, precision, batch
     stages: list[StageResult] = []
     _eval_samples: list[Sample] = PrivateAttr(default_factory=list)  # in memory only: what the build timed
 
@@ -96,21 +106,24 @@ class BuildContext:
     torch_module: Any = None  # the exported module: the accuracy reference and a baseline row
     export: dict[str, Any] | None = None  # export + verification reports
     loaded: LoadedModel | None = None
+    source_path: Path | None = None  # the ONNX file given (or exported); model_path may become a cleaned copy
     model_sha256: str = ""
     external_data_sha256: dict[str, str] = field(default_factory=dict)
     inputs: list[TensorSpec] = field(default_factory=list)
     outputs: list[TensorSpec] = field(default_factory=list)
-    deployed_inputs: list[TensorSpec] = field(default_factory=list)  # of the model the backend runs (fp16 I/O differs)
-    deployed_outputs: list[TensorSpec] = field(default_factory=list)
     shapes: ResolvedShapes | None = None
+    deploy_batch: int = 1  # rows per call of the shipped model: what the gate evaluates and `run` uses
     data: DataSummary | None = None
     calibration_samples: list[Sample] = field(default_factory=list)
     eval_samples: list[Sample] = field(default_factory=list)
+    eval_names: list[str] = field(default_factory=list)
     cleanup: CleanupReport | None = None
     fp32_path: Path | None = None  # after cleanup: the baseline every precision is compared with
     precision: PrecisionReport | None = None
     candidate_path: Path | None = None
-    compiled: CompiledModel | None = None
+    compiled: CompiledModel | None = None  # the compile in the workdir (its settings go to the resource config)
+    resource_config: ResourceConfig | None = None
+    deployment: Deployment | None = None  # the staged artifact, loaded as a user would: what is checked and timed
     accuracy: AccuracyReport | None = None
     bench: BenchmarkReport | None = None
 
@@ -129,7 +142,8 @@ def build(
 ) -> BuildResult:
     """Build, check, benchmark and package `model`; never raises for a failed gate (exit_code 1).
 
-    Raises AccelOptError subclasses for everything else; nothing is left in `out_dir` then.
+    Raises AccelOptError subclasses for everything else (a full disk: ResourceExhausted); nothing
+    but the calibration cache is left in `out_dir` then.
     """
     recipe = recipe or load_recipe()
     factory = _factory_or_none(str(model))
@@ -142,39 +156,45 @@ def build(
     if recipe.precision is Precision.int8 and data_dir is None:
         raise UsageError("--precision int8 needs --data: calibrating on random inputs would set meaningless scales")
     stages: list[StageResult] = []
-    with tempfile.TemporaryDirectory(prefix="accel-opt-") as work, artifacts.staging_dir(out_dir, model_path.stem) as staging:
-        ctx = BuildContext(
-            model_path=model_path, recipe=recipe, data_dir=Path(data_dir) if data_dir else None, workdir=Path(work),
-            staging=staging, cache_dir=Path(cache_dir) if cache_dir else out_dir / ".cache", backend=backend,
-            threads=recipe.benchmark.threads or hardware.available_cpus(), factory=factory,
-        )
-        for name, stage in STAGES:
-            started = time.perf_counter()
-            try:
-                status, detail = stage(ctx)
-            except _Skip as skip:
-                status, detail = "skipped", str(skip)
-            except BaseException as exc:
-                detail = str(exc) if isinstance(exc, AccelOptError) else f"{type(exc).__name__}: {exc}"
-                stages.append(StageResult(name=name, status="failed", seconds=time.perf_counter() - started, detail=detail))
+    try:
+        with artifacts.build_folder(out_dir, model_path.stem) as (staging, work):
+            ctx = BuildContext(
+                model_path=model_path, recipe=recipe, data_dir=Path(data_dir) if data_dir else None, workdir=work,
+                staging=staging, cache_dir=Path(cache_dir) if cache_dir else out_dir / ".cache", backend=backend,
+                threads=recipe.benchmark.threads or hardware.available_cpus(), factory=factory,
+            )
+            for name, stage in STAGES:
+                started = time.perf_counter()
+                try:
+                    status, detail = stage(ctx)
+                except _Skip as skip:
+                    status, detail = "skipped", str(skip)
+                except BaseException as exc:
+                    detail = str(exc) if isinstance(exc, AccelOptError) else f"{type(exc).__name__}: {exc}"
+                    stages.append(StageResult(name=name, status="failed", seconds=time.perf_counter() - started, detail=detail))
+                    if on_stage:
+                        on_stage(stages[-1])
+                    raise
+                stages.append(StageResult(name=name, status=status, seconds=time.perf_counter() - started, detail=detail))
                 if on_stage:
                     on_stage(stages[-1])
-                raise
-            stages.append(StageResult(name=name, status=status, seconds=time.perf_counter() - started, detail=detail))
-            if on_stage:
-                on_stage(stages[-1])
 
-        signed_off = ctx.accuracy.passed
-        final = out_dir / _artifact_name(ctx)
-        result = BuildResult(
-            model=str(model), precision=recipe.precision.value, backend=backend.name, signed_off=signed_off,
-            exit_code=0 if signed_off else 1, artifact_dir=str(final), failures=ctx.accuracy.failures, stages=stages,
-            worst_cosine=ctx.accuracy.worst_cosine,
-        )
-        _fill_headline(result, ctx.bench)
-        result._eval_samples = ctx.eval_samples
-        artifacts.publish(staging, final)
-        _write_manifest(ctx, final, result)
+            signed_off = ctx.accuracy.passed
+            final = out_dir / _artifact_name(ctx)
+            result = BuildResult(
+                model=str(model), precision=recipe.precision.value, backend=backend.name, signed_off=signed_off,
+                exit_code=0 if signed_off else 1, artifact_dir=str(final), failures=ctx.accuracy.failures, stages=stages,
+                worst_cosine=ctx.accuracy.worst_cosine, data=_data_record(ctx), evaluated=ctx.accuracy.evaluation.deployment,
+            )
+            _fill_headline(result, ctx.bench)
+            result._eval_samples = ctx.eval_samples
+            _write_manifest(ctx, staging, result)  # last file: the folder is complete when it is renamed into place
+            artifacts.publish(staging, final)
+    except OSError as exc:
+        full = no_space_error(exc)
+        if full is None:
+            raise
+        raise full from exc
     return result
 
 
@@ -217,43 +237,44 @@ def _reference(ctx: BuildContext):
     return reference_runner(ctx.model_path, ctx.threads)
 
 
-def _candidate_runner(ctx: BuildContext):
-    """The backend's runner, fed inputs in the candidate's own dtypes (float16 I/O builds)."""
-    return _casting_inputs(ctx.backend.runner(ctx.compiled), {s.name: s.dtype for s in ctx.inputs},
-                           {s.name: s.dtype for s in ctx.deployed_inputs})
-
-
-def _casting_inputs(runner, fed: dict[str, Any], deployed: dict[str, Any]):
-    """`runner`, wrapped to cast the inputs fed in another dtype than the model deploys (in the timed call)."""
-    differing = {name: dtype for name, dtype in deployed.items() if np.dtype(fed.get(name, dtype)) != np.dtype(dtype)}
-    return CastInputsRunner(runner, differing) if differing else runner
-
-
 def _stage_load(ctx: BuildContext) -> tuple[StageStatus, str]:
+    ctx.source_path = ctx.model_path
     ctx.loaded = load_model(ctx.model_path, ctx.workdir)
-    ctx.model_sha256 = artifacts.sha256_file(ctx.model_path)
+    ctx.model_sha256 = artifacts.sha256_file(ctx.source_path)
     ctx.external_data_sha256 = {p.name: artifacts.sha256_file(p) for p in ctx.loaded.external_data_files}
+    ctx.notes += ctx.loaded.notes
+    ctx.model_path = ctx.loaded.path
     ctx.inputs, ctx.outputs = io_specs(ctx.loaded.proto)
     recipe = ctx.recipe
     if ctx.data_dir is not None:
         samples, ctx.data = load_samples(ctx.data_dir, ctx.inputs, recipe.preprocessing)
-        ctx.shapes = resolve_shapes(ctx.inputs, recipe.shapes, shapes_of(samples))
+        ctx.shapes = resolve_shapes(ctx.inputs, recipe.shapes, shapes_of(samples), recipe.batch_axes)
     else:
-        ctx.shapes = resolve_shapes(ctx.inputs, recipe.shapes)
+        ctx.shapes = resolve_shapes(ctx.inputs, recipe.shapes, given_batch_axes=recipe.batch_axes)
         samples, ctx.data = synthetic_samples(ctx.inputs, ctx.shapes.shapes, recipe.accuracy.synthetic_samples, recipe.accuracy.seed)
         ctx.notes.append(f"No --data given: {len(samples)} synthetic samples (seed {recipe.accuracy.seed}) were used for the accuracy check.")
     ctx.notes += ctx.shapes.notes
     if recipe.precision is Precision.int8:
-        calib, evaluation = split_samples(samples, recipe.precision_options.calibration.samples, recipe.accuracy.seed)
-        ctx.calibration_samples = calib
+        calib, evaluation = split_indices(len(samples), recipe.precision_options.calibration.samples, recipe.accuracy.seed)
+        ctx.calibration_samples = [samples[i] for i in calib]
     else:
-        evaluation = samples
-    ctx.eval_samples = evaluation[: recipe.accuracy.max_samples]
-    shapes = ", ".join(f"{k}:{'x'.join(map(str, v))}" for k, v in ctx.shapes.shapes.items())
+        evaluation = list(range(len(samples)))
+    evaluation = evaluation[: recipe.accuracy.max_samples]
+    ctx.eval_samples = [samples[i] for i in evaluation]
+    ctx.eval_names = [ctx.data.names[i] for i in evaluation]
+    ctx.deploy_batch = recipe.selection.target_batch_size if ctx.shapes.batch_dynamic else ctx.shapes.batch_size
+    shapes = ", ".join(f"{k}:{'x'.join(map(str, v)) or 'scalar'}" for k, v in ctx.shapes.shapes.items())
     return "passed", (
         f"opset {ctx.loaded.opset}, {len(ctx.loaded.proto.graph.node)} nodes, inputs {shapes}; "
         f"{len(ctx.calibration_samples)} calibration + {len(ctx.eval_samples)} evaluation samples ({ctx.data.source})"
     )
+
+
+def _deploy_shapes(ctx: BuildContext) -> dict[str, list[int]]:
+    """The input shapes the artifact is compiled and checked for: the resolved shapes at the deployed batch."""
+    if not ctx.shapes.batch_dynamic:
+        return ctx.shapes.shapes
+    return with_batch(ctx.shapes.shapes, ctx.deploy_batch, ctx.shapes.batch_axes)
 
 
 def _stage_cleanup(ctx: BuildContext) -> tuple[StageStatus, str]:
@@ -262,8 +283,8 @@ def _stage_cleanup(ctx: BuildContext) -> tuple[StageStatus, str]:
         raise _Skip("disabled by the recipe")
     total_bytes = sum(p.stat().st_size for p in [ctx.model_path, *ctx.loaded.external_data_files])
     ctx.fp32_path, ctx.cleanup = cleanup(
-        ctx.model_path, total_bytes, ctx.eval_samples[:CLEANUP_VERIFY_SAMPLES], ctx.recipe.cleanup, ctx.threads,
-        ctx.workdir / "cleaned.onnx",
+        ctx.model_path, total_bytes, ctx.eval_samples[:CLEANUP_VERIFY_SAMPLES], ctx.recipe.accuracy.tolerances[Precision.fp32],
+        ctx.threads, ctx.workdir / "cleaned.onnx",
     )
     if not ctx.cleanup.applied:
         raise _Skip(ctx.cleanup.reason)
@@ -287,49 +308,65 @@ def _stage_precision(ctx: BuildContext) -> tuple[StageStatus, str]:
 def _stage_compile(ctx: BuildContext) -> tuple[StageStatus, str]:
     model_file = ctx.staging / "model.onnx"
     save_model(onnx.load(str(ctx.candidate_path)), model_file)  # external data resolved next to the source
-    ctx.compiled = _compile(ctx, model_file, ctx.recipe.precision)
-    ctx.deployed_inputs, ctx.deployed_outputs = io_specs(onnx.load(str(model_file), load_external_data=False))
+    shapes = _deploy_shapes(ctx)
+    ctx.compiled = compile_for(ctx.backend, model_file, ctx.recipe.precision, ctx.recipe, ctx.workdir, shapes)
+    deployed_inputs, deployed_outputs = io_specs(onnx.load(str(model_file), load_external_data=False))
     for extra in ctx.compiled.extra_files:
         if extra.parent != ctx.staging:
             shutil.copy2(extra, ctx.staging / extra.name)
     c = ctx.compiled
+    ctx.resource_config = ResourceConfig(
+        backend=c.backend, device=c.device, providers=c.providers, precision=c.precision, threads=c.threads,
+        settings=c.settings, model_file=c.path.name, extra_files=[p.name for p in c.extra_files],
+        inputs=[DeployedInput(**s.model_dump(), shape_used=shapes[s.name], batch_axis=ctx.shapes.batch_axes.get(s.name))
+                for s in deployed_inputs],
+        outputs=deployed_outputs, batch_size=ctx.deploy_batch, batch_dynamic=ctx.shapes.batch_dynamic,
+        preprocessing=ctx.recipe.preprocessing,
+    )
+    artifacts.write_json(ctx.staging / runtime.RESOURCE_CONFIG, ctx.resource_config)
+    # From here on the build checks and times the staged folder itself, loaded as a user's service would.
+    ctx.deployment = runtime.load(ctx.staging, expected_files=artifacts.file_hashes(ctx.staging))
     return "passed", f"{c.backend} on {c.device} via {', '.join(c.providers)}, {c.threads} threads, {c.build_seconds:.2f} s"
 
 
 def _stage_accuracy(ctx: BuildContext) -> tuple[StageStatus, str]:
-    recipe = ctx.recipe
+    recipe, deployment = ctx.recipe, ctx.deployment
     ctx.accuracy = compare(
         _reference(ctx),
-        _candidate_runner(ctx),
+        deployment.runner(runtime.feed_dtypes_of(ctx.eval_samples)),
         ctx.eval_samples,
         recipe.tolerance,
         recipe.accuracy.task_metrics,
+        names=ctx.eval_names,
+        batch_size=deployment.batch_size,
+        batch_axes=deployment.batch_axes,
     )
-    summary = f"{ctx.accuracy.sample_count} samples, worst cosine {ctx.accuracy.worst_cosine:.6f}"
+    ctx.accuracy.evaluation.deployment = deployment.description
+    evaluation = ctx.accuracy.evaluation
+    calls = f"{evaluation.calls} calls of batch {evaluation.batch_size}" if evaluation.mode == "batched" else "one per sample"
+    summary = f"{ctx.accuracy.sample_count} samples ({calls}), worst cosine {ctx.accuracy.worst_cosine:.6f}"
     if not ctx.accuracy.passed:
         return "failed", summary + "; " + "; ".join(ctx.accuracy.failures)
     return "passed", summary
 
 
 def _stage_benchmark(ctx: BuildContext) -> tuple[StageStatus, str]:
-    label = f"{ctx.backend.name}-{ctx.recipe.precision.value}"
-    targets = [Target(label, _candidate_runner(ctx), ctx.backend.synchronize)]
+    targets = [ctx.deployment.target(runtime.feed_dtypes_of(ctx.eval_samples))]
     if ctx.recipe.precision is not Precision.fp32:
-        baseline = _compile(ctx, ctx.fp32_path, Precision.fp32)
+        baseline = compile_for(ctx.backend, ctx.fp32_path, Precision.fp32, ctx.recipe, ctx.workdir / "baseline",
+                               _deploy_shapes(ctx))
         targets.append(Target(f"{ctx.backend.name}-fp32", ctx.backend.runner(baseline), ctx.backend.synchronize))
     if ctx.torch_module is not None:
         from accel_opt.backends.torch import torch_runner
 
         targets.append(Target("pytorch-eager", torch_runner(ctx.torch_module, ctx.model_path, ctx.threads)))
-    if ctx.shapes.batch_dynamic:
-        batch_sizes = ctx.recipe.benchmark.batch_sizes
-    else:
-        batch_sizes = [next(iter(ctx.shapes.shapes.values()))[0]]
-    ctx.bench = run_benchmark(targets, ctx.eval_samples, batch_sizes, ctx.recipe.benchmark, ctx.threads)
+    batch_sizes = ctx.recipe.benchmark.batch_sizes if ctx.shapes.batch_dynamic else [ctx.shapes.batch_size]
+    axes = ctx.shapes.batch_axes
+    ctx.bench = run_benchmark(targets, ctx.eval_samples, batch_sizes, ctx.recipe.benchmark, ctx.threads, axes)
     sweep = getattr(ctx.backend, "concurrency_sweep", None)
     if sweep is not None:  # streams x async requests: the concurrency a server would run
-        feed = batch_of(ctx.eval_samples, ctx.recipe.selection.target_batch_size if ctx.shapes.batch_dynamic else batch_sizes[0])
-        ctx.bench.concurrency = sweep(ctx.compiled, feed, seconds=max(0.2, ctx.recipe.benchmark.min_seconds / 2))
+        feed = batch_of(ctx.eval_samples, ctx.deploy_batch, axes)
+        ctx.bench.concurrency = sweep(ctx.deployment.compiled, feed, seconds=max(0.2, ctx.recipe.benchmark.min_seconds / 2))
     first = ctx.bench.models[0].batches[0]
     return "passed", f"batch {first.batch_size}: p50 {first.latency.p50_ms:.2f} ms over {first.latency.iterations} iterations"
 
@@ -345,7 +382,7 @@ def _stage_reports(ctx: BuildContext) -> tuple[StageStatus, str]:
     )
     artifacts.write_json(staging / "benchmark.json", ctx.bench)
     artifacts.write_text(staging / "benchmark.md", report.benchmark_markdown(name, ctx.bench))
-    artifacts.write_json(staging / "resource_config.json", _resource_config(ctx))
+    artifacts.write_json(staging / runtime.RESOURCE_CONFIG, _measured_config(ctx))
     build_info = {
         "cleanup": ctx.cleanup.model_dump(mode="json") if ctx.cleanup else None,
         "precision": ctx.precision.model_dump(mode="json") if ctx.precision else None,
@@ -369,60 +406,23 @@ STAGES: list[tuple[str, Callable[[BuildContext], tuple[StageStatus, str]]]] = [
 ]
 
 
-def artifact_target(artifact_dir: Path, recipe: Recipe, workdir: Path, feed_dtypes: dict[str, np.dtype]) -> Target:
-    """A benchmark target for a published build, compiled from its folder as the build compiled it.
-
-    `feed_dtypes`: the dtypes of the samples it will be fed; inputs the build deployed in another
-    dtype (float16 I/O) are cast inside the timed call, as during the build.
-    """
-    config = json.loads((artifact_dir / "resource_config.json").read_text())
-    backend, precision = get_backend(config["backend"]), Precision(config["precision"])
-    compiled = _compile_with_shapes(backend, artifact_dir / config["model_file"], precision,
-                                    recipe.with_overrides(backend=backend.name, precision=precision), workdir,
-                                    {i["name"]: i["shape_used"] for i in config["inputs"]})
-    runner = _casting_inputs(backend.runner(compiled), feed_dtypes, {i["name"]: i["dtype"] for i in config["inputs"]})
-    return Target(f"{backend.name}-{precision.value}", runner, backend.synchronize)
-
-
 # ---- helpers -------------------------------------------------------------------------------------
 
 
-def _compile(ctx: BuildContext, path: Path, precision: Precision) -> CompiledModel:
-    return _compile_with_shapes(ctx.backend, path, precision, ctx.recipe, ctx.workdir, ctx.shapes.shapes)
-
-
-def _compile_with_shapes(backend: Backend, path: Path, precision: Precision, recipe: Recipe, workdir: Path,
-                         shapes: dict[str, list[int]]) -> CompiledModel:
-    """backend.compile, with the input shapes for backends that compile for fixed shapes."""
-    kwargs = {"shapes": shapes} if getattr(backend, "compiles_for_shapes", False) else {}
-    return backend.compile(path, precision, recipe, workdir, **kwargs)
-
-
-def _resource_config(ctx: BuildContext) -> dict:
-    c, bench = ctx.compiled, ctx.bench
-    candidate = bench.models[0]
+def _measured_config(ctx: BuildContext) -> ResourceConfig:
+    """The resource config the runtime read, with what the benchmark measured added (nothing it reads changes)."""
+    candidate = ctx.bench.models[0]
     best = max(candidate.batches, key=lambda b: b.throughput_per_s)
-    return {
-        "backend": c.backend,
-        "device": c.device,
-        "providers": c.providers,
-        "precision": c.precision.value,
-        "threads": c.threads,
-        "settings": c.settings,
-        "model_file": c.path.name,
-        "extra_files": [p.name for p in c.extra_files],
-        "inputs": [{**s.model_dump(), "shape_used": ctx.shapes.shapes[s.name]} for s in ctx.deployed_inputs],
-        "outputs": [s.model_dump() for s in ctx.deployed_outputs],
+    return ctx.resource_config.model_copy(update={
         "batch_sizes_measured": [b.batch_size for b in candidate.batches],
-        "batch_dynamic": ctx.shapes.batch_dynamic,
         "memory": {
             "peak_rss_mib": candidate.peak_rss_mib,
             "model_memory_mib": candidate.model_memory_mib,
             "measured_at_batch": max(b.batch_size for b in candidate.batches),
         },
         "session_load_ms": candidate.session_load_ms,
-        "recommended": _recommended(c, best.batch_size, bench),
-    }
+        "recommended": _recommended(ctx.compiled, best.batch_size, ctx.bench),
+    })
 
 
 def _recommended(compiled: CompiledModel, batch_size: int, bench: BenchmarkReport) -> dict[str, Any]:
@@ -464,7 +464,7 @@ def _fill_headline(result: BuildResult, bench: BenchmarkReport | None) -> None:
 
 
 def _input_record(ctx: BuildContext) -> dict[str, Any]:
-    record: dict[str, Any] = {"path": str(ctx.model_path), "sha256": ctx.model_sha256, "external_data": ctx.external_data_sha256}
+    record: dict[str, Any] = {"path": str(ctx.source_path), "sha256": ctx.model_sha256, "external_data": ctx.external_data_sha256}
     if ctx.factory is not None:
         source = Path(ctx.factory.spec.rpartition(":")[0])
         record = {"factory": ctx.factory.spec, "exported_onnx_sha256": ctx.model_sha256,
@@ -472,23 +472,25 @@ def _input_record(ctx: BuildContext) -> dict[str, Any]:
     return record
 
 
-def _write_manifest(ctx: BuildContext, final: Path, result: BuildResult) -> None:
-    files = sorted(p for p in final.iterdir() if p.is_file() and p.name != artifacts.MANIFEST)
-    recipe_source = ctx.recipe.name
-    manifest = {
-        "format": 1,
-        "created_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "signed_off": result.signed_off,
-        "exit_code": result.exit_code,
-        "precision": ctx.recipe.precision.value,
-        "backend": ctx.backend.name,
-        "input_model": _input_record(ctx),
-        "recipe": {"name": recipe_source, "fingerprint": ctx.recipe.fingerprint(), "resolved": ctx.recipe.model_dump(mode="json")},
-        "data": ctx.data.model_dump(mode="json"),
-        "artifacts": {p.name: artifacts.sha256_file(p) for p in files},
-        "stages": [s.model_dump() for s in result.stages],
-        "tools": artifacts.tool_versions(),
-        "cpu": hardware.cpu_info(),
-        "command_line": artifacts.command_line(),
-    }
-    artifacts.write_json(final / artifacts.MANIFEST, manifest)
+def _data_record(ctx: BuildContext) -> DataRecord:
+    return DataRecord(source=ctx.data.source, path=ctx.data.path, synthetic=ctx.data.synthetic, samples=ctx.data.count,
+                      evaluation_samples=len(ctx.eval_samples), calibration_samples=len(ctx.calibration_samples))
+
+
+def _write_manifest(ctx: BuildContext, folder: Path, result: BuildResult) -> None:
+    manifest = artifacts.Manifest(
+        created_utc=artifacts.now_utc(),
+        signed_off=result.signed_off,
+        exit_code=result.exit_code,
+        precision=ctx.recipe.precision.value,
+        backend=ctx.backend.name,
+        input_model=_input_record(ctx),
+        recipe={"name": ctx.recipe.name, "fingerprint": ctx.recipe.fingerprint(), "resolved": ctx.recipe.model_dump(mode="json")},
+        data={**ctx.data.model_dump(mode="json", exclude={"names"}), **result.data.model_dump(mode="json")},
+        artifacts=artifacts.file_hashes(folder),
+        stages=[s.model_dump() for s in result.stages],
+        tools=artifacts.tool_versions(),
+        cpu=hardware.cpu_info(),
+        command_line=artifacts.command_line(),
+    )
+    artifacts.write_json(folder / artifacts.MANIFEST, manifest)

@@ -34,14 +34,20 @@ def signoff_markdown(
     notes: list[str],
 ) -> str:
     verdict = "SIGNED OFF" if signed_off else "NOT SIGNED OFF"
-    tol = accuracy.tolerance
+    tol, ev = accuracy.tolerance, accuracy.evaluation
+    how = (f"in {ev.calls} calls of batch {ev.batch_size}, cut back into samples" if ev.mode == "batched"
+           else f"one sample per call{f' ({ev.note})' if ev.note else ''}")
     out = [
         f"# Accuracy sign-off: {model_name}",
         "",
         f"**Verdict: {verdict}**",
         "",
-        f"- Candidate: `{accuracy.candidate}`; reference: `{accuracy.reference}` ({REFERENCES.get(accuracy.reference, 'fp32')})",
-        f"- Evaluation samples: {accuracy.sample_count} ({_data_line(eval_data)})",
+        "## What the verdict rests on",
+        "",
+        f"- Candidate: `{accuracy.candidate}`{f', loaded from the artifact as deployed: {ev.deployment}' if ev.deployment else ''}; "
+        f"run {how}",
+        f"- Reference: `{accuracy.reference}` ({REFERENCES.get(accuracy.reference, 'fp32')}), one sample per call",
+        f"- Evaluation samples: {accuracy.sample_count} ({_data_line(eval_data)}); every sample and every output is judged",
     ]
     if eval_data.source == "synthetic":
         out.append("- **Synthetic data was used**: inputs were random, not real data; the numeric check holds, "
@@ -57,21 +63,38 @@ def signoff_markdown(
             )
     elif calibration_count:
         out.append(f"- Calibration samples: {calibration_count}")
-    out.append(
-        f"- Tolerance: atol {tol.atol:g}, rtol {tol.rtol:g} on the {tol.error_stat} error "
-        f"(an element passes within atol or rtol), cosine >= {tol.min_cosine}, no NaN/Inf"
-    )
-    out += ["", "## Outputs", ""]
-    out.append(
+    absolute = (f"; absolute: atol {tol.atol or 0:g} / rtol {tol.rtol or 0:g} on the {tol.error_stat} error"
+                if tol.atol is not None or tol.rtol is not None else "")
+    out += [
+        f"- Tolerance: errors are |candidate - reference| in units of each output's scale (the standard deviation "
+        f"of its reference values). {tol.error_stat.capitalize()} error <= {tol.max_error:g} over all samples and "
+        f"<= {tol.max_sample_error:g} within each; cosine >= {tol.min_cosine} over all samples and >= "
+        f"{tol.min_sample_cosine} per sample (skipped where the reference is ~all zeros); gain within "
+        f"1 +- {tol.max_gain_error:g} (a systematic scale error); no NaN/Inf{absolute}",
+        "",
+        "## Outputs",
+        "",
         _table(
-            ["output", "max abs", "mean abs", "max rel", "mean rel", "cosine", "NaN/Inf", "verdict"],
-            [
-                [o.name, f"{o.max_abs_error:.3g}", f"{o.mean_abs_error:.3g}", f"{o.max_rel_error:.3g}",
-                 f"{o.mean_rel_error:.3g}", f"{o.cosine:.6f}", str(o.non_finite_count), "pass" if o.passed else "FAIL"]
-                for o in accuracy.outputs
-            ],
-        )
-    )
+            ["output", "scale", f"{tol.error_stat} error", "worst sample error", "cosine", "worst sample cosine", "gain",
+             "max abs", "NaN/Inf", "failed samples", "verdict"],
+            [[o.name, f"{o.scale_basis} {o.scale:.4g}", f"{o.error:.3g}", f"{o.worst_sample_error:.3g}", f"{o.cosine:.6f}",
+              "-" if o.worst_sample_cosine is None else f"{o.worst_sample_cosine:.6f}", f"{o.gain:.5f}",
+              f"{o.max_abs_error:.3g}", str(o.non_finite_count), f"{o.failed_samples} of {accuracy.sample_count}",
+              "pass" if o.passed else "FAIL"]
+             for o in accuracy.outputs],
+        ),
+    ]
+    skipped = [f"{o.name}: {o.samples_without_direction}" for o in accuracy.outputs if o.samples_without_direction]
+    if skipped:
+        out += ["", "Per-sample cosine skipped (reference ~all zeros, no direction to compare; error still judged): "
+                + ", ".join(skipped)]
+    if accuracy.worst_samples:
+        out += ["", "## Worst samples", ""]
+        out.append(_table(
+            ["sample", "output", f"{tol.error_stat} error", "cosine", "verdict"],
+            [[w.sample, w.output, f"{w.error:.3g}", "-" if w.cosine is None else f"{w.cosine:.6f}",
+              "pass" if w.passed else "FAIL"] for w in accuracy.worst_samples],
+        ))
     if accuracy.task_metrics:
         out += ["", "## Task metrics", ""]
         out.append(
@@ -82,6 +105,8 @@ def signoff_markdown(
             )
         )
         metric_notes = [f"- {m.kind}: {m.note}" for m in accuracy.task_metrics if m.note]
+        metric_notes += [f"- {m.kind}: changed or worst samples: {', '.join(m.worst_samples)}"
+                         for m in accuracy.task_metrics if m.worst_samples]
         out += [""] + metric_notes if metric_notes else []
     if precision is not None and precision.kept_in_higher_precision:
         out += ["", "## Kept in higher precision", ""]
@@ -96,7 +121,7 @@ def signoff_markdown(
 def _data_line(data: DataSummary) -> str:
     if data.source == "synthetic":
         return f"synthetic, seed {data.seed}"
-    return f"{data.source} from {data.path}"
+    return f"{data.source} from {data.path}, {data.count} files read"
 
 
 def benchmark_markdown(model_name: str, bench: BenchmarkReport) -> str:

@@ -1,16 +1,24 @@
-import numpy as np
-import pytest
-from onnx import numpy_helper
+"""The accuracy gate on real models and real ORT sessions: every sample, every output at its own scale."""
 
-from accel_opt.accuracy import compare
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from accel_opt.accuracy import compare, judge
 from accel_opt.backends.onnxruntime import reference_runner
 from accel_opt.data import DataSummary
-from accel_opt.recipe import CosineMetric, Tolerance, TopKMetric
+from accel_opt.recipe import CosineMetric, DetectionMetric, Precision, Tolerance, TopKMetric, load_recipe
 from accel_opt.report import signoff_markdown
 
 from .conftest import matmul_model, save
 
-TOL = Tolerance(atol=1e-4, rtol=1e-3, min_cosine=0.9999)
+TOL = Tolerance(max_error=1e-3, max_sample_error=1e-3, min_cosine=0.9999, min_sample_cosine=0.999, max_gain_error=1e-3,
+                error_stat="max")
+OPEN = Tolerance(max_error=1e9, max_sample_error=1e9, min_cosine=-1, min_sample_cosine=-1, max_gain_error=1e9)
+INT8 = load_recipe("image-classifier").accuracy.tolerances[Precision.int8]
+BF16 = load_recipe().accuracy.tolerances[Precision.bf16]
+MARKER = 7.0  # far beyond N(0, 1) inputs: a sample holding it is the one the faulty model breaks
 
 
 def _samples(n=6, dim=4):
@@ -25,32 +33,131 @@ def _perturbed(tmp_path, scale: float, name="p.onnx"):
     return save(model, tmp_path / name)
 
 
+def _with_tail(source, tmp_path, name, nodes, initializers=(), output="logits"):
+    """`source` with nodes appended after its output: the same model, faulty in a known way."""
+    model = onnx.load(str(source))
+    old, raw = model.graph.output[0].name, f"{output}_raw"
+    earlier = f"{raw}_{len(model.graph.node)}"  # a tail appended before keeps its tensors apart from this one's
+    for node in model.graph.node:
+        node.input[:] = [earlier if i == raw else i for i in node.input]
+        node.output[:] = [earlier if o == raw else raw if o == old else o for o in node.output]
+    model.graph.node.extend(nodes)
+    model.graph.initializer.extend(initializers)
+    return save(model, tmp_path / name)
+
+
+def _image_samples(count, marked=None):
+    rng = np.random.default_rng(3)
+    samples = [{"image": rng.standard_normal((1, 3, 32, 32)).astype(np.float32)} for _ in range(count)]
+    if marked is not None:
+        samples[marked]["image"][0, 0, 0, 0] = MARKER
+    return samples, [f"img_{i:03d}.jpg" for i in range(count)]
+
+
 def test_identical_models_pass(tmp_path):
     path = save(matmul_model(), tmp_path / "m.onnx")
     report = compare(reference_runner(path, 1), reference_runner(path, 1), _samples(), TOL)
     assert report.passed and report.sample_count == 6
-    assert report.outputs[0].max_abs_error == 0 and report.outputs[0].cosine == pytest.approx(1.0)
+    out = report.outputs[0]
+    assert out.max_abs_error == 0 and out.cosine == pytest.approx(1.0) and out.gain == pytest.approx(1.0)
+    assert out.failed_samples == 0 and out.scale_basis == "std"
 
 
 def test_perturbed_model_fails_with_numbers(tmp_path):
     ref = save(matmul_model(), tmp_path / "m.onnx")
     report = compare(reference_runner(ref, 1), reference_runner(_perturbed(tmp_path, 1.01), 1), _samples(), TOL)
     assert not report.passed
-    assert report.outputs[0].max_abs_error > 1e-3
-    assert "y: elemwise error beyond" in report.failures[0]
+    assert report.outputs[0].error > 1e-3
+    assert any(f.startswith("y: max error") and "of the output's scale" in f for f in report.failures)
+    assert any("gain 1.0100" in f for f in report.failures)
 
 
-def test_mean_error_stat_is_looser_than_elemwise(tmp_path):
-    ref = save(matmul_model(), tmp_path / "m.onnx")
-    cand = _perturbed(tmp_path, 1.01)
-    loose = Tolerance(atol=0.05, rtol=0.05, min_cosine=0.99, error_stat="mean")
-    assert compare(reference_runner(ref, 1), reference_runner(cand, 1), _samples(), loose).passed
+def test_one_broken_sample_in_64_fails_and_is_named(tiny_cnn_path, tmp_path):
+    # The candidate zeroes the logits of the one image that holds MARKER: aggregate statistics barely move.
+    faulty = _with_tail(tiny_cnn_path, tmp_path, "zero_one.onnx", [
+        helper.make_node("ReduceMax", ["image"], ["peak"], axes=[1, 2, 3], keepdims=0),
+        helper.make_node("Equal", ["peak", "marker"], ["hit"]),
+        helper.make_node("Not", ["hit"], ["keep"]),
+        helper.make_node("Cast", ["keep"], ["keep_f"], to=TensorProto.FLOAT),
+        helper.make_node("Unsqueeze", ["keep_f", "axis1"], ["keep_col"]),
+        helper.make_node("Mul", ["logits_raw", "keep_col"], ["logits"]),
+    ], [numpy_helper.from_array(np.array(MARKER, np.float32), "marker"), numpy_helper.from_array(np.array([1]), "axis1")])
+    samples, names = _image_samples(64, marked=17)
+    report = compare(reference_runner(tiny_cnn_path, 1), reference_runner(faulty, 1), samples, INT8,
+                     [TopKMetric(min_agreement={1: 0.97})], names=names)
+    assert report.outputs[0].cosine > 0.98  # what the old whole-set gate saw
+    assert not report.passed
+    assert report.outputs[0].failed_samples == 1
+    assert report.worst_samples[0].sample == "img_017.jpg" and not report.worst_samples[0].passed
+    assert any("1 of 64 samples fail" in f and "img_017.jpg" in f for f in report.failures)
+    data = DataSummary(source="images", path="photos", count=64, sha256="0", names=names)
+    signoff = signoff_markdown("tiny", False, report, None, data, 0, [])
+    assert "img_017.jpg" in signoff and "NOT SIGNED OFF" in signoff
+
+
+def test_uniform_scale_error_fails_although_cosine_is_one(tiny_cnn_path, tmp_path):
+    scaled = _with_tail(tiny_cnn_path, tmp_path, "scaled.onnx", [helper.make_node("Mul", ["logits_raw", "k"], ["logits"])],
+                        [numpy_helper.from_array(np.array(1.09, np.float32), "k")])
+    samples, names = _image_samples(16)
+    report = compare(reference_runner(tiny_cnn_path, 1), reference_runner(scaled, 1), samples, INT8, names=names)
+    assert report.outputs[0].cosine == pytest.approx(1.0, abs=1e-6)
+    assert report.outputs[0].gain == pytest.approx(1.09, rel=1e-4)
+    assert not report.passed and any("gain 1.0900" in f for f in report.failures)
+
+
+def _pixel_model(tiny_cnn_path, tmp_path):
+    """The tiny CNN with box-like outputs in pixel units: sigmoid(logits) * 320."""
+    return _with_tail(tiny_cnn_path, tmp_path, "pixels.onnx", [
+        helper.make_node("Sigmoid", ["logits_raw"], ["unit"]), helper.make_node("Mul", ["unit", "px"], ["logits"]),
+    ], [numpy_helper.from_array(np.array(320.0, np.float32), "px")])
+
+
+def test_bf16_like_error_on_pixel_outputs_passes(tiny_cnn_path, tmp_path):
+    pixels = _pixel_model(tiny_cnn_path, tmp_path)
+    # Relative error 1e-3 per element, like bf16 rounding: 0.1-0.3 px on values of 0-320 px.
+    wobble = 1 + 1e-3 * np.random.default_rng(1).choice([-1.0, 1.0], size=(1, 10)).astype(np.float32)
+    candidate = _with_tail(pixels, tmp_path, "pixels_bf16.onnx", [helper.make_node("Mul", ["logits_raw", "w"], ["logits"])],
+                           [numpy_helper.from_array(wobble, "w")])
+    samples, names = _image_samples(16)
+    report = compare(reference_runner(pixels, 1), reference_runner(candidate, 1), samples, BF16, names=names)
+    assert report.outputs[0].mean_abs_error > 0.05  # what an absolute atol of 0.05 rejected
+    assert report.passed, report.failures
+    assert report.outputs[0].error < 0.01
+
+
+def test_optional_absolute_tolerance_still_available(tiny_cnn_path, tmp_path):
+    pixels = _pixel_model(tiny_cnn_path, tmp_path)
+    shifted = _with_tail(pixels, tmp_path, "shifted.onnx", [helper.make_node("Add", ["logits_raw", "d"], ["logits"])],
+                         [numpy_helper.from_array(np.array(0.2, np.float32), "d")])
+    samples, _ = _image_samples(8)
+    absolute = BF16.model_copy(update={"atol": 0.05, "rtol": 0.0})
+    assert compare(reference_runner(pixels, 1), reference_runner(shifted, 1), samples, BF16).passed
+    report = compare(reference_runner(pixels, 1), reference_runner(shifted, 1), samples, absolute)
+    assert not report.passed and any("beyond atol=0.05" in f for f in report.failures)
+
+
+def test_batched_candidate_is_cut_back_into_samples(tiny_cnn_path):
+    samples, names = _image_samples(10)
+    report = compare(reference_runner(tiny_cnn_path, 1), reference_runner(tiny_cnn_path, 1), samples, TOL, names=names,
+                     batch_size=4, batch_axes={"image": 0})
+    assert report.passed
+    assert report.evaluation.mode == "batched" and report.evaluation.calls == 3 and report.evaluation.batch_size == 4
+
+
+def test_near_zero_reference_samples_skip_cosine_but_not_error():
+    ref = [{"y": np.array([1.0, -2.0, 3.0])}, {"y": np.zeros(3)}, {"y": np.array([2.0, 1.0, -1.0])}]
+    same = [dict(r) for r in ref]
+    report = judge(ref, same, ["a", "zero", "c"], TOL)
+    assert report.passed and report.outputs[0].samples_without_direction == 1
+    broken = [ref[0], {"y": np.array([5.0, 5.0, 5.0])}, ref[2]]
+    report = judge(ref, broken, ["a", "zero", "c"], TOL)
+    assert not report.passed and report.worst_samples[0].sample == "zero" and report.worst_samples[0].cosine is None
 
 
 def test_nan_output_fails_the_gate(tmp_path):
     ref = save(matmul_model(), tmp_path / "m.onnx")
     cand = _perturbed(tmp_path, np.nan)
-    report = compare(reference_runner(ref, 1), reference_runner(cand, 1), _samples(), Tolerance(atol=1e9, rtol=1e9, min_cosine=-1))
+    report = compare(reference_runner(ref, 1), reference_runner(cand, 1), _samples(), OPEN)
     assert not report.passed
     assert report.outputs[0].non_finite_count > 0
     assert any("NaN/Inf" in f for f in report.failures)
@@ -63,11 +170,12 @@ def test_task_metrics(tmp_path):
     samples = [{"x": s["x"]} for s in _samples(20)]
     same = compare(reference_runner(ref, 1), reference_runner(ref, 1), samples, TOL, [TopKMetric(min_agreement={1: 1.0}), CosineMetric()])
     assert same.passed and same.task_metrics[0].values["top1"] == 1.0
-    other = compare(reference_runner(ref, 1), reference_runner(cand, 1), samples, Tolerance(atol=1e9, rtol=1e9, min_cosine=-1),
-                    [TopKMetric(min_agreement={1: 0.99, 8: 1.0})])
+    other = compare(reference_runner(ref, 1), reference_runner(cand, 1), samples, OPEN,
+                    [TopKMetric(min_agreement={1: 0.99, 8: 1.0})], names=[f"s{i}" for i in range(20)])
     assert not other.passed
     assert other.task_metrics[0].values["top8"] == 1.0 and other.task_metrics[0].values["top1"] < 0.9
     assert any("task metric topk" in f for f in other.failures)
+    assert other.task_metrics[0].worst_samples and other.task_metrics[0].worst_samples[0].startswith("s")
 
 
 def test_topk_gate_says_when_samples_are_too_few_to_allow_one_change(tmp_path):
@@ -80,3 +188,28 @@ def test_topk_gate_says_when_samples_are_too_few_to_allow_one_change(tmp_path):
     assert f"- topk: {few.task_metrics[0].note}" in signoff_markdown("m", True, few, None, data, 0, [])
     enough = compare(reference_runner(ref, 1), reference_runner(ref, 1), [{"x": s["x"]} for s in _samples(17)], TOL, metric)
     assert enough.task_metrics[0].note is None
+
+
+def _yolo_head(boxes_xyxy, classes, scores, anchors=50, num_classes=3):
+    """A YOLOv8-style [1, 4 + C, anchors] head holding the given detections (cx, cy, w, h in pixels)."""
+    head = np.zeros((1, 4 + num_classes, anchors), np.float32)
+    for i, ((x1, y1, x2, y2), c, s) in enumerate(zip(boxes_xyxy, classes, scores)):
+        head[0, :4, i] = [(x1 + x2) / 2, (y1 + y2) / 2, x2 - x1, y2 - y1]
+        head[0, 4 + c, i] = s
+    return head
+
+
+def test_detection_metric_matches_boxes_to_the_reference():
+    boxes = [(10, 10, 110, 110), (150, 40, 250, 200), (20, 200, 90, 300)]
+    ref = [{"output0": _yolo_head(boxes, [0, 1, 2], [0.9, 0.8, 0.7])} for _ in range(4)]
+    nudged = [(x1 + 2, y1 - 1, x2 + 1, y2 + 2) for x1, y1, x2, y2 in boxes]  # bf16-size shifts: same detections
+    close = [{"output0": _yolo_head(nudged, [0, 1, 2], [0.88, 0.81, 0.69])} for _ in range(4)]
+    metric = DetectionMetric(min_precision=0.95, min_recall=0.95)
+    names = [f"frame{i}" for i in range(4)]
+    assert judge(ref, close, names, OPEN, [metric]).passed
+    lost = [dict(c) for c in close]
+    lost[2] = {"output0": _yolo_head(nudged[:2], [0, 1], [0.88, 0.81])}  # one box missing in one frame
+    report = judge(ref, lost, names, OPEN, [metric])
+    result = report.task_metrics[0]
+    assert result.values["recall"] == pytest.approx(11 / 12) and result.values["precision"] == 1.0
+    assert not report.passed and result.worst_samples[0].startswith("frame2")

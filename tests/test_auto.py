@@ -13,7 +13,7 @@ from accel_opt import auto
 from accel_opt.artifacts import MANIFEST
 from accel_opt.auto import AutoSelection, build_auto, plan
 from accel_opt.backends.select import auto_backend, candidate_precisions
-from accel_opt.errors import InputRejected
+from accel_opt.errors import InputRejected, Unsupported
 from accel_opt.recipe import BackendName, Recipe
 
 TARGET = 2  # a batch size FAST_BENCH measures
@@ -133,10 +133,12 @@ def test_latency_budget_makes_every_candidate_lose(tiny_cnn_path, recipe, data_d
 
 
 def test_unbuildable_candidate_is_listed_with_its_reason(tiny_cnn_path, recipe, tmp_path):
-    result, selection = build_auto(tiny_cnn_path, recipe, "onnxruntime", "bf16", None, tmp_path)
-    assert result is None and selection.winner is None
+    with pytest.raises(Unsupported, match="bfloat16"):  # nothing could be built: its exit code (4) is the answer
+        build_auto(tiny_cnn_path, recipe, "onnxruntime", "bf16", None, tmp_path)
+    selection = AutoSelection.model_validate_json((tmp_path / "tiny_cnn-auto-selection.json").read_text())
     (only,) = selection.candidates
-    assert only.verdict.startswith("could not build (exit 4)") and "bfloat16" in only.verdict
+    assert selection.winner is None
+    assert only.verdict.startswith("could not build: (exit 4)") and "bfloat16" in only.verdict
     assert (tmp_path / "tiny_cnn-auto-selection.md").is_file()
 
 

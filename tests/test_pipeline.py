@@ -32,7 +32,8 @@ def test_fp32_build_signs_off_with_every_artifact(tiny_cnn_path, fast_recipe, tm
 
     config = json.loads((folder / "resource_config.json").read_text())
     assert config["providers"] == ["CPUExecutionProvider"]
-    assert config["inputs"][0]["shape_used"] == [1, 3, 32, 32]
+    assert config["inputs"][0]["shape_used"] == [8, 3, 32, 32]  # the deployed batch: selection.target_batch_size
+    assert config["batch_size"] == 8 and config["inputs"][0]["batch_axis"] == 0
     assert config["memory"]["peak_rss_mib"] > 0
     bench = json.loads((folder / "benchmark.json").read_text())
     assert [b["batch_size"] for b in bench["models"][0]["batches"]] == [1, 2]

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from accel_opt.backends.base import Availability, Backend, CompiledModel
 from accel_opt.errors import Unsupported
-from accel_opt.recipe import BackendName
+from accel_opt.recipe import BackendName, Precision, Recipe
 
-__all__ = ["Availability", "Backend", "CompiledModel", "get_backend"]
+__all__ = ["Availability", "Backend", "CompiledModel", "compile_for", "get_backend"]
 
 
 def get_backend(name: BackendName | str) -> Backend:
@@ -31,3 +33,10 @@ def get_backend(name: BackendName | str) -> Backend:
     if not availability:
         raise Unsupported(f"backend {name.value} is unavailable here: {availability.reason}")
     return backend
+
+
+def compile_for(backend: Backend, path: Path, precision: Precision, recipe: Recipe, workdir: Path,
+                shapes: dict[str, list[int]]) -> CompiledModel:
+    """backend.compile, with the input shapes for backends that compile for fixed shapes."""
+    kwargs = {"shapes": shapes} if getattr(backend, "compiles_for_shapes", False) else {}
+    return backend.compile(path, precision, recipe, workdir, **kwargs)

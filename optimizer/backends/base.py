@@ -89,3 +89,9 @@ class CastInputsRunner(BaseRunner):
 
     def deactivate_impl(self):
         self.inner.deactivate()
+
+
+def casting_inputs(runner: BaseRunner, fed: dict[str, Any], deployed: dict[str, Any]) -> BaseRunner:
+    """`runner`, wrapped to cast the inputs fed in another dtype than the model deploys (in the timed call)."""
+    differing = {name: dtype for name, dtype in deployed.items() if np.dtype(fed.get(name, dtype)) != np.dtype(dtype)}
+    return CastInputsRunner(runner, differing) if differing else runner

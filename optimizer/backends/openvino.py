@@ -8,7 +8,7 @@ back and recorded, so the report says what actually ran, not what was asked for.
 Shapes: unless the recipe asks for `dynamic_shapes`, every input-shape set runs on a model compiled
 for exactly those static shapes (a dynamic batch costs 6-20% at int8 here). The runner compiles one
 per shape signature on first use, each verified like the saved one; the saved blob is the compile
-for the deployment's shapes at `selection.target_batch_size`.
+for the deployment's shapes (the pipeline passes them, at the deployed batch size).
 """
 
 from __future__ import annotations
@@ -32,7 +32,6 @@ from polygraphy.common import TensorMetadata
 from accel_opt.artifacts import sha256_file, write_bytes, write_json
 from accel_opt.backends.base import Availability, CompiledModel
 from accel_opt.errors import InputRejected, Unsupported, first_line
-from accel_opt.graph.inspect import with_batch
 from accel_opt.hardware import available_cpus, cpu_flags
 from accel_opt.recipe import Precision, Recipe
 
@@ -167,16 +166,6 @@ def _compile(onnx_path: Path, config: dict[str, str], static_shapes: dict[str, l
     return _compile_model(_read(onnx_path), config, static_shapes)
 
 
-def deployment_shapes(model, shapes: dict[str, list[int]] | None, batch: int) -> dict[str, list[int]] | None:
-    """The shapes the saved blob is compiled for: `shapes` with the batch set to `batch` where every
-    input's leading dim is dynamic in `model` (a fixed batch stays as it is); None without shapes."""
-    if not shapes:
-        return None
-    partial = [port.get_partial_shape() for port in model.inputs]
-    batch_dynamic = bool(partial) and all(p.rank.is_static and p.rank.get_length() > 0 and p[0].is_dynamic for p in partial)
-    return with_batch(shapes, batch) if batch_dynamic else {name: list(dims) for name, dims in shapes.items()}
-
-
 def execution_precisions(compiled) -> dict[str, dict[str, int]]:
     """{layer type: {runtime precision: count}} from the executed graph (constants left out)."""
     return _runtime_counts(compiled, "runtimePrecision")
@@ -285,12 +274,12 @@ class OpenVinoBackend:
     ) -> CompiledModel:
         """Compile on the CPU with the precision hint set, verify what runs, and save the blob.
 
-        `shapes`: the deployment's input shapes (the pipeline passes its resolved shapes). Unless
-        `recipe.dynamic_shapes`, the build is static: the saved blob is compiled for `shapes` with a
-        dynamic batch set to `recipe.selection.target_batch_size`, and the runner compiles every other
-        input-shape set it is fed for exactly that set (so one runner still sweeps batch sizes). Without
-        `shapes` the blob keeps the model's own shapes (static only where the model fixes them). With
-        `recipe.dynamic_shapes` one dynamic compile serves every shape.
+        `shapes`: the deployment's input shapes at its batch size (the pipeline passes them). Unless
+        `recipe.dynamic_shapes`, the build is static: the saved blob is compiled for exactly `shapes`,
+        and the runner compiles every other input-shape set it is fed for exactly that set (so one
+        runner still sweeps batch sizes). Without `shapes` the blob keeps the model's own shapes
+        (static only where the model fixes them). With `recipe.dynamic_shapes` one dynamic compile
+        serves every shape.
         """
         support = self.supports(precision)
         if not support:
@@ -306,7 +295,7 @@ class OpenVinoBackend:
         start = time.perf_counter()
         model = _read(onnx_path)
         shape_mode = "dynamic" if recipe.dynamic_shapes else "static"
-        blob_shapes = None if recipe.dynamic_shapes else deployment_shapes(model, shapes, recipe.selection.target_batch_size)
+        blob_shapes = None if recipe.dynamic_shapes or not shapes else {name: list(dims) for name, dims in shapes.items()}
         compiled = _compile_model(model, config, blob_shapes)
         build_seconds = time.perf_counter() - start
 
@@ -378,12 +367,22 @@ class OpenVinoBackend:
 
 
 def load_compiled(compiled: CompiledModel):
-    """The openvino.CompiledModel: the saved blob when it was built here, else a fresh compile."""
+    """The openvino.CompiledModel in the saved blob, the model that was checked: refused (exit 4), never
+    silently recompiled, when it was built for another OpenVINO version or CPU or was altered."""
     blob = next((p for p in compiled.extra_files if p.suffix == ".blob"), None)
-    model = load_cached_blob(blob) if blob is not None else None
-    if model is None:
+    if blob is None:
         model = _compile(compiled.path, compiled.settings["compile_config"], compiled.settings["static_shapes"])
         _verify_precision(model, compiled.precision)
+        return model
+    meta_path = blob.with_suffix(blob.suffix + ".json")
+    try:
+        reason = blob_mismatch(json.loads(meta_path.read_text()))
+    except (OSError, ValueError) as exc:
+        reason = f"its description {meta_path.name} is unreadable ({exc})"
+    model = load_cached_blob(blob) if reason is None else None
+    if model is None:
+        raise Unsupported(f"OpenVINO blob {blob.name} cannot run here: {reason or 'it does not import as recorded'}; "
+                          "rebuild the artifact on this machine")
     return model
 
 

@@ -1,7 +1,7 @@
 """Graph cleanup with onnxslim (constant folding, dead code, fusions), verified before use.
 
-The simplified model replaces the original only if it matches it numerically on the evaluation
-samples (both run unoptimized on the ORT CPU EP, compared with Polygraphy). Otherwise the original
+The simplified model replaces the original only if it matches it within the recipe's fp32 tolerance
+on the evaluation samples (both run unoptimized on the ORT CPU EP, judged like any build). Otherwise the original
 is kept and the report says why: a cleanup must never be the reason a build changes its answers.
 """
 
@@ -21,7 +21,7 @@ from accel_opt.data import Sample
 from accel_opt.errors import AccelOptError, first_line
 from accel_opt.graph.inspect import op_histogram
 from accel_opt.graph.save import EXTERNAL_DATA_ABOVE_BYTES
-from accel_opt.recipe import CleanupConfig, Tolerance
+from accel_opt.recipe import Tolerance
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +38,7 @@ class CleanupReport(BaseModel):
 
 
 def cleanup(
-    model_path: Path, total_bytes: int, samples: list[Sample], config: CleanupConfig, threads: int, out_path: Path
+    model_path: Path, total_bytes: int, samples: list[Sample], tolerance: Tolerance, threads: int, out_path: Path
 ) -> tuple[Path, CleanupReport]:
     """Return (model to use, report): `out_path` when the simplified model verified, else `model_path`."""
     import onnxslim
@@ -57,7 +57,6 @@ def cleanup(
                                          ops_after=counts["ops_before"], **counts)
     after = onnx.load(str(out_path), load_external_data=False)
     counts.update(nodes_after=len(after.graph.node), ops_after=op_histogram(after))
-    tolerance = Tolerance(atol=config.atol, rtol=config.rtol, min_cosine=0.99999)
     try:
         report = compare(reference_runner(model_path, threads), reference_runner(out_path, threads), samples, tolerance)
     except AccelOptError as exc:

@@ -27,7 +27,13 @@ class TensorSpec(BaseModel):
 class ResolvedShapes(BaseModel):
     shapes: dict[str, list[int]]
     notes: list[str]  # e.g. "input x: dim 0 (batch) was dynamic and defaulted to 1"
-    batch_dynamic: bool  # every input's leading dim is dynamic: batch sizes can be swept
+    batch_axes: dict[str, int | None]  # per input; None: not batched (a scalar, a fixed table)
+    batch_dynamic: bool  # some input is batched and every batched input's batch dim is dynamic: batch sizes can be swept
+
+    @property
+    def batch_size(self) -> int:
+        """The batch of these shapes (1 when no input is batched)."""
+        return next((self.shapes[n][a] for n, a in self.batch_axes.items() if a is not None), 1)
 
 
 def _spec(value: onnx.ValueInfoProto) -> TensorSpec:
@@ -54,20 +60,48 @@ def io_specs(model: onnx.ModelProto) -> tuple[list[TensorSpec], list[TensorSpec]
     return inputs, outputs
 
 
+def batch_axes(inputs: list[TensorSpec], given: dict[str, int | None] | None = None) -> dict[str, int | None]:
+    """The batch axis of each input: `given` (recipe `batch_axes`, --batch-axes) first; else a dynamic
+    leading dim; else the axis carrying the symbolic name of another input's dynamic leading dim
+    (silero VAD: input [batch, n], state [2, batch, 128]); else None: not batched (scalars, fixed dims)."""
+    given = given or {}
+    names = {spec.name for spec in inputs}
+    unknown = sorted(set(given) - names)
+    if unknown:
+        raise UsageError(f"--batch-axes names unknown input {unknown[0]!r}; model inputs: {', '.join(sorted(names))}")
+    leading = {spec.shape[0] for spec in inputs if spec.shape and isinstance(spec.shape[0], str)}
+    axes: dict[str, int | None] = {}
+    for spec in inputs:
+        if spec.name in given:
+            axis = given[spec.name]
+            if axis is not None and not 0 <= axis < len(spec.shape):
+                raise UsageError(f"--batch-axes {spec.name}:{axis}: the input has rank {len(spec.shape)}")
+            axes[spec.name] = axis
+        elif not spec.shape:
+            axes[spec.name] = None
+        elif not isinstance(spec.shape[0], int):
+            axes[spec.name] = 0
+        else:
+            axes[spec.name] = next((i for i, d in enumerate(spec.shape) if isinstance(d, str) and d in leading), None)
+    return axes
+
+
 def resolve_shapes(
     inputs: list[TensorSpec],
     given: dict[str, list[int]],
     data_shapes: dict[str, list[int]] | None = None,
+    given_batch_axes: dict[str, int | None] | None = None,
 ) -> ResolvedShapes:
     """Fix every dynamic dimension: --shapes/recipe first, then the data's shapes, then batch=1.
 
-    Only a leading (batch-like) dimension may default; any other dynamic dimension without a
-    shape is a usage error naming the input and the axis.
+    Only a batch axis (see `batch_axes`) may default; any other dynamic dimension without a shape
+    is a usage error naming the input and the axis.
     """
     names = {spec.name for spec in inputs}
     unknown = sorted(set(given) - names)
     if unknown:
         raise UsageError(f"--shapes names unknown input {unknown[0]!r}; model inputs: {', '.join(sorted(names))}")
+    axes = batch_axes(inputs, given_batch_axes)
     shapes: dict[str, list[int]] = {}
     notes: list[str] = []
     for spec in inputs:
@@ -90,21 +124,31 @@ def resolve_shapes(
         for axis, dim in enumerate(spec.shape):
             if isinstance(dim, int):
                 dims.append(dim)
-            elif axis == 0:
+            elif axis == axes[spec.name]:
                 dims.append(1)
-                notes.append(f"input {spec.name}: dim 0 ({dim or 'unnamed'}) is dynamic; batch defaulted to 1")
+                notes.append(f"input {spec.name}: dim {axis} ({dim or 'unnamed'}) is dynamic; batch defaulted to 1")
             else:
                 raise UsageError(
                     f"input {spec.name!r} has dynamic dim {axis} ({dim or 'unnamed'}) in {_fmt(spec.shape)}; "
                     f"give it with --shapes {spec.name}:{'x'.join(str(d) if isinstance(d, int) else '?' for d in spec.shape)}"
                 )
         shapes[spec.name] = dims
-    batch_dynamic = bool(inputs) and all(spec.shape and 0 in spec.dynamic_axes for spec in inputs)
-    return ResolvedShapes(shapes=shapes, notes=notes, batch_dynamic=batch_dynamic)
+    batched = [spec for spec in inputs if axes[spec.name] is not None]
+    batch_dynamic = bool(batched) and all(axes[spec.name] in spec.dynamic_axes for spec in batched)
+    sizes = {shapes[spec.name][axes[spec.name]] for spec in batched}
+    if len(sizes) > 1:
+        listed = ", ".join(f"{s.name} dim {axes[s.name]} = {shapes[s.name][axes[s.name]]}" for s in batched)
+        raise UsageError(f"the batched inputs disagree on the batch size ({listed}); fix --shapes or --batch-axes")
+    return ResolvedShapes(shapes=shapes, notes=notes, batch_axes=axes, batch_dynamic=batch_dynamic)
 
 
-def with_batch(shapes: dict[str, list[int]], batch: int) -> dict[str, list[int]]:
-    return {name: [batch, *dims[1:]] for name, dims in shapes.items()}
+def with_batch(shapes: dict[str, list[int]], batch: int, axes: dict[str, int | None]) -> dict[str, list[int]]:
+    """`shapes` with each batched input's batch axis set to `batch`."""
+    out = {name: list(dims) for name, dims in shapes.items()}
+    for name, axis in axes.items():
+        if axis is not None and name in out:
+            out[name][axis] = batch
+    return out
 
 
 def opset_of(model: onnx.ModelProto) -> int:

@@ -31,9 +31,10 @@ _TEXT_SNIFF_BYTES = 512
 
 @dataclass(frozen=True)
 class LoadedModel:
-    path: Path
+    path: Path  # the model to build from: the input, or a copy without unused opset imports
     proto: onnx.ModelProto  # graph structure; external tensor data not loaded
-    external_data_files: list[Path] = field(default_factory=list)
+    external_data_files: list[Path] = field(default_factory=list)  # of the input model
+    notes: list[str] = field(default_factory=list)
 
     @property
     def opset(self) -> int:
@@ -130,6 +131,16 @@ def _check_ops(proto: onnx.ModelProto) -> None:
                 raise InputRejected(f"node {node.name!r} uses domain {node.domain!r} without an opset import")
 
 
+def unused_domain_imports(proto: onnx.ModelProto) -> list[str]:
+    """Opset imports of custom domains that no node (nor local function) uses: e.g. a Paddle export's
+    `Paddle` v1. ONNX tooling (the version converter, IR-version lookup) fails on unknown domains."""
+    used = {node.domain for graph in _all_graphs(proto.graph) for node in graph.node}
+    for function in proto.functions:
+        used.add(function.domain)
+        used |= {node.domain for node in function.node}
+    return [o.domain for o in proto.opset_import if o.domain not in ("", "ai.onnx") and o.domain not in used]
+
+
 def _all_graphs(graph: onnx.GraphProto):
     yield graph
     for node in graph.node:
@@ -161,6 +172,29 @@ def load_model(path: str | Path, workdir: Path) -> LoadedModel:
         raise InputRejected(f"shape inference failed: {first_line(exc)}") from None
     finally:
         inferred.unlink(missing_ok=True)
-    loaded = LoadedModel(path=path, proto=shaped, external_data_files=external_files)
+    notes = []
+    build_path = path
+    unused = unused_domain_imports(proto)
+    if unused:
+        build_path = _without_imports(path, unused, workdir)
+        _drop_imports(shaped, unused)
+        notes.append(f"unused opset imports dropped: {', '.join(unused)} (no node uses them)")
+    loaded = LoadedModel(path=build_path, proto=shaped, external_data_files=external_files, notes=notes)
     log.info("loaded %s: opset %d, %d nodes", path, loaded.opset, len(proto.graph.node))
     return loaded
+
+
+def _without_imports(path: Path, domains: list[str], workdir: Path) -> Path:
+    from accel_opt.graph.save import save_model
+
+    model = onnx.load(str(path))  # with its (already checked) external data
+    _drop_imports(model, domains)
+    out = workdir / "input" / path.name
+    save_model(model, out)
+    return out
+
+
+def _drop_imports(model: onnx.ModelProto, domains: list[str]) -> None:
+    kept = [o for o in model.opset_import if o.domain not in domains]
+    del model.opset_import[:]
+    model.opset_import.extend(kept)

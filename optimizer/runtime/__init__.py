@@ -1,0 +1,177 @@
+"""The runtime: load a built artifact folder and run it exactly as deployed.
+
+`load(folder)` verifies the folder before anything runs (the manifest present, every file's sha256,
+the environment able to run what was checked), then rebuilds the backend's runner from the files on
+disk and `resource_config.json`: backend, precision, options, threads, shapes and batch size. The
+accuracy gate, the benchmark and the automatic choice all load the folder through here, so what is
+checked and timed is what ships. Nothing is deserialized before its hash has been checked.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from polygraphy.backend.base import BaseRunner
+from pydantic import BaseModel, ValidationError
+
+from accel_opt.artifacts import MANIFEST, Manifest, sha256_file
+from accel_opt.backends import Backend, CompiledModel, get_backend
+from accel_opt.backends.base import casting_inputs
+from accel_opt.bench import Target
+from accel_opt.errors import InputRejected, Unsupported, first_line
+from accel_opt.graph.inspect import TensorSpec
+from accel_opt.recipe import Precision, Preprocessing
+
+RESOURCE_CONFIG = "resource_config.json"
+
+
+class DeployedInput(TensorSpec):
+    shape_used: list[int]  # at the deployed batch size
+    batch_axis: int | None = None  # None: not batched (a scalar, a fixed table)
+
+
+class ResourceConfig(BaseModel):
+    """`resource_config.json`: how to run the artifact (read by the runtime) and what it measured."""
+
+    format: int = 1
+    backend: str
+    device: str
+    providers: list[str]
+    precision: Precision
+    threads: int
+    settings: dict[str, Any]  # session / compile options, recorded verbatim
+    model_file: str
+    extra_files: list[str] = []
+    inputs: list[DeployedInput]
+    outputs: list[TensorSpec]
+    batch_size: int  # rows per call as deployed and as the gate evaluated it
+    batch_dynamic: bool  # the model accepts other batch sizes (the benchmark sweeps them)
+    preprocessing: Preprocessing | None = None  # the recipe's, for image inputs
+    # Measured by the build's benchmark:
+    batch_sizes_measured: list[int] = []
+    memory: dict[str, float] | None = None
+    session_load_ms: float | None = None
+    recommended: dict[str, Any] | None = None
+
+    @property
+    def batch_axes(self) -> dict[str, int | None]:
+        return {i.name: i.batch_axis for i in self.inputs}
+
+    @property
+    def shapes(self) -> dict[str, list[int]]:
+        return {i.name: list(i.shape_used) for i in self.inputs}
+
+
+def verify_files(folder: Path, expected: dict[str, str]) -> list[str]:
+    """One line per problem: a file missing, changed (sha256) or not part of the artifact."""
+    problems = []
+    for name, digest in sorted(expected.items()):
+        path = folder / name
+        if not path.is_file():
+            problems.append(f"{name}: missing")
+        elif sha256_file(path) != digest:
+            problems.append(f"{name}: sha256 does not match the manifest (changed after the build)")
+    present = {p.name for p in folder.iterdir() if p.is_file() and p.name != MANIFEST}
+    problems += [f"{name}: not part of the artifact (not in the manifest)" for name in sorted(present - set(expected))]
+    return problems
+
+
+def read_manifest(folder: Path) -> Manifest:
+    path = folder / MANIFEST
+    if not path.is_file():
+        raise InputRejected(f"{folder}: incomplete artifact: no {MANIFEST} (the build did not finish, or this is not an artifact)")
+    try:
+        return Manifest.model_validate_json(path.read_text())
+    except (ValidationError, ValueError, OSError) as exc:
+        raise InputRejected(f"{folder}: {MANIFEST} is unreadable: {first_line(exc)}") from None
+
+
+@dataclass
+class Deployment:
+    """A verified artifact, ready to run: its config, backend and compiled-model description."""
+
+    folder: Path
+    config: ResourceConfig
+    backend: Backend
+    compiled: CompiledModel
+
+    @property
+    def batch_size(self) -> int:
+        return self.config.batch_size
+
+    @property
+    def batch_axes(self) -> dict[str, int | None]:
+        return self.config.batch_axes
+
+    @property
+    def description(self) -> str:
+        files = ", ".join([self.config.model_file, *[f for f in self.config.extra_files if not f.endswith(".json")]])
+        return f"{self.folder.name}/ ({files}), {self.config.backend} {self.config.precision.value}, batch {self.batch_size}"
+
+    def runner(self, feed_dtypes: dict[str, Any] | None = None) -> BaseRunner:
+        """A Polygraphy runner of the deployed model; inputs fed in other dtypes than it deploys
+        (float16 I/O builds) are cast inside each call, as an application would have to."""
+        runner = self.backend.runner(self.compiled)
+        deployed = {i.name: i.dtype for i in self.config.inputs}
+        return casting_inputs(runner, feed_dtypes or deployed, deployed)
+
+    def target(self, feed_dtypes: dict[str, Any] | None = None) -> Target:
+        return Target(f"{self.config.backend}-{self.config.precision.value}", self.runner(feed_dtypes),
+                      self.backend.synchronize)
+
+
+def load(folder: str | Path, expected_files: dict[str, str] | None = None) -> Deployment:
+    """Verify `folder` and return its Deployment. Refuses (one line) an incomplete or changed folder
+    (exit 3) and one this machine cannot run as it was checked (exit 4).
+
+    `expected_files` (name -> sha256) stands in for the manifest while a build is still staging.
+    """
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise InputRejected(f"artifact folder not found: {folder}")
+    expected = read_manifest(folder).artifacts if expected_files is None else expected_files
+    problems = verify_files(folder, expected)
+    if problems:
+        more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise InputRejected(f"{folder}: artifact altered or incomplete: {problems[0]}{more}")
+    try:
+        config = ResourceConfig.model_validate_json((folder / RESOURCE_CONFIG).read_text())
+    except (ValidationError, ValueError, OSError) as exc:
+        raise InputRejected(f"{folder}: {RESOURCE_CONFIG} is unreadable: {first_line(exc)}") from None
+    backend = get_backend(config.backend)  # exit 4 with the reason when it cannot run here
+    _check_environment(config)
+    compiled = CompiledModel(
+        backend=config.backend, path=folder / config.model_file, precision=config.precision, device=config.device,
+        providers=config.providers, threads=config.threads, build_seconds=0.0, settings=config.settings,
+        extra_files=[folder / name for name in config.extra_files],
+    )
+    return Deployment(folder=folder, config=config, backend=backend, compiled=compiled)
+
+
+def _check_environment(config: ResourceConfig) -> None:
+    """The runtime version that was checked must be the one here (major.minor): another one may pick
+    other kernels, so the sign-off would not describe what runs."""
+    if config.backend == "onnxruntime":
+        import onnxruntime
+
+        recorded, here = config.settings.get("onnxruntime_version"), onnxruntime.__version__
+    elif config.backend == "openvino":
+        import openvino
+
+        recorded, here = config.settings.get("openvino_version"), openvino.get_version()
+    else:
+        return
+    if recorded and _major_minor(recorded) != _major_minor(here):
+        raise Unsupported(f"built and checked with {config.backend} {recorded}, this machine has {here}: rebuild here")
+
+
+def _major_minor(version: str) -> tuple[str, ...]:
+    return tuple(version.split("-")[0].split(".")[:2])
+
+
+def feed_dtypes_of(samples: list[dict[str, np.ndarray]]) -> dict[str, np.dtype]:
+    return {name: array.dtype for name, array in samples[0].items()}
+
