@@ -22,9 +22,9 @@ from pathlib import Path
 
 import numpy as np
 
+from accel_opt import runtime
 from accel_opt.auto import build_auto
 from accel_opt.bench import timed_calls
-from accel_opt.pipeline import artifact_target
 from accel_opt.recipe import load_recipe
 from benchmarks._common import wait_for_idle
 
@@ -69,8 +69,7 @@ def main() -> int:
 
         feeds = [dict(np.load(p)) for p in sorted((work / "feeds").glob("*.npz"))]
         feed = {k: np.concatenate([f[k] for f in feeds[:BATCH]]) for k in feeds[0]}
-        runner = artifact_target(Path(winner.artifact_dir), recipe, work / "compile",
-                                 {k: v.dtype for k, v in feed.items()}).runner
+        runner = runtime.load(winner.artifact_dir).runner({k: v.dtype for k, v in feed.items()})
         runner.activate()
         exported = next(Path(c.artifact_dir) for c in selection.candidates
                         if c.artifact_dir and c.backend == "onnxruntime" and c.precision == "fp32")

@@ -228,9 +228,9 @@ def ort_variant(path: Path, recipe: Recipe, workdir: Path) -> Variant:
 
 def accel_opt_auto_variant(fp32_path: Path, photos: list[dict[str, np.ndarray]], work: Path) -> tuple[Variant, str]:
     """What `accel-opt build --backend auto --precision auto --recipe image-classifier --data DIR` signs
-    off on this machine: the winner's folder compiled exactly as the pipeline compiled it."""
+    off on this machine: the winner's folder, loaded through the runtime as deployed."""
+    from accel_opt import runtime
     from accel_opt.auto import build_auto
-    from accel_opt.pipeline import artifact_target
     from accel_opt.recipe import load_recipe
 
     data = work / "photos"
@@ -248,7 +248,7 @@ def accel_opt_auto_variant(fp32_path: Path, photos: list[dict[str, np.ndarray]],
     kernels = json.loads((artifact / "resource_config.json").read_text())["settings"].get("kernels_by_layer_type")
     if kernels:
         summary += f"\nauto's compute kernels: {kernels}"
-    runner = artifact_target(artifact, recipe, work / "auto-compile", {"image": np.dtype(np.float32)}).runner
+    runner = runtime.load(artifact).runner({"image": np.dtype(np.float32)})
 
     def runner_for(_batch: int):
         runner.activate()

@@ -133,6 +133,15 @@ def _out_dir_error(out_dir: Path, exc: OSError) -> UsageError | ResourceExhauste
     return UsageError(f"--out {out_dir}: cannot write there ({exc.strerror or exc})")
 
 
+def ensure_free_space(folder: Path, needed_bytes: int) -> None:
+    """ResourceExhausted (exit 5) when `folder`'s file system has less than `needed_bytes` free. Native
+    writers (ONNX shape inference, for one) truncate files silently on a full disk instead of failing."""
+    free = shutil.disk_usage(folder).free
+    if free < needed_bytes:
+        raise ResourceExhausted(f"no space left on the device holding {folder}: {free / 2**20:.1f} MiB free, "
+                                f"this step needs about {needed_bytes / 2**20:.1f} MiB")
+
+
 @contextmanager
 def build_folder(out_dir: Path, name: str) -> Iterator[tuple[Path, Path]]:
     """Yield (staging, work) inside a hidden build folder under `out_dir` that this process holds

@@ -189,21 +189,27 @@ def leading_axes(sample: Sample) -> BatchAxes:
 def concat_samples(samples: list[Sample], axes: BatchAxes) -> Sample:
     """One feed from several samples: batched inputs concatenated along their batch axis; inputs
     without one (a scalar sample rate, a fixed table) must be equal in all samples and are taken once."""
-    out: Sample = {}
-    for name, first in samples[0].items():
-        axis = axes.get(name)
-        if axis is None:
-            if any(not np.array_equal(s[name], first) for s in samples[1:]):
-                raise ValueError(f"input {name} is not batched and differs between samples")
-            out[name] = first
-        else:
-            out[name] = np.ascontiguousarray(np.concatenate([s[name] for s in samples], axis=axis))
-    return out
+    if not _unbatched_agree(samples, axes):
+        raise ValueError("an input without a batch axis differs between the samples")
+    return _concat(samples, axes)
+
+
+def _unbatched_agree(samples: list[Sample], axes: BatchAxes) -> bool:
+    first = samples[0]
+    return all(np.array_equal(s[n], first[n]) for s in samples[1:] for n in first if axes.get(n) is None)
+
+
+def _concat(samples: list[Sample], axes: BatchAxes) -> Sample:
+    """Batched inputs concatenated; every other input as in the first sample."""
+    return {name: first if axes.get(name) is None else
+            np.ascontiguousarray(np.concatenate([s[name] for s in samples], axis=axes[name]))
+            for name, first in samples[0].items()}
 
 
 def batch_of(samples: list[Sample], batch: int, axes: BatchAxes | None = None) -> Sample:
-    """A feed of exactly `batch` rows, taken from `samples` in order (cycling). Only inputs with a batch
-    axis (default: axis 0 of every input that has one) are batched; with none, the first sample as is."""
+    """A timing feed of exactly `batch` rows, taken from `samples` in order (cycling). Only inputs with a
+    batch axis (default: axis 0 of every input that has one) are batched; the others come from the first
+    sample. With no batched input, the first sample as it is."""
     axes = leading_axes(samples[0]) if axes is None else axes
     if all(a is None for a in axes.values()):
         return dict(samples[0])
@@ -215,7 +221,7 @@ def batch_of(samples: list[Sample], batch: int, axes: BatchAxes | None = None) -
         parts.append({n: (np.take(a, range(take), axis=axes[n]) if axes.get(n) is not None else a) for n, a in sample.items()})
         have += take
         index += 1
-    return concat_samples(parts, axes)
+    return _concat(parts, axes)
 
 
 def pack_batches(samples: list[Sample], batch: int, axes: BatchAxes) -> list[list[int]] | None:
@@ -241,11 +247,8 @@ def pack_batches(samples: list[Sample], batch: int, axes: BatchAxes) -> list[lis
             return None
         current += [current[-1]] * ((batch - rows) // pad_rows)
         groups.append(current)
-    for group in groups:
-        try:
-            concat_samples([samples[i] for i in group[:2]] + [samples[group[-1]]], axes)
-        except ValueError:
-            return None
+    if not all(_unbatched_agree([samples[i] for i in group], axes) for group in groups):
+        return None
     return groups
 
 

@@ -70,14 +70,17 @@ class Terminated(KeyboardInterrupt):
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 
 
-def no_space_error(exc: BaseException) -> ResourceExhausted | None:
-    """A ResourceExhausted for a full disk (OSError ENOSPC/EDQUOT, or a native library's message saying so)."""
-    if isinstance(exc, OSError) and exc.errno in _NO_SPACE:
-        where = f" ({exc.filename})" if exc.filename else ""
-        return ResourceExhausted(f"no space left on the device{where}: {exc.strerror}; free space or choose another --out")
-    if "No space left on device" in str(exc):
-        return ResourceExhausted(f"no space left on the device: {first_line(exc)}; free space or choose another --out")
-    return None
+def no_space_error(exc: BaseException, where: object = None) -> ResourceExhausted | None:
+    """A ResourceExhausted for a full disk (OSError ENOSPC/EDQUOT, or a native library's message saying
+    so); None for anything else. `where`: the folder being written, named in the message."""
+    if isinstance(exc, AccelOptError):
+        return None
+    full = isinstance(exc, OSError) and exc.errno in _NO_SPACE
+    if not full and "No space left on device" not in str(exc):
+        return None
+    place = where or (exc.filename if isinstance(exc, OSError) else None)
+    return ResourceExhausted(f"no space left on the device{f' holding {place}' if place else ''}; "
+                             "free space or choose another --out")
 
 
 def write_crash_log(exc: BaseException) -> str:

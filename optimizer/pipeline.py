@@ -163,6 +163,8 @@ def build(
                 staging=staging, cache_dir=Path(cache_dir) if cache_dir else out_dir / ".cache", backend=backend,
                 threads=recipe.benchmark.threads or hardware.available_cpus(), factory=factory,
             )
+            if model_path.is_file():  # the staged artifact holds at least a copy of the model
+                artifacts.ensure_free_space(work, model_path.stat().st_size)
             for name, stage in STAGES:
                 started = time.perf_counter()
                 try:
@@ -190,8 +192,8 @@ def build(
             result._eval_samples = ctx.eval_samples
             _write_manifest(ctx, staging, result)  # last file: the folder is complete when it is renamed into place
             artifacts.publish(staging, final)
-    except OSError as exc:
-        full = no_space_error(exc)
+    except Exception as exc:
+        full = no_space_error(exc, out_dir)
         if full is None:
             raise
         raise full from exc
@@ -341,7 +343,7 @@ def _stage_accuracy(ctx: BuildContext) -> tuple[StageStatus, str]:
         batch_size=deployment.batch_size,
         batch_axes=deployment.batch_axes,
     )
-    ctx.accuracy.evaluation.deployment = deployment.description
+    ctx.accuracy.evaluation.deployment = deployment.describe(_artifact_name(ctx))
     evaluation = ctx.accuracy.evaluation
     calls = f"{evaluation.calls} calls of batch {evaluation.batch_size}" if evaluation.mode == "batched" else "one per sample"
     summary = f"{ctx.accuracy.sample_count} samples ({calls}), worst cosine {ctx.accuracy.worst_cosine:.6f}"

@@ -108,3 +108,27 @@ def test_tensorrt_backend_is_refused_with_a_reason(tmp_path):
     model = save(matmul_model(), tmp_path / "m.onnx")
     result = _run("build", model, "--backend", "tensorrt", "--out", tmp_path / "out")
     assert result.exit_code == 4 and "tensorrt is not in this release" in result.stderr
+
+
+def test_json_says_what_the_verdict_rests_on(tiny_cnn_path, fast_recipe_file, tmp_path):
+    result = _run("build", tiny_cnn_path, "--recipe", fast_recipe_file, "--out", tmp_path / "out", "--json")
+    payload = json.loads(result.stdout)
+    assert payload["data"] == {"source": "synthetic", "path": None, "synthetic": True, "samples": 4,
+                               "evaluation_samples": 4, "calibration_samples": 0}
+    assert "batch 8" in payload["evaluated"] and "model.onnx" in payload["evaluated"]
+    manifest = json.loads((tmp_path / "out" / payload["artifact_dir"].split("/")[-1] / "manifest.json").read_text())
+    assert manifest["data"]["synthetic"] is True and manifest["data"]["evaluation_samples"] == 4
+
+
+def test_require_data_refuses_synthetic_sign_offs(tiny_cnn_path, tmp_path):
+    result = _run("build", tiny_cnn_path, "--require-data", "--out", tmp_path / "out", "--json")
+    assert result.exit_code == 2 and "--require-data" in result.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_batch_axes_flag_is_parsed_and_checked(tmp_path):
+    model = save(matmul_model(), tmp_path / "m.onnx")
+    result = _run("build", model, "--batch-axes", "x:7", "--out", tmp_path / "out")
+    assert result.exit_code == 2 and "--batch-axes x:7: the input has rank 2" in result.stderr
+    result = _run("build", model, "--batch-axes", "x=0", "--out", tmp_path / "out")
+    assert result.exit_code == 2 and "expected NAME:AXIS" in result.stderr

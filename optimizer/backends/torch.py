@@ -28,6 +28,7 @@ from pydantic import BaseModel
 from accel_opt.data import Sample, synthetic_samples
 from accel_opt.errors import GateFailed, InputRejected, Unsupported, UsageError, first_line
 from accel_opt.graph.inspect import TensorSpec, io_specs
+from accel_opt.recipe import Tolerance
 
 TORCH_EXTRA = "pip install 'accel-opt[torch]' torch==2.13.0"
 
@@ -219,14 +220,12 @@ class OutputCheck(BaseModel):
     batch_size: int
     shape: list[int]
     max_abs_error: float
-    max_rel_error: float  # over elements whose |reference| > atol (relative error of ~0 is noise)
-    passed: bool  # every element: |onnx - torch| <= atol + rtol * |torch|
+    passed: bool  # within the tolerance at this batch size (see the report's failures for why not)
 
 
 class VerificationReport(BaseModel):
     onnx_path: str
-    atol: float
-    rtol: float
+    tolerance: Tolerance  # the fp32 gate's, by default: the one definition of "within tolerance"
     threads: int
     batch_sizes: list[int]
     checks: list[OutputCheck]
@@ -242,8 +241,7 @@ def verify(
     onnx_path: Path,
     shapes: dict[str, list[int]],
     batch_sizes: Sequence[int] | None = None,
-    atol: float = 1e-4,
-    rtol: float = 1e-3,
+    tolerance: Tolerance | None = None,
     threads: int | None = None,
     samples: list[Sample] | None = None,
     seed: int = 1,
@@ -252,10 +250,13 @@ def verify(
     """Run the ONNX model (ONNX Runtime CPU) and the module on fresh inputs and compare every output.
 
     Default batch sizes: the example's and another one (3, or 2), which exercises the dynamic
-    batch axis. `samples` replaces the random inputs (e.g. real tokenized sentences). A mismatch
-    raises GateFailed (exit 1) with the report attached as `.report`, unless `raise_on_failure`
-    is False.
+    batch axis. `samples` replaces the random inputs (e.g. real tokenized sentences). Judged like
+    the build's gate, with its fp32 tolerance unless `tolerance` is given. A mismatch raises
+    GateFailed (exit 1) with the report attached as `.report`, unless `raise_on_failure` is False.
     """
+    from accel_opt.accuracy import judge
+    from accel_opt.recipe import AccuracyConfig, Precision
+
     require_torch()
     from accel_opt.backends.onnxruntime import CPU_PROVIDER, create_session
     from accel_opt.hardware import available_cpus
@@ -271,9 +272,10 @@ def verify(
         samples = [
             synthetic_samples(inputs, {k: [b, *v[1:]] for k, v in shapes.items()}, 1, seed + b)[0][0] for b in batch_sizes
         ]
+    tolerance = tolerance or AccuracyConfig().tolerances[Precision.fp32]
     session = create_session(Path(onnx_path), [CPU_PROVIDER], threads)
-    checks: list[OutputCheck] = []
     failures: list[str] = []
+    refs, gots, names, batches = [], [], [], []
     with TorchRunner(module, inputs, [o.name for o in outputs], threads=threads) as reference:
         for feed in samples:
             batch = int(next(iter(feed.values())).shape[0])
@@ -287,10 +289,24 @@ def verify(
             except Exception as exc:
                 failures.append(f"batch {batch}: PyTorch failed: {type(exc).__name__}: {first_line(exc)}")
                 continue
-            for spec, r, g in zip(outputs, ref, got, strict=True):
-                checks.append(_check_output(spec.name, batch, r, g, atol, rtol, failures))
+            refs.append({spec.name: r for spec, r in zip(outputs, ref, strict=True)})
+            gots.append({spec.name: g for spec, g in zip(outputs, got, strict=True)})
+            names.append(f"batch {batch}")
+            batches.append(batch)
+    checks: list[OutputCheck] = []
+    if refs:
+        verdict = judge(refs, gots, names, tolerance, reference_name="pytorch", candidate_name="onnxruntime")
+        failures += verdict.failures
+        failed = {(s.sample, s.output) for s in verdict.worst_samples if not s.passed}
+        for batch, name, ref, got in zip(batches, names, refs, gots):
+            for output, r in ref.items():
+                g = got[output]
+                same_shape = np.shape(g) == np.shape(r)
+                max_abs = float(np.nan_to_num(np.abs(g.astype(np.float64) - r), nan=np.inf).max(initial=0.0)) if same_shape else np.inf
+                checks.append(OutputCheck(name=output, batch_size=batch, shape=list(np.shape(g)), max_abs_error=max_abs,
+                                          passed=same_shape and (name, output) not in failed))
     report = VerificationReport(
-        onnx_path=str(onnx_path), atol=atol, rtol=rtol, threads=threads,
+        onnx_path=str(onnx_path), tolerance=tolerance, threads=threads,
         batch_sizes=[int(next(iter(f.values())).shape[0]) for f in samples], checks=checks, failures=failures,
     )
     if failures and raise_on_failure:
@@ -301,19 +317,3 @@ def verify(
     return report
 
 
-def _check_output(name: str, batch: int, ref: np.ndarray, got: np.ndarray, atol: float, rtol: float, failures: list[str]) -> OutputCheck:
-    if ref.shape != got.shape:
-        failures.append(f"batch {batch}: {name}: shape {list(got.shape)} but PyTorch gives {list(ref.shape)}")
-        return OutputCheck(name=name, batch_size=batch, shape=list(got.shape), max_abs_error=float("inf"),
-                           max_rel_error=float("inf"), passed=False)
-    r, g = ref.astype(np.float64), got.astype(np.float64)
-    diff = np.where(np.isnan(r) & np.isnan(g), 0.0, np.abs(g - r))
-    large = np.abs(r) > atol
-    max_abs = float(np.nan_to_num(diff, nan=np.inf).max(initial=0.0))
-    max_rel = float(np.nan_to_num(diff[large] / np.abs(r[large]), nan=np.inf).max(initial=0.0))
-    passed = bool(np.isclose(g, r, atol=atol, rtol=rtol, equal_nan=True).all())
-    if not passed:
-        failures.append(f"batch {batch}: {name}: max abs error {max_abs:.3g}, max rel error {max_rel:.3g} "
-                        f"beyond atol={atol:g}/rtol={rtol:g}")
-    return OutputCheck(name=name, batch_size=batch, shape=list(got.shape), max_abs_error=max_abs,
-                       max_rel_error=max_rel, passed=passed)

@@ -18,7 +18,7 @@ from pydantic import BaseModel
 from accel_opt.accuracy import compare
 from accel_opt.backends.onnxruntime import reference_runner
 from accel_opt.data import Sample
-from accel_opt.errors import AccelOptError, first_line
+from accel_opt.errors import AccelOptError, first_line, no_space_error
 from accel_opt.graph.inspect import op_histogram
 from accel_opt.graph.save import EXTERNAL_DATA_ABOVE_BYTES
 from accel_opt.recipe import Tolerance
@@ -50,7 +50,9 @@ def cleanup(
             onnxslim.slim(
                 str(model_path), output_model=str(out_path), save_as_external_data=total_bytes > EXTERNAL_DATA_ABOVE_BYTES
             )
-    except Exception as exc:  # onnxslim surfaces many error types; any failure keeps the original
+    except Exception as exc:  # onnxslim surfaces many error types; any failure but a full disk keeps the original
+        if no_space_error(exc):
+            raise
         reason = f"onnxslim failed ({type(exc).__name__}: {first_line(exc)}); original kept"
         log.warning(reason)
         return model_path, CleanupReport(applied=False, reason=reason, nodes_after=counts["nodes_before"],

@@ -17,6 +17,7 @@ import onnx
 from google.protobuf.message import DecodeError
 from onnx import external_data_helper
 
+from accel_opt.artifacts import ensure_free_space
 from accel_opt.errors import InputRejected, Unsupported, first_line
 from accel_opt.graph.inspect import opset_of
 
@@ -169,6 +170,7 @@ def load_model(path: str | Path, workdir: Path) -> LoadedModel:
         onnx.shape_inference.infer_shapes_path(str(path), str(inferred), check_type=True, strict_mode=True)
         shaped = onnx.load(str(inferred), load_external_data=False)
     except Exception as exc:  # InferenceError, or a C++ error surfaced as RuntimeError
+        ensure_free_space(workdir, path.stat().st_size)  # a full disk truncates the output silently
         raise InputRejected(f"shape inference failed: {first_line(exc)}") from None
     finally:
         inferred.unlink(missing_ok=True)

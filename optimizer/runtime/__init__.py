@@ -106,10 +106,11 @@ class Deployment:
     def batch_axes(self) -> dict[str, int | None]:
         return self.config.batch_axes
 
-    @property
-    def description(self) -> str:
+    def describe(self, folder_name: str | None = None) -> str:
+        """What runs, in one line: the folder (by `folder_name` while it is still staged) and its files."""
         files = ", ".join([self.config.model_file, *[f for f in self.config.extra_files if not f.endswith(".json")]])
-        return f"{self.folder.name}/ ({files}), {self.config.backend} {self.config.precision.value}, batch {self.batch_size}"
+        return (f"{folder_name or self.folder.name}/ ({files}), {self.config.backend} {self.config.precision.value}, "
+                f"batch {self.batch_size}")
 
     def runner(self, feed_dtypes: dict[str, Any] | None = None) -> BaseRunner:
         """A Polygraphy runner of the deployed model; inputs fed in other dtypes than it deploys

@@ -1,0 +1,156 @@
+"""Ordinary faults around a build: signals, killed builds, concurrent builds, unusable or full --out."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from accel_opt.artifacts import MANIFEST, sha256_file
+from accel_opt.errors import ResourceExhausted, UsageError
+from accel_opt.pipeline import build
+
+from .conftest import FAST_BENCH, matmul_model, save
+
+SLOW_BENCH = {**FAST_BENCH, "min_seconds": 30.0, "max_iterations": 10**6}  # keeps a build busy to be signalled
+
+
+def _recipe_file(tmp_path: Path, bench: dict) -> Path:
+    path = tmp_path / "recipe.yaml"
+    lines = "\n".join(f"  {k}: {v}" for k, v in bench.items())
+    path.write_text(f"name: faults\naccuracy:\n  synthetic_samples: 4\nbenchmark:\n{lines}\n")
+    return path
+
+
+def _cli(*args) -> list[str]:
+    return [sys.executable, "-m", "accel_opt.cli", "build", *map(str, args)]
+
+
+def _build_folders(out: Path) -> list[Path]:
+    return [p for p in out.glob(".*.build-*")] if out.exists() else []
+
+
+def _wait_for(predicate, seconds: float = 60.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("timed out")
+        time.sleep(0.05)
+
+
+def _start_busy_build(model: Path, out: Path, tmp_path: Path) -> subprocess.Popen:
+    proc = subprocess.Popen(_cli(model, "--recipe", _recipe_file(tmp_path, SLOW_BENCH), "--out", out),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # The benchmark stage writes nothing: wait until the staged model exists, then a little longer.
+    _wait_for(lambda: any((p / "staging" / "resource_config.json").exists() for p in _build_folders(out)))
+    return proc
+
+
+def test_sigterm_cleans_up_like_ctrl_c(tiny_cnn_path, tmp_path):
+    out = tmp_path / "out"
+    proc = _start_busy_build(tiny_cnn_path, out, tmp_path)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 143, stderr
+    assert "terminated" in stderr and "Traceback" not in stderr
+    assert not _build_folders(out)
+    assert not list(out.rglob(MANIFEST))
+
+
+def test_a_killed_builds_folder_is_removed_by_the_next_build(tiny_cnn_path, fast_recipe, tmp_path):
+    out = tmp_path / "out"
+    proc = _start_busy_build(tiny_cnn_path, out, tmp_path)
+    proc.kill()  # SIGKILL: no cleanup can run
+    proc.communicate(timeout=60)
+    (left,) = _build_folders(out)
+    assert not list(out.rglob(MANIFEST))
+    result = build(tiny_cnn_path, fast_recipe, out_dir=out)
+    assert result.signed_off and not left.exists() and not _build_folders(out)
+
+
+def test_a_running_builds_folder_is_left_alone(tiny_cnn_path, fast_recipe, tmp_path):
+    out = tmp_path / "out"
+    proc = _start_busy_build(tiny_cnn_path, out, tmp_path)
+    try:
+        (running,) = _build_folders(out)
+        build(tiny_cnn_path, fast_recipe, out_dir=out)
+        assert running.exists()
+    finally:
+        proc.kill()
+        proc.communicate(timeout=60)
+
+
+def test_two_identical_builds_at_once_both_succeed_into_one_complete_folder(tiny_cnn_path, tmp_path):
+    out = tmp_path / "out"
+    recipe = _recipe_file(tmp_path, FAST_BENCH)
+    procs = [subprocess.Popen(_cli(tiny_cnn_path, "--recipe", recipe, "--out", out, "--json"), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    results = [proc.communicate(timeout=300) for proc in procs]
+    assert [proc.returncode for proc in procs] == [0, 0], [r[1] for r in results]
+    dirs = {json.loads(stdout)["artifact_dir"] for stdout, _ in results}
+    (folder,) = [p for p in out.iterdir() if not p.name.startswith(".")]
+    assert dirs == {str(folder)}
+    manifest = json.loads((folder / MANIFEST).read_text())
+    assert {p.name for p in folder.iterdir()} == set(manifest["artifacts"]) | {MANIFEST}
+    assert all(sha256_file(folder / name) == digest for name, digest in manifest["artifacts"].items())
+    assert not _build_folders(out)
+
+
+def test_out_below_a_file_is_a_usage_error(tmp_path):
+    model = save(matmul_model(), tmp_path / "m.onnx")
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(UsageError, match="is a file, not a folder"):
+        build(model, out_dir=blocker / "out")
+    done = subprocess.run(_cli(model, "--out", blocker / "out"), capture_output=True, text=True)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1 and "--out" in done.stderr
+
+
+@pytest.fixture()
+def small_mount(tmp_path):
+    """A tmpfs mount (root only): read-only or 1 MiB, for write faults under --out."""
+    mounted = []
+
+    def mount(options: str) -> Path:
+        point = tmp_path / f"mnt{len(mounted)}"
+        point.mkdir()
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(point)], capture_output=True, text=True)
+        if done.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here (needs root): {done.stderr.strip()}")
+        mounted.append(point)
+        return point
+
+    if shutil.which("mount") is None or os.geteuid() != 0:
+        pytest.skip("mounting a small file system needs root and mount(8)")
+    yield mount
+    for point in mounted:
+        subprocess.run(["umount", "-l", str(point)], check=False)
+
+
+def test_read_only_out_is_a_usage_error(small_mount, tmp_path):
+    model = save(matmul_model(), tmp_path / "m.onnx")
+    read_only = small_mount("ro,size=1m")
+    done = subprocess.run(_cli(model, "--out", read_only / "out"), capture_output=True, text=True)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.startswith("accel-opt: error: --out") and done.stderr.count("\n") == 1
+
+
+@pytest.mark.parametrize("size", ["1m", "6m"])  # refused before the build starts / a write fails during it
+def test_full_disk_is_exit_5_and_nothing_is_complete(small_mount, tmp_path, size):
+    model = save(matmul_model(in_shape=("batch", 1024), out_dim=1024), tmp_path / "big.onnx")  # 4 MiB of weights
+    full = small_mount(f"size={size}")
+    with pytest.raises(ResourceExhausted, match="no space left"):
+        build(model, out_dir=full / "out")
+    done = subprocess.run(_cli(model, "--out", full / "out"), capture_output=True, text=True)
+    assert done.returncode == 5, done.stderr
+    assert "no space left" in done.stderr and done.stderr.count("\n") == 1
+    assert not list((full / "out").rglob(MANIFEST)) and not _build_folders(full / "out")
+    np.testing.assert_equal(sorted(p.name for p in (full / "out").iterdir() if not p.name.startswith(".")), [])

@@ -1,0 +1,130 @@
+"""Valid models with the traps real exports carry build and benchmark: a scalar input, a state batched on
+axis 1 (silero VAD's interface), an unused custom-domain opset import (Paddle exports)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from accel_opt.errors import UsageError
+from accel_opt.pipeline import build
+
+from .conftest import make_model, matmul_model, save
+
+needs_openvino = pytest.mark.skipif(importlib.util.find_spec("openvino") is None, reason="openvino is not installed")
+
+
+def vad_model(batch: str | None = "batch") -> onnx.ModelProto:
+    """input [batch, 64], state [2, batch, 16], sr scalar int64 -> output [batch, 1], stateN [2, batch, 16].
+    `batch=None` leaves the dims unnamed, as silero_vad.onnx declares them."""
+    rng = np.random.default_rng(0)
+    weights = [
+        numpy_helper.from_array((rng.standard_normal((64, 16)) * 0.2).astype(np.float32), "W1"),
+        numpy_helper.from_array((rng.standard_normal((16, 1)) * 0.3).astype(np.float32), "W2"),
+        numpy_helper.from_array(np.array([0], np.int64), "axis0"),
+        numpy_helper.from_array(np.array(16000.0, np.float32), "rate"),
+    ]
+    nodes = [
+        helper.make_node("MatMul", ["input", "W1"], ["h"]),
+        helper.make_node("Unsqueeze", ["h", "axis0"], ["h3"]),
+        helper.make_node("Add", ["state", "h3"], ["pre"]),
+        helper.make_node("Tanh", ["pre"], ["stateN"]),
+        helper.make_node("ReduceSum", ["stateN", "axis0"], ["pooled"], keepdims=0),
+        helper.make_node("MatMul", ["pooled", "W2"], ["logit"]),
+        helper.make_node("Cast", ["sr"], ["sr_f"], to=TensorProto.FLOAT),
+        helper.make_node("Div", ["sr_f", "rate"], ["k"]),
+        helper.make_node("Mul", ["logit", "k"], ["scaled"]),
+        helper.make_node("Sigmoid", ["scaled"], ["output"]),
+    ]
+    value = helper.make_tensor_value_info
+    return make_model(
+        nodes,
+        [value("input", TensorProto.FLOAT, [batch, 64]), value("state", TensorProto.FLOAT, [2, batch, 16]),
+         value("sr", TensorProto.INT64, [])],
+        [value("output", TensorProto.FLOAT, [batch, 1]), value("stateN", TensorProto.FLOAT, [2, batch, 16])],
+        weights,
+    )
+
+
+def _vad_data(folder: Path, count: int = 12) -> Path:
+    folder.mkdir()
+    rng = np.random.default_rng(1)
+    for i in range(count):
+        np.savez(folder / f"chunk_{i:02d}.npz", input=(rng.standard_normal((1, 64)) * 0.5).astype(np.float32),
+                 state=(rng.standard_normal((2, 1, 16)) * 0.1).astype(np.float32), sr=np.array(16000, np.int64))
+    return folder
+
+
+def test_scalar_input_and_batch_on_axis_1_build_and_benchmark(fast_recipe, tmp_path):
+    model = save(vad_model(), tmp_path / "vad.onnx")
+    result = build(model, fast_recipe, data_dir=_vad_data(tmp_path / "data"), out_dir=tmp_path / "out")
+    assert result.signed_off, result.failures
+    folder = Path(result.artifact_dir)
+    config = json.loads((folder / "resource_config.json").read_text())
+    assert {i["name"]: i["batch_axis"] for i in config["inputs"]} == {"input": 0, "state": 1, "sr": None}
+    assert {i["name"]: i["shape_used"] for i in config["inputs"]} == {"input": [8, 64], "state": [2, 8, 16], "sr": []}
+    assert [h.batch_size for h in result.headline] == [1, 2]  # swept along each input's own batch axis
+    evaluation = json.loads((folder / "accuracy.json").read_text())["evaluation"]
+    assert evaluation["mode"] == "batched" and evaluation["calls"] == 2  # 12 chunks in batches of 8, outputs cut back
+
+
+def test_unnamed_batch_axis_is_given_by_the_recipe(fast_recipe, tmp_path):
+    model = save(vad_model(batch=None), tmp_path / "vad_unnamed.onnx")
+    data = _vad_data(tmp_path / "data", 4)
+    recipe = fast_recipe.with_overrides(batch_axes={"state": 1})
+    result = build(model, recipe, data_dir=data, out_dir=tmp_path / "out")
+    assert result.signed_off and [h.batch_size for h in result.headline] == [1, 2]
+    with pytest.raises(UsageError, match="unknown input 'nope'"):
+        build(model, fast_recipe.with_overrides(batch_axes={"nope": 0}), data_dir=data, out_dir=tmp_path / "out")
+
+
+def test_synthetic_scalar_inputs_still_benchmark(fast_recipe, tmp_path):
+    """Random samples differ in the scalar `sr`: the gate runs them one by one, the benchmark batches the rest."""
+    model = save(vad_model(), tmp_path / "vad.onnx")
+    result = build(model, fast_recipe, out_dir=tmp_path / "out")
+    assert result.exit_code in (0, 1) and [h.batch_size for h in result.headline] == [1, 2]
+    evaluation = json.loads((Path(result.artifact_dir) / "accuracy.json").read_text())["evaluation"]
+    assert evaluation["mode"] == "per-sample" and "cannot be packed" in evaluation["note"]
+
+
+def _with_unused_paddle_import(tmp_path: Path, source: onnx.ModelProto) -> Path:
+    source.opset_import.append(helper.make_opsetid("Paddle", 1))
+    return save(source, tmp_path / "paddle_export.onnx")
+
+
+def test_unused_custom_domain_import_is_dropped(fast_recipe, tmp_path):
+    model = _with_unused_paddle_import(tmp_path, matmul_model())
+    result = build(model, fast_recipe, out_dir=tmp_path / "out")
+    assert result.signed_off
+    folder = Path(result.artifact_dir)
+    assert "Paddle" not in {o.domain for o in onnx.load(str(folder / "model.onnx")).opset_import}
+    notes = json.loads((folder / "build.json").read_text())["notes"]
+    assert any("unused opset imports dropped: Paddle" in n for n in notes)
+
+
+@needs_openvino
+def test_unused_custom_domain_import_survives_the_bf16_opset_upgrade(tiny_cnn_path, fast_recipe, tmp_path):
+    from accel_opt.backends.openvino import OpenVinoBackend
+    from accel_opt.recipe import Precision
+
+    if not OpenVinoBackend().supports(Precision.bf16):
+        pytest.skip("this CPU has no native bf16")
+    model = _with_unused_paddle_import(tmp_path, onnx.load(str(tiny_cnn_path)))
+    result = build(model, fast_recipe.with_overrides(backend="openvino", precision="bf16"), out_dir=tmp_path / "out")
+    assert result.exit_code in (0, 1)  # built and judged: the opset 17 -> 22 upgrade no longer crashes
+
+
+def test_upgrade_opset_keeps_custom_domains_it_cannot_look_up(tmp_path):
+    from accel_opt.graph.save import upgrade_opset
+
+    model = matmul_model()
+    model.opset_import.append(helper.make_opsetid("com.example.custom", 3))
+    path = save(model, tmp_path / "m.onnx")
+    upgraded = onnx.load(str(upgrade_opset(path, 18, tmp_path / "up.onnx", "test")))
+    assert {(o.domain, o.version) for o in upgraded.opset_import} >= {("", 18), ("com.example.custom", 3)}

@@ -1,0 +1,94 @@
+"""The runtime loads what was built, refuses what was changed, and the gate checks what ships."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from accel_opt import runtime
+from accel_opt.artifacts import MANIFEST, file_hashes
+from accel_opt.errors import InputRejected, Unsupported
+from accel_opt.pipeline import build
+
+needs_openvino = pytest.mark.skipif(importlib.util.find_spec("openvino") is None, reason="openvino is not installed")
+
+
+@pytest.fixture(scope="module")
+def published(tiny_cnn_path, tmp_path_factory):
+    from accel_opt.recipe import load_recipe
+
+    from .conftest import FAST_BENCH
+
+    recipe = load_recipe().with_overrides(benchmark=FAST_BENCH, **{"accuracy.synthetic_samples": 4})
+    result = build(tiny_cnn_path, recipe, out_dir=tmp_path_factory.mktemp("out"))
+    return Path(result.artifact_dir)
+
+
+def _copy(folder: Path, tmp_path: Path) -> Path:
+    import shutil
+
+    return Path(shutil.copytree(folder, tmp_path / folder.name))
+
+
+def test_load_runs_the_artifact_as_deployed(published):
+    deployment = runtime.load(published)
+    assert deployment.batch_size == 8 and deployment.batch_axes == {"image": 0}
+    feed = {"image": np.zeros((8, 3, 32, 32), np.float32)}
+    with deployment.runner() as runner:
+        assert runner.infer(feed)["logits"].shape == (8, 10)
+
+
+def test_incomplete_folder_is_refused(published, tmp_path):
+    folder = _copy(published, tmp_path)
+    (folder / MANIFEST).unlink()
+    with pytest.raises(InputRejected, match="incomplete artifact: no manifest.json") as info:
+        runtime.load(folder)
+    assert info.value.exit_code == 3
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda f: (f / "model.onnx").write_bytes((f / "model.onnx").read_bytes()[:-1] + b"\0"), "model.onnx: sha256 does not match"),
+    (lambda f: (f / "resource_config.json").unlink(), "resource_config.json: missing"),
+    (lambda f: (f / "extra.bin").write_bytes(b"x"), "extra.bin: not part of the artifact"),
+])
+def test_changed_folder_is_refused_before_anything_runs(published, tmp_path, change, message):
+    folder = _copy(published, tmp_path)
+    change(folder)
+    with pytest.raises(InputRejected, match=message):
+        runtime.load(folder)
+
+
+def test_other_runtime_version_is_refused(published, tmp_path):
+    folder = _copy(published, tmp_path)
+    config = json.loads((folder / "resource_config.json").read_text())
+    config["settings"]["onnxruntime_version"] = "0.1.0"
+    (folder / "resource_config.json").write_text(json.dumps(config))
+    with pytest.raises(Unsupported, match="onnxruntime 0.1.0"):  # what was checked is not what would run
+        runtime.load(folder, expected_files=file_hashes(folder))
+
+
+@needs_openvino
+def test_gate_evaluates_the_openvino_blob_at_its_deployed_batch(tiny_cnn_path, fast_recipe, tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    rng = np.random.default_rng(2)
+    for i in range(10):
+        np.savez(data / f"s{i:02d}.npz", image=rng.standard_normal((1, 3, 32, 32)).astype(np.float32))
+    recipe = fast_recipe.with_overrides(backend="openvino", **{"selection.target_batch_size": 4})
+    result = build(tiny_cnn_path, recipe, data_dir=data, out_dir=tmp_path / "out")
+    assert result.signed_off, result.failures
+    folder = Path(result.artifact_dir)
+    evaluation = json.loads((folder / "accuracy.json").read_text())["evaluation"]
+    assert evaluation["mode"] == "batched" and evaluation["batch_size"] == 4 and evaluation["calls"] == 3
+    assert "model.openvino-fp32.blob" in evaluation["deployment"] and folder.name in evaluation["deployment"]
+    config = json.loads((folder / "resource_config.json").read_text())
+    assert config["settings"]["static_shapes"] == {"image": [4, 3, 32, 32]} and config["batch_size"] == 4
+    assert "blob" in result.evaluated and "batch 4" in (folder / "signoff.md").read_text()
+    deployment = runtime.load(folder)
+    with deployment.runner() as runner:  # the blob itself serves the deployed shapes: nothing recompiled
+        runner.infer({"image": np.zeros((4, 3, 32, 32), np.float32)})
+        assert runner.compiled_shapes == []
