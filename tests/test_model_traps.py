@@ -128,3 +128,47 @@ def test_upgrade_opset_keeps_custom_domains_it_cannot_look_up(tmp_path):
     path = save(model, tmp_path / "m.onnx")
     upgraded = onnx.load(str(upgrade_opset(path, 18, tmp_path / "up.onnx", "test")))
     assert {(o.domain, o.version) for o in upgraded.opset_import} >= {("", 18), ("com.example.custom", 3)}
+
+
+def detector_model(size: int = 64, classes: int = 3) -> onnx.ModelProto:
+    """A dense-head detector: image [batch, 3, size, size] -> [batch, 4 + classes, 16] (cx, cy, w, h in pixels)."""
+    rng = np.random.default_rng(4)
+    attrs = 4 + classes
+    scale = np.ones((1, attrs, 1), np.float32)
+    scale[0, :4, 0] = size
+    weights = [
+        numpy_helper.from_array((rng.standard_normal((8, 3, 4, 4)) * 0.3).astype(np.float32), "W1"),
+        numpy_helper.from_array((rng.standard_normal((attrs, 8, 4, 4)) * 0.3).astype(np.float32), "W2"),
+        numpy_helper.from_array(np.array([0, attrs, -1], np.int64), "head_shape"),
+        numpy_helper.from_array(scale, "pixels"),
+    ]
+    nodes = [
+        helper.make_node("Conv", ["images", "W1"], ["c1"], kernel_shape=[4, 4], strides=[4, 4]),
+        helper.make_node("Relu", ["c1"], ["r1"]),
+        helper.make_node("Conv", ["r1", "W2"], ["c2"], kernel_shape=[4, 4], strides=[4, 4]),
+        helper.make_node("Reshape", ["c2", "head_shape"], ["raw"]),
+        helper.make_node("Sigmoid", ["raw"], ["unit"]),
+        helper.make_node("Mul", ["unit", "pixels"], ["output0"]),
+    ]
+    value = helper.make_tensor_value_info
+    return make_model(nodes, [value("images", TensorProto.FLOAT, ["batch", 3, size, size])],
+                      [value("output0", TensorProto.FLOAT, ["batch", attrs, 16])], weights)
+
+
+def test_detector_recipe_gates_on_matched_boxes(tmp_path):
+    from accel_opt.recipe import load_recipe
+
+    from .conftest import FAST_BENCH
+
+    model = save(detector_model(), tmp_path / "det.onnx")
+    data = tmp_path / "data"
+    data.mkdir()
+    rng = np.random.default_rng(5)
+    for i in range(6):
+        np.savez(data / f"frame{i}.npz", images=rng.standard_normal((1, 3, 64, 64)).astype(np.float32))
+    recipe = load_recipe("detector").with_overrides(benchmark=FAST_BENCH)
+    result = build(model, recipe, data_dir=data, out_dir=tmp_path / "out")
+    assert result.signed_off, result.failures
+    (metric,) = json.loads((Path(result.artifact_dir) / "accuracy.json").read_text())["task_metrics"]
+    assert metric["kind"] == "detection" and metric["values"] == {"precision": 1.0, "recall": 1.0}
+    assert "reference and" in metric["note"] and not metric["note"].startswith("0 reference")
