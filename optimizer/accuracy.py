@@ -115,13 +115,16 @@ def compare(
     """Run the reference per sample and the candidate in batches of `batch_size` rows (along
     `batch_axes`), then judge every output of every sample."""
     names = names or [f"sample-{i:04d}" for i in range(len(samples))]
-    # Polygraphy logs to stdout, which must stay clean for --json: only our own report speaks.
-    with G_LOGGER.verbosity(G_LOGGER.INFO if log.isEnabledFor(logging.DEBUG) else G_LOGGER.CRITICAL):
-        with reference:
-            ref_outs = [dict(reference.infer(s)) for s in samples]
-        with candidate:
-            cand_outs, evaluation = _run_candidate(candidate, samples, ref_outs, batch_size, batch_axes or {})
+    with _quiet_polygraphy(), reference:
+        ref_outs = [dict(reference.infer(s)) for s in samples]
+    with _quiet_polygraphy(), candidate:
+        cand_outs, evaluation = _run_candidate(candidate, samples, ref_outs, batch_size, batch_axes or {})
     return judge(ref_outs, cand_outs, names, tolerance, task_metrics, reference.name, candidate.name, evaluation)
+
+
+def _quiet_polygraphy():
+    """Polygraphy logs to stdout, which must stay clean for --json: only our own report speaks."""
+    return G_LOGGER.verbosity(G_LOGGER.INFO if log.isEnabledFor(logging.DEBUG) else G_LOGGER.CRITICAL)
 
 
 def _run_candidate(runner: BaseRunner, samples: list[Sample], ref_outs: list[dict[str, np.ndarray]], batch_size: int,
@@ -242,8 +245,9 @@ def _judge_output(name: str, refs: list[np.ndarray], cands: list[np.ndarray], na
                                check_error_stat=tol.error_stat)
     as_cand = IterationResult(outputs={name: cand_all}, runner_name="candidate")
     as_ref = IterationResult(outputs={name: ref_all}, runner_name="reference")
-    stats = simple(as_cand, as_ref)[name]  # Polygraphy's rtol is relative to the second (reference)
-    cosine = CosineSimilarityCompareFunc()(as_cand, as_ref)[name].cosine_similarity
+    with _quiet_polygraphy():
+        stats = simple(as_cand, as_ref)[name]  # Polygraphy's rtol is relative to the second (reference)
+        cosine = CosineSimilarityCompareFunc()(as_cand, as_ref)[name].cosine_similarity
     energy = float(ref_all @ ref_all)
     gain = float(cand_all @ ref_all / energy) if energy > 0 else (1.0 if not cand_all.any() else math.inf)
     directions = [s.cosine for s in samples if s.cosine is not None]

@@ -149,7 +149,8 @@ def build_folder(out_dir: Path, name: str) -> Iterator[tuple[Path, Path]]:
     out_dir = prepare_out_dir(Path(out_dir))
     remove_stale_builds(out_dir)
     try:
-        root = Path(tempfile.mkdtemp(dir=out_dir, prefix=f".{name}{BUILD_PREFIX}"))
+        # Absolute: some steps run native tools from another working directory.
+        root = Path(tempfile.mkdtemp(dir=out_dir.resolve(), prefix=f".{name}{BUILD_PREFIX}"))
         owner = open(root / OWNER_LOCK, "w")  # noqa: SIM115 - held open (locked) for the build's life
     except OSError as exc:
         raise _out_dir_error(out_dir, exc) from None
