@@ -22,7 +22,7 @@ from polygraphy.comparator.struct import IterationResult
 from polygraphy.logger import G_LOGGER
 from pydantic import BaseModel
 
-from accel_opt.data import BatchAxes, Sample, concat_samples, pack_batches, split_outputs
+from accel_opt.data import BatchAxes, Sample, concat_samples, leading_axes, pack_batches, rows_of, split_outputs
 from accel_opt.recipe import CosineMetric, DetectionMetric, TaskMetric, Tolerance, TopKMetric
 
 log = logging.getLogger(__name__)
@@ -113,12 +113,13 @@ def compare(
     batch_axes: BatchAxes | None = None,
 ) -> AccuracyReport:
     """Run the reference per sample and the candidate in batches of `batch_size` rows (along
-    `batch_axes`), then judge every output of every sample."""
+    `batch_axes`; default: axis 0 of every input that has one), then judge every output of every sample."""
     names = names or [f"sample-{i:04d}" for i in range(len(samples))]
     with _quiet_polygraphy(), reference:
         ref_outs = [dict(reference.infer(s)) for s in samples]
+    axes = batch_axes if batch_axes is not None else leading_axes(samples[0])
     with _quiet_polygraphy(), candidate:
-        cand_outs, evaluation = _run_candidate(candidate, samples, ref_outs, batch_size, batch_axes or {})
+        cand_outs, evaluation = _run_candidate(candidate, samples, ref_outs, batch_size, axes)
     return judge(ref_outs, cand_outs, names, tolerance, task_metrics, reference.name, candidate.name, evaluation)
 
 
@@ -150,8 +151,8 @@ def _run_candidate(runner: BaseRunner, samples: list[Sample], ref_outs: list[dic
         if note is None:
             return outs, Evaluation(mode="batched", batch_size=batch_size, calls=len(groups))
     outs = [dict(runner.infer(s, check_inputs=False)) for s in samples]
-    rows = {int(np.shape(next(iter(s.values())))[0]) if np.ndim(next(iter(s.values()))) else 1 for s in samples}
-    return outs, Evaluation(mode="per-sample", batch_size=min(rows), calls=len(samples), note=note)
+    rows = min(rows_of(s, axes) for s in samples)
+    return outs, Evaluation(mode="per-sample", batch_size=rows, calls=len(samples), note=note)
 
 
 def judge(

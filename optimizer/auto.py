@@ -106,7 +106,8 @@ def build_auto(
             candidate.cosine = result.worst_cosine
             candidate.artifact_dir = result.artifact_dir
             if not result.signed_off:
-                candidate.verdict = "failed the gate: " + "; ".join(result.failures)
+                more = f" (+{len(result.failures) - 2} more in its signoff.md)" if len(result.failures) > 2 else ""
+                candidate.verdict = "failed the gate: " + "; ".join(result.failures[:2]) + more
         candidates.append(candidate)
         if on_candidate:
             on_candidate(candidate)
@@ -122,9 +123,9 @@ def build_auto(
     winner = min(eligible, key=lambda c: c.latency_p50_ms, default=None)
     for c in eligible:
         if c is winner:
-            c.verdict = f"won: fastest signed-off candidate at batch {target}"
+            c.verdict = f"won: fastest signed-off candidate at batch {c.batch_size}"
         else:
-            c.verdict = f"lost: {c.latency_p50_ms / winner.latency_p50_ms:.2f}x the winner's p50 at batch {target}"
+            c.verdict = f"lost: {c.latency_p50_ms / winner.latency_p50_ms:.2f}x the winner's p50 at batch {c.batch_size}"
     selection = AutoSelection(target_batch_size=target, latency_budget_ms=budget, backend_reason=backend_reason,
                               timing=timing, winner=winner, candidates=candidates)
     out = Path(out_dir)
