@@ -23,6 +23,7 @@ from polygraphy.logger import G_LOGGER
 from pydantic import BaseModel
 
 from accel_opt.data import BatchAxes, Sample, concat_samples, leading_axes, pack_batches, rows_of, split_outputs
+from accel_opt.errors import AccelOptError, InputRejected, first_line
 from accel_opt.recipe import CosineMetric, DetectionMetric, TaskMetric, Tolerance, TopKMetric
 
 log = logging.getLogger(__name__)
@@ -116,11 +117,21 @@ def compare(
     `batch_axes`; default: axis 0 of every input that has one), then judge every output of every sample."""
     names = names or [f"sample-{i:04d}" for i in range(len(samples))]
     with _quiet_polygraphy(), reference:
-        ref_outs = [dict(reference.infer(s)) for s in samples]
+        ref_outs = [_infer(reference, s, name) for s, name in zip(samples, names)]
     axes = batch_axes if batch_axes is not None else leading_axes(samples[0])
     with _quiet_polygraphy(), candidate:
         cand_outs, evaluation = _run_candidate(candidate, samples, ref_outs, batch_size, axes)
     return judge(ref_outs, cand_outs, names, tolerance, task_metrics, reference.name, candidate.name, evaluation)
+
+
+def _infer(runner: BaseRunner, feed: Sample, name: str) -> dict[str, np.ndarray]:
+    """One inference; a model that fails on an evaluation input is an input problem (exit 3), not a crash."""
+    try:
+        return dict(runner.infer(feed, check_inputs=False))
+    except AccelOptError:
+        raise
+    except Exception as exc:  # the runtimes' own error types
+        raise InputRejected(f"{runner.name} failed on {name}: {first_line(exc)}") from None
 
 
 def _quiet_polygraphy():
@@ -150,7 +161,7 @@ def _run_candidate(runner: BaseRunner, samples: list[Sample], ref_outs: list[dic
                 break
         if note is None:
             return outs, Evaluation(mode="batched", batch_size=batch_size, calls=len(groups))
-    outs = [dict(runner.infer(s, check_inputs=False)) for s in samples]
+    outs = [_infer(runner, s, f"sample {i}") for i, s in enumerate(samples)]
     rows = min(rows_of(s, axes) for s in samples)
     return outs, Evaluation(mode="per-sample", batch_size=rows, calls=len(samples), note=note)
 

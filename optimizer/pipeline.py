@@ -27,7 +27,7 @@ from accel_opt.backends import Backend, CompiledModel, compile_for, get_backend
 from accel_opt.backends.onnxruntime import reference_runner
 from accel_opt.bench import BenchmarkReport, Target, run_benchmark
 from accel_opt.data import DataSummary, Sample, batch_of, load_samples, shapes_of, split_indices, synthetic_samples
-from accel_opt.errors import AccelOptError, Unsupported, UsageError, no_space_error
+from accel_opt.errors import AccelOptError, Unsupported, UsageError, first_line, no_space_error
 from accel_opt.graph.cleanup import CleanupReport, cleanup
 from accel_opt.graph.inspect import ResolvedShapes, TensorSpec, io_specs, resolve_shapes, with_batch
 from accel_opt.graph.load import LoadedModel, load_model
@@ -308,15 +308,32 @@ def _stage_precision(ctx: BuildContext) -> tuple[StageStatus, str]:
 
 
 def _stage_compile(ctx: BuildContext) -> tuple[StageStatus, str]:
+    _stage_deployment(ctx, _deploy_shapes(ctx))
+    problem = _batch_problem(ctx)
+    if problem:  # a batch axis the model's dims do not name (silero_vad.onnx's state): deploy as given
+        axes = ", ".join(f"{n}:{'none' if a is None else a}" for n, a in ctx.shapes.batch_axes.items())
+        ctx.notes.append(f"The model fails at batch {ctx.deploy_batch} with batch axes {axes} ({problem}); deployed "
+                         f"and benchmarked at the shapes given. Give --batch-axes NAME:AXIS for an input whose batch "
+                         "axis the model does not name.")
+        ctx.shapes = ctx.shapes.model_copy(update={"batch_dynamic": False})
+        ctx.deploy_batch = ctx.shapes.batch_size
+        for path in ctx.staging.iterdir():
+            path.unlink()
+        _stage_deployment(ctx, ctx.shapes.shapes)
+    c = ctx.compiled
+    return "passed", f"{c.backend} on {c.device} via {', '.join(c.providers)}, {c.threads} threads, {c.build_seconds:.2f} s"
+
+
+def _stage_deployment(ctx: BuildContext, shapes: dict[str, list[int]]) -> None:
+    """Write the model, the backend's compiled files and the resource config into the staged artifact,
+    then load it back through the runtime: from here on the build checks and times that folder."""
     model_file = ctx.staging / "model.onnx"
     save_model(onnx.load(str(ctx.candidate_path)), model_file)  # external data resolved next to the source
-    shapes = _deploy_shapes(ctx)
-    ctx.compiled = compile_for(ctx.backend, model_file, ctx.recipe.precision, ctx.recipe, ctx.workdir, shapes)
+    ctx.compiled = c = compile_for(ctx.backend, model_file, ctx.recipe.precision, ctx.recipe, ctx.workdir, shapes)
     deployed_inputs, deployed_outputs = io_specs(onnx.load(str(model_file), load_external_data=False))
-    for extra in ctx.compiled.extra_files:
+    for extra in c.extra_files:
         if extra.parent != ctx.staging:
             shutil.copy2(extra, ctx.staging / extra.name)
-    c = ctx.compiled
     ctx.resource_config = ResourceConfig(
         backend=c.backend, device=c.device, providers=c.providers, precision=c.precision, threads=c.threads,
         settings=c.settings, model_file=c.path.name, extra_files=[p.name for p in c.extra_files],
@@ -326,9 +343,23 @@ def _stage_compile(ctx: BuildContext) -> tuple[StageStatus, str]:
         preprocessing=ctx.recipe.preprocessing,
     )
     artifacts.write_json(ctx.staging / runtime.RESOURCE_CONFIG, ctx.resource_config)
-    # From here on the build checks and times the staged folder itself, loaded as a user's service would.
     ctx.deployment = runtime.load(ctx.staging, expected_files=artifacts.file_hashes(ctx.staging))
-    return "passed", f"{c.backend} on {c.device} via {', '.join(c.providers)}, {c.threads} threads, {c.build_seconds:.2f} s"
+
+
+def _batch_problem(ctx: BuildContext) -> str | None:
+    """Why the deployment cannot run a batch of its size (None: it can, or nothing needs checking).
+    Only checked when some input is left unbatched: that is when a batch axis may have gone unseen."""
+    axes = ctx.shapes.batch_axes
+    if ctx.deploy_batch == 1 or all(a is not None for a in axes.values()):
+        return None
+    try:
+        with ctx.deployment.runner(runtime.feed_dtypes_of(ctx.eval_samples)) as runner:
+            runner.infer(batch_of(ctx.eval_samples, ctx.deploy_batch, axes), check_inputs=False)
+    except AccelOptError:
+        raise
+    except Exception as exc:  # the runtime's own error types
+        return first_line(exc, limit=200)
+    return None
 
 
 def _stage_accuracy(ctx: BuildContext) -> tuple[StageStatus, str]:

@@ -172,3 +172,25 @@ def test_detector_recipe_gates_on_matched_boxes(tmp_path):
     (metric,) = json.loads((Path(result.artifact_dir) / "accuracy.json").read_text())["task_metrics"]
     assert metric["kind"] == "detection" and metric["values"] == {"precision": 1.0, "recall": 1.0}
     assert "reference and" in metric["note"] and not metric["note"].startswith("0 reference")
+
+
+def test_unseen_batch_axis_falls_back_to_the_given_shapes(fast_recipe, tmp_path):
+    """s's batch axis (1) is unnamed, so it is left unbatched, and the model fails at batch 8: the build
+    deploys at the shapes given and says how to name the axis, instead of crashing."""
+    value = helper.make_tensor_value_info
+    model = save(make_model(
+        [helper.make_node("Unsqueeze", ["x", "axis0"], ["x3"]), helper.make_node("Concat", ["s", "x3"], ["y"], axis=0)],
+        [value("x", TensorProto.FLOAT, [None, 4]), value("s", TensorProto.FLOAT, [1, None, 4])],
+        [value("y", TensorProto.FLOAT, [2, None, 4])],
+        [numpy_helper.from_array(np.array([0], np.int64), "axis0")],
+    ), tmp_path / "concat.onnx")
+    data = tmp_path / "data"
+    data.mkdir()
+    for i in range(3):
+        np.savez(data / f"{i}.npz", x=np.full((1, 4), i, np.float32), s=np.ones((1, 1, 4), np.float32))
+    result = build(model, fast_recipe, data_dir=data, out_dir=tmp_path / "out")
+    assert result.signed_off and [h.batch_size for h in result.headline] == [1]
+    notes = json.loads((Path(result.artifact_dir) / "build.json").read_text())["notes"]
+    assert any("fails at batch 8" in n and "--batch-axes" in n for n in notes)
+    named = build(model, fast_recipe.with_overrides(batch_axes={"s": 1}), data_dir=data, out_dir=tmp_path / "out")
+    assert named.signed_off and [h.batch_size for h in named.headline] == [1, 2]
