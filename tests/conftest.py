@@ -51,3 +51,12 @@ def matmul_model(in_shape=("batch", 4), out_dim: int = 3, seed: int = 0) -> onnx
 def save(model: onnx.ModelProto, path: Path) -> Path:
     onnx.save(model, str(path))
     return path
+
+
+def image_npz_folder(folder: Path, count: int, seed: int = 0, name: str = "image", size: int = 32) -> Path:
+    """`count` .npz feed dicts of one random [1, 3, size, size] image each (`s00.npz`, ...)."""
+    folder.mkdir(parents=True)
+    rng = np.random.default_rng(seed)
+    for i in range(count):
+        np.savez(folder / f"s{i:02d}.npz", **{name: rng.standard_normal((1, 3, size, size)).astype(np.float32)})
+    return folder

@@ -2,12 +2,13 @@
 
 import json
 
-import numpy as np
 import pytest
 
 from accel_opt.artifacts import MANIFEST, sha256_file
 from accel_opt.errors import Unsupported, UsageError
 from accel_opt.pipeline import build
+
+from .conftest import image_npz_folder
 
 EXPECTED_FILES = {"model.onnx", "resource_config.json", "accuracy.json", "signoff.md", "benchmark.json", "benchmark.md",
                   "build.json", MANIFEST}
@@ -58,11 +59,7 @@ def test_too_tight_tolerance_fails_the_gate_but_writes_reports(tiny_cnn_path, fa
 
 
 def test_real_data_is_used_and_named(tiny_cnn_path, fast_recipe, tmp_path):
-    data = tmp_path / "data"
-    data.mkdir()
-    rng = np.random.default_rng(1)
-    for i in range(3):
-        np.savez(data / f"s{i}.npz", image=rng.standard_normal((1, 3, 32, 32)).astype(np.float32))
+    data = image_npz_folder(tmp_path / "data", 3, seed=1)
     result = build(tiny_cnn_path, fast_recipe, data_dir=data, out_dir=tmp_path / "out")
     folder = tmp_path / "out" / result.artifact_dir.split("/")[-1]
     manifest = json.loads((folder / MANIFEST).read_text())

@@ -14,6 +14,8 @@ from accel_opt.artifacts import MANIFEST, file_hashes
 from accel_opt.errors import InputRejected, Unsupported
 from accel_opt.pipeline import build
 
+from .conftest import image_npz_folder
+
 needs_openvino = pytest.mark.skipif(importlib.util.find_spec("openvino") is None, reason="openvino is not installed")
 
 
@@ -73,11 +75,7 @@ def test_other_runtime_version_is_refused(published, tmp_path):
 
 @needs_openvino
 def test_gate_evaluates_the_openvino_blob_at_its_deployed_batch(tiny_cnn_path, fast_recipe, tmp_path):
-    data = tmp_path / "data"
-    data.mkdir()
-    rng = np.random.default_rng(2)
-    for i in range(10):
-        np.savez(data / f"s{i:02d}.npz", image=rng.standard_normal((1, 3, 32, 32)).astype(np.float32))
+    data = image_npz_folder(tmp_path / "data", 10, seed=2)
     recipe = fast_recipe.with_overrides(backend="openvino", **{"selection.target_batch_size": 4})
     result = build(tiny_cnn_path, recipe, data_dir=data, out_dir=tmp_path / "out")
     assert result.signed_off, result.failures
