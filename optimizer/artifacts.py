@@ -1,6 +1,6 @@
 """Artifact folders that are complete or absent, content hashes, and the environment record.
 
-A build works in a hidden folder under `--out` (`.<model>.build-XXXX/`: `staging/` becomes the
+A build works in a hidden folder under `--out` (`.<model>.build-<random>/`: `staging/` becomes the
 artifact, `work/` holds intermediates), locked by its process for its whole life. `manifest.json` is
 written last into `staging/`, which is then renamed into place under a per-artifact lock, so a
 folder is complete when it appears. Anything that stops the build earlier (error, Ctrl-C, SIGTERM)
@@ -34,7 +34,7 @@ from accel_opt.errors import ResourceExhausted, UsageError, no_space_error
 log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
-BUILD_PREFIX = ".build-"  # .<model>.build-XXXX: one build's hidden folder
+BUILD_PREFIX = ".build-"  # .<model>.build-<random>: one build's hidden folder
 OWNER_LOCK = "owner.lock"  # inside it, flock-ed by the building process while it lives
 UNLOCKED_GRACE_SECONDS = 600  # a build folder without its lock file yet is left alone this long
 _TOOLS = ("accel-opt", "onnx", "onnxruntime", "onnxruntime-gpu", "polygraphy", "onnxslim", "numpy", "openvino", "torch", "tensorrt")

@@ -263,7 +263,7 @@ def _rename_values(graph, values: list, names: list[str], notes: list[str], outp
     """Give graph inputs/outputs their names, first renaming any internal value that already uses one.
 
     torch's exporter renames outputs without this check: an output called `embedding` in a model
-    with an `embedding` layer duplicates a value name and the model is invalid (FACTS.md).
+    with an `embedding` layer duplicates a value name and the model is invalid (seen with torch 2.13).
     """
     import onnx_ir as ir
 

@@ -1,6 +1,6 @@
 """`--backend auto` and `--precision auto`: what is worth trying on this machine, with a reason each.
 
-Measured here (FACTS.md, ResNet-50, 2 threads): on x86 CPUs with AVX-512 or AMX, OpenVINO int8 runs
+Measured here (ResNet-50, 2 threads, AMX host): on x86 CPUs with AVX-512 or AMX, OpenVINO int8 runs
 in 0.11-0.16x the time of ORT fp32 and OpenVINO bf16 (AMX) in 0.18-0.26x, while ORT int8 reaches
 0.33-0.37x. Elsewhere ONNX Runtime is the portable default. Pure functions of the CPU flags, so the
 choices can be tested with injected flag sets.
