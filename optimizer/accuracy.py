@@ -1,7 +1,7 @@
 """Accuracy gate: every sample and every output of a candidate against the fp32 reference.
 
 The reference runs sample by sample; the candidate runs as deployed: batches of the deployed batch
-size, cut back into samples (data.split_outputs). Each output is judged at its own scale (see
+size, cut back into samples (data.output_batch_axis). Each output is judged at its own scale (see
 recipe.Tolerance, the one definition of "within tolerance"): over all samples together (scaled
 error, cosine, gain, and Polygraphy's absolute statistics) and within each sample (scaled error,
 cosine), so one broken sample among many fails and is named. Task metrics (top-k agreement,
@@ -22,7 +22,17 @@ from polygraphy.comparator.struct import IterationResult
 from polygraphy.logger import G_LOGGER
 from pydantic import BaseModel
 
-from accel_opt.data import BatchAxes, Sample, concat_samples, leading_axes, pack_batches, rows_of, split_outputs
+from accel_opt.data import (
+    UNBATCHED,
+    BatchAxes,
+    Sample,
+    concat_samples,
+    leading_axes,
+    output_batch_axis,
+    pack_batches,
+    rows_of,
+    split_output,
+)
 from accel_opt.errors import AccelOptError, InputRejected, first_line
 from accel_opt.recipe import CosineMetric, DetectionMetric, TaskMetric, Tolerance, TopKMetric
 
@@ -80,6 +90,7 @@ class Evaluation(BaseModel):
     batch_size: int  # rows per candidate call
     calls: int
     note: str | None = None  # why batching fell back to one sample per call
+    output_batch_axes: dict[str, int] = {}  # batched: where each output holds its samples (-1: the same for all)
     deployment: str | None = None  # the artifact folder and file the candidate was loaded from (set by the build)
 
 
@@ -147,20 +158,24 @@ def _run_candidate(runner: BaseRunner, samples: list[Sample], ref_outs: list[dic
         note = f"the samples cannot be packed into batches of exactly {batch_size} rows: run one sample per call"
     if groups is not None:
         outs: list[dict[str, np.ndarray] | None] = [None] * len(samples)
+        output_axes: dict[str, int] = {}
         for group in groups:
             batch_out = runner.infer(concat_samples([samples[i] for i in group], axes), check_inputs=False)
             for name, array in batch_out.items():
-                parts = split_outputs(np.asarray(array), [ref_outs[i][name].shape for i in group if name in ref_outs[i]])
-                if parts is None or len(parts) != len(group):
+                shapes = [ref_outs[i][name].shape for i in group if name in ref_outs[i]]
+                axis = output_batch_axis(np.shape(array), shapes) if len(shapes) == len(group) else None
+                if axis is None:
                     note = f"output {name} cannot be cut back into samples: run one sample per call"
                     break
+                output_axes[name] = axis
+                parts = split_output(np.asarray(array), axis, [s[axis] if axis != UNBATCHED else 1 for s in shapes])
                 for index, part in zip(group, parts):
                     outs[index] = outs[index] or {}
                     outs[index].setdefault(name, part)  # a padded repeat keeps its first result
             if note:
                 break
         if note is None:
-            return outs, Evaluation(mode="batched", batch_size=batch_size, calls=len(groups))
+            return outs, Evaluation(mode="batched", batch_size=batch_size, calls=len(groups), output_batch_axes=output_axes)
     outs = [_infer(runner, s, f"sample {i}") for i, s in enumerate(samples)]
     rows = min(rows_of(s, axes) for s in samples)
     return outs, Evaluation(mode="per-sample", batch_size=rows, calls=len(samples), note=note)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import signal
@@ -63,10 +64,10 @@ def _terminate(signum, _frame) -> None:
     raise Terminated(signum)
 
 
-def _interrupted(exc: KeyboardInterrupt) -> None:
-    """Ctrl-C (exit 130) or SIGTERM (exit 143): the build's cleanup has run; say so and exit."""
+def _interrupted(exc: KeyboardInterrupt, what: str = "no artifact was written") -> None:
+    """Ctrl-C (exit 130) or SIGTERM (exit 143): the cleanup has run; say so and exit."""
     signum = getattr(exc, "signum", signal.SIGINT)
-    click.echo(f"accel-opt: {'terminated' if signum == signal.SIGTERM else 'interrupted'}; no artifact was written", err=True)
+    click.echo(f"accel-opt: {'terminated' if signum == signal.SIGTERM else 'interrupted'}; {what}", err=True)
     sys.exit(128 + signum)
 
 
@@ -152,6 +153,82 @@ def build(model, precision, backend, recipe_path, data_dir, shapes, batch_axes, 
 
 def _print_candidate(candidate) -> None:
     click.echo(f"candidate {candidate.backend} {candidate.precision}: {candidate.verdict or 'built'}", err=True)
+
+
+RUN_EXIT_CODES = """\b
+Exit codes:
+  0  every input predicted
+  2  usage error (the predictions file exists without --resume/--overwrite, images without preprocessing)
+  3  some inputs rejected (listed with the reason in PREDICTIONS.errors.jsonl), or the artifact altered/incomplete
+  4  the artifact cannot run here (another runtime version or CPU)
+  70 internal error"""
+
+
+@main.command("run", epilog=RUN_EXIT_CODES)
+@click.argument("artifact", type=click.Path(path_type=Path))
+@click.argument("inputs", nargs=-1, required=True)
+@click.option("--out", "predictions", type=click.Path(path_type=Path), required=True, help="Predictions, JSON Lines.")
+@click.option("--resume", is_flag=True, help="Skip the inputs PREDICTIONS already answers; append the rest.")
+@click.option("--overwrite", is_flag=True, help="Replace an existing PREDICTIONS file.")
+@click.option("--workers", type=int, help="Reader threads decoding and preprocessing inputs (default: CPUs available).")
+@click.option("--json", "as_json", is_flag=True, help="Print the job summary as one JSON object on stdout.")
+@click.option("-v", "--verbose", is_flag=True)
+def run_command(artifact, inputs, predictions, resume, overwrite, workers, as_json, verbose):
+    """Run a built ARTIFACT folder on INPUTS (image files, .npz feed dicts, or folders of them).
+
+    Writes one JSON line per input, in input order: {"input": PATH, "top1": ..., "topk": [[class, score], ...]}
+    for classifier recipes (postprocess: topk), else {"input": PATH, "outputs": NPZ}. The artifact is verified
+    (manifest, hashes, environment) before anything runs, and runs as the build checked it.
+    """
+    import time
+
+    _setup_logging(verbose)
+    started = time.perf_counter()
+    try:
+        from accel_opt import runtime
+        from accel_opt.runtime.job import run_job
+
+        deployment = runtime.load(artifact)
+        show_progress = not as_json and sys.stderr.isatty()
+        with _progress(show_progress) as on_progress:
+            summary = run_job(deployment, inputs, predictions, resume=resume, overwrite=overwrite, workers=workers,
+                              on_progress=on_progress, started=started)
+    except (AccelOptError, MemoryError, Exception) as exc:  # noqa: BLE001 - every error maps to an exit code
+        _fail(exc, verbose, as_json)
+        return
+    except KeyboardInterrupt as exc:
+        _interrupted(exc, what="the predictions written so far are whole lines; --resume continues")
+    if as_json:
+        click.echo(summary.model_dump_json())
+    else:
+        skipped = f", {summary.skipped} already answered" if summary.skipped else ""
+        rejected = f", {summary.rejected} rejected (see {summary.errors})" if summary.rejected else ""
+        click.echo(f"predicted {summary.predicted} of {summary.inputs} inputs{skipped}{rejected} in "
+                   f"{summary.seconds:.1f} s ({summary.inputs_per_s:.1f} inputs/s) -> {summary.predictions}", err=True)
+    sys.exit(summary.exit_code)
+
+
+@contextlib.contextmanager
+def _progress(enabled: bool):
+    """A progress callback: a bar with inputs/s on a terminal, nothing in CI logs."""
+    if not enabled:
+        yield None
+        return
+    import time
+
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    with Progress(TextColumn("run"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[rate]}"),
+                  TimeRemainingColumn(), console=Console(stderr=True), transient=True) as bar:
+        task = bar.add_task("run", total=None, rate="")
+        start = time.perf_counter()
+
+        def update(done: int, total: int) -> None:
+            rate = done / max(time.perf_counter() - start, 1e-9)
+            bar.update(task, completed=done, total=total, rate=f"{rate:.1f} inputs/s")
+
+        yield update
 
 
 @main.command("export", epilog="Loading a factory imports and runs its Python file: only export code you trust.\n\n" + EXIT_CODES_HELP)

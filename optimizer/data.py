@@ -252,25 +252,32 @@ def pack_batches(samples: list[Sample], batch: int, axes: BatchAxes) -> list[lis
     return groups
 
 
-def split_outputs(output: np.ndarray, per_sample_shapes: list[tuple[int, ...]]) -> list[np.ndarray] | None:
-    """Cut one batch output back into the samples it was run for, given each sample's output shape
-    alone (from the reference). The batch axis is the one axis along which the sample shapes add up
-    to the output's; an output that does not depend on the batch (same shape as each sample's) is
-    given to every sample. None when no axis, or more than one, fits."""
-    shape, first = tuple(output.shape), per_sample_shapes[0]
+UNBATCHED = -1  # an output axis value meaning: the output does not depend on the batch (same for every sample)
+
+
+def output_batch_axis(shape: tuple[int, ...], per_sample_shapes: list[tuple[int, ...]]) -> int | None:
+    """The axis along which a batch output holds its samples' outputs, found from each sample's output
+    shape alone (from the reference): the one axis along which they add up to the batch output's, with
+    every other axis equal. UNBATCHED when each sample's output has the batch output's shape (and there
+    are several samples); None when no axis, or more than one, fits."""
+    shape, first = tuple(shape), tuple(per_sample_shapes[0])
     if len(per_sample_shapes) == 1 and shape == first:
-        return [output]
+        return 0 if shape else UNBATCHED
     if any(len(s) != len(shape) for s in per_sample_shapes):
         return None
-    if all(s == shape for s in per_sample_shapes):
-        return [output] * len(per_sample_shapes)
+    if all(tuple(s) == shape for s in per_sample_shapes):
+        return UNBATCHED
     fits = [axis for axis in range(len(shape))
             if sum(s[axis] for s in per_sample_shapes) == shape[axis]
             and all(s[b] == shape[b] for s in per_sample_shapes for b in range(len(shape)) if b != axis)]
-    if len(fits) != 1:
-        return None
-    bounds = np.cumsum([s[fits[0]] for s in per_sample_shapes])[:-1]
-    return np.split(output, bounds, axis=fits[0])
+    return fits[0] if len(fits) == 1 else None
+
+
+def split_output(output: np.ndarray, axis: int, rows: list[int]) -> list[np.ndarray]:
+    """Cut a batch output along `axis` into pieces of `rows` (UNBATCHED: every sample gets all of it)."""
+    if axis == UNBATCHED:
+        return [output] * len(rows)
+    return np.split(output, np.cumsum(rows)[:-1], axis=axis)
 
 
 def shapes_of(samples: list[Sample]) -> dict[str, list[int]]:

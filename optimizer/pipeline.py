@@ -340,7 +340,7 @@ def _stage_deployment(ctx: BuildContext, shapes: dict[str, list[int]]) -> None:
         inputs=[DeployedInput(**s.model_dump(), shape_used=shapes[s.name], batch_axis=ctx.shapes.batch_axes.get(s.name))
                 for s in deployed_inputs],
         outputs=deployed_outputs, batch_size=ctx.deploy_batch, batch_dynamic=ctx.shapes.batch_dynamic,
-        preprocessing=ctx.recipe.preprocessing,
+        preprocessing=ctx.recipe.preprocessing, postprocess=ctx.recipe.postprocess,
     )
     artifacts.write_json(ctx.staging / runtime.RESOURCE_CONFIG, ctx.resource_config)
     ctx.deployment = runtime.load(ctx.staging, expected_files=artifacts.file_hashes(ctx.staging))
@@ -447,6 +447,7 @@ def _measured_config(ctx: BuildContext) -> ResourceConfig:
     candidate = ctx.bench.models[0]
     best = max(candidate.batches, key=lambda b: b.throughput_per_s)
     return ctx.resource_config.model_copy(update={
+        "output_batch_axes": ctx.accuracy.evaluation.output_batch_axes,
         "batch_sizes_measured": [b.batch_size for b in candidate.batches],
         "memory": {
             "peak_rss_mib": candidate.peak_rss_mib,

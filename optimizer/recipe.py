@@ -195,6 +195,16 @@ class Preprocessing(_Strict):
     dtype: Literal["float32", "float16", "uint8"] = "float32"
 
 
+class Postprocess(_Strict):
+    """What `accel-opt run` writes per input. `topk`: a classifier's `top1` and `topk` [[class, score], ...]
+    from `output` (default: the first), scores softmax-ed unless `softmax` is false; without a
+    postprocess section every output is saved to one .npz per input."""
+
+    topk: int = Field(ge=1)
+    output: str | None = None
+    softmax: bool = True
+
+
 class CalibrationConfig(_Strict):
     method: CalibrationMethod = CalibrationMethod.minmax
     samples: int = Field(default=64, ge=1)
@@ -244,6 +254,7 @@ class Recipe(_Strict):
     # int8) compile one static model per batch size unless the deployment needs dynamic shapes.
     dynamic_shapes: bool = False
     preprocessing: Preprocessing | None = None
+    postprocess: Postprocess | None = None
     cleanup: CleanupConfig = Field(default_factory=CleanupConfig)
     precision_options: PrecisionConfig = Field(default_factory=PrecisionConfig)
     accuracy: AccuracyConfig = Field(default_factory=AccuracyConfig)

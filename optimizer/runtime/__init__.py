@@ -23,7 +23,7 @@ from accel_opt.backends.base import casting_inputs
 from accel_opt.bench import Target
 from accel_opt.errors import InputRejected, Unsupported, first_line
 from accel_opt.graph.inspect import TensorSpec
-from accel_opt.recipe import Precision, Preprocessing
+from accel_opt.recipe import Postprocess, Precision, Preprocessing
 
 RESOURCE_CONFIG = "resource_config.json"
 
@@ -50,6 +50,9 @@ class ResourceConfig(BaseModel):
     batch_size: int  # rows per call as deployed and as the gate evaluated it
     batch_dynamic: bool  # the model accepts other batch sizes (the benchmark sweeps them)
     preprocessing: Preprocessing | None = None  # the recipe's, for image inputs
+    postprocess: Postprocess | None = None  # the recipe's: what `accel-opt run` writes per input
+    # Found by the build's gate: where each output holds the samples of a batch (-1: the same for all).
+    output_batch_axes: dict[str, int] = {}
     # Measured by the build's benchmark:
     batch_sizes_measured: list[int] = []
     memory: dict[str, float] | None = None

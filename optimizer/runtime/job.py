@@ -1,0 +1,268 @@
+"""`accel-opt run`: the batch job over a built artifact, what a batch service runs.
+
+A bounded pipeline: reader threads decode and preprocess inputs (Pillow releases the GIL while it
+decodes and resizes) -> batches of the deployed size -> inference -> a writer that appends one JSON
+line per input, in input order. At most `window` inputs are in flight, whatever their number, so
+memory stays bounded. An unreadable or wrong-shaped input goes to `<out>.errors.jsonl` with its
+reason and the others are still predicted. Every line is written whole and flushed per batch; a
+run that is killed leaves at most a partial last line without its newline, which `--resume`
+drops before it skips the inputs already answered.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import time
+import zipfile
+from collections import deque
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from pydantic import BaseModel
+
+from accel_opt.artifacts import write_bytes
+from accel_opt.data import IMAGE_SUFFIXES, Sample, check_sample, concat_samples, preprocess_image, split_output
+from accel_opt.errors import InputRejected, UsageError, first_line
+from accel_opt.hardware import available_cpus
+from accel_opt.runtime import Deployment
+
+NPZ = ".npz"
+
+
+class JobSummary(BaseModel):
+    artifact: str
+    predictions: str
+    errors: str
+    inputs: int  # given (after expanding folders)
+    predicted: int  # by this run
+    rejected: int  # by this run, listed in the errors file
+    skipped: int  # already answered (--resume)
+    seconds: float  # the whole job, artifact loading included
+    inputs_per_s: float
+    exit_code: int  # 0: every input predicted; 3: some rejected
+
+
+def expand_inputs(inputs: Iterable[str | Path]) -> list[str]:
+    """Files as given; folders as their image and .npz files, sorted by name. A missing path stays in the
+    list (it is reported as rejected, not dropped)."""
+    expanded: list[str] = []
+    for item in inputs:
+        path = Path(item)
+        if path.is_dir():
+            expanded += [str(path / p.name) for p in sorted(path.iterdir())
+                         if p.is_file() and (p.suffix.lower() in IMAGE_SUFFIXES or p.suffix == NPZ)]
+        else:
+            expanded.append(str(item))
+    if not expanded:
+        raise UsageError("no inputs: give image files, .npz feed dicts or folders holding them")
+    return expanded
+
+
+def errors_path(predictions: Path) -> Path:
+    """PREDICTIONS.jsonl -> PREDICTIONS.errors.jsonl"""
+    return predictions.with_name(f"{predictions.stem}.errors{predictions.suffix or '.jsonl'}")
+
+
+def run_job(
+    deployment: Deployment,
+    inputs: Iterable[str | Path],
+    predictions: str | Path,
+    resume: bool = False,
+    overwrite: bool = False,
+    workers: int | None = None,
+    on_progress: Callable[[int, int], None] | None = None,
+    started: float | None = None,
+) -> JobSummary:
+    """Predict every input with `deployment`; `on_progress(done, total)` after each batch."""
+    started = started or time.perf_counter()
+    predictions = Path(predictions)
+    errors = errors_path(predictions)
+    todo = expand_inputs(inputs)
+    answered = _prepare_outputs(predictions, errors, resume, overwrite)
+    remaining = [p for p in todo if p not in answered]
+    config = deployment.config
+    if config.preprocessing is None and any(Path(p).suffix.lower() in IMAGE_SUFFIXES for p in remaining):
+        raise UsageError(f"{deployment.folder.name} was built without `preprocessing`: give .npz feed dicts, not images")
+    reader = _Reader(deployment)
+    writer = _Writer(predictions, errors, deployment)
+    batch_size = config.batch_size if config.output_batch_axes else 1
+    workers = workers or max(1, available_cpus())
+    window = 4 * workers + batch_size  # inputs decoded ahead of inference
+    predicted = rejected = 0
+    with deployment.runner() as runner, ThreadPoolExecutor(workers, thread_name_prefix="accel-opt-read") as pool, writer:
+        pending: deque[tuple[str, Future]] = deque()
+        queue = iter(remaining)
+
+        def refill() -> None:
+            for path in queue:
+                pending.append((path, pool.submit(reader.read, path)))
+                if len(pending) >= window:
+                    return
+
+        refill()
+        batch: list[tuple[str, Sample]] = []
+        while pending:
+            path, future = pending.popleft()
+            refill()
+            try:
+                batch.append((path, future.result()))
+            except InputRejected as exc:
+                writer.reject(path, str(exc))
+                rejected += 1
+            if len(batch) == batch_size or (not pending and batch):
+                predicted += writer.predict(batch, _infer(runner, deployment, batch, batch_size))
+                batch = []
+                if on_progress:
+                    on_progress(predicted + rejected, len(remaining))
+    seconds = time.perf_counter() - started
+    return JobSummary(
+        artifact=str(deployment.folder), predictions=str(predictions), errors=str(errors), inputs=len(todo),
+        predicted=predicted, rejected=rejected, skipped=len(todo) - len(remaining), seconds=seconds,
+        inputs_per_s=(predicted + rejected) / seconds if seconds > 0 else 0.0, exit_code=3 if rejected else 0,
+    )
+
+
+def _prepare_outputs(predictions: Path, errors: Path, resume: bool, overwrite: bool) -> set[str]:
+    """The inputs already answered (--resume), after dropping a partial last line a killed run left."""
+    if predictions.exists() and not (resume or overwrite):
+        raise UsageError(f"{predictions} exists: --resume to skip the inputs it answers, or --overwrite")
+    try:
+        predictions.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"--out {predictions}: cannot write there ({exc.strerror or exc})") from None
+    answered: set[str] = set()
+    if resume and predictions.exists():
+        data = predictions.read_bytes()
+        whole = data[: data.rfind(b"\n") + 1]
+        if len(whole) != len(data):
+            with open(predictions, "r+b") as f:
+                f.truncate(len(whole))
+        for line in whole.decode("utf-8").splitlines():
+            try:
+                answered.add(json.loads(line)["input"])
+            except (ValueError, KeyError, TypeError):
+                raise InputRejected(f"{predictions}: not a predictions file of accel-opt run (line {line[:60]!r})") from None
+    else:
+        predictions.write_text("")
+    errors.write_text("")  # this run's rejections; answered inputs are not read again
+    return answered
+
+
+class _Reader:
+    """Turns one input path into a feed dict the deployment takes (one batch row), or rejects it."""
+
+    def __init__(self, deployment: Deployment):
+        self.config = deployment.config
+        self.specs = list(self.config.inputs)
+
+    def read(self, path: str) -> Sample:
+        file = Path(path)
+        if not file.is_file():
+            raise InputRejected("not found" if not file.exists() else "not a regular file")
+        sample = self._npz(file) if file.suffix == NPZ else self._image(file)
+        for spec in self.specs:
+            want = list(spec.shape_used)
+            if spec.batch_axis is not None and self.config.output_batch_axes:
+                want[spec.batch_axis] = 1  # one row per input; the job batches them
+            if list(sample[spec.name].shape) != want:
+                raise InputRejected(f"{spec.name} has shape {list(sample[spec.name].shape)}, the artifact takes {want}")
+        return sample
+
+    def _npz(self, file: Path) -> Sample:
+        try:
+            with np.load(file, allow_pickle=False) as archive:
+                sample = {name: archive[name] for name in archive.files}
+        except (ValueError, OSError, zipfile.BadZipFile) as exc:
+            raise InputRejected(f"not a readable .npz without pickles ({first_line(exc)})") from None
+        check_sample(sample, self.specs, where=file.name)
+        return sample
+
+    def _image(self, file: Path) -> Sample:
+        from PIL import Image, UnidentifiedImageError
+
+        pre = self.config.preprocessing
+        if len(self.specs) != 1 and pre.input is None:
+            raise UsageError("the artifact has several inputs; its preprocessing names none for images")
+        spec = next(s for s in self.specs if s.name == (pre.input or self.specs[0].name))
+        try:
+            # The build's preprocessing exactly: a shortcut (JPEG draft decoding changed top-1 on 3% of
+            # images here) would run something the gate did not check.
+            with Image.open(file) as img:
+                pixels = preprocess_image(img.convert("RGB"), pre)
+        except (UnidentifiedImageError, OSError, ValueError) as exc:
+            raise InputRejected(f"not a readable image ({first_line(exc)})") from None
+        return {spec.name: pixels}
+
+
+def _infer(runner, deployment: Deployment, batch: list[tuple[str, Sample]], batch_size: int) -> list[dict[str, np.ndarray]]:
+    """Per-input outputs of one batch: padded to the deployed batch (static compiles take exactly that
+    many rows), run once, cut back along the output axes the build's gate found."""
+    config = deployment.config
+    samples = [sample for _, sample in batch]
+    if batch_size == 1:
+        return [dict(runner.infer(s, check_inputs=False)) for s in samples]
+    padded = samples + [samples[-1]] * (batch_size - len(samples))
+    try:
+        feed = concat_samples(padded, config.batch_axes)
+    except ValueError:  # an unbatched input (a sample rate) differs within the batch: one by one
+        return [dict(runner.infer(s, check_inputs=False)) for s in samples]
+    outputs = runner.infer(feed, check_inputs=False)
+    per_input: list[dict[str, np.ndarray]] = [{} for _ in samples]
+    for name, array in outputs.items():
+        parts = split_output(np.asarray(array), config.output_batch_axes.get(name, 0), [1] * batch_size)
+        for out, part in zip(per_input, parts):
+            out[name] = part
+    return per_input
+
+
+class _Writer:
+    """Appends whole JSON lines: predictions in input order, rejections with their reason."""
+
+    def __init__(self, predictions: Path, errors: Path, deployment: Deployment):
+        self.predictions, self.errors = predictions, errors
+        self.post = deployment.config.postprocess
+        self.outputs_dir = predictions.with_name(f"{predictions.stem}.outputs")
+        self.first_output = deployment.config.outputs[0].name
+
+    def __enter__(self) -> _Writer:
+        self._out = open(self.predictions, "a", encoding="utf-8")  # noqa: SIM115 - closed in __exit__
+        self._err = open(self.errors, "a", encoding="utf-8")  # noqa: SIM115
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for f in (self._out, self._err):
+            f.flush()
+            os.fsync(f.fileno())
+            f.close()
+
+    def reject(self, path: str, reason: str) -> None:
+        self._err.write(json.dumps({"input": path, "error": reason}) + "\n")
+        self._err.flush()
+
+    def predict(self, batch: list[tuple[str, Sample]], outputs: list[dict[str, np.ndarray]]) -> int:
+        lines = [json.dumps({"input": path, **self._record(path, out)}) + "\n" for (path, _), out in zip(batch, outputs)]
+        self._out.write("".join(lines))  # one write per batch, each line whole
+        self._out.flush()
+        return len(lines)
+
+    def _record(self, path: str, outputs: dict[str, np.ndarray]) -> dict[str, Any]:
+        if self.post is not None:
+            scores = np.asarray(outputs[self.post.output or self.first_output], dtype=np.float64).ravel()
+            if self.post.softmax:
+                scores = np.exp(scores - scores.max())
+                scores /= scores.sum()
+            top = np.argsort(-scores, kind="stable")[: self.post.topk]
+            return {"top1": int(top[0]), "topk": [[int(i), round(float(scores[i]), 6)] for i in top]}
+        # Every output, saved beside the predictions: one .npz per input, named after its place in the run.
+        self.outputs_dir.mkdir(exist_ok=True)
+        buffer = io.BytesIO()
+        np.savez(buffer, **outputs)
+        target = self.outputs_dir / f"{hashlib.sha256(path.encode()).hexdigest()[:12]}-{Path(path).stem}.npz"
+        write_bytes(target, buffer.getvalue())
+        return {"outputs": str(target)}

@@ -1,0 +1,139 @@
+"""`accel-opt run`: a built artifact over real image files and .npz feeds, as a batch service runs it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+from PIL import Image
+
+from accel_opt import runtime
+from accel_opt.cli import main
+from accel_opt.data import preprocess_image
+from accel_opt.errors import UsageError
+from accel_opt.pipeline import build
+from accel_opt.recipe import Postprocess, Preprocessing
+from accel_opt.runtime.job import errors_path, run_job
+
+from .conftest import image_npz_folder
+
+PRE = {"resize": 36, "crop": 32}
+
+
+@pytest.fixture(scope="module")
+def photos(tmp_path_factory) -> Path:
+    """12 real JPEGs of different sizes (scikit-image's photos, rotated and scaled)."""
+    from accel_opt.zoo import _skimage_photos
+
+    folder = tmp_path_factory.mktemp("photos")
+    for i, photo in enumerate(_skimage_photos()[:6]):
+        for j, scale in enumerate((0.5, 0.8)):
+            img = Image.fromarray(photo)
+            img.resize((int(img.width * scale), int(img.height * scale))).rotate(90 * j, expand=True).save(folder / f"{i:02d}_{j}.jpg")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def classifier(tiny_cnn_path, photos, tmp_path_factory) -> Path:
+    """The tiny CNN built from the photos with a classifier's preprocessing and top-k postprocess."""
+    from accel_opt.recipe import load_recipe
+
+    from .conftest import FAST_BENCH
+
+    recipe = load_recipe().with_overrides(benchmark=FAST_BENCH, preprocessing=PRE, postprocess={"topk": 3},
+                                          **{"selection.target_batch_size": 4})
+    result = build(tiny_cnn_path, recipe, data_dir=photos, out_dir=tmp_path_factory.mktemp("out"))
+    assert result.signed_off, result.failures
+    return Path(result.artifact_dir)
+
+
+def _lines(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_predictions_in_input_order_match_the_model(classifier, photos, tmp_path, tiny_cnn_path):
+    out = tmp_path / "preds.jsonl"
+    deployment = runtime.load(classifier)
+    assert deployment.config.output_batch_axes == {"logits": 0} and deployment.batch_size == 4  # found by the gate
+    summary = run_job(deployment, [photos], out, workers=2)
+    assert summary.exit_code == 0 and summary.predicted == 12 and summary.rejected == 0
+    lines = _lines(out)
+    files = sorted(photos.iterdir())
+    assert [line["input"] for line in lines] == [str(photos / f.name) for f in files]
+    # The same answer as running the fp32 model on the build's own preprocessing, one image at a time.
+    import onnxruntime as ort
+
+    session = ort.InferenceSession(str(tiny_cnn_path), providers=["CPUExecutionProvider"])
+    for line, file in zip(lines, files):
+        with Image.open(file) as img:
+            logits = session.run(None, {"image": preprocess_image(img.convert("RGB"), Preprocessing(**PRE))})[0][0]
+        assert line["top1"] == int(np.argmax(logits))
+        assert len(line["topk"]) == 3 and line["topk"][0][0] == line["top1"]
+        assert sum(score for _, score in line["topk"]) <= 1.0 + 1e-6
+
+
+def test_bad_inputs_are_listed_and_the_others_predicted(classifier, photos, tmp_path):
+    broken = tmp_path / "broken.jpg"
+    broken.write_bytes(b"\xff\xd8 not really a jpeg")
+    wrong = tmp_path / "wrong.npz"
+    np.savez(wrong, image=np.zeros((1, 3, 16, 16), np.float32))
+    good_npz = tmp_path / "good.npz"
+    np.savez(good_npz, image=np.zeros((1, 3, 32, 32), np.float32))
+    out = tmp_path / "preds.jsonl"
+    inputs = [photos / "00_0.jpg", broken, wrong, tmp_path / "missing.png", good_npz, photos / "01_1.jpg"]
+    result = CliRunner().invoke(main, ["run", str(classifier), *map(str, inputs), "--out", str(out), "--json"])
+    assert result.exit_code == 3, result.stderr
+    summary = json.loads(result.stdout)
+    assert summary["predicted"] == 3 and summary["rejected"] == 3
+    assert [line["input"] for line in _lines(out)] == [str(inputs[0]), str(good_npz), str(inputs[5])]
+    errors = {e["input"]: e["error"] for e in _lines(errors_path(out))}
+    assert "not a readable image" in errors[str(broken)]
+    assert "dim 2 is 16" in errors[str(wrong)] or "shape" in errors[str(wrong)]
+    assert errors[str(tmp_path / "missing.png")] == "not found"
+
+
+def test_resume_skips_what_was_answered_and_drops_a_partial_line(classifier, photos, tmp_path):
+    out = tmp_path / "preds.jsonl"
+    deployment = runtime.load(classifier)
+    run_job(deployment, [photos / "00_0.jpg", photos / "00_1.jpg"], out)
+    complete = out.read_text()
+    with open(out, "a") as f:
+        f.write('{"input": "' + str(photos / "01_0.jpg") + '", "top1"')  # a run killed mid-line
+    with pytest.raises(UsageError, match="--resume"):
+        run_job(deployment, [photos], out)
+    summary = run_job(deployment, [photos], out, resume=True)
+    assert summary.skipped == 2 and summary.predicted == 10
+    lines = _lines(out)
+    assert out.read_text().startswith(complete) and len(lines) == 12
+    assert len({line["input"] for line in lines}) == 12
+
+
+def test_feeds_without_postprocess_get_an_npz_each(tiny_cnn_path, tmp_path):
+    from accel_opt.recipe import load_recipe
+
+    from .conftest import FAST_BENCH
+
+    result = build(tiny_cnn_path, load_recipe().with_overrides(benchmark=FAST_BENCH), out_dir=tmp_path / "out",
+                   data_dir=image_npz_folder(tmp_path / "data", 5))
+    feeds = tmp_path / "data"
+    out = tmp_path / "preds.jsonl"
+    summary = run_job(runtime.load(result.artifact_dir), [feeds], out)
+    assert summary.predicted == 5
+    for line, feed in zip(_lines(out), sorted(feeds.iterdir())):
+        with np.load(line["outputs"]) as saved, np.load(feed) as given:
+            assert saved["logits"].shape == (1, 10)
+            assert line["input"] == str(feed) and given["image"].shape == (1, 3, 32, 32)
+
+
+def test_images_need_recorded_preprocessing(tiny_cnn_path, photos, tmp_path):
+    from accel_opt.recipe import load_recipe
+
+    from .conftest import FAST_BENCH
+
+    result = build(tiny_cnn_path, load_recipe().with_overrides(benchmark=FAST_BENCH), out_dir=tmp_path / "out")
+    with pytest.raises(UsageError, match="without `preprocessing`"):
+        run_job(runtime.load(result.artifact_dir), [photos], tmp_path / "p.jsonl")
+    assert Postprocess(topk=1).softmax  # the default: probabilities, not logits
