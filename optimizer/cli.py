@@ -231,6 +231,43 @@ def _progress(enabled: bool):
         yield update
 
 
+@main.command("bench", epilog=EXIT_CODES_HELP)
+@click.argument("artifact", type=click.Path(path_type=Path))
+@click.option("--data", "data_dir", type=click.Path(path_type=Path), help="Folder of .npz feeds or images (default: synthetic).")
+@click.option("--batch-sizes", help="Comma-separated batch sizes (default: the build's).")
+@click.option("--out", "out_file", type=click.Path(path_type=Path), help="Also write the report as JSON here.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as one JSON object on stdout.")
+@click.option("-v", "--verbose", is_flag=True)
+def bench_command(artifact, data_dir, batch_sizes, out_file, as_json, verbose):
+    """Benchmark a built ARTIFACT folder again, loaded and run as deployed, without rebuilding it."""
+    _setup_logging(verbose)
+    try:
+        from accel_opt import artifacts, report, runtime
+        from accel_opt.runtime.measure import benchmark_artifact
+
+        sizes = None
+        if batch_sizes:
+            try:
+                sizes = [int(b) for b in batch_sizes.split(",") if b.strip()]
+            except ValueError:
+                raise UsageError(f"--batch-sizes: expected integers like 1,8, got {batch_sizes!r}") from None
+        deployment = runtime.load(artifact)
+        result, data = benchmark_artifact(deployment, data_dir, sizes)
+        if out_file:
+            artifacts.write_json(out_file, result)
+    except (AccelOptError, MemoryError, Exception) as exc:  # noqa: BLE001
+        _fail(exc, verbose, as_json)
+        return
+    except KeyboardInterrupt as exc:
+        _interrupted(exc, what="nothing was written")
+    if as_json:
+        click.echo(json.dumps({"exit_code": 0, "artifact_dir": str(artifact), "data": data.model_dump(mode="json", exclude={"names"}),
+                               "benchmark": result.model_dump(mode="json")}))
+    else:
+        click.echo(report.benchmark_markdown(Path(artifact).name, result))
+    sys.exit(0)
+
+
 @main.command("export", epilog="Loading a factory imports and runs its Python file: only export code you trust.\n\n" + EXIT_CODES_HELP)
 @click.argument("factory")
 @click.option("--shapes", required=True, help="Example input shapes, in forward()'s argument order: x:2x3x224x224[,NAME:...].")

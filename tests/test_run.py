@@ -137,3 +137,20 @@ def test_images_need_recorded_preprocessing(tiny_cnn_path, photos, tmp_path):
     with pytest.raises(UsageError, match="without `preprocessing`"):
         run_job(runtime.load(result.artifact_dir), [photos], tmp_path / "p.jsonl")
     assert Postprocess(topk=1).softmax  # the default: probabilities, not logits
+
+
+def test_bench_times_the_artifact_again_as_deployed(classifier, photos, tmp_path):
+    import shutil
+
+    result = CliRunner().invoke(main, ["bench", str(classifier), "--batch-sizes", "1,4", "--json", "--out", str(tmp_path / "b.json")])
+    assert result.exit_code == 0, result.stderr
+    payload = json.loads(result.stdout)
+    (model,) = payload["benchmark"]["models"]
+    assert model["label"] == "onnxruntime-fp32" and [b["batch_size"] for b in model["batches"]] == [1, 4]
+    assert payload["data"]["source"] == "synthetic" and (tmp_path / "b.json").is_file()
+    with_images = CliRunner().invoke(main, ["bench", str(classifier), "--data", str(photos)])
+    assert with_images.exit_code == 0 and "| onnxruntime-fp32 | 1 |" in with_images.stdout
+    copy = Path(shutil.copytree(classifier, tmp_path / classifier.name))
+    (copy / "model.onnx").write_bytes(b"changed")
+    refused = CliRunner().invoke(main, ["bench", str(copy)])
+    assert refused.exit_code == 3 and "sha256 does not match" in refused.stderr

@@ -43,8 +43,14 @@ class JobSummary(BaseModel):
     predicted: int  # by this run
     rejected: int  # by this run, listed in the errors file
     skipped: int  # already answered (--resume)
+    workers: int  # reader threads
+    batch_size: int  # rows per inference call
     seconds: float  # the whole job, artifact loading included
     inputs_per_s: float
+    # Where the time went. read: decoding and preprocessing, summed over the reader threads; the rest is
+    # the inference thread's own time: waiting for read inputs, compute (batching included), writing.
+    stages_seconds: dict[str, float]
+    bottleneck: str  # "reading" when inference waited longer for inputs than it computed, else "compute"
     exit_code: int  # 0: every input predicted; 3: some rejected
 
 
@@ -95,6 +101,8 @@ def run_job(
     workers = workers or max(1, available_cpus())
     window = 4 * workers + batch_size  # inputs decoded ahead of inference
     predicted = rejected = 0
+    waited = computed = written = 0.0
+    clock = time.perf_counter
     with deployment.runner() as runner, ThreadPoolExecutor(workers, thread_name_prefix="accel-opt-read") as pool, writer:
         pending: deque[tuple[str, Future]] = deque()
         queue = iter(remaining)
@@ -110,21 +118,31 @@ def run_job(
         while pending:
             path, future = pending.popleft()
             refill()
+            start = clock()
             try:
                 batch.append((path, future.result()))
             except InputRejected as exc:
                 writer.reject(path, str(exc))
                 rejected += 1
+            waited += clock() - start
             if len(batch) == batch_size or (not pending and batch):
-                predicted += writer.predict(batch, _infer(runner, deployment, batch, batch_size))
+                start = clock()
+                outputs = _infer(runner, deployment, batch, batch_size)
+                done = clock()
+                predicted += writer.predict(batch, outputs)
+                computed, written = computed + done - start, written + clock() - done
                 batch = []
                 if on_progress:
                     on_progress(predicted + rejected, len(remaining))
     seconds = time.perf_counter() - started
+    stages = {"read": sum(reader.seconds), "wait_for_inputs": waited, "compute": computed, "write": written}
     return JobSummary(
         artifact=str(deployment.folder), predictions=str(predictions), errors=str(errors), inputs=len(todo),
-        predicted=predicted, rejected=rejected, skipped=len(todo) - len(remaining), seconds=seconds,
-        inputs_per_s=(predicted + rejected) / seconds if seconds > 0 else 0.0, exit_code=3 if rejected else 0,
+        predicted=predicted, rejected=rejected, skipped=len(todo) - len(remaining), workers=workers,
+        batch_size=batch_size, seconds=seconds,
+        inputs_per_s=(predicted + rejected) / seconds if seconds > 0 else 0.0,
+        stages_seconds={k: round(v, 4) for k, v in stages.items()},
+        bottleneck="reading" if waited > computed else "compute", exit_code=3 if rejected else 0,
     )
 
 
@@ -160,8 +178,16 @@ class _Reader:
     def __init__(self, deployment: Deployment):
         self.config = deployment.config
         self.specs = list(self.config.inputs)
+        self.seconds: list[float] = []  # per input read (list.append is atomic across threads)
 
     def read(self, path: str) -> Sample:
+        start = time.perf_counter()
+        try:
+            return self._read(path)
+        finally:
+            self.seconds.append(time.perf_counter() - start)
+
+    def _read(self, path: str) -> Sample:
         file = Path(path)
         if not file.is_file():
             raise InputRejected("not found" if not file.exists() else "not a regular file")
