@@ -19,11 +19,13 @@ log = logging.getLogger(__name__)
 CPU_PROVIDER = "CPUExecutionProvider"
 
 
-def create_session(path: Path, providers: list[str], threads: int, optimize: bool = True):
+def create_session(path: Path, providers: list[str], threads: int, optimize: bool = True,
+                   optimized_model_path: Path | None = None):
     """An InferenceSession with recorded options; fails if a requested provider is not active.
 
     onnxruntime-gpu silently falls back to CPU when CUDA is missing (ORT #17394), so the active
-    providers are checked here, once, for every session the project creates.
+    providers are checked here, once, for every session the project creates. `optimized_model_path`:
+    where ORT writes the graph it actually runs (after its fusions).
     """
     import onnxruntime as ort
 
@@ -35,6 +37,8 @@ def create_session(path: Path, providers: list[str], threads: int, optimize: boo
     options.inter_op_num_threads = 1
     options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
     options.log_severity_level = 3
+    if optimized_model_path is not None:
+        options.optimized_model_filepath = str(optimized_model_path)
     try:
         session = ort.InferenceSession(str(path), sess_options=options, providers=providers)
     except Exception as exc:  # ORT raises its own exception types from C++
@@ -96,11 +100,15 @@ class OnnxRuntimeBackend:
         import onnxruntime as ort
 
         threads = recipe.benchmark.threads or available_cpus()
+        optimized = Path(workdir) / f"{Path(onnx_path).stem}.ort-optimized.onnx" if precision is Precision.int8 else None
+        if optimized is not None:
+            optimized.parent.mkdir(parents=True, exist_ok=True)
         start = time.perf_counter()
-        session = create_session(onnx_path, self.providers, threads)
+        session = create_session(onnx_path, self.providers, threads, optimized_model_path=optimized)
         build_seconds = time.perf_counter() - start
         providers = session.get_providers()
         del session
+        checked = {"integer_kernels_by_op": integer_kernels(optimized)} if optimized is not None else {}
         return CompiledModel(
             backend=self.name,
             path=onnx_path,
@@ -115,6 +123,7 @@ class OnnxRuntimeBackend:
                 "intra_op_num_threads": threads,
                 "inter_op_num_threads": 1,
                 "execution_mode": "ORT_SEQUENTIAL",
+                **checked,
             },
         )
 
@@ -126,6 +135,34 @@ class OnnxRuntimeBackend:
 
     def synchronize(self) -> None:
         return None
+
+
+# What ORT's CPU EP runs quantized math with, once it has fused a DequantizeLinear -> op -> QuantizeLinear group.
+INTEGER_KERNELS = {"QGemm", "MatMulInteger", "ConvInteger", "MatMulIntegerToFloat", "DynamicQuantizeMatMul",
+                   "QAttention", "QOrderedMatMul"}
+FLOAT_COMPUTE = {"Conv", "ConvTranspose", "MatMul", "Gemm", "FusedConv", "FusedMatMul", "FusedGemm", "NhwcFusedConv"}
+
+
+def integer_kernels(optimized_path: Path) -> dict[str, int]:
+    """{op: count} of the integer kernels in the graph ORT runs; Unsupported (exit 4) when a quantized
+    compute op still runs in float (its input dequantized first), naming them: ORT fuses a Q/DQ group
+    into an integer kernel only when the pattern suits it (a Conv without a QuantizeLinear after it,
+    for one, stays a float Conv fed by DequantizeLinear), and the build would then be int8 in name only."""
+    import onnx
+
+    graph = onnx.load(str(optimized_path), load_external_data=False).graph
+    dequantized = {out for node in graph.node if node.op_type == "DequantizeLinear" for out in node.output}
+    in_float = [node.name or node.op_type for node in graph.node
+                if node.op_type in FLOAT_COMPUTE and any(i in dequantized for i in node.input)]
+    if in_float:
+        listed = ", ".join(in_float[:5]) + (f" (+{len(in_float) - 5} more)" if len(in_float) > 5 else "")
+        raise Unsupported(f"ONNX Runtime runs {len(in_float)} quantized compute ops in float (not fused into integer "
+                          f"kernels): {listed}")
+    counts: dict[str, int] = {}
+    for node in graph.node:
+        if node.op_type.startswith("QLinear") or node.op_type in INTEGER_KERNELS:
+            counts[node.op_type] = counts.get(node.op_type, 0) + 1
+    return dict(sorted(counts.items()))
 
 
 def reference_runner(path: Path, threads: int) -> OnnxrtRunner:
