@@ -268,6 +268,35 @@ def bench_command(artifact, data_dir, batch_sizes, out_file, as_json, verbose):
     sys.exit(0)
 
 
+VERIFY_EXIT_CODES = """\b
+Exit codes:
+  0  complete, unaltered, and runnable here as it was checked
+  3  incomplete or altered (no manifest, a file missing, changed or not part of it)
+  4  this machine cannot run it as it was checked (backend missing, another runtime version or CPU)"""
+
+
+@main.command("verify", epilog=VERIFY_EXIT_CODES)
+@click.argument("artifact", type=click.Path(path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout.")
+def verify_command(artifact, as_json):
+    """Check a built ARTIFACT folder before running it: manifest, every file's sha256, the environment."""
+    from accel_opt import runtime
+
+    problems = runtime.check(artifact)
+    exit_code = 3 if any(p.exit_code == 3 for p in problems) else 4 if problems else 0
+    if as_json:
+        click.echo(json.dumps({"artifact_dir": str(artifact), "ok": not problems, "exit_code": exit_code,
+                               "problems": [p.model_dump() for p in problems]}))
+    elif problems:
+        for problem in problems:
+            click.echo(f"accel-opt: {artifact}: {problem.line}", err=True)
+    else:
+        manifest = runtime.read_manifest(artifact)
+        click.echo(f"ok: {artifact}: {len(manifest.artifacts)} files match manifest.json; {manifest.backend} "
+                   f"{manifest.precision} runs here as built; {'signed off' if manifest.signed_off else 'NOT signed off'}")
+    sys.exit(exit_code)
+
+
 @main.command("export", epilog="Loading a factory imports and runs its Python file: only export code you trust.\n\n" + EXIT_CODES_HELP)
 @click.argument("factory")
 @click.option("--shapes", required=True, help="Example input shapes, in forward()'s argument order: x:2x3x224x224[,NAME:...].")

@@ -90,3 +90,40 @@ def test_gate_evaluates_the_openvino_blob_at_its_deployed_batch(tiny_cnn_path, f
     with deployment.runner() as runner:  # the blob itself serves the deployed shapes: nothing recompiled
         runner.infer({"image": np.zeros((4, 3, 32, 32), np.float32)})
         assert runner.compiled_shapes == []
+
+
+def _verify(folder: Path):
+    from click.testing import CliRunner
+
+    from accel_opt.cli import main
+
+    return CliRunner().invoke(main, ["verify", str(folder), "--json"])
+
+
+def test_verify_passes_a_published_folder_and_names_every_problem(published, tmp_path):
+    ok = _verify(published)
+    assert ok.exit_code == 0 and json.loads(ok.stdout)["ok"] is True
+    for name in sorted(p.name for p in published.iterdir() if p.name != MANIFEST):
+        folder = _copy(published, tmp_path / name)
+        data = bytearray((folder / name).read_bytes())
+        data[len(data) // 2] ^= 1  # one changed bit, anywhere
+        (folder / name).write_bytes(bytes(data))
+        result = _verify(folder)
+        assert result.exit_code == 3, name
+        assert [p["line"] for p in json.loads(result.stdout)["problems"]] == [
+            f"artifact altered or incomplete: {name}: sha256 does not match the manifest (changed after the build)"]
+    folder = _copy(published, tmp_path / "no-manifest")
+    (folder / MANIFEST).unlink()
+    assert _verify(folder).exit_code == 3
+
+
+def test_verify_refuses_another_runtime_version_as_exit_4(published, tmp_path):
+    folder = _copy(published, tmp_path)
+    config = json.loads((folder / "resource_config.json").read_text())
+    config["settings"]["onnxruntime_version"] = "0.1.0"
+    (folder / "resource_config.json").write_text(json.dumps(config))
+    manifest = json.loads((folder / MANIFEST).read_text())
+    manifest["artifacts"] = file_hashes(folder)  # a consistent folder, built elsewhere
+    (folder / MANIFEST).write_text(json.dumps(manifest))
+    result = _verify(folder)
+    assert result.exit_code == 4 and "onnxruntime 0.1.0" in result.stdout

@@ -9,6 +9,7 @@ checked and timed is what ships. Nothing is deserialized before its hash has bee
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -134,30 +135,52 @@ def load(folder: str | Path, expected_files: dict[str, str] | None = None) -> De
     `expected_files` (name -> sha256) stands in for the manifest while a build is still staging.
     """
     folder = Path(folder)
-    if not folder.is_dir():
-        raise InputRejected(f"artifact folder not found: {folder}")
-    expected = read_manifest(folder).artifacts if expected_files is None else expected_files
-    problems = verify_files(folder, expected)
+    problems = check(folder, expected_files)
     if problems:
         more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
-        raise InputRejected(f"{folder}: artifact altered or incomplete: {problems[0]}{more}")
-    try:
-        config = ResourceConfig.model_validate_json((folder / RESOURCE_CONFIG).read_text())
-    except (ValidationError, ValueError, OSError) as exc:
-        raise InputRejected(f"{folder}: {RESOURCE_CONFIG} is unreadable: {first_line(exc)}") from None
-    backend = get_backend(config.backend)  # exit 4 with the reason when it cannot run here
-    _check_environment(config)
+        first = problems[0]
+        raise (InputRejected if first.exit_code == 3 else Unsupported)(f"{folder}: {first.line}{more}")
+    config = ResourceConfig.model_validate_json((folder / RESOURCE_CONFIG).read_text())
     compiled = CompiledModel(
         backend=config.backend, path=folder / config.model_file, precision=config.precision, device=config.device,
         providers=config.providers, threads=config.threads, build_seconds=0.0, settings=config.settings,
         extra_files=[folder / name for name in config.extra_files],
     )
-    return Deployment(folder=folder, config=config, backend=backend, compiled=compiled)
+    return Deployment(folder=folder, config=config, backend=get_backend(config.backend), compiled=compiled)
 
 
-def _check_environment(config: ResourceConfig) -> None:
+class Problem(BaseModel):
+    line: str  # one line, for a person
+    exit_code: int  # 3: the folder is incomplete or altered; 4: this machine cannot run it as it was checked
+
+
+def check(folder: Path, expected_files: dict[str, str] | None = None) -> list[Problem]:
+    """Every reason `folder` must not be run here, altered/incomplete ones (exit 3) first; [] when it may.
+    Nothing in the folder is deserialized before its hash has matched."""
+    if not folder.is_dir():
+        return [Problem(line=f"artifact folder not found: {folder}", exit_code=3)]
+    try:
+        expected = read_manifest(folder).artifacts if expected_files is None else expected_files
+    except InputRejected as exc:
+        return [Problem(line=str(exc).removeprefix(f"{folder}: "), exit_code=3)]
+    problems = [Problem(line=f"artifact altered or incomplete: {p}", exit_code=3) for p in verify_files(folder, expected)]
+    if problems:
+        return problems
+    try:
+        config = ResourceConfig.model_validate_json((folder / RESOURCE_CONFIG).read_text())
+    except (ValidationError, ValueError, OSError) as exc:
+        return [Problem(line=f"{RESOURCE_CONFIG} is unreadable: {first_line(exc)}", exit_code=3)]
+    try:
+        get_backend(config.backend)
+    except Unsupported as exc:
+        return [Problem(line=str(exc), exit_code=4)]
+    return [Problem(line=line, exit_code=4) for line in _environment_problems(folder, config)]
+
+
+def _environment_problems(folder: Path, config: ResourceConfig) -> list[str]:
     """The runtime version that was checked must be the one here (major.minor): another one may pick
-    other kernels, so the sign-off would not describe what runs."""
+    other kernels, so the sign-off would not describe what runs. An OpenVINO blob must match this
+    OpenVINO version and CPU (model and ISA flags)."""
     if config.backend == "onnxruntime":
         import onnxruntime
 
@@ -167,9 +190,18 @@ def _check_environment(config: ResourceConfig) -> None:
 
         recorded, here = config.settings.get("openvino_version"), openvino.get_version()
     else:
-        return
+        return []
+    problems = []
     if recorded and _major_minor(recorded) != _major_minor(here):
-        raise Unsupported(f"built and checked with {config.backend} {recorded}, this machine has {here}: rebuild here")
+        problems.append(f"built and checked with {config.backend} {recorded}, this machine has {here}: rebuild here")
+    for name in config.extra_files:
+        if name.endswith(".blob.json"):
+            from accel_opt.backends.openvino import blob_mismatch
+
+            reason = blob_mismatch(json.loads((folder / name).read_text()))
+            if reason:
+                problems.append(f"{name.removesuffix('.json')}: {reason}: rebuild here")
+    return problems
 
 
 def _major_minor(version: str) -> tuple[str, ...]:
