@@ -297,6 +297,33 @@ def verify_command(artifact, as_json):
     sys.exit(exit_code)
 
 
+@main.command("doctor")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout.")
+def doctor_command(as_json):
+    """What this machine can build and run: CPU features, GPUs, backends, fast precisions, what is missing."""
+    from accel_opt.doctor import diagnose
+
+    report = diagnose()
+    if as_json:
+        click.echo(report.model_dump_json())
+        sys.exit(0)
+    cpu, features = report.cpu, report.cpu_features
+    have = ", ".join(f"{name} {'yes' if on else 'no'}" for name, on in features.items())
+    click.echo(f"CPU         {cpu['model']} ({cpu['machine']}), {cpu['available_cpus']} CPUs available; {have}")
+    if report.gpus:
+        for gpu in report.gpus:
+            click.echo(f"GPU         {gpu.name}, compute {gpu.compute_capability}, {gpu.memory_mib} MiB, driver {gpu.driver}")
+    else:
+        click.echo(f"GPU         none: {report.gpu_detail}")
+    for b in report.backends:
+        state = f"{b.version}" if b.installed and b.version else ("installed" if b.installed else "not installed")
+        fast = f"; faster than fp32 here: {', '.join(p for p in b.fast_precisions if p != 'fp32') or 'none'}" if b.fast_precisions else ""
+        click.echo(f"{b.name:<12}{state}: {b.detail}{fast}")
+        if b.install:
+            click.echo(f"{'':<12}to add: {b.install}")
+    sys.exit(0)
+
+
 @main.command("export", epilog="Loading a factory imports and runs its Python file: only export code you trust.\n\n" + EXIT_CODES_HELP)
 @click.argument("factory")
 @click.option("--shapes", required=True, help="Example input shapes, in forward()'s argument order: x:2x3x224x224[,NAME:...].")

@@ -1,0 +1,170 @@
+"""`accel-opt doctor`: what this machine can build and run, and what each missing piece needs.
+
+Read-only and safe on any machine: GPUs are found through `nvidia-smi` (no CUDA library is loaded),
+backends through their package metadata and a cheap query; TensorRT is imported only where a GPU
+was found, since its runtime objects can crash a process on a machine without one.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+import subprocess
+from importlib import metadata
+
+from pydantic import BaseModel
+
+from accel_opt.hardware import cpu_flags, cpu_info
+
+TORCH_INSTALL = "pip install 'accel-opt[torch]' torch==2.13.0"
+INSTALL = {
+    "openvino": "pip install 'accel-opt[openvino]'",
+    "torch": TORCH_INSTALL,
+    "onnxruntime-gpu": "pip uninstall -y onnxruntime && pip install 'accel-opt[gpu]'",
+    "tensorrt": "pip install 'accel-opt[tensorrt]' (TensorRT's libraries come from NVIDIA's own package index)",
+}
+# Compute capability from which a precision runs on tensor cores (NVIDIA's architecture tables).
+GPU_PRECISION_MIN_CC = {"fp16": (7, 0), "int8": (7, 5), "bf16": (8, 0), "fp8": (8, 9)}
+
+
+class Gpu(BaseModel):
+    name: str
+    compute_capability: str | None
+    memory_mib: int | None
+    driver: str | None
+
+
+class BackendStatus(BaseModel):
+    name: str
+    installed: bool
+    version: str | None = None
+    detail: str = ""  # providers, devices, or why it cannot run here
+    fast_precisions: list[str] = []
+    install: str | None = None  # the command that adds it, when it is missing and would help here
+
+
+class DoctorReport(BaseModel):
+    cpu: dict
+    cpu_features: dict[str, bool]
+    gpus: list[Gpu]
+    gpu_detail: str
+    backends: list[BackendStatus]
+
+
+def cpu_features(flags: frozenset[str]) -> dict[str, bool]:
+    return {
+        "avx512": "avx512f" in flags,
+        "vnni": bool(flags & {"avx512_vnni", "avx_vnni"}),
+        "amx_int8": "amx_int8" in flags,
+        "bf16": bool(flags & {"amx_bf16", "avx512_bf16"}),
+        "fp16": bool(flags & {"amx_fp16", "avx512_fp16"}),
+    }
+
+
+def cpu_fast_precisions(features: dict[str, bool], backend: str) -> list[str]:
+    """Precisions faster than fp32 on this CPU for `backend`, from its instruction set."""
+    fast = ["fp32"]
+    if features["vnni"] or features["amx_int8"]:
+        fast.append("int8")
+    if backend == "openvino":
+        fast += [p for p in ("bf16", "fp16") if features[p]]
+    return fast
+
+
+def gpu_fast_precisions(compute_capability: str | None) -> list[str]:
+    try:
+        major, minor = (int(x) for x in (compute_capability or "").split(".")[:2])
+    except ValueError:
+        return ["fp32"]
+    return ["fp32"] + [p for p, need in GPU_PRECISION_MIN_CC.items() if (major, minor) >= need]
+
+
+def find_gpus() -> tuple[list[Gpu], str]:
+    """NVIDIA GPUs from `nvidia-smi`, and a line saying how they were looked for."""
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return [], "no NVIDIA driver found (nvidia-smi is not on PATH)"
+    query = "name,compute_cap,memory.total,driver_version"
+    try:
+        done = subprocess.run([smi, f"--query-gpu={query}", "--format=csv,noheader,nounits"], capture_output=True,
+                              text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return [], f"nvidia-smi failed: {exc}"
+    if done.returncode != 0:
+        return [], f"nvidia-smi failed: {(done.stderr or done.stdout).strip().splitlines()[:1]}"
+    gpus = []
+    for row in done.stdout.strip().splitlines():
+        name, cc, memory, driver = (part.strip() for part in row.split(",")[:4])
+        gpus.append(Gpu(name=name, compute_capability=cc or None, memory_mib=int(memory) if memory.isdigit() else None,
+                        driver=driver or None))
+    return gpus, f"{len(gpus)} NVIDIA GPU(s) from nvidia-smi"
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def diagnose() -> DoctorReport:
+    flags = cpu_flags()
+    features = cpu_features(flags)
+    gpus, gpu_detail = find_gpus()
+    best_cc = max((g.compute_capability for g in gpus if g.compute_capability), default=None)
+    backends = [_onnxruntime(features, gpus), _openvino(features), _torch(gpus, best_cc), _tensorrt(gpus, best_cc)]
+    return DoctorReport(cpu=cpu_info(), cpu_features=features, gpus=gpus, gpu_detail=gpu_detail, backends=backends)
+
+
+def _onnxruntime(features: dict[str, bool], gpus: list[Gpu]) -> BackendStatus:
+    import onnxruntime as ort
+
+    providers = ort.get_available_providers()
+    gpu_build = _version("onnxruntime-gpu") is not None
+    status = BackendStatus(name="onnxruntime", installed=True, version=ort.__version__,
+                           detail=f"providers: {', '.join(providers)}", fast_precisions=cpu_fast_precisions(features, "onnxruntime"))
+    if gpus and not gpu_build:
+        status.install = INSTALL["onnxruntime-gpu"]
+        status.detail += "; the CPU build: the CUDA and TensorRT execution providers need onnxruntime-gpu"
+    return status
+
+
+def _openvino(features: dict[str, bool]) -> BackendStatus:
+    version = _version("openvino")
+    if version is None:
+        return BackendStatus(name="openvino", installed=False, detail="the fastest CPU runtime on x86 with AVX-512",
+                             install=INSTALL["openvino"])
+    from accel_opt.backends.openvino import _core
+
+    devices = _core().available_devices
+    return BackendStatus(name="openvino", installed=True, version=version, detail=f"devices: {', '.join(devices)}",
+                         fast_precisions=cpu_fast_precisions(features, "openvino"))
+
+
+def _torch(gpus: list[Gpu], best_cc: str | None) -> BackendStatus:
+    version = _version("torch")
+    if version is None:
+        return BackendStatus(name="torch", installed=False, detail="PyTorch export and the PyTorch reference",
+                             install=TORCH_INSTALL)
+    cuda_build = "+cu" in version  # the wheel's local version tag; torch itself is not imported (slow)
+    detail = "CUDA build" if cuda_build else "CPU build" if "+cpu" in version else "build not told by its version"
+    fast = gpu_fast_precisions(best_cc) if gpus and cuda_build else ["fp32"]
+    return BackendStatus(name="torch", installed=True, version=version, detail=detail, fast_precisions=fast)
+
+
+def _tensorrt(gpus: list[Gpu], best_cc: str | None) -> BackendStatus:
+    installed = importlib.util.find_spec("tensorrt") is not None
+    if not gpus:
+        return BackendStatus(name="tensorrt", installed=installed, version=_version("tensorrt"),
+                             detail="needs an NVIDIA GPU (none found); not imported")
+    if not installed:
+        return BackendStatus(name="tensorrt", installed=False, detail="native TensorRT engines for the GPU(s) found",
+                             install=INSTALL["tensorrt"])
+    try:
+        import tensorrt
+
+        version = tensorrt.__version__
+    except Exception as exc:  # the bindings without their libraries
+        return BackendStatus(name="tensorrt", installed=True, detail=f"does not import: {exc}", install=INSTALL["tensorrt"])
+    return BackendStatus(name="tensorrt", installed=True, version=version, detail="GPU found",
+                         fast_precisions=gpu_fast_precisions(best_cc))

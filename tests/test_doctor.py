@@ -1,0 +1,36 @@
+"""`accel-opt doctor` on this machine, and what it derives from CPU flags and compute capabilities."""
+
+import json
+
+from click.testing import CliRunner
+
+from accel_opt.cli import main
+from accel_opt.doctor import cpu_fast_precisions, cpu_features, gpu_fast_precisions
+
+
+def test_doctor_reports_this_machine_and_exits_0_without_a_gpu():
+    result = CliRunner().invoke(main, ["doctor", "--json"])
+    assert result.exit_code == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["cpu"]["available_cpus"] >= 1 and isinstance(report["gpus"], list)
+    by_name = {b["name"]: b for b in report["backends"]}
+    assert by_name["onnxruntime"]["installed"] and "CPUExecutionProvider" in by_name["onnxruntime"]["detail"]
+    assert set(by_name) == {"onnxruntime", "openvino", "torch", "tensorrt"}
+    if not report["gpus"]:
+        assert by_name["tensorrt"]["detail"].startswith("needs an NVIDIA GPU")
+    human = CliRunner().invoke(main, ["doctor"])
+    assert human.exit_code == 0 and human.stdout.startswith("CPU ") and "onnxruntime" in human.stdout
+
+
+def test_fast_precisions_follow_the_instruction_set():
+    amx = cpu_features(frozenset({"avx512f", "avx512_vnni", "amx_int8", "amx_bf16", "avx512_bf16"}))
+    assert cpu_fast_precisions(amx, "openvino") == ["fp32", "int8", "bf16"]
+    assert cpu_fast_precisions(amx, "onnxruntime") == ["fp32", "int8"]  # no bf16 kernels in ORT's CPU EP
+    assert cpu_fast_precisions(cpu_features(frozenset({"avx2", "fma"})), "openvino") == ["fp32"]
+
+
+def test_gpu_precisions_follow_the_compute_capability():
+    assert gpu_fast_precisions("7.5") == ["fp32", "fp16", "int8"]
+    assert gpu_fast_precisions("8.6") == ["fp32", "fp16", "int8", "bf16"]
+    assert gpu_fast_precisions("9.0") == ["fp32", "fp16", "int8", "bf16", "fp8"]
+    assert gpu_fast_precisions(None) == ["fp32"]
