@@ -78,6 +78,7 @@ def build_auto(
     out_dir: str | Path = "artifacts",
     on_candidate: Callable[[Candidate], None] | None = None,
     on_stage: Callable[[StageResult], None] | None = None,
+    force: bool = False,
 ) -> tuple[BuildResult | None, AutoSelection]:
     """Build the candidates and return (the winner's BuildResult or None, the selection report)."""
     pairs, backend_reason = plan(recipe, backend, precision, data_dir is not None)
@@ -90,7 +91,7 @@ def build_auto(
         candidate = Candidate(backend=b, precision=p, why_tried=why)
         try:
             result = build(model, recipe.with_overrides(backend=b, precision=p), data_dir=data_dir, out_dir=out_dir,
-                           on_stage=on_stage)
+                           on_stage=on_stage, force=force)
         except UsageError:  # the command line or the recipe is wrong: no candidate will do better
             raise
         except Exception as exc:  # noqa: BLE001 - one candidate failing for any reason must not end the others

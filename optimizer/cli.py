@@ -94,10 +94,11 @@ def main() -> None:
 @click.option("--calibration", type=click.Choice(["minmax", "entropy", "percentile"]), help="int8 calibration method.")
 @click.option("--threads", type=int, help="Intra-op threads (default: CPUs available).")
 @click.option("--out", "out_dir", type=click.Path(path_type=Path), default=Path("artifacts"), show_default=True, help="Where build folders go.")
+@click.option("--force", is_flag=True, help="Rebuild even when an identical, verified build is already under --out.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout (for CI).")
 @click.option("-v", "--verbose", is_flag=True, help="Log progress and show tracebacks.")
 def build(model, precision, backend, recipe_path, data_dir, shapes, batch_axes, require_data, keep_io_types, calibration,
-          threads, out_dir, as_json, verbose):
+          threads, out_dir, force, as_json, verbose):
     """Build MODEL (.onnx) through cleanup, precision, compile, accuracy gate and benchmark."""
     _setup_logging(verbose)
     try:
@@ -126,10 +127,10 @@ def build(model, precision, backend, recipe_path, data_dir, shapes, batch_axes, 
 
             result, selection = build_auto(
                 model, recipe, backend or recipe.backend.value, precision or recipe.precision.value, data_dir, out_dir,
-                on_candidate=_print_candidate if show_progress else None, on_stage=on_stage,
+                on_candidate=_print_candidate if show_progress else None, on_stage=on_stage, force=force,
             )
         else:
-            result = run_build(model, recipe, data_dir=data_dir, out_dir=out_dir, on_stage=on_stage)
+            result = run_build(model, recipe, data_dir=data_dir, out_dir=out_dir, on_stage=on_stage, force=force)
     except (AccelOptError, MemoryError, Exception) as exc:  # noqa: BLE001 - every error maps to an exit code
         _fail(exc, verbose, as_json)
         return
@@ -404,7 +405,7 @@ def _print_result(result) -> None:
     console.print(f"accuracy: {verdict}")
     for failure in result.failures:
         console.print(f"  - {failure}")
-    console.print(f"artifacts: {result.artifact_dir}")
+    console.print(f"artifacts: {result.artifact_dir}" + (" (reused: an identical build verified; --force rebuilds)" if result.reused else ""))
 
 
 if __name__ == "__main__":  # pragma: no cover

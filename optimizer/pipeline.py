@@ -83,6 +83,7 @@ class BuildResult(BaseModel):
     error: str | None = None
     data: DataRecord | None = None
     evaluated: str | None = None  # what the gate ran: the artifact's files, backend, precision, batch
+    reused: bool = False  # an identical build was found complete and verified under --out: nothing was rebuilt
     stages: list[StageResult] = []
     _eval_samples: list[Sample] = PrivateAttr(default_factory=list)  # in memory only: what the build timed
 
@@ -139,11 +140,14 @@ def build(
     out_dir: str | Path = "artifacts",
     cache_dir: str | Path | None = None,
     on_stage: Callable[[StageResult], None] | None = None,
+    force: bool = False,
 ) -> BuildResult:
     """Build, check, benchmark and package `model`; never raises for a failed gate (exit_code 1).
 
-    Raises AccelOptError subclasses for everything else (a full disk: ResourceExhausted); nothing
-    but the calibration cache is left in `out_dir` then.
+    A complete folder of the same identity (model, recipe, data, tool versions, CPU) under `out_dir`
+    that verifies is reused instead of rebuilt (`reused` is set), unless `force`. Raises
+    AccelOptError subclasses for everything else (a full disk: ResourceExhausted); nothing but the
+    calibration cache is left in `out_dir` then.
     """
     recipe = recipe or load_recipe()
     factory = _factory_or_none(str(model))
@@ -166,20 +170,11 @@ def build(
             if model_path.is_file():  # the staged artifact holds at least a copy of the model
                 artifacts.ensure_free_space(work, model_path.stat().st_size)
             for name, stage in STAGES:
-                started = time.perf_counter()
-                try:
-                    status, detail = stage(ctx)
-                except _Skip as skip:
-                    status, detail = "skipped", str(skip)
-                except BaseException as exc:
-                    detail = str(exc) if isinstance(exc, AccelOptError) else f"{type(exc).__name__}: {exc}"
-                    stages.append(StageResult(name=name, status="failed", seconds=time.perf_counter() - started, detail=detail))
-                    if on_stage:
-                        on_stage(stages[-1])
-                    raise
-                stages.append(StageResult(name=name, status=status, seconds=time.perf_counter() - started, detail=detail))
-                if on_stage:
-                    on_stage(stages[-1])
+                _run_stage(ctx, name, stage, stages, on_stage)
+                if name == "load" and not force:
+                    reused = _reuse(ctx, out_dir / _artifact_name(ctx), str(model), stages, on_stage)
+                    if reused is not None:
+                        return reused
 
             signed_off = ctx.accuracy.passed
             final = out_dir / _artifact_name(ctx)
@@ -197,6 +192,48 @@ def build(
         if full is None:
             raise
         raise full from exc
+    return result
+
+
+def _run_stage(ctx: BuildContext, name: str, stage, stages: list[StageResult], on_stage) -> None:
+    """Run one stage, timed; record (and report) it as passed, skipped or failed; failures re-raise."""
+    started = time.perf_counter()
+    try:
+        status, detail = stage(ctx)
+    except _Skip as skip:
+        status, detail = "skipped", str(skip)
+    except BaseException as exc:
+        detail = str(exc) if isinstance(exc, AccelOptError) else f"{type(exc).__name__}: {exc}"
+        stages.append(StageResult(name=name, status="failed", seconds=time.perf_counter() - started, detail=detail))
+        if on_stage:
+            on_stage(stages[-1])
+        raise
+    stages.append(StageResult(name=name, status=status, seconds=time.perf_counter() - started, detail=detail))
+    if on_stage:
+        on_stage(stages[-1])
+
+
+def _reuse(ctx: BuildContext, final: Path, model: str, stages: list[StageResult], on_stage) -> BuildResult | None:
+    """The BuildResult of an identical, complete folder that verifies here; None: build it (again).
+    A folder that fails verification is never reused: the new build replaces it."""
+    if not final.is_dir():
+        return None
+    problems = runtime.check(final)
+    if problems:
+        log.info("not reusing %s: %s", final, problems[0].line)
+        return None
+    manifest = runtime.read_manifest(final)
+    accuracy = AccuracyReport.model_validate_json((final / "accuracy.json").read_text())
+    stages.append(StageResult(name="reuse", status="passed", detail=f"an identical build verified: {final}"))
+    if on_stage:
+        on_stage(stages[-1])
+    result = BuildResult(
+        model=model, precision=manifest.precision, backend=manifest.backend, signed_off=manifest.signed_off,
+        exit_code=manifest.exit_code, artifact_dir=str(final), failures=accuracy.failures, stages=stages,
+        worst_cosine=accuracy.worst_cosine, data=_data_record(ctx), evaluated=accuracy.evaluation.deployment, reused=True,
+    )
+    _fill_headline(result, BenchmarkReport.model_validate_json((final / "benchmark.json").read_text()))
+    result._eval_samples = ctx.eval_samples
     return result
 
 
@@ -472,9 +509,10 @@ def _recommended(compiled: CompiledModel, batch_size: int, bench: BenchmarkRepor
 
 
 def _artifact_name(ctx: BuildContext) -> str:
+    cpu = hardware.cpu_info()
     identity = json.dumps(
         {"model": ctx.model_sha256, "external_data": ctx.external_data_sha256, "recipe": ctx.recipe.fingerprint(), "data": ctx.data.sha256,
-         "tools": artifacts.tool_versions()},
+         "tools": artifacts.tool_versions(), "hardware": {k: cpu[k] for k in ("model", "machine", "flags", "available_cpus")}},
         sort_keys=True,
     )
     digest = hashlib.sha256(identity.encode()).hexdigest()[:10]

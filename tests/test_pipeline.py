@@ -1,6 +1,7 @@
 """End-to-end builds on a real (tiny) ResNet-layout model with real ORT sessions and Polygraphy."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -78,11 +79,28 @@ def test_interrupted_build_leaves_no_manifest(tiny_cnn_path, fast_recipe, tmp_pa
     assert not [p for p in tmp_path.iterdir() if p.name != ".cache"]
 
 
-def test_rebuild_replaces_the_same_identity(tiny_cnn_path, fast_recipe, tmp_path):
+def test_identical_build_is_reused_and_force_rebuilds_it(tiny_cnn_path, fast_recipe, tmp_path):
     first = build(tiny_cnn_path, fast_recipe, out_dir=tmp_path)
+    folder = Path(first.artifact_dir)
+    stamp = (folder / MANIFEST).stat().st_mtime_ns
     second = build(tiny_cnn_path, fast_recipe, out_dir=tmp_path)
-    assert first.artifact_dir == second.artifact_dir
+    assert second.reused and not first.reused and second.artifact_dir == first.artifact_dir
+    assert second.headline == first.headline and second.signed_off and (folder / MANIFEST).stat().st_mtime_ns == stamp
+    assert [s.name for s in second.stages][-1] == "reuse"
+    forced = build(tiny_cnn_path, fast_recipe, out_dir=tmp_path, force=True)
+    assert not forced.reused and forced.artifact_dir == first.artifact_dir
+    assert (folder / MANIFEST).stat().st_mtime_ns != stamp
     assert len([p for p in tmp_path.iterdir() if not p.name.startswith(".")]) == 1
+
+
+def test_a_changed_input_or_a_folder_that_fails_verification_is_rebuilt(tiny_cnn_path, fast_recipe, tmp_path):
+    first = build(tiny_cnn_path, fast_recipe, out_dir=tmp_path)
+    other_recipe = build(tiny_cnn_path, fast_recipe.with_overrides(**{"accuracy.seed": 1}), out_dir=tmp_path)
+    assert not other_recipe.reused and other_recipe.artifact_dir != first.artifact_dir
+    (Path(first.artifact_dir) / "signoff.md").write_text("edited")
+    again = build(tiny_cnn_path, fast_recipe, out_dir=tmp_path)
+    assert not again.reused and again.artifact_dir == first.artifact_dir
+    assert "edited" not in (Path(first.artifact_dir) / "signoff.md").read_text()
 
 
 def test_bf16_on_ort_cpu_is_unsupported(tiny_cnn_path, fast_recipe, tmp_path):
