@@ -83,6 +83,14 @@ class TaskMetricResult(BaseModel):
     worst_samples: list[str] = []  # samples whose prediction changed (top-k) or that lost most (detection)
 
 
+class Check(BaseModel):
+    """One check of the gate (an output's numeric check, a task metric threshold): what CI lists."""
+
+    name: str  # e.g. "logits: per-sample", "task topk: top1"
+    passed: bool
+    line: str  # the one-line result, the failure reason when it failed
+
+
 class Evaluation(BaseModel):
     """How the candidate was run: what the verdict rests on besides the data."""
 
@@ -103,6 +111,7 @@ class AccuracyReport(BaseModel):
     outputs: list[OutputAccuracy]
     worst_samples: list[SampleAccuracy]  # every failing sample and the worst few that passed, worst first
     task_metrics: list[TaskMetricResult]
+    checks: list[Check]  # every check, passed or not
     failures: list[str]  # one line per failed check, empty when passed
 
     @property
@@ -194,30 +203,33 @@ def judge(
     """The verdict on per-sample outputs of the reference and the candidate (same order as `names`)."""
     outputs: list[OutputAccuracy] = []
     per_sample: list[SampleAccuracy] = []
-    failures: list[str] = []
+    checks: list[Check] = []
     for name in ref_outs[0]:
         missing = [n for n, out in zip(names, cand_outs) if name not in out]
         if missing:
-            failures.append(f"{name}: missing from the candidate's outputs ({len(missing)} samples)")
+            checks.append(Check(name=f"{name}: present", passed=False,
+                                line=f"{name}: missing from the candidate's outputs ({len(missing)} samples)"))
             continue
         bad_shape = next(((n, c[name].shape, r[name].shape) for n, r, c in zip(names, ref_outs, cand_outs)
                           if np.shape(c[name]) != np.shape(r[name])), None)
         if bad_shape:
-            failures.append(f"{name}: sample {bad_shape[0]}: candidate shape {list(bad_shape[1])} != reference {list(bad_shape[2])}")
+            checks.append(Check(name=f"{name}: shape", passed=False, line=f"{name}: sample {bad_shape[0]}: candidate "
+                                f"shape {list(bad_shape[1])} != reference {list(bad_shape[2])}"))
             continue
         output, samples = _judge_output(name, [r[name] for r in ref_outs], [c[name] for c in cand_outs], names, tolerance)
         outputs.append(output)
         per_sample += samples
-        failures += _output_failures(output, samples, tolerance)
+        checks += _output_checks(output, samples, tolerance)
 
     task_results = [_task_metric(metric, ref_outs, cand_outs, names) for metric in task_metrics]
-    failures += [
-        f"task metric {r.kind} on {r.output}: " + ", ".join(f"{k}={r.values[k]:.4f} (min {v})" for k, v in r.thresholds.items())
-        + (f" ({r.note})" if r.note else "")
-        + (f"; worst: {', '.join(r.worst_samples[:3])}" if r.worst_samples else "")
-        for r in task_results
-        if not r.passed
-    ]
+    for r in task_results:
+        extra = (f" ({r.note})" if r.note else "") + (f"; worst: {', '.join(r.worst_samples[:3])}" if r.worst_samples else "")
+        for key, minimum in r.thresholds.items():
+            passed = r.values[key] >= minimum
+            checks.append(Check(name=f"task {r.kind} on {r.output}: {key}", passed=passed,
+                                line=f"task metric {r.kind} on {r.output}: {key}={r.values[key]:.4f} (min {minimum})"
+                                + ("" if passed else extra)))
+    failures = [c.line for c in checks if not c.passed]
     return AccuracyReport(
         reference=reference_name,
         candidate=candidate_name,
@@ -227,6 +239,7 @@ def judge(
         outputs=outputs,
         worst_samples=_worst(per_sample, tolerance),
         task_metrics=task_results,
+        checks=checks,
         failures=failures,
     )
 
@@ -298,23 +311,29 @@ def _judge_output(name: str, refs: list[np.ndarray], cands: list[np.ndarray], na
         non_finite_count=non_finite,
         passed=False,
     )
-    output.passed = not _output_failures(output, samples, tol) and (not absolute or bool(stats))
+    output.passed = all(c.passed for c in _output_checks(output, samples, tol))
     return output, samples
 
 
-def _output_failures(o: OutputAccuracy, samples: list[SampleAccuracy], tol: Tolerance) -> list[str]:
-    failures = []
-    if o.non_finite_count:
-        failures.append(f"{o.name}: {o.non_finite_count} NaN/Inf values in the candidate output")
-    if o.error > tol.max_error:
-        failures.append(f"{o.name}: {tol.error_stat} error {o.error:.3g} of the output's scale > {tol.max_error:g} "
-                        f"(scale: {o.scale_basis} {o.scale:.4g}; {tol.error_stat} abs error {_abs(o, tol.error_stat):.4g})")
-    if not o.cosine >= tol.min_cosine:  # NaN fails too
-        failures.append(f"{o.name}: cosine {o.cosine:.6f} < {tol.min_cosine}")
-    if not abs(o.gain - 1) <= tol.max_gain_error:
-        failures.append(f"{o.name}: gain {o.gain:.4f}: the candidate is {o.gain:.3f}x the reference "
-                        f"(|gain - 1| > {tol.max_gain_error:g})")
+def _output_checks(o: OutputAccuracy, samples: list[SampleAccuracy], tol: Tolerance) -> list[Check]:
+    """Every numeric check of one output, passed or failed, each with its one-line reason."""
+    def check(kind: str, passed: bool, line: str) -> Check:
+        return Check(name=f"{o.name}: {kind}", passed=passed, line=f"{o.name}: {line}")
+
+    abs_err = _abs(o, tol.error_stat)
+    checks = [
+        check("finite", not o.non_finite_count, f"{o.non_finite_count} NaN/Inf values in the candidate output"),
+        check("error", o.error <= tol.max_error,
+              f"{tol.error_stat} error {o.error:.3g} of the output's scale {'<=' if o.error <= tol.max_error else '>'} "
+              f"{tol.max_error:g} (scale: {o.scale_basis} {o.scale:.4g}; {tol.error_stat} abs error {abs_err:.4g})"),
+        check("cosine", o.cosine >= tol.min_cosine,  # NaN fails too
+              f"cosine {o.cosine:.6f} {'>=' if o.cosine >= tol.min_cosine else '<'} {tol.min_cosine}"),
+        check("gain", abs(o.gain - 1) <= tol.max_gain_error,
+              f"gain {o.gain:.4f}: the candidate is {o.gain:.3f}x the reference "
+              f"(|gain - 1| {'<=' if abs(o.gain - 1) <= tol.max_gain_error else '>'} {tol.max_gain_error:g})"),
+    ]
     failed = [s for s in samples if not s.passed]
+    line = f"all {len(samples)} samples within error {tol.max_sample_error:g} and cosine {tol.min_sample_cosine}"
     if failed:
         worst = max(failed, key=lambda s: _severity(s, tol))
         why = []
@@ -324,15 +343,15 @@ def _output_failures(o: OutputAccuracy, samples: list[SampleAccuracy], tol: Tole
             why.append(f"cosine {worst.cosine:.4f} < {tol.min_sample_cosine}")
         if worst.error > tol.max_sample_error:
             why.append(f"error {worst.error:.3g} > {tol.max_sample_error:g}")
-        failures.append(f"{o.name}: {len(failed)} of {len(samples)} samples fail the per-sample check; "
-                        f"worst {worst.sample}: {', '.join(why)}")
+        line = f"{len(failed)} of {len(samples)} samples fail the per-sample check; worst {worst.sample}: {', '.join(why)}"
+    checks.append(check("per-sample", not failed, line))
     if tol.atol is not None or tol.rtol is not None:
         stat = tol.error_stat
-        abs_err, rel_err = _abs(o, stat), {"max": o.max_rel_error, "mean": o.mean_rel_error}.get(stat, o.mean_rel_error)
-        if abs_err > (tol.atol or 0.0) and rel_err > (tol.rtol or 0.0):
-            failures.append(f"{o.name}: {stat} error beyond atol={tol.atol or 0:g}/rtol={tol.rtol or 0:g} "
-                            f"({stat} abs {abs_err:.3g}, {stat} rel {rel_err:.3g})")
-    return failures
+        rel_err = {"max": o.max_rel_error, "mean": o.mean_rel_error}.get(stat, o.mean_rel_error)
+        within = abs_err <= (tol.atol or 0.0) or rel_err <= (tol.rtol or 0.0)
+        checks.append(check("absolute", within, f"{stat} error {'within' if within else 'beyond'} atol={tol.atol or 0:g}/"
+                                                 f"rtol={tol.rtol or 0:g} ({stat} abs {abs_err:.3g}, {stat} rel {rel_err:.3g})"))
+    return checks
 
 
 def _abs(o: OutputAccuracy, stat: str) -> float:

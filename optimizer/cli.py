@@ -95,10 +95,11 @@ def main() -> None:
 @click.option("--threads", type=int, help="Intra-op threads (default: CPUs available).")
 @click.option("--out", "out_dir", type=click.Path(path_type=Path), default=Path("artifacts"), show_default=True, help="Where build folders go.")
 @click.option("--force", is_flag=True, help="Rebuild even when an identical, verified build is already under --out.")
+@click.option("--junit", "junit_file", type=click.Path(path_type=Path), help="Write the gate's checks as JUnit XML here (for CI).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout (for CI).")
 @click.option("-v", "--verbose", is_flag=True, help="Log progress and show tracebacks.")
 def build(model, precision, backend, recipe_path, data_dir, shapes, batch_axes, require_data, keep_io_types, calibration,
-          threads, out_dir, force, as_json, verbose):
+          threads, out_dir, force, junit_file, as_json, verbose):
     """Build MODEL (.onnx) through cleanup, precision, compile, accuracy gate and benchmark."""
     _setup_logging(verbose)
     try:
@@ -132,10 +133,14 @@ def build(model, precision, backend, recipe_path, data_dir, shapes, batch_axes, 
         else:
             result = run_build(model, recipe, data_dir=data_dir, out_dir=out_dir, on_stage=on_stage, force=force)
     except (AccelOptError, MemoryError, Exception) as exc:  # noqa: BLE001 - every error maps to an exit code
+        if junit_file:
+            _write_junit(junit_file, [(Path(str(model)).stem, [], f"build failed: {exc}")])
         _fail(exc, verbose, as_json)
         return
     except KeyboardInterrupt as exc:
         _interrupted(exc)
+    if junit_file:
+        _write_junit(junit_file, _junit_suites(model, result, selection))
     exit_code = result.exit_code if result else 1
     if as_json:
         payload = result.model_dump(mode="json") if result else {"signed_off": False, "exit_code": 1, "artifact_dir": None}
@@ -150,6 +155,28 @@ def build(model, precision, backend, recipe_path, data_dir, shapes, batch_axes, 
         if result:
             _print_result(result)
     sys.exit(exit_code)
+
+
+def _junit_suites(model, result, selection) -> list:
+    """One suite per build: the winner's (or the only) build, and with --precision auto every candidate."""
+    from accel_opt.accuracy import AccuracyReport
+
+    def checks_of(artifact_dir: str) -> list:
+        return AccuracyReport.model_validate_json((Path(artifact_dir) / "accuracy.json").read_text()).checks
+
+    stem = Path(str(model)).stem
+    if selection is None:
+        return [(f"{stem} {result.backend} {result.precision}", checks_of(result.artifact_dir), None)]
+    return [(f"{stem} {c.backend} {c.precision}", checks_of(c.artifact_dir) if c.artifact_dir else [],
+             None if c.artifact_dir else c.verdict) for c in selection.candidates]
+
+
+def _write_junit(path: Path, suites: list) -> None:
+    from accel_opt import artifacts
+    from accel_opt.report import junit_xml
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    artifacts.write_text(path, junit_xml(suites))
 
 
 def _print_candidate(candidate) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from accel_opt.accuracy import AccuracyReport
+from accel_opt.accuracy import AccuracyReport, Check
 from accel_opt.bench import BenchmarkReport
 from accel_opt.data import DataSummary
 from accel_opt.precision import PrecisionReport
@@ -176,3 +176,27 @@ def selection_markdown(name: str, selection: AutoSelection) -> str:
     winner = selection.winner
     out += ["", f"Winner: {winner.backend} {winner.precision} -> {winner.artifact_dir}" if winner else "No candidate passed."]
     return "\n".join(out) + "\n"
+
+
+def junit_xml(suites: list[tuple[str, list[Check], str | None]]) -> str:
+    """JUnit XML (the testsuites/testsuite/testcase/failure subset CI systems read): one suite per
+    (name, checks, error), one test case per check, the failure carrying the check's one-line reason; a
+    suite whose build could not run holds one errored case with that `error`."""
+    from xml.etree import ElementTree as ET
+
+    root = ET.Element("testsuites", name="accel-opt")
+    for name, checks, error in suites:
+        failures = sum(not c.passed for c in checks)
+        suite = ET.SubElement(root, "testsuite", name=name, tests=str(len(checks) or 1), failures=str(failures),
+                              errors=str(int(error is not None)), skipped="0")
+        if error is not None:
+            case = ET.SubElement(suite, "testcase", classname=name, name="build")
+            ET.SubElement(case, "error", message=error, type="BuildError").text = error
+        for check in checks:
+            case = ET.SubElement(suite, "testcase", classname=name, name=check.name)
+            if check.passed:
+                ET.SubElement(case, "system-out").text = check.line
+            else:
+                ET.SubElement(case, "failure", message=check.line, type="GateFailed").text = check.line
+    ET.indent(root)
+    return '<?xml version="1.0" encoding="UTF-8"?>\n' + ET.tostring(root, encoding="unicode") + "\n"

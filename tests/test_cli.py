@@ -132,3 +132,31 @@ def test_batch_axes_flag_is_parsed_and_checked(tmp_path):
     assert result.exit_code == 2 and "--batch-axes x:7: the input has rank 2" in result.stderr
     result = _run("build", model, "--batch-axes", "x=0", "--out", tmp_path / "out")
     assert result.exit_code == 2 and "expected NAME:AXIS" in result.stderr
+
+
+def test_junit_has_one_case_per_gate_check(tiny_cnn_path, fast_recipe_file, tmp_path):
+    from xml.etree import ElementTree as ET
+
+    junit = tmp_path / "reports" / "junit.xml"
+    result = _run("build", tiny_cnn_path, "--recipe", fast_recipe_file, "--out", tmp_path / "out", "--junit", junit)
+    assert result.exit_code == 0
+    (suite,) = ET.parse(junit).getroot().findall("testsuite")
+    cases = {c.get("name"): c for c in suite.findall("testcase")}
+    assert {"logits: error", "logits: per-sample", "logits: cosine", "logits: gain", "logits: finite"} <= set(cases)
+    assert suite.get("failures") == "0" and suite.get("tests") == str(len(cases))
+    assert all(c.find("failure") is None for c in cases.values())
+
+    tight = tmp_path / "tight.yaml"  # fp32 optimized kernels against the unoptimized reference: not bit-exact
+    tight.write_text(fast_recipe_file.read_text().replace("accuracy:\n", "accuracy:\n  tolerances:\n    fp32: {atol: 0, rtol: 0}\n"))
+    failed = _run("build", tiny_cnn_path, "--recipe", tight, "--out", tmp_path / "out", "--junit", junit)
+    assert failed.exit_code == 1
+    failing = [c for c in ET.parse(junit).getroot().iter("testcase") if c.find("failure") is not None]
+    assert [c.get("name") for c in failing] == ["logits: absolute"]
+    assert "beyond atol=0/rtol=0" in failing[0].find("failure").get("message")
+
+    broken = tmp_path / "broken.onnx"
+    broken.write_bytes(b"")
+    errored = _run("build", broken, "--out", tmp_path / "out", "--junit", junit)
+    assert errored.exit_code == 3
+    (case,) = ET.parse(junit).getroot().iter("testcase")
+    assert "model file is empty" in case.find("error").get("message")
