@@ -105,6 +105,9 @@ def run_benchmark(
 ) -> BenchmarkReport:
     """Load each target (memory measured), then time every batch size in interleaved rounds.
     Only inputs with a batch axis (`batch_axes`; default: axis 0 of every input that has one) are batched."""
+    labels = [t.label for t in targets]
+    if len(set(labels)) != len(labels):
+        raise ValueError(f"benchmark targets need distinct labels, got {labels}")
     loads: dict[str, tuple[float, float, float]] = {}
     biggest = batch_of(samples, max(batch_sizes), batch_axes)
     try:

@@ -352,6 +352,44 @@ def doctor_command(as_json):
     sys.exit(0)
 
 
+@main.command("compare", epilog=EXIT_CODES_HELP)
+@click.argument("baseline", type=click.Path(path_type=Path))
+@click.argument("candidate", type=click.Path(path_type=Path))
+@click.option("--data", "data_dir", type=click.Path(path_type=Path), help="Folder of .npz feeds or images (default: synthetic).")
+@click.option("--reference", type=click.Path(path_type=Path), help="The fp32 model (default: the candidate's input model, sha256-checked).")
+@click.option("--max-latency-regression", type=float, help="Fail (exit 1) when the candidate is more than PCT %% slower per sample.")
+@click.option("--max-accuracy-drop", type=float, help="Fail (exit 1) when the task metric (or worst cosine) drops more than this.")
+@click.option("--junit", "junit_file", type=click.Path(path_type=Path), help="Write the checks as JUnit XML here.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout.")
+@click.option("-v", "--verbose", is_flag=True)
+def compare_command(baseline, candidate, data_dir, reference, max_latency_regression, max_accuracy_drop, junit_file, as_json,
+                    verbose):
+    """Compare two built artifacts of one model family (the deployed build and a new one): speed interleaved
+    in one run, accuracy of each against the same reference, and regression gates."""
+    _setup_logging(verbose)
+    try:
+        from accel_opt import runtime
+        from accel_opt.comparison import comparison_markdown, reference_of, run_comparison
+
+        base, cand = runtime.load(baseline), runtime.load(candidate)
+        result = run_comparison(base, cand, reference_of(cand, reference), data_dir, max_latency_regression, max_accuracy_drop)
+    except (AccelOptError, MemoryError, Exception) as exc:  # noqa: BLE001
+        if junit_file:
+            _write_junit(junit_file, [("compare", [], f"compare failed: {exc}")])
+        _fail(exc, verbose, as_json)
+        return
+    except KeyboardInterrupt as exc:
+        _interrupted(exc, what="nothing was written")
+    exit_code = 0 if result.passed else 1
+    if junit_file:
+        _write_junit(junit_file, [(f"compare {baseline.name} vs {candidate.name}", result.checks, None)])
+    if as_json:
+        click.echo(json.dumps({"exit_code": exit_code, **result.model_dump(mode="json")}))
+    else:
+        click.echo(comparison_markdown(result))
+    sys.exit(exit_code)
+
+
 @main.command("export", epilog="Loading a factory imports and runs its Python file: only export code you trust.\n\n" + EXIT_CODES_HELP)
 @click.argument("factory")
 @click.option("--shapes", required=True, help="Example input shapes, in forward()'s argument order: x:2x3x224x224[,NAME:...].")

@@ -123,8 +123,9 @@ class Deployment:
         deployed = {i.name: i.dtype for i in self.config.inputs}
         return casting_inputs(runner, feed_dtypes or deployed, deployed)
 
-    def target(self, feed_dtypes: dict[str, Any] | None = None) -> Target:
-        return Target(f"{self.config.backend}-{self.config.precision.value}", self.runner(feed_dtypes),
+    def target(self, feed_dtypes: dict[str, Any] | None = None, label: str | None = None) -> Target:
+        """A benchmark target (labels must differ between the targets of one run)."""
+        return Target(label or f"{self.config.backend}-{self.config.precision.value}", self.runner(feed_dtypes),
                       self.backend.synchronize)
 
 

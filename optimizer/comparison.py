@@ -1,0 +1,150 @@
+"""`accel-opt compare BASELINE CANDIDATE`: a regression gate between two builds of one model family.
+
+Both folders are verified and loaded through the runtime, timed against each other in interleaved
+rounds on the same samples (each at its own deployed batch size), and judged against the same fp32
+reference (the candidate's input model, found from its manifest and checked by its sha256, or
+`--reference`) with the candidate's tolerance and task metrics. The gates compare throughput and
+the task quality, and give exit 1 with the numbers.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import BaseModel
+
+from accel_opt import artifacts
+from accel_opt.accuracy import AccuracyReport, Check, compare
+from accel_opt.backends.onnxruntime import reference_runner
+from accel_opt.bench import run_benchmark
+from accel_opt.data import DataSummary, load_samples, synthetic_samples
+from accel_opt.errors import InputRejected, UsageError
+from accel_opt.graph.inspect import with_batch
+from accel_opt.hardware import available_cpus
+from accel_opt.recipe import Recipe
+from accel_opt.runtime import Deployment, read_manifest
+
+SYNTHETIC_SAMPLES = 16
+
+
+class Side(BaseModel):
+    artifact: str
+    backend: str
+    precision: str
+    batch_size: int
+    latency_p50_ms: float  # per call at batch_size, in the interleaved run
+    throughput_per_s: float
+    quality: float  # the candidate's first task metric's first value, or the worst output cosine
+    accuracy: AccuracyReport
+
+
+class Comparison(BaseModel):
+    reference: str
+    data: DataSummary
+    quality_metric: str  # what `quality` is
+    baseline: Side
+    candidate: Side
+    throughput_ratio: float  # candidate / baseline: > 1 is faster
+    latency_regression_pct: float  # how much slower per sample the candidate is (negative: faster)
+    accuracy_drop: float  # baseline quality - candidate quality
+    checks: list[Check]
+
+    @property
+    def passed(self) -> bool:
+        return all(c.passed for c in self.checks)
+
+
+def reference_of(candidate: Deployment, given: str | Path | None) -> Path:
+    """The fp32 model the candidate was built from: `given`, else the path its manifest records, which
+    must still hold the same bytes (sha256)."""
+    record = read_manifest(candidate.folder).input_model
+    path = Path(given) if given else Path(record.get("path") or "")
+    if not path.is_file():
+        raise UsageError(f"the candidate's reference model {path} is not there: give --reference MODEL.onnx")
+    if given is None and record.get("sha256") and artifacts.sha256_file(path) != record["sha256"]:
+        raise InputRejected(f"{path} has changed since {candidate.folder.name} was built (sha256): give --reference")
+    return path
+
+
+def run_comparison(baseline: Deployment, candidate: Deployment, reference: Path, data_dir: str | Path | None,
+                   max_latency_regression_pct: float | None = None, max_accuracy_drop: float | None = None) -> Comparison:
+    if [i.name for i in baseline.config.inputs] != [i.name for i in candidate.config.inputs]:
+        raise UsageError("the two artifacts take different inputs: not the same model family")
+    recipe = Recipe.model_validate(read_manifest(candidate.folder).recipe["resolved"])
+    config = candidate.config
+    if data_dir is not None:
+        samples, data = load_samples(data_dir, config.inputs, config.preprocessing)
+    else:
+        shapes = with_batch(config.shapes, 1, config.batch_axes) if config.batch_dynamic else config.shapes
+        samples, data = synthetic_samples(config.inputs, shapes, SYNTHETIC_SAMPLES, recipe.accuracy.seed)
+    samples = samples[: recipe.accuracy.max_samples]
+    names = data.names[: len(samples)]
+    dtypes = {name: array.dtype for name, array in samples[0].items()}
+    threads = config.threads or available_cpus()
+
+    reports = [compare(reference_runner(reference, threads), side.runner(dtypes), samples, recipe.tolerance,
+                       recipe.accuracy.task_metrics, names=names, batch_size=side.batch_size, batch_axes=side.batch_axes)
+               for side in (baseline, candidate)]
+    sizes = sorted({baseline.batch_size, candidate.batch_size})
+    targets = [baseline.target(dtypes, label="baseline"), candidate.target(dtypes, label="candidate")]
+    bench = run_benchmark(targets, samples, sizes, recipe.benchmark, threads, config.batch_axes)
+    metric = _quality_metric(reports[1])
+    sides = []
+    for deployment, report, timed in zip((baseline, candidate), reports, bench.models, strict=True):
+        at = timed.at(deployment.batch_size)
+        sides.append(Side(artifact=str(deployment.folder), backend=deployment.config.backend,
+                          precision=deployment.config.precision.value, batch_size=deployment.batch_size,
+                          latency_p50_ms=at.latency.p50_ms, throughput_per_s=at.throughput_per_s,
+                          quality=_quality(report, metric), accuracy=report))
+    base, cand = sides
+    ratio = cand.throughput_per_s / base.throughput_per_s
+    regression = (base.throughput_per_s / cand.throughput_per_s - 1) * 100
+    drop = base.quality - cand.quality
+    checks = [Check(name="candidate signs off", passed=cand.accuracy.passed,
+                    line="candidate within the tolerance against the reference" if cand.accuracy.passed
+                    else f"candidate fails the gate: {cand.accuracy.failures[0]}")]
+    if max_latency_regression_pct is not None:
+        ok = regression <= max_latency_regression_pct
+        checks.append(Check(name="latency regression", passed=ok,
+                            line=f"candidate {abs(regression):.1f}% {'slower' if regression > 0 else 'faster'} per sample "
+                                 f"({cand.throughput_per_s:.1f} vs {base.throughput_per_s:.1f} samples/s); "
+                                 f"limit {max_latency_regression_pct:g}% slower"))
+    if max_accuracy_drop is not None:
+        ok = drop <= max_accuracy_drop
+        checks.append(Check(name="accuracy drop", passed=ok,
+                            line=f"{metric}: candidate {cand.quality:.4f}, baseline {base.quality:.4f}, drop {drop:.4f}; "
+                                 f"limit {max_accuracy_drop:g}"))
+    return Comparison(reference=str(reference), data=data, quality_metric=metric, baseline=base, candidate=cand,
+                      throughput_ratio=ratio, latency_regression_pct=regression, accuracy_drop=drop, checks=checks)
+
+
+def _quality_metric(report: AccuracyReport) -> str:
+    if report.task_metrics:
+        first = report.task_metrics[0]
+        return f"{first.kind}:{next(iter(first.values))} on {first.output}"
+    return "worst output cosine"
+
+
+def _quality(report: AccuracyReport, metric: str) -> float:
+    if report.task_metrics:
+        first = report.task_metrics[0]
+        return first.values[next(iter(first.values))]
+    return report.worst_cosine
+
+
+def comparison_markdown(c: Comparison) -> str:
+    rows = [(side, label) for side, label in ((c.baseline, "baseline"), (c.candidate, "candidate"))]
+    out = [
+        "# Comparison",
+        "",
+        f"Reference: `{c.reference}`; data: {c.data.source} ({c.data.count} samples); interleaved in one run; "
+        f"quality: {c.quality_metric}.",
+        "",
+        "| | artifact | backend | precision | batch | p50 ms | samples/s | quality | signed off against the reference |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    out += [f"| {label} | {Path(s.artifact).name} | {s.backend} | {s.precision} | {s.batch_size} | {s.latency_p50_ms:.2f} | "
+            f"{s.throughput_per_s:.1f} | {s.quality:.4f} | {'yes' if s.accuracy.passed else 'no'} |" for s, label in rows]
+    out += ["", f"Throughput ratio candidate / baseline: {c.throughput_ratio:.2f}x; accuracy drop {c.accuracy_drop:.4f}.", ""]
+    out += [f"- {'pass' if check.passed else 'FAIL'}: {check.name}: {check.line}" for check in c.checks]
+    return "\n".join(out) + "\n"
