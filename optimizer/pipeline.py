@@ -21,7 +21,7 @@ from typing import Any, Literal
 import onnx
 from pydantic import BaseModel, PrivateAttr
 
-from accel_opt import artifacts, hardware, report, runtime
+from accel_opt import artifacts, hardware, htmlreport, report, runtime
 from accel_opt.accuracy import AccuracyReport, compare
 from accel_opt.backends import Backend, CompiledModel, compile_for, get_backend
 from accel_opt.backends.onnxruntime import reference_runner
@@ -453,14 +453,20 @@ def _stage_reports(ctx: BuildContext) -> tuple[StageStatus, str]:
     artifacts.write_json(staging / "benchmark.json", ctx.bench)
     artifacts.write_text(staging / "benchmark.md", report.benchmark_markdown(name, ctx.bench))
     artifacts.write_json(staging / runtime.RESOURCE_CONFIG, _measured_config(ctx))
+    config = ctx.resource_config
     build_info = {
+        "model_name": name,
+        "created_utc": artifacts.now_utc(),
         "cleanup": ctx.cleanup.model_dump(mode="json") if ctx.cleanup else None,
         "precision": ctx.precision.model_dump(mode="json") if ctx.precision else None,
         "data": ctx.data.model_dump(mode="json"),
         "export": ctx.export,
         "notes": ctx.notes,
+        "environment": {"tools": artifacts.tool_versions(), "cpu": hardware.cpu_info()},
+        "files_sha256": {f: artifacts.sha256_file(staging / f) for f in [config.model_file, *config.extra_files]},
     }
     artifacts.write_json(staging / "build.json", build_info)
+    artifacts.write_text(staging / "signoff.html", htmlreport.render(staging))  # from the JSON reports above only
     return "passed", f"{len(list(staging.iterdir()))} files"
 
 

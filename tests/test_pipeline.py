@@ -1,17 +1,19 @@
 """End-to-end builds on a real (tiny) ResNet-layout model with real ORT sessions and Polygraphy."""
 
 import json
+import re
 from pathlib import Path
 
 import pytest
 
+from accel_opt import htmlreport
 from accel_opt.artifacts import MANIFEST, sha256_file
 from accel_opt.errors import Unsupported, UsageError
 from accel_opt.pipeline import build
 
 from .conftest import image_npz_folder
 
-EXPECTED_FILES = {"model.onnx", "resource_config.json", "accuracy.json", "signoff.md", "benchmark.json", "benchmark.md",
+EXPECTED_FILES = {"model.onnx", "resource_config.json", "accuracy.json", "signoff.md", "signoff.html", "benchmark.json", "benchmark.md",
                   "build.json", MANIFEST}
 
 
@@ -42,6 +44,11 @@ def test_fp32_build_signs_off_with_every_artifact(tiny_cnn_path, fast_recipe, tm
     assert bench["models"][0]["batches"][0]["latency"]["iterations"] >= 5
     signoff = (folder / "signoff.md").read_text()
     assert "SIGNED OFF" in signoff and "Synthetic data was used" in signoff and "batch defaulted to 1" in signoff
+    page = (folder / "signoff.html").read_text()
+    assert htmlreport.render(folder) == page  # rendered from the JSON reports alone
+    assert "SIGNED OFF" in page and "NOT SIGNED OFF" not in page and "Synthetic data was used" in page
+    assert not re.search(r"(src|href)=[\"'](?!data:)|https?://|@import", page)  # self-contained: nothing fetched
+    assert page.count("data:image/png;base64,") == 1
     assert not list(tmp_path.glob(".*staging*"))
 
 
@@ -54,6 +61,8 @@ def test_too_tight_tolerance_fails_the_gate_but_writes_reports(tiny_cnn_path, fa
     assert result.failures and "logits" in result.failures[0]
     folder = tmp_path / result.artifact_dir.split("/")[-1]
     assert "NOT SIGNED OFF" in (folder / "signoff.md").read_text()
+    page = (folder / "signoff.html").read_text()
+    assert "NOT SIGNED OFF" in page and "<h2>Failed checks</h2>" in page and "beyond atol=0/rtol=0" in page
     manifest = json.loads((folder / MANIFEST).read_text())
     assert manifest["signed_off"] is False and manifest["exit_code"] == 1
     assert next(s for s in manifest["stages"] if s["name"] == "accuracy")["status"] == "failed"

@@ -1,0 +1,210 @@
+"""`signoff.html`: the sign-off a reviewer reads in a browser, rendered from the artifact's JSON reports only.
+
+One self-contained page (inline CSS, plots embedded as PNG data URIs, no network reference): the
+verdict first, then what it rests on, every check, the per-output and worst-sample tables, task
+metrics, what stayed in higher precision, the benchmark with its plot, the resource configuration
+and the environment. `render(folder)` reads accuracy.json, benchmark.json, resource_config.json
+and build.json, so rendering a saved folder again reproduces the file byte for byte.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+from html import escape
+from pathlib import Path
+from typing import Any
+
+REPORTS = ("accuracy.json", "benchmark.json", "resource_config.json", "build.json")
+STYLE = """
+body{font:14px/1.45 -apple-system,"Segoe UI",Helvetica,Arial,sans-serif;color:#1f2328;margin:0;background:#f6f8fa}
+main{max-width:1100px;margin:0 auto;padding:24px 32px 48px;background:#fff;min-height:100vh}
+h1{font-size:24px;margin:0 0 4px}h2{font-size:18px;margin:28px 0 8px;border-bottom:1px solid #d0d7de;padding-bottom:4px}
+.verdict{font-size:20px;font-weight:600;padding:12px 16px;border-radius:6px;margin:12px 0 16px}
+.pass{background:#dafbe1;color:#116329;border:1px solid #4ac26b}.fail{background:#ffebe9;color:#a40e26;border:1px solid #ff8182}
+.warn{background:#fff8c5;border:1px solid #d4a72c;padding:8px 12px;border-radius:6px}
+table{border-collapse:collapse;margin:6px 0 10px;font-size:13px}th,td{border:1px solid #d0d7de;padding:4px 8px;text-align:left;vertical-align:top}
+th{background:#f6f8fa}td.num{text-align:right;font-variant-numeric:tabular-nums}
+.ok{color:#116329;font-weight:600}.bad{color:#a40e26;font-weight:600}.muted{color:#656d76}
+code{font:12px ui-monospace,SFMono-Regular,Menlo,monospace;background:#f6f8fa;padding:1px 4px;border-radius:4px}
+ul{margin:4px 0 8px 20px;padding:0}img{max-width:100%;border:1px solid #d0d7de;border-radius:6px}
+"""
+
+
+def render(folder: str | Path, title: str | None = None) -> str:
+    """The sign-off page of the artifact (or staged) `folder`, from its JSON reports."""
+    folder = Path(folder)
+    acc, bench, config, build = (json.loads((folder / name).read_text()) for name in REPORTS)
+    name = title or build.get("model_name") or folder.name
+    passed = not acc["failures"]
+    parts = [f"<h1>Accuracy sign-off: {escape(name)}</h1>",
+             f'<div class="muted">{escape(config["backend"])} {escape(config["precision"])} &middot; '
+             f"{escape(build.get('created_utc', ''))}</div>",
+             f'<div class="verdict {"pass" if passed else "fail"}">{"SIGNED OFF" if passed else "NOT SIGNED OFF"}'
+             f" &mdash; {sum(c['passed'] for c in acc['checks'])} of {len(acc['checks'])} checks passed</div>"]
+    if not passed:
+        parts.append("<h2>Failed checks</h2>" + _list(acc["failures"]))
+    parts += [_rests_on(acc, build), _checks(acc), _outputs(acc), _worst(acc), _tasks(acc), _kept(build),
+              _benchmark(bench), _resources(config), _environment(build, config)]
+    notes = build.get("notes", []) + ((build.get("precision") or {}).get("notes") or [])
+    if notes:
+        parts.append("<h2>Notes</h2>" + _list(notes))
+    body = "\n".join(p for p in parts if p)
+    return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{escape(name)} sign-off</title>'
+            f"<style>{STYLE}</style></head><body><main>\n{body}\n</main></body></html>\n")
+
+
+def _list(items: list[str]) -> str:
+    return "<ul>" + "".join(f"<li>{escape(str(i))}</li>" for i in items) + "</ul>"
+
+
+def _table(header: list[str] | None, rows: list[list[Any]], numeric: set[int] = frozenset()) -> str:
+    """A table; `header` None for a key-value table, whose first column is drawn as headings."""
+    head = "<tr>" + "".join(f"<th>{escape(h)}</th>" for h in header) + "</tr>" if header else ""
+    tag = "td" if header else "th"
+    body = "".join("<tr>" + "".join(f'<{tag if i == 0 and not header else "td"}{" class=num" if i in numeric else ""}>'
+                                    f'{cell}</{tag if i == 0 and not header else "td"}>' for i, cell in enumerate(row))
+                   + "</tr>" for row in rows)
+    return f"<table>{head}{body}</table>"
+
+
+def _mark(ok: bool) -> str:
+    return '<span class="ok">pass</span>' if ok else '<span class="bad">FAIL</span>'
+
+
+def _rests_on(acc: dict, build: dict) -> str:
+    data, ev, tol = build.get("data") or {}, acc["evaluation"], acc["tolerance"]
+    how = (f"in {ev['calls']} calls of batch {ev['batch_size']}, cut back into samples" if ev["mode"] == "batched"
+           else f"one sample per call{' (' + ev['note'] + ')' if ev.get('note') else ''}")
+    items = [
+        f"Candidate <code>{escape(acc['candidate'])}</code>, loaded from the artifact as deployed: "
+        f"{escape(ev.get('deployment') or '')}; run {escape(how)}",
+        f"Reference <code>{escape(acc['reference'])}</code>, one sample per call",
+        f"{acc['sample_count']} evaluation samples from {escape(str(data.get('source')))} "
+        f"{escape(str(data.get('path') or ''))} ({data.get('count', '?')} read); every sample and every output is judged",
+        f"Errors are |candidate &minus; reference| in units of each output's scale (its reference standard deviation): "
+        f"{escape(tol['error_stat'])} error &le; {tol['max_error']:g} over all samples, &le; {tol['max_sample_error']:g} "
+        f"within each; cosine &ge; {tol['min_cosine']} overall and &ge; {tol['min_sample_cosine']} per sample; gain within "
+        f"1 &plusmn; {tol['max_gain_error']:g}; no NaN/Inf"
+        + (f"; absolute atol {tol['atol'] or 0:g} / rtol {tol['rtol'] or 0:g}" if tol.get("atol") is not None
+           or tol.get("rtol") is not None else ""),
+    ]
+    warning = ('<p class="warn"><b>Synthetic data was used:</b> the inputs were random; the numeric check holds, '
+               "task quality was not measured on real inputs.</p>") if data.get("source") == "synthetic" else ""
+    return "<h2>What the verdict rests on</h2>" + warning + "<ul>" + "".join(f"<li>{i}</li>" for i in items) + "</ul>"
+
+
+def _checks(acc: dict) -> str:
+    return "<h2>Checks</h2>" + _table(["check", "result", "detail"],
+                                      [[escape(c["name"]), _mark(c["passed"]), escape(c["line"])] for c in acc["checks"]])
+
+
+def _outputs(acc: dict) -> str:
+    stat = acc["tolerance"]["error_stat"]
+    rows = [[escape(o["name"]), f"{escape(o['scale_basis'])} {o['scale']:.4g}", f"{o['error']:.3g}",
+             f"{o['worst_sample_error']:.3g}", f"{o['cosine']:.6f}",
+             "-" if o["worst_sample_cosine"] is None else f"{o['worst_sample_cosine']:.6f}", f"{o['gain']:.5f}",
+             f"{o['max_abs_error']:.3g}", o["non_finite_count"], f"{o['failed_samples']} of {acc['sample_count']}",
+             _mark(o["passed"])] for o in acc["outputs"]]
+    return "<h2>Outputs</h2>" + _table(
+        ["output", "scale", f"{stat} error", "worst sample error", "cosine", "worst sample cosine", "gain", "max abs",
+         "NaN/Inf", "failed samples", "verdict"], rows, numeric=set(range(2, 10)))
+
+
+def _worst(acc: dict) -> str:
+    if not acc["worst_samples"]:
+        return ""
+    rows = [[escape(w["sample"]), escape(w["output"]), f"{w['error']:.3g}",
+             "-" if w["cosine"] is None else f"{w['cosine']:.6f}", _mark(w["passed"])] for w in acc["worst_samples"]]
+    return "<h2>Worst samples</h2>" + _table(["sample", "output", "error", "cosine", "verdict"], rows, numeric={2, 3})
+
+
+def _tasks(acc: dict) -> str:
+    if not acc["task_metrics"]:
+        return ""
+    rows = [[escape(f"{m['kind']}:{k}"), escape(m["output"]), f"{m['values'][k]:.4f}", v, _mark(m["values"][k] >= v)]
+            for m in acc["task_metrics"] for k, v in m["thresholds"].items()]
+    notes = [f"{m['kind']}: {m['note']}" for m in acc["task_metrics"] if m.get("note")]
+    notes += [f"{m['kind']}: changed or worst samples: {', '.join(m['worst_samples'])}"
+              for m in acc["task_metrics"] if m.get("worst_samples")]
+    return "<h2>Task metrics</h2>" + _table(["metric", "output", "value", "minimum", "verdict"], rows, {2, 3}) + (
+        _list(notes) if notes else "")
+
+
+def _kept(build: dict) -> str:
+    kept = (build.get("precision") or {}).get("kept_in_higher_precision") or []
+    if not kept:
+        return ""
+    return "<h2>Kept in higher precision</h2>" + _table(
+        ["node", "op", "why"], [[escape(k["node"]), escape(k["op_type"]), escape(k["reason"])] for k in kept])
+
+
+def _benchmark(bench: dict) -> str:
+    rows = [[escape(m["label"]), b["batch_size"], f"{b['latency']['p50_ms']:.2f}", f"{b['latency']['p90_ms']:.2f}",
+             f"{b['latency']['p99_ms']:.2f}", f"{b['throughput_per_s']:.1f}", b["latency"]["iterations"]]
+            for m in bench["models"] for b in m["batches"]]
+    out = ["<h2>Benchmark</h2>",
+           f"<p>{bench['threads']} threads; wall time around each whole inference call, models measured in "
+           "interleaved rounds in one run.</p>",
+           _table(["model", "batch", "p50 ms", "p90 ms", "p99 ms", "samples/s", "iterations"], rows, set(range(1, 7)))]
+    for base, ratios in bench["speedup_vs_baseline"].items():
+        out.append(f"<p>Speedup of {escape(bench['models'][0]['label'])} over {escape(base)} (p50): "
+                   + ", ".join(f"batch {b}: <b>{r:.2f}x</b>" for b, r in ratios.items()) + "</p>")
+    out.append(f'<img alt="latency and throughput by batch size" src="data:image/png;base64,{_plot(bench)}">')
+    if bench.get("concurrency"):
+        out.append(_table(["hint", "threads", "streams", "batch", "samples/s", "p50 ms", "p99 ms"],
+                          [[escape(r["hint"]), r["threads"], r["streams"], r["batch_size"], f"{r['samples_per_s']:.1f}",
+                            f"{r['p50_ms']:.2f}", f"{r['p99_ms']:.2f}"] for r in bench["concurrency"]], set(range(1, 7))))
+    return "\n".join(out)
+
+
+def _plot(bench: dict) -> str:
+    """p50/p99 latency and throughput against batch size, one line per model, as a base64 PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+
+    fig, (lat, thr) = plt.subplots(1, 2, figsize=(10, 3.4), dpi=100)
+    for model in bench["models"]:
+        sizes = [b["batch_size"] for b in model["batches"]]
+        line, = lat.plot(sizes, [b["latency"]["p50_ms"] for b in model["batches"]], marker="o", label=f"{model['label']} p50")
+        lat.plot(sizes, [b["latency"]["p99_ms"] for b in model["batches"]], linestyle="--", color=line.get_color(),
+                 label=f"{model['label']} p99")
+        thr.plot(sizes, [b["throughput_per_s"] for b in model["batches"]], marker="o", color=line.get_color(),
+                 label=model["label"])
+    for ax, label in ((lat, "latency per call (ms)"), (thr, "throughput (samples/s)")):
+        ax.set_xlabel("batch size")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", metadata={"Software": None})
+    plt.close(fig)
+    return base64.b64encode(buffer.getvalue()).decode()
+
+
+def _resources(config: dict) -> str:
+    rec = config.get("recommended") or {}
+    rows = [["backend / device", f"{escape(config['backend'])} on {escape(config['device'])} via {escape(', '.join(config['providers']))}"],
+            ["precision", escape(config["precision"])], ["threads", config["threads"]],
+            ["batch size (deployed, as the gate ran it)", config["batch_size"]],
+            ["inputs", "<br>".join(f"<code>{escape(i['name'])}</code> {escape(i['dtype'])} {i['shape_used']} "
+                                    f"(batch axis {i.get('batch_axis')})" for i in config["inputs"])],
+            ["recommended", escape(", ".join(f"{k}: {v}" for k, v in rec.items()))],
+            ["memory", escape(", ".join(f"{k}: {v:.0f}" if isinstance(v, float) else f"{k}: {v}"
+                                        for k, v in (config.get("memory") or {}).items()))]]
+    return "<h2>Resource configuration</h2>" + _table(None, rows)
+
+
+def _environment(build: dict, config: dict) -> str:
+    env = build.get("environment") or {}
+    cpu = env.get("cpu") or {}
+    rows = [["CPU", escape(f"{cpu.get('model')} ({cpu.get('machine')}), {cpu.get('available_cpus')} CPUs; "
+                           f"{' '.join(cpu.get('flags', []))}")],
+            ["tools", escape(", ".join(f"{k} {v}" for k, v in (env.get("tools") or {}).items()))]]
+    rows += [[f"<code>{escape(name)}</code>", f"<code>{digest}</code>"] for name, digest in (build.get("files_sha256") or {}).items()]
+    return ("<h2>Environment and files</h2>" + _table(None, rows)
+            + "<p class=muted>Every file's sha256 is in manifest.json; <code>accel-opt verify</code> checks them.</p>")
