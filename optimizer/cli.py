@@ -264,9 +264,10 @@ def _progress(enabled: bool):
 @click.option("--data", "data_dir", type=click.Path(path_type=Path), help="Folder of .npz feeds or images (default: synthetic).")
 @click.option("--batch-sizes", help="Comma-separated batch sizes (default: the build's).")
 @click.option("--out", "out_file", type=click.Path(path_type=Path), help="Also write the report as JSON here.")
+@click.option("--junit", "junit_file", type=click.Path(path_type=Path), help="Write one JUnit test case per batch size measured.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as one JSON object on stdout.")
 @click.option("-v", "--verbose", is_flag=True)
-def bench_command(artifact, data_dir, batch_sizes, out_file, as_json, verbose):
+def bench_command(artifact, data_dir, batch_sizes, out_file, junit_file, as_json, verbose):
     """Benchmark a built ARTIFACT folder again, loaded and run as deployed, without rebuilding it."""
     _setup_logging(verbose)
     try:
@@ -284,10 +285,19 @@ def bench_command(artifact, data_dir, batch_sizes, out_file, as_json, verbose):
         if out_file:
             artifacts.write_json(out_file, result)
     except (AccelOptError, MemoryError, Exception) as exc:  # noqa: BLE001
+        if junit_file:
+            _write_junit(junit_file, [(f"bench {Path(artifact).name}", [], f"bench failed: {exc}")])
         _fail(exc, verbose, as_json)
         return
     except KeyboardInterrupt as exc:
         _interrupted(exc, what="nothing was written")
+    if junit_file:
+        from accel_opt.accuracy import Check
+
+        measured = [Check(name=f"batch {b.batch_size}", passed=True,
+                          line=f"p50 {b.latency.p50_ms:.2f} ms, p99 {b.latency.p99_ms:.2f} ms, {b.throughput_per_s:.1f} samples/s")
+                    for b in result.models[0].batches]
+        _write_junit(junit_file, [(f"bench {Path(artifact).name}", measured, None)])
     if as_json:
         click.echo(json.dumps({"exit_code": 0, "artifact_dir": str(artifact), "data": data.model_dump(mode="json", exclude={"names"}),
                                "benchmark": result.model_dump(mode="json")}))

@@ -4,6 +4,7 @@ import json
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from accel_opt import htmlreport
@@ -106,6 +107,11 @@ def test_a_changed_input_or_a_folder_that_fails_verification_is_rebuilt(tiny_cnn
     first = build(tiny_cnn_path, fast_recipe, out_dir=tmp_path)
     other_recipe = build(tiny_cnn_path, fast_recipe.with_overrides(**{"accuracy.seed": 1}), out_dir=tmp_path)
     assert not other_recipe.reused and other_recipe.artifact_dir != first.artifact_dir
+    data = image_npz_folder(tmp_path / "data", 3)
+    other_data = build(tiny_cnn_path, fast_recipe, data_dir=data, out_dir=tmp_path)
+    np.savez(data / "s00.npz", image=np.ones((1, 3, 32, 32), np.float32))  # one sample changed
+    changed_data = build(tiny_cnn_path, fast_recipe, data_dir=data, out_dir=tmp_path)
+    assert not other_data.reused and not changed_data.reused and changed_data.artifact_dir != other_data.artifact_dir
     (Path(first.artifact_dir) / "signoff.md").write_text("edited")
     again = build(tiny_cnn_path, fast_recipe, out_dir=tmp_path)
     assert not again.reused and again.artifact_dir == first.artifact_dir

@@ -142,8 +142,11 @@ def test_images_need_recorded_preprocessing(tiny_cnn_path, photos, tmp_path):
 def test_bench_times_the_artifact_again_as_deployed(classifier, photos, tmp_path):
     import shutil
 
-    result = CliRunner().invoke(main, ["bench", str(classifier), "--batch-sizes", "1,4", "--json", "--out", str(tmp_path / "b.json")])
+    junit = tmp_path / "bench.xml"
+    result = CliRunner().invoke(main, ["bench", str(classifier), "--batch-sizes", "1,4", "--json", "--out", str(tmp_path / "b.json"),
+                                       "--junit", str(junit)])
     assert result.exit_code == 0, result.stderr
+    assert junit.read_text().count("<testcase") == 2
     payload = json.loads(result.stdout)
     (model,) = payload["benchmark"]["models"]
     assert model["label"] == "onnxruntime-fp32" and [b["batch_size"] for b in model["batches"]] == [1, 4]
