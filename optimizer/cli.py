@@ -162,7 +162,11 @@ def _junit_suites(model, result, selection) -> list:
     from accel_opt.accuracy import AccuracyReport
 
     def checks_of(artifact_dir: str) -> list:
-        return AccuracyReport.model_validate_json((Path(artifact_dir) / "accuracy.json").read_text()).checks
+        from accel_opt.bench import BenchmarkReport
+
+        folder = Path(artifact_dir)
+        return (AccuracyReport.model_validate_json((folder / "accuracy.json").read_text()).checks
+                + BenchmarkReport.model_validate_json((folder / "benchmark.json").read_text()).checks)
 
     stem = Path(str(model)).stem
     if selection is None:

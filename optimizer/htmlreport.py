@@ -37,15 +37,17 @@ def render(folder: str | Path, title: str | None = None) -> str:
     folder = Path(folder)
     acc, bench, config, build = (json.loads((folder / name).read_text()) for name in REPORTS)
     name = title or build.get("model_name") or folder.name
-    passed = not acc["failures"]
+    checks = acc["checks"] + bench.get("checks", [])
+    failures = [c["line"] for c in checks if not c["passed"]]
+    passed = not failures
     parts = [f"<h1>Accuracy sign-off: {escape(name)}</h1>",
              f'<div class="muted">{escape(config["backend"])} {escape(config["precision"])} &middot; '
              f"{escape(build.get('created_utc', ''))}</div>",
              f'<div class="verdict {"pass" if passed else "fail"}">{"SIGNED OFF" if passed else "NOT SIGNED OFF"}'
-             f" &mdash; {sum(c['passed'] for c in acc['checks'])} of {len(acc['checks'])} checks passed</div>"]
+             f" &mdash; {sum(c['passed'] for c in checks)} of {len(checks)} checks passed</div>"]
     if not passed:
-        parts.append("<h2>Failed checks</h2>" + _list(acc["failures"]))
-    parts += [_rests_on(acc, build), _checks(acc), _outputs(acc), _worst(acc), _tasks(acc), _kept(build),
+        parts.append("<h2>Failed checks</h2>" + _list(failures))
+    parts += [_rests_on(acc, build), _checks(checks), _outputs(acc), _worst(acc), _tasks(acc), _kept(build),
               _benchmark(bench), _resources(config), _environment(build, config)]
     notes = build.get("notes", []) + ((build.get("precision") or {}).get("notes") or [])
     if notes:
@@ -95,9 +97,9 @@ def _rests_on(acc: dict, build: dict) -> str:
     return "<h2>What the verdict rests on</h2>" + warning + "<ul>" + "".join(f"<li>{i}</li>" for i in items) + "</ul>"
 
 
-def _checks(acc: dict) -> str:
+def _checks(checks: list[dict]) -> str:
     return "<h2>Checks</h2>" + _table(["check", "result", "detail"],
-                                      [[escape(c["name"]), _mark(c["passed"]), escape(c["line"])] for c in acc["checks"]])
+                                      [[escape(c["name"]), _mark(c["passed"]), escape(c["line"])] for c in checks])
 
 
 def _outputs(acc: dict) -> str:
@@ -152,6 +154,15 @@ def _benchmark(bench: dict) -> str:
         out.append(f"<p>Speedup of {escape(bench['models'][0]['label'])} over {escape(base)} (p50): "
                    + ", ".join(f"batch {b}: <b>{r:.2f}x</b>" for b, r in ratios.items()) + "</p>")
     out.append(f'<img alt="latency and throughput by batch size" src="data:image/png;base64,{_plot(bench)}">')
+    if bench.get("sweep"):
+        rec = bench.get("recommended") or {}
+        out.append("<h3>Batch size x concurrency</h3>" + _table(
+            ["batch", "concurrency", "p50 ms", "p90 ms", "p99 ms", "samples/s", "peak memory MiB", "windows", "stable", ""],
+            [[p["batch_size"], p["concurrency"], f"{p['p50_ms']:.2f}", f"{p['p90_ms']:.2f}", f"{p['p99_ms']:.2f}",
+              f"{p['throughput_per_s']:.1f}", f"{p['peak_memory_mib']:.0f}", p["windows"], "yes" if p["stable"] else "no",
+              "<b>recommended</b>" if (p["batch_size"], p["concurrency"]) == (rec.get("batch_size"), rec.get("concurrency"))
+              else ""] for p in bench["sweep"]], set(range(0, 8))))
+        out.append(f"<p>{escape(bench.get('recommendation', ''))}</p>")
     if bench.get("concurrency"):
         out.append(_table(["hint", "threads", "streams", "batch", "samples/s", "p50 ms", "p99 ms"],
                           [[escape(r["hint"]), r["threads"], r["streams"], r["batch_size"], f"{r['samples_per_s']:.1f}",

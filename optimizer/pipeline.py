@@ -26,6 +26,7 @@ from accel_opt.accuracy import AccuracyReport, compare
 from accel_opt.backends import Backend, CompiledModel, compile_for, get_backend
 from accel_opt.backends.onnxruntime import reference_runner
 from accel_opt.bench import BenchmarkReport, Target, run_benchmark
+from accel_opt.bench.sweep import capacity, recommend, sweep, sweep_checks
 from accel_opt.data import DataSummary, Sample, batch_of, load_samples, shapes_of, split_indices, synthetic_samples
 from accel_opt.errors import AccelOptError, Unsupported, UsageError, first_line, no_space_error
 from accel_opt.graph.cleanup import CleanupReport, cleanup
@@ -33,7 +34,7 @@ from accel_opt.graph.inspect import ResolvedShapes, TensorSpec, io_specs, resolv
 from accel_opt.graph.load import LoadedModel, load_model
 from accel_opt.graph.save import save_model
 from accel_opt.precision import PrecisionReport, transform
-from accel_opt.recipe import Precision, Recipe, load_recipe
+from accel_opt.recipe import BenchmarkConfig, Precision, Recipe, load_recipe
 from accel_opt.runtime import DeployedInput, Deployment, ResourceConfig
 
 log = logging.getLogger(__name__)
@@ -176,11 +177,12 @@ def build(
                     if reused is not None:
                         return reused
 
-            signed_off = ctx.accuracy.passed
+            failures = ctx.accuracy.failures + ctx.bench.failures
+            signed_off = not failures
             final = out_dir / _artifact_name(ctx)
             result = BuildResult(
                 model=str(model), precision=recipe.precision.value, backend=backend.name, signed_off=signed_off,
-                exit_code=0 if signed_off else 1, artifact_dir=str(final), failures=ctx.accuracy.failures, stages=stages,
+                exit_code=0 if signed_off else 1, artifact_dir=str(final), failures=failures, stages=stages,
                 worst_cosine=ctx.accuracy.worst_cosine, data=_data_record(ctx), evaluated=ctx.accuracy.evaluation.deployment,
             )
             _fill_headline(result, ctx.bench)
@@ -224,15 +226,16 @@ def _reuse(ctx: BuildContext, final: Path, model: str, stages: list[StageResult]
         return None
     manifest = runtime.read_manifest(final)
     accuracy = AccuracyReport.model_validate_json((final / "accuracy.json").read_text())
+    bench = BenchmarkReport.model_validate_json((final / "benchmark.json").read_text())
     stages.append(StageResult(name="reuse", status="passed", detail=f"an identical build verified: {final}"))
     if on_stage:
         on_stage(stages[-1])
     result = BuildResult(
         model=model, precision=manifest.precision, backend=manifest.backend, signed_off=manifest.signed_off,
-        exit_code=manifest.exit_code, artifact_dir=str(final), failures=accuracy.failures, stages=stages,
+        exit_code=manifest.exit_code, artifact_dir=str(final), failures=accuracy.failures + bench.failures, stages=stages,
         worst_cosine=accuracy.worst_cosine, data=_data_record(ctx), evaluated=accuracy.evaluation.deployment, reused=True,
     )
-    _fill_headline(result, BenchmarkReport.model_validate_json((final / "benchmark.json").read_text()))
+    _fill_headline(result, bench)
     result._eval_samples = ctx.eval_samples
     return result
 
@@ -433,22 +436,35 @@ def _stage_benchmark(ctx: BuildContext) -> tuple[StageStatus, str]:
     batch_sizes = ctx.recipe.benchmark.batch_sizes if ctx.shapes.batch_dynamic else [ctx.shapes.batch_size]
     axes = ctx.shapes.batch_axes
     ctx.bench = run_benchmark(targets, ctx.eval_samples, batch_sizes, ctx.recipe.benchmark, ctx.threads, axes)
-    sweep = getattr(ctx.backend, "concurrency_sweep", None)
-    if sweep is not None:  # streams x async requests: the concurrency a server would run
+    streams = getattr(ctx.backend, "concurrency_sweep", None)
+    if streams is not None:  # streams x async requests: the concurrency a server would run
         feed = batch_of(ctx.eval_samples, ctx.deploy_batch, axes)
-        ctx.bench.concurrency = sweep(ctx.deployment.compiled, feed, seconds=max(0.2, ctx.recipe.benchmark.min_seconds / 2))
+        ctx.bench.concurrency = streams(ctx.deployment.compiled, feed, seconds=max(0.2, ctx.recipe.benchmark.min_seconds / 2))
+    config, dtypes = ctx.recipe.benchmark, runtime.feed_dtypes_of(ctx.eval_samples)
+    ctx.bench.sweep = sweep(lambda: ctx.deployment.runner(dtypes), ctx.eval_samples, batch_sizes, config, axes,
+                            ctx.backend.synchronize)
+    ctx.bench.recommended, ctx.bench.recommendation = recommend(ctx.bench.sweep, config)
+    ctx.bench.capacity = capacity(ctx.bench.sweep, config)
+    ctx.bench.checks = sweep_checks(ctx.bench.recommended, ctx.bench.recommendation, ctx.bench.capacity, config)
     first = ctx.bench.models[0].batches[0]
-    return "passed", f"batch {first.batch_size}: p50 {first.latency.p50_ms:.2f} ms over {first.latency.iterations} iterations"
+    detail = f"batch {first.batch_size}: p50 {first.latency.p50_ms:.2f} ms over {first.latency.iterations} iterations"
+    detail += f"; sweep of {len(ctx.bench.sweep)} points: " + (ctx.bench.recommendation if ctx.bench.recommended is None else
+              f"best batch {ctx.bench.recommended.batch_size} x {ctx.bench.recommended.concurrency} concurrent, "
+              f"{ctx.bench.recommended.throughput_per_s:.1f} samples/s")
+    if ctx.bench.failures:
+        return "failed", detail + "; " + "; ".join(ctx.bench.failures)
+    return "passed", detail
 
 
 def _stage_reports(ctx: BuildContext) -> tuple[StageStatus, str]:
     staging, name = ctx.staging, ctx.model_path.stem
-    signed_off = ctx.accuracy.passed
+    signed_off = ctx.accuracy.passed and not ctx.bench.failures
     artifacts.write_json(staging / "accuracy.json", ctx.accuracy)
     artifacts.write_text(
         staging / "signoff.md",
         report.signoff_markdown(name, signed_off, ctx.accuracy, ctx.precision, ctx.data, len(ctx.calibration_samples),
-                                ctx.notes + (ctx.precision.notes if ctx.precision else [])),
+                                ctx.notes + (ctx.precision.notes if ctx.precision else [])
+                                + [f"Benchmark gate failed: {line}" for line in ctx.bench.failures]),
     )
     artifacts.write_json(staging / "benchmark.json", ctx.bench)
     artifacts.write_text(staging / "benchmark.md", report.benchmark_markdown(name, ctx.bench))
@@ -488,7 +504,6 @@ STAGES: list[tuple[str, Callable[[BuildContext], tuple[StageStatus, str]]]] = [
 def _measured_config(ctx: BuildContext) -> ResourceConfig:
     """The resource config the runtime read, with what the benchmark measured added (nothing it reads changes)."""
     candidate = ctx.bench.models[0]
-    best = max(candidate.batches, key=lambda b: b.throughput_per_s)
     return ctx.resource_config.model_copy(update={
         "output_batch_axes": ctx.accuracy.evaluation.output_batch_axes,
         "batch_sizes_measured": [b.batch_size for b in candidate.batches],
@@ -498,13 +513,20 @@ def _measured_config(ctx: BuildContext) -> ResourceConfig:
             "measured_at_batch": max(b.batch_size for b in candidate.batches),
         },
         "session_load_ms": candidate.session_load_ms,
-        "recommended": _recommended(ctx.compiled, best.batch_size, ctx.bench),
+        "recommended": _recommended(ctx.compiled, ctx.bench, ctx.recipe.benchmark),
     })
 
 
-def _recommended(compiled: CompiledModel, batch_size: int, bench: BenchmarkReport) -> dict[str, Any]:
-    recommended: dict[str, Any] = {"batch_size": batch_size, "threads": compiled.threads,
-                                   "reason": "highest measured throughput over the batch sizes benchmarked"}
+def _recommended(compiled: CompiledModel, bench: BenchmarkReport, config: BenchmarkConfig) -> dict[str, Any]:
+    """What the sweep found best within the budgets (the deployed `batch_size` is what `run` uses)."""
+    rec = bench.recommended
+    recommended: dict[str, Any] = {
+        "batch_size": rec.batch_size if rec else None, "concurrency": rec.concurrency if rec else None,
+        "threads": compiled.threads, "throughput_per_s": rec.throughput_per_s if rec else None,
+        "p99_ms": rec.p99_ms if rec else None, "peak_memory_mib": rec.peak_memory_mib if rec else None,
+        "budgets": {"p99_ms": config.p99_budget_ms, "memory_mib": config.memory_budget_mib},
+        "reason": bench.recommendation,
+    }
     if bench.concurrency:
         best = max(bench.concurrency, key=lambda row: row["samples_per_s"])
         recommended.update(performance_hint=best["hint"], threads=best["threads"], streams=best["streams"],

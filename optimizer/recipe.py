@@ -176,6 +176,16 @@ class BenchmarkConfig(_Strict):
     max_iterations: int = Field(default=2000, ge=1)
     min_seconds: float = Field(default=2.0, ge=0)  # per batch size, after warm-up
     threads: int | None = Field(default=None, ge=1)  # intra-op threads; default: CPUs available
+    # The sweep: every batch size x concurrency (workers with a session each, requests back to back),
+    # each point measured in windows until the last 3 windows' throughput is within stability_pct of
+    # their mean (perf_analyzer's criterion), at most max_windows.
+    concurrency: list[Annotated[int, Field(ge=1)]] = Field(default_factory=lambda: [1, 2])
+    window_seconds: float = Field(default=0.5, gt=0)
+    stability_pct: float = Field(default=10.0, gt=0)
+    max_windows: int = Field(default=8, ge=4)
+    # Budgets the recommended configuration must meet; one nothing meets fails the build (exit 1).
+    p99_budget_ms: float | None = Field(default=None, gt=0)
+    memory_budget_mib: float | None = Field(default=None, gt=0)  # peak process memory at any point, capacity included
 
 
 class CleanupConfig(_Strict):

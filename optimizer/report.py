@@ -148,6 +148,17 @@ def benchmark_markdown(model_name: str, bench: BenchmarkReport) -> str:
         out.append(_table(["hint", "threads", "streams", "batch", "samples/s", "p50 ms", "p99 ms"],
                           [[r["hint"], str(r["threads"]), str(r["streams"]), str(r["batch_size"]), f"{r['samples_per_s']:.1f}",
                             f"{r['p50_ms']:.2f}", f"{r['p99_ms']:.2f}"] for r in bench.concurrency]))
+    if bench.sweep:
+        rec = bench.recommended
+        out += ["", "Batch size x concurrency sweep (a session per worker, requests back to back; throughput measured "
+                "until the last 3 windows agree):", ""]
+        out.append(_table(["batch", "concurrency", "p50 ms", "p90 ms", "p99 ms", "samples/s", "peak memory MiB", "stable", ""],
+                          [[str(p.batch_size), str(p.concurrency), f"{p.p50_ms:.2f}", f"{p.p90_ms:.2f}", f"{p.p99_ms:.2f}",
+                            f"{p.throughput_per_s:.1f}", f"{p.peak_memory_mib:.0f}", "yes" if p.stable else "no",
+                            "recommended" if rec and (p.batch_size, p.concurrency) == (rec.batch_size, rec.concurrency) else ""]
+                           for p in bench.sweep]))
+        out += ["", f"Recommendation: {bench.recommendation}."]
+        out += [f"- {'pass' if c.passed else 'FAIL'}: {c.name}: {c.line}" for c in bench.checks]
     for base, ratios in bench.speedup_vs_baseline.items():
         out += ["", f"Speedup of {bench.models[0].label} over {base} (p50 ratio, >1 is faster; measured, not claimed):", ""]
         out.append(_table(["batch", "speedup"], [[str(b), f"{r:.2f}x"] for b, r in ratios.items()]))

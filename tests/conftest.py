@@ -12,7 +12,8 @@ from onnx import TensorProto, helper, numpy_helper
 from accel_opt import zoo
 from accel_opt.recipe import Recipe, load_recipe
 
-FAST_BENCH = {"warmup_iterations": 1, "min_iterations": 5, "min_seconds": 0.05, "max_iterations": 50, "batch_sizes": [1, 2]}
+FAST_BENCH = {"warmup_iterations": 1, "min_iterations": 5, "min_seconds": 0.05, "max_iterations": 50, "batch_sizes": [1, 2],
+              "concurrency": [1], "window_seconds": 0.02, "max_windows": 4}
 
 
 @pytest.fixture(scope="session")

@@ -19,6 +19,9 @@ import numpy as np
 from polygraphy.backend.base import BaseRunner
 from pydantic import BaseModel
 
+from accel_opt.accuracy import Check
+from accel_opt.bench.memory import peak_rss_mib, reset_peak_rss_mib
+from accel_opt.bench.sweep import Capacity, Recommendation, SweepPoint
 from accel_opt.data import BatchAxes, Sample, batch_of
 from accel_opt.recipe import BenchmarkConfig
 
@@ -63,6 +66,16 @@ class BenchmarkReport(BaseModel):
     speedup_vs_baseline: dict[str, dict[int, float]]  # baseline label -> batch -> baseline p50 / candidate p50
     # Backends with async requests (OpenVINO): samples/s per stream count at the target batch.
     concurrency: list[dict[str, Any]] = []
+    # The candidate's batch size x concurrency sweep, the best point within the budgets, and capacity.
+    sweep: list[SweepPoint] = []
+    recommended: Recommendation | None = None
+    recommendation: str = ""  # why that point, or why no point meets the budgets
+    capacity: Capacity | None = None
+    checks: list[Check] = []  # the budgets and capacity, as gate checks (a failed one fails the build, exit 1)
+
+    @property
+    def failures(self) -> list[str]:
+        return [c.line for c in self.checks if not c.passed]
 
 
 @dataclass
@@ -112,13 +125,13 @@ def run_benchmark(
     biggest = batch_of(samples, max(batch_sizes), batch_axes)
     try:
         for target in targets:
-            rss_before = _reset_peak_rss_mib()
+            rss_before = reset_peak_rss_mib()
             start = time.perf_counter()
             target.runner.activate()
             load_ms = (time.perf_counter() - start) * 1e3
             target.runner.infer(biggest, check_inputs=True)
             target.synchronize()
-            loads[target.label] = (load_ms, rss_before, _peak_rss_mib())
+            loads[target.label] = (load_ms, rss_before, peak_rss_mib())
 
         per_batch: dict[str, list[BatchResult]] = {t.label: [] for t in targets}
         for batch in batch_sizes:
@@ -181,30 +194,3 @@ def infer_and_sync(target: Target, feed: Sample) -> Callable[[], object]:
         sync()
 
     return call
-
-
-def _status_mib(field: str) -> float:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
-
-
-def _reset_peak_rss_mib() -> float:
-    """Reset the process's peak-RSS mark (Linux clear_refs 5) and return the current RSS."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        log.debug("cannot reset peak RSS; peak includes earlier work")
-    return _status_mib("VmRSS")
-
-
-def _peak_rss_mib() -> float:
-    return _status_mib("VmHWM")

@@ -1,0 +1,67 @@
+"""The batch size x concurrency sweep, the recommendation within budgets, and the capacity check."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from accel_opt.backends.onnxruntime import reference_runner
+from accel_opt.bench.sweep import SweepPoint, capacity, recommend, sweep
+from accel_opt.pipeline import build
+from accel_opt.recipe import BenchmarkConfig
+
+from .conftest import FAST_BENCH, matmul_model, save
+
+QUICK = BenchmarkConfig(concurrency=[1, 2], window_seconds=0.02, max_windows=6)
+
+
+def _point(batch, workers, p99, throughput, memory=100.0):
+    return SweepPoint(batch_size=batch, concurrency=workers, p50_ms=p99 / 2, p90_ms=p99 * 0.8, p99_ms=p99,
+                      throughput_per_s=throughput, peak_memory_mib=memory, windows=4, stable=True)
+
+
+def test_sweep_measures_every_point_with_real_sessions(tmp_path):
+    path = save(matmul_model(in_shape=("batch", 64), out_dim=64), tmp_path / "m.onnx")
+    samples = [{"x": np.ones((1, 64), np.float32)}]
+    points = sweep(lambda: reference_runner(path, 1), samples, [1, 2, 4], QUICK)
+    assert [(p.batch_size, p.concurrency) for p in points] == [(1, 1), (1, 2), (2, 1), (2, 2), (4, 1), (4, 2)]
+    assert all(p.throughput_per_s > 0 and p.p50_ms <= p.p99_ms and p.peak_memory_mib > 0 for p in points)
+    assert all(4 <= p.windows <= QUICK.max_windows for p in points)
+
+
+def test_recommendation_is_the_best_throughput_within_the_budgets():
+    points = [_point(1, 1, 2.0, 500), _point(8, 1, 12.0, 900), _point(8, 2, 30.0, 1000, memory=900)]
+    best, why = recommend(points, BenchmarkConfig())
+    assert (best.batch_size, best.concurrency) == (8, 2) and "no budget set" in why
+    best, why = recommend(points, BenchmarkConfig(p99_budget_ms=20))
+    assert (best.batch_size, best.concurrency) == (8, 1) and "p99 <= 20 ms" in why
+    best, _ = recommend(points, BenchmarkConfig(memory_budget_mib=500, p99_budget_ms=5))
+    assert (best.batch_size, best.concurrency) == (1, 1)
+    none, why = recommend(points, BenchmarkConfig(p99_budget_ms=1))
+    assert none is None and "no batch size x concurrency meets the budgets" in why and "2.00 ms" in why
+
+
+def test_capacity_is_the_largest_batch_at_the_highest_concurrency():
+    points = [_point(1, 1, 2.0, 500, memory=100), _point(8, 2, 30.0, 1000, memory=900)]
+    assert capacity(points, BenchmarkConfig()).passed
+    tight = capacity(points, BenchmarkConfig(memory_budget_mib=500))
+    assert not tight.passed and (tight.batch_size, tight.concurrency) == (8, 2) and "900 MiB > the 500 MiB budget" in tight.line
+
+
+def test_a_memory_budget_too_small_fails_the_build_with_the_numbers(tiny_cnn_path, fast_recipe, tmp_path):
+    recipe = fast_recipe.with_overrides(benchmark={**FAST_BENCH, "concurrency": [1, 2], "memory_budget_mib": 1})
+    result = build(tiny_cnn_path, recipe, out_dir=tmp_path)
+    assert not result.signed_off and result.exit_code == 1
+    assert any("no batch size x concurrency meets the budgets" in f for f in result.failures)
+    assert any("the 1 MiB budget" in f for f in result.failures)  # capacity
+    folder = Path(result.artifact_dir)
+    bench = json.loads((folder / "benchmark.json").read_text())
+    assert len(bench["sweep"]) == 4 and bench["recommended"] is None and bench["capacity"]["passed"] is False
+    assert "NOT SIGNED OFF" in (folder / "signoff.html").read_text()
+    config = json.loads((folder / "resource_config.json").read_text())
+    assert config["recommended"]["batch_size"] is None and config["recommended"]["budgets"]["memory_mib"] == 1
+    roomy = build(tiny_cnn_path, fast_recipe.with_overrides(benchmark={**FAST_BENCH, "memory_budget_mib": 100000}), out_dir=tmp_path)
+    assert roomy.signed_off
+    assert json.loads((Path(roomy.artifact_dir) / "resource_config.json").read_text())["recommended"]["batch_size"] in (1, 2)
