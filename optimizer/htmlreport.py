@@ -16,6 +16,8 @@ from html import escape
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 REPORTS = ("accuracy.json", "benchmark.json", "resource_config.json", "build.json")
 STYLE = """
 body{font:14px/1.45 -apple-system,"Segoe UI",Helvetica,Arial,sans-serif;color:#1f2328;margin:0;background:#f6f8fa}
@@ -154,6 +156,14 @@ def _benchmark(bench: dict) -> str:
         out.append(f"<p>Speedup of {escape(bench['models'][0]['label'])} over {escape(base)} (p50): "
                    + ", ".join(f"batch {b}: <b>{r:.2f}x</b>" for b, r in ratios.items()) + "</p>")
     out.append(f'<img alt="latency and throughput by batch size" src="data:image/png;base64,{_plot(bench)}">')
+    if bench.get("stages_ms"):
+        out.append("<h3>Where a batch's time goes</h3>" + f'<img alt="stage times per batch" '
+                   f'src="data:image/png;base64,{_stage_plot(bench)}"><p class=muted>{escape(bench.get("stage_note", ""))}</p>')
+    if bench.get("jobs"):
+        out.append("<h3>The whole job</h3>" + _table(
+            ["pipeline", "inputs", "seconds", "ms per input", "inputs/s", "bottleneck", "how"],
+            [[escape(j["pipeline"]), j["inputs"], f"{j['seconds']:.2f}", f"{j['per_input_ms']:.2f}", f"{j['inputs_per_s']:.1f}",
+              escape(j["bottleneck"]), escape(j["description"])] for j in bench["jobs"]], {1, 2, 3, 4}))
     if bench.get("sweep"):
         rec = bench.get("recommended") or {}
         out.append("<h3>Batch size x concurrency</h3>" + _table(
@@ -190,6 +200,33 @@ def _plot(bench: dict) -> str:
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
+    fig.tight_layout()
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", metadata={"Software": None})
+    plt.close(fig)
+    return base64.b64encode(buffer.getvalue()).decode()
+
+
+STAGES = ("read", "decode", "preprocess", "h2d", "compute", "d2h", "postprocess")
+
+
+def _stage_plot(bench: dict) -> str:
+    """Stacked bars: each batch size's time split into the application's stages, as a base64 PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+
+    rows = bench["stages_ms"]
+    fig, ax = plt.subplots(figsize=(10, 1.2 + 0.45 * len(rows)), dpi=100)
+    labels = [f"batch {r['batch_size']}" for r in rows]
+    left = np.zeros(len(rows))
+    for stage in STAGES:
+        values = np.asarray([r[f"{stage}_ms"] for r in rows])
+        ax.barh(labels, values, left=left, label=stage)
+        left += values
+    ax.set_xlabel("ms per batch")
+    ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
     fig.tight_layout()
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png", metadata={"Software": None})

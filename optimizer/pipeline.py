@@ -25,7 +25,7 @@ from accel_opt import artifacts, hardware, htmlreport, report, runtime
 from accel_opt.accuracy import AccuracyReport, compare
 from accel_opt.backends import Backend, CompiledModel, compile_for, get_backend
 from accel_opt.backends.onnxruntime import reference_runner
-from accel_opt.bench import BenchmarkReport, Target, run_benchmark
+from accel_opt.bench import BenchmarkReport, Target, application, run_benchmark
 from accel_opt.bench.sweep import capacity, recommend, sweep, sweep_checks
 from accel_opt.data import DataSummary, Sample, batch_of, load_samples, shapes_of, split_indices, synthetic_samples
 from accel_opt.errors import AccelOptError, Unsupported, UsageError, first_line, no_space_error
@@ -415,6 +415,8 @@ def _stage_accuracy(ctx: BuildContext) -> tuple[StageStatus, str]:
         batch_axes=deployment.batch_axes,
     )
     ctx.accuracy.evaluation.deployment = deployment.describe(_artifact_name(ctx))
+    # What the gate found (where each output holds a batch's samples) is part of how the artifact runs.
+    deployment.config = deployment.config.model_copy(update={"output_batch_axes": ctx.accuracy.evaluation.output_batch_axes})
     evaluation = ctx.accuracy.evaluation
     calls = f"{evaluation.calls} calls of batch {evaluation.batch_size}" if evaluation.mode == "batched" else "one per sample"
     summary = f"{ctx.accuracy.sample_count} samples ({calls}), worst cosine {ctx.accuracy.worst_cosine:.6f}"
@@ -446,6 +448,7 @@ def _stage_benchmark(ctx: BuildContext) -> tuple[StageStatus, str]:
     ctx.bench.recommended, ctx.bench.recommendation = recommend(ctx.bench.sweep, config)
     ctx.bench.capacity = capacity(ctx.bench.sweep, config)
     ctx.bench.checks = sweep_checks(ctx.bench.recommended, ctx.bench.recommendation, ctx.bench.capacity, config)
+    _application_times(ctx, batch_sizes)
     first = ctx.bench.models[0].batches[0]
     detail = f"batch {first.batch_size}: p50 {first.latency.p50_ms:.2f} ms over {first.latency.iterations} iterations"
     detail += f"; sweep of {len(ctx.bench.sweep)} points: " + (ctx.bench.recommendation if ctx.bench.recommended is None else
@@ -454,6 +457,35 @@ def _stage_benchmark(ctx: BuildContext) -> tuple[StageStatus, str]:
     if ctx.bench.failures:
         return "failed", detail + "; " + "; ".join(ctx.bench.failures)
     return "passed", detail
+
+
+def _application_times(ctx: BuildContext, batch_sizes: list[int]) -> None:
+    """Where a batch's time goes and the whole job, naive against accel-opt's, on the --data files."""
+    if ctx.data_dir is None:
+        ctx.bench.stage_note = "no --data: the application's stages and the job need real input files"
+        return
+    files, config = application.data_files(ctx.data_dir), ctx.resource_config
+    host = application.host_stage_ms(files, ctx.recipe.preprocessing)
+    candidate = ctx.bench.models[0]
+    with ctx.deployment.runner(runtime.feed_dtypes_of(ctx.eval_samples)) as runner:
+        outputs = {b: runner.infer(batch_of(ctx.eval_samples, b, ctx.shapes.batch_axes), check_inputs=False) for b in batch_sizes}
+    ctx.bench.stages_ms = [
+        application.stage_times(host, candidate.at(b).latency.p50_ms,
+                                application.postprocess_ms(outputs[b], config.postprocess, config.outputs[0].name, b), b)
+        for b in batch_sizes]
+    note = application.CPU_NOTE if ctx.compiled.device == "cpu" else ""
+    ctx.bench.stage_note = f"host stages timed per input on {min(len(files), application.STAGE_FILES)} files (one core, median), x batch; {note}"
+    from accel_opt.backends.onnxruntime import OnnxRuntimeBackend
+
+    pre, job_files = ctx.recipe.preprocessing, files[: application.JOB_FILES]
+    image_input = pre.input if pre and pre.input else ctx.inputs[0].name
+    ctx.bench.jobs = [application.accel_opt_job(job_files, ctx.deployment)]
+    try:  # the naive job runs the fp32 model on ONNX Runtime, the portable default
+        ort = OnnxRuntimeBackend()
+        naive_runner = ort.runner(ort.compile(ctx.fp32_path, Precision.fp32, ctx.recipe, ctx.workdir / "naive"))
+        ctx.bench.jobs.insert(0, application.naive_job(job_files, naive_runner, pre, image_input))
+    except AccelOptError as exc:
+        ctx.bench.stage_note += f"; no naive job: {exc}"
 
 
 def _stage_reports(ctx: BuildContext) -> tuple[StageStatus, str]:
@@ -505,7 +537,7 @@ def _measured_config(ctx: BuildContext) -> ResourceConfig:
     """The resource config the runtime read, with what the benchmark measured added (nothing it reads changes)."""
     candidate = ctx.bench.models[0]
     return ctx.resource_config.model_copy(update={
-        "output_batch_axes": ctx.accuracy.evaluation.output_batch_axes,
+        "output_batch_axes": ctx.deployment.config.output_batch_axes,
         "batch_sizes_measured": [b.batch_size for b in candidate.batches],
         "memory": {
             "peak_rss_mib": candidate.peak_rss_mib,

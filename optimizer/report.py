@@ -159,6 +159,21 @@ def benchmark_markdown(model_name: str, bench: BenchmarkReport) -> str:
                            for p in bench.sweep]))
         out += ["", f"Recommendation: {bench.recommendation}."]
         out += [f"- {'pass' if c.passed else 'FAIL'}: {c.name}: {c.line}" for c in bench.checks]
+    if bench.stages_ms:
+        out += ["", f"Where a batch's time goes, ms ({bench.stage_note}):", ""]
+        out.append(_table(["batch", "read", "decode", "preprocess", "h2d", "compute", "d2h", "postprocess", "bottleneck"],
+                          [[str(t.batch_size), f"{t.read_ms:.2f}", f"{t.decode_ms:.2f}", f"{t.preprocess_ms:.2f}",
+                            f"{t.h2d_ms:.2f}", f"{t.compute_ms:.2f}", f"{t.d2h_ms:.2f}", f"{t.postprocess_ms:.2f}",
+                            t.bottleneck] for t in bench.stages_ms]))
+    elif bench.stage_note:
+        out += ["", f"Application stages: {bench.stage_note}."]
+    if bench.jobs:
+        out += ["", "The whole job on the same files, measured end to end in this process:", ""]
+        out.append(_table(["pipeline", "inputs", "seconds", "ms per input", "inputs/s", "bottleneck", "how"],
+                          [[j.pipeline, str(j.inputs), f"{j.seconds:.2f}", f"{j.per_input_ms:.2f}", f"{j.inputs_per_s:.1f}",
+                            j.bottleneck, j.description] for j in bench.jobs]))
+        if len(bench.jobs) == 2:
+            out += ["", f"accel-opt run: {bench.jobs[0].seconds / bench.jobs[1].seconds:.2f}x the naive job's speed."]
     for base, ratios in bench.speedup_vs_baseline.items():
         out += ["", f"Speedup of {bench.models[0].label} over {base} (p50 ratio, >1 is faster; measured, not claimed):", ""]
         out.append(_table(["batch", "speedup"], [[str(b), f"{r:.2f}x"] for b, r in ratios.items()]))

@@ -157,3 +157,20 @@ def test_bench_times_the_artifact_again_as_deployed(classifier, photos, tmp_path
     (copy / "model.onnx").write_bytes(b"changed")
     refused = CliRunner().invoke(main, ["bench", str(copy)])
     assert refused.exit_code == 3 and "sha256 does not match" in refused.stderr
+
+
+def test_build_from_images_measures_the_application_not_only_the_model(classifier):
+    bench = json.loads((classifier / "benchmark.json").read_text())
+    stages = {s["batch_size"]: s for s in bench["stages_ms"]}
+    assert set(stages) == {1, 2}
+    for s in stages.values():
+        assert s["decode_ms"] > 0 and s["preprocess_ms"] > 0 and s["compute_ms"] > 0 and s["h2d_ms"] == 0
+        assert s["bottleneck"] in ("read", "decode", "preprocess", "compute", "postprocess")
+    assert stages[2]["decode_ms"] == pytest.approx(2 * stages[1]["decode_ms"])  # per input, times the batch
+    assert "h2d and d2h are 0 on a CPU backend" in bench["stage_note"]
+    naive, fast = bench["jobs"]
+    assert naive["pipeline"] == "naive" and fast["pipeline"] == "accel-opt run"
+    assert naive["inputs"] == fast["inputs"] == 12 and naive["seconds"] > 0 and fast["seconds"] > 0
+    assert "batches of 4" in fast["description"]
+    page = (classifier / "signoff.html").read_text()
+    assert page.count("data:image/png;base64,") == 2 and "The whole job" in page

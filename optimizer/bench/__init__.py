@@ -20,6 +20,7 @@ from polygraphy.backend.base import BaseRunner
 from pydantic import BaseModel
 
 from accel_opt.accuracy import Check
+from accel_opt.bench.application import JobTiming, StageTimes
 from accel_opt.bench.memory import peak_rss_mib, reset_peak_rss_mib
 from accel_opt.bench.sweep import Capacity, Recommendation, SweepPoint
 from accel_opt.data import BatchAxes, Sample, batch_of
@@ -72,6 +73,10 @@ class BenchmarkReport(BaseModel):
     recommendation: str = ""  # why that point, or why no point meets the budgets
     capacity: Capacity | None = None
     checks: list[Check] = []  # the budgets and capacity, as gate checks (a failed one fails the build, exit 1)
+    # The application around the model (builds with --data): a batch's time per stage, and the whole job.
+    stages_ms: list[StageTimes] = []
+    stage_note: str = ""
+    jobs: list[JobTiming] = []
 
     @property
     def failures(self) -> list[str]:

@@ -30,6 +30,7 @@ from accel_opt.artifacts import write_bytes
 from accel_opt.data import IMAGE_SUFFIXES, Sample, check_sample, concat_samples, preprocess_image, split_output
 from accel_opt.errors import InputRejected, UsageError, first_line
 from accel_opt.hardware import available_cpus
+from accel_opt.recipe import Postprocess
 from accel_opt.runtime import Deployment
 
 NPZ = ".npz"
@@ -247,6 +248,16 @@ def _infer(runner, deployment: Deployment, batch: list[tuple[str, Sample]], batc
     return per_input
 
 
+def topk_record(post: Postprocess, outputs: dict[str, np.ndarray], first_output: str) -> dict[str, Any]:
+    """A classifier's answer for one input: top1 and the top-k [class, score] pairs."""
+    scores = np.asarray(outputs[post.output or first_output], dtype=np.float64).ravel()
+    if post.softmax:
+        scores = np.exp(scores - scores.max())
+        scores /= scores.sum()
+    top = np.argsort(-scores, kind="stable")[: post.topk]
+    return {"top1": int(top[0]), "topk": [[int(i), round(float(scores[i]), 6)] for i in top]}
+
+
 class _Writer:
     """Appends whole JSON lines: predictions in input order, rejections with their reason."""
 
@@ -279,12 +290,7 @@ class _Writer:
 
     def _record(self, path: str, outputs: dict[str, np.ndarray]) -> dict[str, Any]:
         if self.post is not None:
-            scores = np.asarray(outputs[self.post.output or self.first_output], dtype=np.float64).ravel()
-            if self.post.softmax:
-                scores = np.exp(scores - scores.max())
-                scores /= scores.sum()
-            top = np.argsort(-scores, kind="stable")[: self.post.topk]
-            return {"top1": int(top[0]), "topk": [[int(i), round(float(scores[i]), 6)] for i in top]}
+            return topk_record(self.post, outputs, self.first_output)
         # Every output, saved beside the predictions: one .npz per input, named after its place in the run.
         self.outputs_dir.mkdir(exist_ok=True)
         buffer = io.BytesIO()

@@ -1,0 +1,140 @@
+"""The application around the model: where a batch's time goes, and the whole job, naive against accel-opt's.
+
+`stage_times` splits one batch into read, decode, preprocess, host-to-device, compute, device-to-host
+and postprocess, each measured on its own: the host stages per input on the real files (one core,
+median), summed over the batch; compute is the harness's p50 for that batch; h2d/d2h are zero on CPU
+backends, where the model reads host memory. `job_times` runs the whole job twice on the same files,
+in this process: the naive one (read, decode, preprocess and the fp32 model one input at a time) and
+`accel-opt run`'s pipeline on the deployed artifact, timed end to end, not derived from a latency.
+"""
+
+from __future__ import annotations
+
+import io
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+from polygraphy.backend.base import BaseRunner
+from pydantic import BaseModel
+
+from accel_opt.data import IMAGE_SUFFIXES, preprocess_image
+from accel_opt.recipe import Postprocess, Preprocessing
+
+STAGE_FILES = 32  # files the host stages are timed on
+JOB_FILES = 64  # files the naive and the accel-opt job each process
+CPU_NOTE = "h2d and d2h are 0 on a CPU backend: the model reads and writes host memory"
+
+
+class StageTimes(BaseModel):
+    batch_size: int
+    read_ms: float
+    decode_ms: float
+    preprocess_ms: float
+    h2d_ms: float
+    compute_ms: float
+    d2h_ms: float
+    postprocess_ms: float
+    bottleneck: str  # the largest stage
+
+
+class JobTiming(BaseModel):
+    pipeline: str  # "naive" or "accel-opt run"
+    description: str
+    inputs: int
+    seconds: float  # the whole job, measured
+    per_input_ms: float
+    inputs_per_s: float
+    bottleneck: str
+
+
+def data_files(data_dir: Path) -> list[Path]:
+    """The files a build read its samples from (images or .npz), sorted as it read them."""
+    npz = sorted(p for p in data_dir.iterdir() if p.suffix == ".npz" and p.is_file())
+    return npz or sorted(p for p in data_dir.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file())
+
+
+def host_stage_ms(files: list[Path], pre: Preprocessing | None) -> dict[str, float]:
+    """Median ms per input of reading the file's bytes, decoding them, and preprocessing (one core)."""
+    from PIL import Image
+
+    read, decode, prep = [], [], []
+    clock = time.perf_counter
+    for path in files[:STAGE_FILES]:
+        start = clock()
+        data = path.read_bytes()
+        read_end = clock()
+        if path.suffix == ".npz":
+            with np.load(io.BytesIO(data), allow_pickle=False) as archive:
+                [archive[name] for name in archive.files]  # npz members load lazily: read them all
+            decode_end = prep_end = clock()
+        else:
+            with Image.open(io.BytesIO(data)) as img:
+                rgb = img.convert("RGB")
+            decode_end = clock()
+            preprocess_image(rgb, pre)
+            prep_end = clock()
+        read.append(read_end - start)
+        decode.append(decode_end - read_end)
+        prep.append(prep_end - decode_end)
+    return {k: statistics.median(v) * 1e3 for k, v in (("read", read), ("decode", decode), ("preprocess", prep))}
+
+
+def postprocess_ms(outputs: dict[str, np.ndarray], post: Postprocess | None, first_output: str, batch: int) -> float:
+    """ms to turn one batch's outputs into per-input answers (top-k, or one .npz each)."""
+    from accel_opt.runtime.job import topk_record
+
+    rows = [{name: np.asarray(a)[i:i + 1] if np.ndim(a) and np.shape(a)[0] == batch else a for name, a in outputs.items()}
+            for i in range(batch)]
+    start = time.perf_counter()
+    for row in rows:
+        if post is not None:
+            topk_record(post, row, first_output)
+        else:
+            np.savez(io.BytesIO(), **row)
+    return (time.perf_counter() - start) * 1e3
+
+
+def stage_times(host_ms: dict[str, float], compute_ms: float, post_ms: float, batch: int) -> StageTimes:
+    stages = {"read_ms": host_ms["read"] * batch, "decode_ms": host_ms["decode"] * batch,
+              "preprocess_ms": host_ms["preprocess"] * batch, "h2d_ms": 0.0, "compute_ms": compute_ms, "d2h_ms": 0.0,
+              "postprocess_ms": post_ms}
+    return StageTimes(batch_size=batch, bottleneck=max(stages, key=stages.get).removesuffix("_ms"), **stages)
+
+
+def naive_job(files: list[Path], runner: BaseRunner, pre: Preprocessing | None, input_name: str) -> JobTiming:
+    """One input after another: read, decode, preprocess, the fp32 model at batch 1."""
+    from PIL import Image
+
+    start = time.perf_counter()
+    with runner:
+        for path in files:
+            if path.suffix == ".npz":
+                with np.load(path, allow_pickle=False) as archive:
+                    feed = {name: archive[name] for name in archive.files}
+            else:
+                with Image.open(path) as img:
+                    feed = {input_name: preprocess_image(img.convert("RGB"), pre)}
+            runner.infer(feed, check_inputs=False)
+    seconds = time.perf_counter() - start
+    return _timing("naive", "read, decode, preprocess and the fp32 model at batch 1, one input after another",
+                   len(files), seconds, "compute and host stages in series")
+
+
+def accel_opt_job(files: list[Path], deployment) -> JobTiming:
+    from accel_opt.runtime.job import run_job
+
+    with tempfile.TemporaryDirectory(prefix="accel-opt-job-") as tmp:
+        start = time.perf_counter()
+        summary = run_job(deployment, files, Path(tmp) / "predictions.jsonl")
+        seconds = time.perf_counter() - start
+    return _timing("accel-opt run", f"reader threads ({summary.workers}) overlapping batches of {summary.batch_size} "
+                   "on the deployed artifact", len(files), seconds, summary.bottleneck)
+
+
+def _timing(pipeline: str, description: str, inputs: int, seconds: float, bottleneck: str) -> JobTiming:
+    return JobTiming(pipeline=pipeline, description=description, inputs=inputs, seconds=seconds,
+                     per_input_ms=seconds / inputs * 1e3, inputs_per_s=inputs / seconds, bottleneck=bottleneck)
+
