@@ -1,0 +1,233 @@
+"""`accel-opt run | bench | verify | compare | doctor`: the commands that work on built artifact folders.
+
+Registered on the `accel-opt` group of cli.py, which imports this module; thin like it: parse, call the
+API, render, map errors to exit codes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+from pathlib import Path
+
+import click
+
+from accel_opt.cli import EXIT_CODES_HELP, _fail, _interrupted, _setup_logging, _write_junit, main
+from accel_opt.errors import AccelOptError, UsageError
+
+RUN_EXIT_CODES = """\b
+Exit codes:
+  0  every input predicted
+  2  usage error (the predictions file exists without --resume/--overwrite, images without preprocessing)
+  3  some inputs rejected (listed with the reason in PREDICTIONS.errors.jsonl), or the artifact altered/incomplete
+  4  the artifact cannot run here (another runtime version or CPU)
+  70 internal error"""
+
+
+@main.command("run", epilog=RUN_EXIT_CODES)
+@click.argument("artifact", type=click.Path(path_type=Path))
+@click.argument("inputs", nargs=-1, required=True)
+@click.option("--out", "predictions", type=click.Path(path_type=Path), required=True, help="Predictions, JSON Lines.")
+@click.option("--resume", is_flag=True, help="Skip the inputs PREDICTIONS already answers; append the rest.")
+@click.option("--overwrite", is_flag=True, help="Replace an existing PREDICTIONS file.")
+@click.option("--workers", type=int, help="Reader threads decoding and preprocessing inputs (default: CPUs available).")
+@click.option("--json", "as_json", is_flag=True, help="Print the job summary as one JSON object on stdout.")
+@click.option("-v", "--verbose", is_flag=True)
+def run_command(artifact, inputs, predictions, resume, overwrite, workers, as_json, verbose):
+    """Run a built ARTIFACT folder on INPUTS (image files, .npz feed dicts, or folders of them).
+
+    Writes one JSON line per input, in input order: {"input": PATH, "top1": ..., "topk": [[class, score], ...]}
+    for classifier recipes (postprocess: topk), else {"input": PATH, "outputs": NPZ}. The artifact is verified
+    (manifest, hashes, environment) before anything runs, and runs as the build checked it.
+    """
+    import time
+
+    _setup_logging(verbose)
+    started = time.perf_counter()
+    try:
+        from accel_opt import runtime
+        from accel_opt.runtime.job import run_job
+
+        deployment = runtime.load(artifact)
+        show_progress = not as_json and sys.stderr.isatty()
+        with _progress(show_progress) as on_progress:
+            summary = run_job(deployment, inputs, predictions, resume=resume, overwrite=overwrite, workers=workers,
+                              on_progress=on_progress, started=started)
+    except (AccelOptError, MemoryError, Exception) as exc:  # noqa: BLE001 - every error maps to an exit code
+        _fail(exc, verbose, as_json)
+        return
+    except KeyboardInterrupt as exc:
+        _interrupted(exc, what="the predictions written so far are whole lines; --resume continues")
+    if as_json:
+        click.echo(summary.model_dump_json())
+    else:
+        skipped = f", {summary.skipped} already answered" if summary.skipped else ""
+        rejected = f", {summary.rejected} rejected (see {summary.errors})" if summary.rejected else ""
+        click.echo(f"predicted {summary.predicted} of {summary.inputs} inputs{skipped}{rejected} in "
+                   f"{summary.seconds:.1f} s ({summary.inputs_per_s:.1f} inputs/s) -> {summary.predictions}", err=True)
+    sys.exit(summary.exit_code)
+
+
+@contextlib.contextmanager
+def _progress(enabled: bool):
+    """A progress callback: a bar with inputs/s on a terminal, nothing in CI logs."""
+    if not enabled:
+        yield None
+        return
+    import time
+
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    with Progress(TextColumn("run"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[rate]}"),
+                  TimeRemainingColumn(), console=Console(stderr=True), transient=True) as bar:
+        task = bar.add_task("run", total=None, rate="")
+        start = time.perf_counter()
+
+        def update(done: int, total: int) -> None:
+            rate = done / max(time.perf_counter() - start, 1e-9)
+            bar.update(task, completed=done, total=total, rate=f"{rate:.1f} inputs/s")
+
+        yield update
+
+
+@main.command("bench", epilog=EXIT_CODES_HELP)
+@click.argument("artifact", type=click.Path(path_type=Path))
+@click.option("--data", "data_dir", type=click.Path(path_type=Path), help="Folder of .npz feeds or images (default: synthetic).")
+@click.option("--batch-sizes", help="Comma-separated batch sizes (default: the build's).")
+@click.option("--out", "out_file", type=click.Path(path_type=Path), help="Also write the report as JSON here.")
+@click.option("--junit", "junit_file", type=click.Path(path_type=Path), help="Write one JUnit test case per batch size measured.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as one JSON object on stdout.")
+@click.option("-v", "--verbose", is_flag=True)
+def bench_command(artifact, data_dir, batch_sizes, out_file, junit_file, as_json, verbose):
+    """Benchmark a built ARTIFACT folder again, loaded and run as deployed, without rebuilding it."""
+    _setup_logging(verbose)
+    try:
+        from accel_opt import artifacts, report, runtime
+        from accel_opt.runtime.measure import benchmark_artifact
+
+        sizes = None
+        if batch_sizes:
+            try:
+                sizes = [int(b) for b in batch_sizes.split(",") if b.strip()]
+            except ValueError:
+                raise UsageError(f"--batch-sizes: expected integers like 1,8, got {batch_sizes!r}") from None
+        deployment = runtime.load(artifact)
+        result, data = benchmark_artifact(deployment, data_dir, sizes)
+        if out_file:
+            artifacts.write_json(out_file, result)
+    except (AccelOptError, MemoryError, Exception) as exc:  # noqa: BLE001
+        if junit_file:
+            _write_junit(junit_file, [(f"bench {Path(artifact).name}", [], f"bench failed: {exc}")])
+        _fail(exc, verbose, as_json)
+        return
+    except KeyboardInterrupt as exc:
+        _interrupted(exc, what="nothing was written")
+    if junit_file:
+        from accel_opt.accuracy import Check
+
+        measured = [Check(name=f"batch {b.batch_size}", passed=True,
+                          line=f"p50 {b.latency.p50_ms:.2f} ms, p99 {b.latency.p99_ms:.2f} ms, {b.throughput_per_s:.1f} samples/s")
+                    for b in result.models[0].batches]
+        _write_junit(junit_file, [(f"bench {Path(artifact).name}", measured, None)])
+    if as_json:
+        click.echo(json.dumps({"exit_code": 0, "artifact_dir": str(artifact), "data": data.model_dump(mode="json", exclude={"names"}),
+                               "benchmark": result.model_dump(mode="json")}))
+    else:
+        click.echo(report.benchmark_markdown(Path(artifact).name, result))
+    sys.exit(0)
+
+
+VERIFY_EXIT_CODES = """\b
+Exit codes:
+  0  complete, unaltered, and runnable here as it was checked
+  3  incomplete or altered (no manifest, a file missing, changed or not part of it)
+  4  this machine cannot run it as it was checked (backend missing, another runtime version or CPU)"""
+
+
+@main.command("verify", epilog=VERIFY_EXIT_CODES)
+@click.argument("artifact", type=click.Path(path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout.")
+def verify_command(artifact, as_json):
+    """Check a built ARTIFACT folder before running it: manifest, every file's sha256, the environment."""
+    from accel_opt import runtime
+
+    problems = runtime.check(artifact)
+    exit_code = 3 if any(p.exit_code == 3 for p in problems) else 4 if problems else 0
+    if as_json:
+        click.echo(json.dumps({"artifact_dir": str(artifact), "ok": not problems, "exit_code": exit_code,
+                               "problems": [p.model_dump() for p in problems]}))
+    elif problems:
+        for problem in problems:
+            click.echo(f"accel-opt: {artifact}: {problem.line}", err=True)
+    else:
+        manifest = runtime.read_manifest(artifact)
+        click.echo(f"ok: {artifact}: {len(manifest.artifacts)} files match manifest.json; {manifest.backend} "
+                   f"{manifest.precision} runs here as built; {'signed off' if manifest.signed_off else 'NOT signed off'}")
+    sys.exit(exit_code)
+
+
+@main.command("doctor")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout.")
+def doctor_command(as_json):
+    """What this machine can build and run: CPU features, GPUs, backends, fast precisions, what is missing."""
+    from accel_opt.doctor import diagnose
+
+    report = diagnose()
+    if as_json:
+        click.echo(report.model_dump_json())
+        sys.exit(0)
+    cpu, features = report.cpu, report.cpu_features
+    have = ", ".join(f"{name} {'yes' if on else 'no'}" for name, on in features.items())
+    click.echo(f"CPU         {cpu['model']} ({cpu['machine']}), {cpu['available_cpus']} CPUs available; {have}")
+    if report.gpus:
+        for gpu in report.gpus:
+            click.echo(f"GPU         {gpu.name}, compute {gpu.compute_capability}, {gpu.memory_mib} MiB, driver {gpu.driver}")
+    else:
+        click.echo(f"GPU         none: {report.gpu_detail}")
+    for b in report.backends:
+        state = f"{b.version}" if b.installed and b.version else ("installed" if b.installed else "not installed")
+        fast = f"; faster than fp32 here: {', '.join(p for p in b.fast_precisions if p != 'fp32') or 'none'}" if b.fast_precisions else ""
+        click.echo(f"{b.name:<12}{state}: {b.detail}{fast}")
+        if b.install:
+            click.echo(f"{'':<12}to add: {b.install}")
+    sys.exit(0)
+
+
+@main.command("compare", epilog=EXIT_CODES_HELP)
+@click.argument("baseline", type=click.Path(path_type=Path))
+@click.argument("candidate", type=click.Path(path_type=Path))
+@click.option("--data", "data_dir", type=click.Path(path_type=Path), help="Folder of .npz feeds or images (default: synthetic).")
+@click.option("--reference", type=click.Path(path_type=Path), help="The fp32 model (default: the candidate's input model, sha256-checked).")
+@click.option("--max-latency-regression", type=float, help="Fail (exit 1) when the candidate is more than PCT %% slower per sample.")
+@click.option("--max-accuracy-drop", type=float, help="Fail (exit 1) when the task metric (or worst cosine) drops more than this.")
+@click.option("--junit", "junit_file", type=click.Path(path_type=Path), help="Write the checks as JUnit XML here.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout.")
+@click.option("-v", "--verbose", is_flag=True)
+def compare_command(baseline, candidate, data_dir, reference, max_latency_regression, max_accuracy_drop, junit_file, as_json,
+                    verbose):
+    """Compare two built artifacts of one model family (the deployed build and a new one): speed interleaved
+    in one run, accuracy of each against the same reference, and regression gates."""
+    _setup_logging(verbose)
+    try:
+        from accel_opt import runtime
+        from accel_opt.comparison import comparison_markdown, reference_of, run_comparison
+
+        base, cand = runtime.load(baseline), runtime.load(candidate)
+        result = run_comparison(base, cand, reference_of(cand, reference), data_dir, max_latency_regression, max_accuracy_drop)
+    except (AccelOptError, MemoryError, Exception) as exc:  # noqa: BLE001
+        if junit_file:
+            _write_junit(junit_file, [("compare", [], f"compare failed: {exc}")])
+        _fail(exc, verbose, as_json)
+        return
+    except KeyboardInterrupt as exc:
+        _interrupted(exc, what="nothing was written")
+    exit_code = 0 if result.passed else 1
+    if junit_file:
+        _write_junit(junit_file, [(f"compare {baseline.name} vs {candidate.name}", result.checks, None)])
+    if as_json:
+        click.echo(json.dumps({"exit_code": exit_code, **result.model_dump(mode="json")}))
+    else:
+        click.echo(comparison_markdown(result))
+    sys.exit(exit_code)
