@@ -12,15 +12,20 @@ __version__ = "0.1.0"
 __all__ = ["BuildResult", "Precision", "Recipe", "__version__", "build", "load_recipe"]
 
 if TYPE_CHECKING:
-    from accel_opt.pipeline import BuildResult, build
+    from accel_opt.pipeline import build
     from accel_opt.recipe import Precision, Recipe, load_recipe
+    from accel_opt.results import BuildResult
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("build", "BuildResult"):
-        from accel_opt import pipeline
+    if name == "build":
+        from accel_opt.pipeline import build
 
-        return getattr(pipeline, name)
+        return build
+    if name == "BuildResult":
+        from accel_opt.results import BuildResult
+
+        return BuildResult
     if name in ("Recipe", "Precision", "load_recipe"):
         from accel_opt import recipe
 

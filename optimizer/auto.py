@@ -21,8 +21,9 @@ from accel_opt.backends.select import auto_backend, candidate_precisions
 from accel_opt.bench import run_benchmark
 from accel_opt.data import Sample
 from accel_opt.errors import AccelOptError, UsageError, write_crash_log
-from accel_opt.pipeline import BuildResult, StageResult, build
+from accel_opt.pipeline import build
 from accel_opt.recipe import BackendName, Precision, Recipe
+from accel_opt.results import BuildResult, StageResult
 
 log = logging.getLogger(__name__)
 AUTO = "auto"

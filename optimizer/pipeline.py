@@ -8,20 +8,17 @@ produces reports (not signed off, exit 1); any other failure raises and leaves n
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import onnx
-from pydantic import BaseModel, PrivateAttr
 
-from accel_opt import artifacts, hardware, htmlreport, report, runtime
+from accel_opt import artifacts, hardware, htmlreport, records, report, runtime
 from accel_opt.accuracy import AccuracyReport, compare
 from accel_opt.backends import Backend, CompiledModel, compile_for, get_backend
 from accel_opt.backends.onnxruntime import reference_runner
@@ -34,63 +31,13 @@ from accel_opt.graph.inspect import ResolvedShapes, TensorSpec, io_specs, resolv
 from accel_opt.graph.load import LoadedModel, load_model
 from accel_opt.graph.save import save_model
 from accel_opt.precision import PrecisionReport, transform
-from accel_opt.recipe import BenchmarkConfig, Precision, Recipe, load_recipe
+from accel_opt.recipe import Precision, Recipe, load_recipe
+from accel_opt.results import BuildResult, StageResult, StageStatus, fill_headline
 from accel_opt.runtime import DeployedInput, Deployment, ResourceConfig
 
 log = logging.getLogger(__name__)
 
-StageStatus = Literal["passed", "failed", "skipped"]
 CLEANUP_VERIFY_SAMPLES = 4
-
-
-class StageResult(BaseModel):
-    name: str
-    status: StageStatus
-    seconds: float = 0.0
-    detail: str = ""
-
-
-class Headline(BaseModel):
-    batch_size: int
-    latency_p50_ms: float
-    throughput_per_s: float
-    speedup_vs_fp32: float | None = None  # same backend, measured in the same run
-    speedup_vs_pytorch: float | None = None  # PyTorch eager fp32, for torch inputs
-
-
-class DataRecord(BaseModel):
-    """What the verdict rests on: where the samples came from and how many were used for what."""
-
-    source: str  # "npz", "images" or "synthetic"
-    path: str | None
-    synthetic: bool  # random inputs: the numeric gate holds, task quality was not measured
-    samples: int  # read or generated
-    evaluation_samples: int
-    calibration_samples: int
-
-
-class BuildResult(BaseModel):
-    model: str
-    precision: str
-    backend: str
-    signed_off: bool
-    exit_code: int
-    artifact_dir: str | None = None
-    latency_p50_ms: float | None = None  # at the smallest benchmarked batch
-    throughput_per_s: float | None = None  # at the largest benchmarked batch
-    headline: list[Headline] = []
-    worst_cosine: float | None = None  # over outputs, against the fp32 reference
-    failures: list[str] = []
-    error: str | None = None
-    data: DataRecord | None = None
-    evaluated: str | None = None  # what the gate ran: the artifact's files, backend, precision, batch
-    reused: bool = False  # an identical build was found complete and verified under --out: nothing was rebuilt
-    stages: list[StageResult] = []
-    _eval_samples: list[Sample] = PrivateAttr(default_factory=list)  # in memory only: what the build timed
-
-    @property
-    def eval_samples(self) -> list[Sample]:
-        return self._eval_samples
 
 
 @dataclass
@@ -173,21 +120,21 @@ def build(
             for name, stage in STAGES:
                 _run_stage(ctx, name, stage, stages, on_stage)
                 if name == "load" and not force:
-                    reused = _reuse(ctx, out_dir / _artifact_name(ctx), str(model), stages, on_stage)
+                    reused = records.reuse(ctx, out_dir / records.artifact_name(ctx), str(model), stages, on_stage)
                     if reused is not None:
                         return reused
 
             failures = ctx.accuracy.failures + ctx.bench.failures
             signed_off = not failures
-            final = out_dir / _artifact_name(ctx)
+            final = out_dir / records.artifact_name(ctx)
             result = BuildResult(
                 model=str(model), precision=recipe.precision.value, backend=backend.name, signed_off=signed_off,
                 exit_code=0 if signed_off else 1, artifact_dir=str(final), failures=failures, stages=stages,
-                worst_cosine=ctx.accuracy.worst_cosine, data=_data_record(ctx), evaluated=ctx.accuracy.evaluation.deployment,
+                worst_cosine=ctx.accuracy.worst_cosine, data=records.data_record(ctx), evaluated=ctx.accuracy.evaluation.deployment,
             )
-            _fill_headline(result, ctx.bench)
+            fill_headline(result, ctx.bench)
             result._eval_samples = ctx.eval_samples
-            _write_manifest(ctx, staging, result)  # last file: the folder is complete when it is renamed into place
+            records.write_manifest(ctx, staging, result)  # last file: the folder is complete when it is renamed into place
             artifacts.publish(staging, final)
     except Exception as exc:
         full = no_space_error(exc, out_dir)
@@ -213,31 +160,6 @@ def _run_stage(ctx: BuildContext, name: str, stage, stages: list[StageResult], o
     stages.append(StageResult(name=name, status=status, seconds=time.perf_counter() - started, detail=detail))
     if on_stage:
         on_stage(stages[-1])
-
-
-def _reuse(ctx: BuildContext, final: Path, model: str, stages: list[StageResult], on_stage) -> BuildResult | None:
-    """The BuildResult of an identical, complete folder that verifies here; None: build it (again).
-    A folder that fails verification is never reused: the new build replaces it."""
-    if not final.is_dir():
-        return None
-    problems = runtime.check(final)
-    if problems:
-        log.info("not reusing %s: %s", final, problems[0].line)
-        return None
-    manifest = runtime.read_manifest(final)
-    accuracy = AccuracyReport.model_validate_json((final / "accuracy.json").read_text())
-    bench = BenchmarkReport.model_validate_json((final / "benchmark.json").read_text())
-    stages.append(StageResult(name="reuse", status="passed", detail=f"an identical build verified: {final}"))
-    if on_stage:
-        on_stage(stages[-1])
-    result = BuildResult(
-        model=model, precision=manifest.precision, backend=manifest.backend, signed_off=manifest.signed_off,
-        exit_code=manifest.exit_code, artifact_dir=str(final), failures=accuracy.failures + bench.failures, stages=stages,
-        worst_cosine=accuracy.worst_cosine, data=_data_record(ctx), evaluated=accuracy.evaluation.deployment, reused=True,
-    )
-    _fill_headline(result, bench)
-    result._eval_samples = ctx.eval_samples
-    return result
 
 
 # ---- stages: each returns (status, detail) or raises _Skip / AccelOptError -----------------------
@@ -414,7 +336,7 @@ def _stage_accuracy(ctx: BuildContext) -> tuple[StageStatus, str]:
         batch_size=deployment.batch_size,
         batch_axes=deployment.batch_axes,
     )
-    ctx.accuracy.evaluation.deployment = deployment.describe(_artifact_name(ctx))
+    ctx.accuracy.evaluation.deployment = deployment.describe(records.artifact_name(ctx))
     # What the gate found (where each output holds a batch's samples) is part of how the artifact runs.
     deployment.config = deployment.config.model_copy(update={"output_batch_axes": ctx.accuracy.evaluation.output_batch_axes})
     evaluation = ctx.accuracy.evaluation
@@ -500,7 +422,7 @@ def _stage_reports(ctx: BuildContext) -> tuple[StageStatus, str]:
     )
     artifacts.write_json(staging / "benchmark.json", ctx.bench)
     artifacts.write_text(staging / "benchmark.md", report.benchmark_markdown(name, ctx.bench))
-    artifacts.write_json(staging / runtime.RESOURCE_CONFIG, _measured_config(ctx))
+    artifacts.write_json(staging / runtime.RESOURCE_CONFIG, records.measured_config(ctx))
     config = ctx.resource_config
     build_info = {
         "model_name": name,
@@ -528,101 +450,3 @@ STAGES: list[tuple[str, Callable[[BuildContext], tuple[StageStatus, str]]]] = [
     ("benchmark", _stage_benchmark),
     ("reports", _stage_reports),
 ]
-
-
-# ---- helpers -------------------------------------------------------------------------------------
-
-
-def _measured_config(ctx: BuildContext) -> ResourceConfig:
-    """The resource config the runtime read, with what the benchmark measured added (nothing it reads changes)."""
-    candidate = ctx.bench.models[0]
-    return ctx.resource_config.model_copy(update={
-        "output_batch_axes": ctx.deployment.config.output_batch_axes,
-        "batch_sizes_measured": [b.batch_size for b in candidate.batches],
-        "memory": {
-            "peak_rss_mib": candidate.peak_rss_mib,
-            "model_memory_mib": candidate.model_memory_mib,
-            "measured_at_batch": max(b.batch_size for b in candidate.batches),
-        },
-        "session_load_ms": candidate.session_load_ms,
-        "recommended": _recommended(ctx.compiled, ctx.bench, ctx.recipe.benchmark),
-    })
-
-
-def _recommended(compiled: CompiledModel, bench: BenchmarkReport, config: BenchmarkConfig) -> dict[str, Any]:
-    """What the sweep found best within the budgets (the deployed `batch_size` is what `run` uses)."""
-    rec = bench.recommended
-    recommended: dict[str, Any] = {
-        "batch_size": rec.batch_size if rec else None, "concurrency": rec.concurrency if rec else None,
-        "threads": compiled.threads, "throughput_per_s": rec.throughput_per_s if rec else None,
-        "p99_ms": rec.p99_ms if rec else None, "peak_memory_mib": rec.peak_memory_mib if rec else None,
-        "budgets": {"p99_ms": config.p99_budget_ms, "memory_mib": config.memory_budget_mib},
-        "reason": bench.recommendation,
-    }
-    if bench.concurrency:
-        best = max(bench.concurrency, key=lambda row: row["samples_per_s"])
-        recommended.update(performance_hint=best["hint"], threads=best["threads"], streams=best["streams"],
-                           requests_in_flight=best["requests"],
-                           concurrency_reason=f"{best['samples_per_s']:.1f} samples/s at batch {best['batch_size']}, "
-                                              "the best of the threads x streams x hint sweep")
-    return recommended
-
-
-def _artifact_name(ctx: BuildContext) -> str:
-    cpu = hardware.cpu_info()
-    identity = json.dumps(
-        {"model": ctx.model_sha256, "external_data": ctx.external_data_sha256, "recipe": ctx.recipe.fingerprint(), "data": ctx.data.sha256,
-         "tools": artifacts.tool_versions(), "hardware": {k: cpu[k] for k in ("model", "machine", "flags", "available_cpus")}},
-        sort_keys=True,
-    )
-    digest = hashlib.sha256(identity.encode()).hexdigest()[:10]
-    return f"{ctx.model_path.stem}-{ctx.recipe.precision.value}-{ctx.backend.name}-{digest}"
-
-
-def _fill_headline(result: BuildResult, bench: BenchmarkReport | None) -> None:
-    if bench is None:
-        return
-    candidate = bench.models[0]
-    fp32 = bench.speedup_vs_baseline.get(f"{result.backend}-fp32", {})
-    eager = bench.speedup_vs_baseline.get("pytorch-eager", {})
-    result.headline = [
-        Headline(batch_size=b.batch_size, latency_p50_ms=b.latency.p50_ms, throughput_per_s=b.throughput_per_s,
-                 speedup_vs_fp32=fp32.get(b.batch_size, 1.0 if result.precision == "fp32" else None),
-                 speedup_vs_pytorch=eager.get(b.batch_size))
-        for b in candidate.batches
-    ]
-    result.latency_p50_ms = candidate.batches[0].latency.p50_ms
-    result.throughput_per_s = candidate.batches[-1].throughput_per_s
-
-
-def _input_record(ctx: BuildContext) -> dict[str, Any]:
-    record: dict[str, Any] = {"path": str(ctx.source_path), "sha256": ctx.model_sha256, "external_data": ctx.external_data_sha256}
-    if ctx.factory is not None:
-        source = Path(ctx.factory.spec.rpartition(":")[0])
-        record = {"factory": ctx.factory.spec, "exported_onnx_sha256": ctx.model_sha256,
-                  "source_sha256": artifacts.sha256_file(source) if source.is_file() else None}
-    return record
-
-
-def _data_record(ctx: BuildContext) -> DataRecord:
-    return DataRecord(source=ctx.data.source, path=ctx.data.path, synthetic=ctx.data.synthetic, samples=ctx.data.count,
-                      evaluation_samples=len(ctx.eval_samples), calibration_samples=len(ctx.calibration_samples))
-
-
-def _write_manifest(ctx: BuildContext, folder: Path, result: BuildResult) -> None:
-    manifest = artifacts.Manifest(
-        created_utc=artifacts.now_utc(),
-        signed_off=result.signed_off,
-        exit_code=result.exit_code,
-        precision=ctx.recipe.precision.value,
-        backend=ctx.backend.name,
-        input_model=_input_record(ctx),
-        recipe={"name": ctx.recipe.name, "fingerprint": ctx.recipe.fingerprint(), "resolved": ctx.recipe.model_dump(mode="json")},
-        data={**ctx.data.model_dump(mode="json", exclude={"names"}), **result.data.model_dump(mode="json")},
-        artifacts=artifacts.file_hashes(folder),
-        stages=[s.model_dump() for s in result.stages],
-        tools=artifacts.tool_versions(),
-        cpu=hardware.cpu_info(),
-        command_line=artifacts.command_line(),
-    )
-    artifacts.write_json(folder / artifacts.MANIFEST, manifest)

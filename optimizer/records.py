@@ -1,0 +1,127 @@
+"""What a build records about itself and how it finds a finished twin: the measured resource config, the
+artifact's identity (its folder name), the manifest, and the reuse of a complete, verified folder."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from accel_opt import artifacts, hardware, runtime
+from accel_opt.accuracy import AccuracyReport
+from accel_opt.backends import CompiledModel
+from accel_opt.bench import BenchmarkReport
+from accel_opt.recipe import BenchmarkConfig
+from accel_opt.results import BuildResult, DataRecord, StageResult, fill_headline
+from accel_opt.runtime import ResourceConfig
+
+if TYPE_CHECKING:
+    from accel_opt.pipeline import BuildContext
+
+log = logging.getLogger(__name__)
+
+
+def reuse(ctx: BuildContext, final: Path, model: str, stages: list[StageResult], on_stage) -> BuildResult | None:
+    """The BuildResult of an identical, complete folder that verifies here; None: build it (again).
+    A folder that fails verification is never reused: the new build replaces it."""
+    if not final.is_dir():
+        return None
+    problems = runtime.check(final)
+    if problems:
+        log.info("not reusing %s: %s", final, problems[0].line)
+        return None
+    manifest = runtime.read_manifest(final)
+    accuracy = AccuracyReport.model_validate_json((final / "accuracy.json").read_text())
+    bench = BenchmarkReport.model_validate_json((final / "benchmark.json").read_text())
+    stages.append(StageResult(name="reuse", status="passed", detail=f"an identical build verified: {final}"))
+    if on_stage:
+        on_stage(stages[-1])
+    result = BuildResult(
+        model=model, precision=manifest.precision, backend=manifest.backend, signed_off=manifest.signed_off,
+        exit_code=manifest.exit_code, artifact_dir=str(final), failures=accuracy.failures + bench.failures, stages=stages,
+        worst_cosine=accuracy.worst_cosine, data=data_record(ctx), evaluated=accuracy.evaluation.deployment, reused=True,
+    )
+    fill_headline(result, bench)
+    result._eval_samples = ctx.eval_samples
+    return result
+
+
+def measured_config(ctx: BuildContext) -> ResourceConfig:
+    """The resource config the runtime read, with what the benchmark measured added (nothing it reads changes)."""
+    candidate = ctx.bench.models[0]
+    return ctx.resource_config.model_copy(update={
+        "output_batch_axes": ctx.deployment.config.output_batch_axes,
+        "batch_sizes_measured": [b.batch_size for b in candidate.batches],
+        "memory": {
+            "peak_rss_mib": candidate.peak_rss_mib,
+            "model_memory_mib": candidate.model_memory_mib,
+            "measured_at_batch": max(b.batch_size for b in candidate.batches),
+        },
+        "session_load_ms": candidate.session_load_ms,
+        "recommended": recommended(ctx.compiled, ctx.bench, ctx.recipe.benchmark),
+    })
+
+
+def recommended(compiled: CompiledModel, bench: BenchmarkReport, config: BenchmarkConfig) -> dict[str, Any]:
+    """What the sweep found best within the budgets (the deployed `batch_size` is what `run` uses)."""
+    rec = bench.recommended
+    recommended: dict[str, Any] = {
+        "batch_size": rec.batch_size if rec else None, "concurrency": rec.concurrency if rec else None,
+        "threads": compiled.threads, "throughput_per_s": rec.throughput_per_s if rec else None,
+        "p99_ms": rec.p99_ms if rec else None, "peak_memory_mib": rec.peak_memory_mib if rec else None,
+        "budgets": {"p99_ms": config.p99_budget_ms, "memory_mib": config.memory_budget_mib},
+        "reason": bench.recommendation,
+    }
+    if bench.concurrency:
+        best = max(bench.concurrency, key=lambda row: row["samples_per_s"])
+        recommended.update(performance_hint=best["hint"], threads=best["threads"], streams=best["streams"],
+                           requests_in_flight=best["requests"],
+                           concurrency_reason=f"{best['samples_per_s']:.1f} samples/s at batch {best['batch_size']}, "
+                                              "the best of the threads x streams x hint sweep")
+    return recommended
+
+
+def artifact_name(ctx: BuildContext) -> str:
+    cpu = hardware.cpu_info()
+    identity = json.dumps(
+        {"model": ctx.model_sha256, "external_data": ctx.external_data_sha256, "recipe": ctx.recipe.fingerprint(), "data": ctx.data.sha256,
+         "tools": artifacts.tool_versions(), "hardware": {k: cpu[k] for k in ("model", "machine", "flags", "available_cpus")}},
+        sort_keys=True,
+    )
+    digest = hashlib.sha256(identity.encode()).hexdigest()[:10]
+    return f"{ctx.model_path.stem}-{ctx.recipe.precision.value}-{ctx.backend.name}-{digest}"
+
+
+def input_record(ctx: BuildContext) -> dict[str, Any]:
+    record: dict[str, Any] = {"path": str(ctx.source_path), "sha256": ctx.model_sha256, "external_data": ctx.external_data_sha256}
+    if ctx.factory is not None:
+        source = Path(ctx.factory.spec.rpartition(":")[0])
+        record = {"factory": ctx.factory.spec, "exported_onnx_sha256": ctx.model_sha256,
+                  "source_sha256": artifacts.sha256_file(source) if source.is_file() else None}
+    return record
+
+
+def data_record(ctx: BuildContext) -> DataRecord:
+    return DataRecord(source=ctx.data.source, path=ctx.data.path, synthetic=ctx.data.synthetic, samples=ctx.data.count,
+                      evaluation_samples=len(ctx.eval_samples), calibration_samples=len(ctx.calibration_samples))
+
+
+def write_manifest(ctx: BuildContext, folder: Path, result: BuildResult) -> None:
+    manifest = artifacts.Manifest(
+        created_utc=artifacts.now_utc(),
+        signed_off=result.signed_off,
+        exit_code=result.exit_code,
+        precision=ctx.recipe.precision.value,
+        backend=ctx.backend.name,
+        input_model=input_record(ctx),
+        recipe={"name": ctx.recipe.name, "fingerprint": ctx.recipe.fingerprint(), "resolved": ctx.recipe.model_dump(mode="json")},
+        data={**ctx.data.model_dump(mode="json", exclude={"names"}), **result.data.model_dump(mode="json")},
+        artifacts=artifacts.file_hashes(folder),
+        stages=[s.model_dump() for s in result.stages],
+        tools=artifacts.tool_versions(),
+        cpu=hardware.cpu_info(),
+        command_line=artifacts.command_line(),
+    )
+    artifacts.write_json(folder / artifacts.MANIFEST, manifest)

@@ -1,0 +1,78 @@
+"""What a build returns: its verdict, headline numbers, stages and what the verdict rests on (data first)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, PrivateAttr
+
+from accel_opt.bench import BenchmarkReport
+from accel_opt.data import Sample
+
+StageStatus = Literal["passed", "failed", "skipped"]
+
+
+class StageResult(BaseModel):
+    name: str
+    status: StageStatus
+    seconds: float = 0.0
+    detail: str = ""
+
+
+class Headline(BaseModel):
+    batch_size: int
+    latency_p50_ms: float
+    throughput_per_s: float
+    speedup_vs_fp32: float | None = None  # same backend, measured in the same run
+    speedup_vs_pytorch: float | None = None  # PyTorch eager fp32, for torch inputs
+
+
+class DataRecord(BaseModel):
+    """What the verdict rests on: where the samples came from and how many were used for what."""
+
+    source: str  # "npz", "images" or "synthetic"
+    path: str | None
+    synthetic: bool  # random inputs: the numeric gate holds, task quality was not measured
+    samples: int  # read or generated
+    evaluation_samples: int
+    calibration_samples: int
+
+
+class BuildResult(BaseModel):
+    model: str
+    precision: str
+    backend: str
+    signed_off: bool
+    exit_code: int
+    artifact_dir: str | None = None
+    latency_p50_ms: float | None = None  # at the smallest benchmarked batch
+    throughput_per_s: float | None = None  # at the largest benchmarked batch
+    headline: list[Headline] = []
+    worst_cosine: float | None = None  # over outputs, against the fp32 reference
+    failures: list[str] = []
+    error: str | None = None
+    data: DataRecord | None = None
+    evaluated: str | None = None  # what the gate ran: the artifact's files, backend, precision, batch
+    reused: bool = False  # an identical build was found complete and verified under --out: nothing was rebuilt
+    stages: list[StageResult] = []
+    _eval_samples: list[Sample] = PrivateAttr(default_factory=list)  # in memory only: what the build timed
+
+    @property
+    def eval_samples(self) -> list[Sample]:
+        return self._eval_samples
+
+
+def fill_headline(result: BuildResult, bench: BenchmarkReport | None) -> None:
+    if bench is None:
+        return
+    candidate = bench.models[0]
+    fp32 = bench.speedup_vs_baseline.get(f"{result.backend}-fp32", {})
+    eager = bench.speedup_vs_baseline.get("pytorch-eager", {})
+    result.headline = [
+        Headline(batch_size=b.batch_size, latency_p50_ms=b.latency.p50_ms, throughput_per_s=b.throughput_per_s,
+                 speedup_vs_fp32=fp32.get(b.batch_size, 1.0 if result.precision == "fp32" else None),
+                 speedup_vs_pytorch=eager.get(b.batch_size))
+        for b in candidate.batches
+    ]
+    result.latency_p50_ms = candidate.batches[0].latency.p50_ms
+    result.throughput_per_s = candidate.batches[-1].throughput_per_s
