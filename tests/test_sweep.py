@@ -65,3 +65,12 @@ def test_a_memory_budget_too_small_fails_the_build_with_the_numbers(tiny_cnn_pat
     roomy = build(tiny_cnn_path, fast_recipe.with_overrides(benchmark={**FAST_BENCH, "memory_budget_mib": 100000}), out_dir=tmp_path)
     assert roomy.signed_off
     assert json.loads((Path(roomy.artifact_dir) / "resource_config.json").read_text())["recommended"]["batch_size"] in (1, 2)
+
+
+def test_a_worker_that_fails_stops_the_point_with_its_error(tmp_path):
+    import pytest
+
+    path = save(matmul_model(in_shape=("batch", 4), out_dim=4), tmp_path / "m.onnx")
+    wrong = [{"x": np.ones((1, 5), np.float32)}]  # the model takes 4 columns: every call fails
+    with pytest.raises(Exception, match="(?i)invalid|dimension|shape"):
+        sweep(lambda: reference_runner(path, 1), wrong, [1], QUICK)

@@ -66,20 +66,31 @@ def sweep(make_runner: Callable[[], BaseRunner], samples: list[Sample], batch_si
 def _point(make_runner, feed: Sample, batch: int, concurrency: int, config: BenchmarkConfig, synchronize) -> SweepPoint:
     runners = [make_runner() for _ in range(concurrency)]
     reset_peak_rss_mib()
-    for runner in runners:
-        runner.activate()
-        runner.infer(feed, check_inputs=False)  # warm-up, compile on first use
+    try:
+        for runner in runners:
+            runner.activate()
+            runner.infer(feed, check_inputs=False)  # warm-up, compile on first use
+    except BaseException:
+        for runner in runners:
+            if runner.is_active:
+                runner.deactivate()
+        raise
     stop = threading.Event()
     done: list[list[tuple[float, float]]] = [[] for _ in runners]  # (finish time, latency) per worker
+    errors: list[BaseException] = []
 
     def work(runner: BaseRunner, log: list[tuple[float, float]]) -> None:
         clock = time.perf_counter
-        while not stop.is_set():
-            start = clock()
-            runner.infer(feed, check_inputs=False)
-            synchronize()
-            end = clock()
-            log.append((end, end - start))
+        try:
+            while not stop.is_set():
+                start = clock()
+                runner.infer(feed, check_inputs=False)
+                synchronize()
+                end = clock()
+                log.append((end, end - start))
+        except BaseException as exc:  # re-raised by the measuring thread: a dead worker must not look idle
+            errors.append(exc)
+            stop.set()
 
     threads = [threading.Thread(target=work, args=(r, log), daemon=True) for r, log in zip(runners, done)]
     try:
@@ -87,7 +98,7 @@ def _point(make_runner, feed: Sample, batch: int, concurrency: int, config: Benc
             thread.start()
         edges = [time.perf_counter()]
         rates: list[float] = []
-        while len(rates) < config.max_windows:
+        while len(rates) < config.max_windows and not errors:
             time.sleep(config.window_seconds)
             edges.append(time.perf_counter())
             finished = sum(1 for log in done for end, _ in log if edges[-2] <= end < edges[-1])
@@ -102,6 +113,8 @@ def _point(make_runner, feed: Sample, batch: int, concurrency: int, config: Benc
         peak = peak_rss_mib()
         for runner in runners:
             runner.deactivate()
+    if errors:
+        raise errors[0]
     measured_from, measured_to = edges[1], edges[-1]
     latencies = np.asarray([lat for log in done for end, lat in log if measured_from <= end < measured_to] or
                            [lat for log in done for _, lat in log]) * 1e3
