@@ -88,6 +88,7 @@ def main() -> None:
 @click.option("--data", "data_dir", type=click.Path(path_type=Path), help="Folder of .npz feed dicts (or images with a preprocessing recipe).")
 @click.option("--shapes", help="Fix dynamic dims, trtexec-style: NAME:1x3x224x224[,NAME:...].")
 @click.option("--batch-axes", help="Batch axis of inputs whose dims do not tell: NAME:AXIS or NAME:none (not batched)[,...].")
+@click.option("--max-shapes", help="Largest shapes to take, trtexec-style (NAME:16x3x640x640,...): the capacity check runs at them.")
 @click.option("--require-data", is_flag=True, help="Refuse synthetic inputs: without --data, exit 2 (for CI sign-offs).")
 @click.option("--keep-io-types/--no-keep-io-types", default=None, help="fp16/bf16: keep inputs/outputs in fp32 (default: keep).")
 @click.option("--calibration", type=click.Choice(["minmax", "entropy", "percentile"]), help="int8 calibration method.")
@@ -97,8 +98,8 @@ def main() -> None:
 @click.option("--junit", "junit_file", type=click.Path(path_type=Path), help="Write the gate's checks as JUnit XML here (for CI).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout (for CI).")
 @click.option("-v", "--verbose", is_flag=True, help="Log progress and show tracebacks.")
-def build(model, precision, backend, recipe_path, data_dir, shapes, batch_axes, require_data, keep_io_types, calibration,
-          threads, out_dir, force, junit_file, as_json, verbose):
+def build(model, precision, backend, recipe_path, data_dir, shapes, batch_axes, max_shapes, require_data, keep_io_types,
+          calibration, threads, out_dir, force, junit_file, as_json, verbose):
     """Build MODEL (.onnx) through cleanup, precision, compile, accuracy gate and benchmark."""
     _setup_logging(verbose)
     try:
@@ -117,6 +118,7 @@ def build(model, precision, backend, recipe_path, data_dir, shapes, batch_axes, 
                 "precision_options.keep_io_types": keep_io_types,
                 "precision_options.calibration.method": calibration,
                 "benchmark.threads": threads,
+                "benchmark.max_shapes": parse_shapes(max_shapes) if max_shapes else None,
             },
         )
         show_progress = not as_json and (verbose or sys.stderr.isatty())  # quiet in CI logs

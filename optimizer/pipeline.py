@@ -66,6 +66,7 @@ class BuildContext:
     calibration_samples: list[Sample] = field(default_factory=list)
     eval_samples: list[Sample] = field(default_factory=list)
     eval_names: list[str] = field(default_factory=list)
+    max_feed: Sample | None = None  # a feed at --max-shapes, for the capacity check
     cleanup: CleanupReport | None = None
     fp32_path: Path | None = None  # after cleanup: the baseline every precision is compared with
     precision: PrecisionReport | None = None
@@ -227,6 +228,7 @@ def _stage_load(ctx: BuildContext) -> tuple[StageStatus, str]:
     ctx.eval_samples = [samples[i] for i in evaluation]
     ctx.eval_names = [ctx.data.names[i] for i in evaluation]
     ctx.deploy_batch = recipe.selection.target_batch_size if ctx.shapes.batch_dynamic else ctx.shapes.batch_size
+    ctx.max_feed = _max_feed(ctx)  # checked now: a wrong --max-shapes is a usage error before any work
     shapes = ", ".join(f"{k}:{'x'.join(map(str, v)) or 'scalar'}" for k, v in ctx.shapes.shapes.items())
     return "passed", (
         f"opset {ctx.loaded.opset}, {len(ctx.loaded.proto.graph.node)} nodes, inputs {shapes}; "
@@ -368,7 +370,8 @@ def _stage_benchmark(ctx: BuildContext) -> tuple[StageStatus, str]:
     ctx.bench.sweep = sweep(lambda: ctx.deployment.runner(dtypes), ctx.eval_samples, batch_sizes, config, axes,
                             ctx.backend.synchronize)
     ctx.bench.recommended, ctx.bench.recommendation = recommend(ctx.bench.sweep, config)
-    ctx.bench.capacity = capacity(ctx.bench.sweep, config)
+    ctx.bench.capacity = capacity(ctx.bench.sweep, config, lambda: ctx.deployment.runner(dtypes), ctx.max_feed,
+                                  ctx.backend.synchronize)
     ctx.bench.checks = sweep_checks(ctx.bench.recommended, ctx.bench.recommendation, ctx.bench.capacity, config)
     _application_times(ctx, batch_sizes)
     first = ctx.bench.models[0].batches[0]
@@ -379,6 +382,18 @@ def _stage_benchmark(ctx: BuildContext) -> tuple[StageStatus, str]:
     if ctx.bench.failures:
         return "failed", detail + "; " + "; ".join(ctx.bench.failures)
     return "passed", detail
+
+
+def _max_feed(ctx: BuildContext) -> Sample | None:
+    """A seeded feed at --max-shapes (inputs not named there keep the largest benchmarked batch)."""
+    given = ctx.recipe.benchmark.max_shapes
+    if not given:
+        return None
+    batch = max(ctx.recipe.benchmark.batch_sizes) if ctx.shapes.batch_dynamic else ctx.shapes.batch_size
+    base = with_batch(ctx.shapes.shapes, batch, ctx.shapes.batch_axes) if ctx.shapes.batch_dynamic else ctx.shapes.shapes
+    resolved = resolve_shapes(ctx.inputs, {**base, **given}, given_batch_axes=ctx.recipe.batch_axes)  # checks ranks, fixed dims
+    feed = synthetic_samples(ctx.inputs, resolved.shapes, 1, ctx.recipe.accuracy.seed)[0][0]
+    return {name: array.astype(ctx.eval_samples[0][name].dtype) for name, array in feed.items()}
 
 
 def _application_times(ctx: BuildContext, batch_sizes: list[int]) -> None:

@@ -186,6 +186,8 @@ class BenchmarkConfig(_Strict):
     # Budgets the recommended configuration must meet; one nothing meets fails the build (exit 1).
     p99_budget_ms: float | None = Field(default=None, gt=0)
     memory_budget_mib: float | None = Field(default=None, gt=0)  # peak process memory at any point, capacity included
+    # The largest shapes the deployment must take (trtexec's --maxShapes): the capacity point runs at them.
+    max_shapes: dict[str, list[Annotated[int, Field(ge=1)]]] = Field(default_factory=dict)
 
 
 class CleanupConfig(_Strict):

@@ -74,3 +74,32 @@ def test_a_worker_that_fails_stops_the_point_with_its_error(tmp_path):
     wrong = [{"x": np.ones((1, 5), np.float32)}]  # the model takes 4 columns: every call fails
     with pytest.raises(Exception, match="(?i)invalid|dimension|shape"):
         sweep(lambda: reference_runner(path, 1), wrong, [1], QUICK)
+
+
+def test_capacity_runs_at_the_max_shapes(tmp_path, fast_recipe):
+    from onnx import TensorProto, helper
+
+    from .conftest import make_model
+
+    # y = x * 2 on [batch, n]: memory grows with both dims; n is dynamic, so only --max-shapes reaches its peak.
+    model = save(make_model([helper.make_node("Add", ["x", "x"], ["y"])],
+                            [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "n"])],
+                            [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", "n"])]), tmp_path / "add.onnx")
+    bench = {**FAST_BENCH, "max_shapes": {"x": [4, 4_000_000]}, "memory_budget_mib": 100000}
+    result = build(model, fast_recipe.with_overrides(shapes={"x": [1, 16]}, benchmark=bench), out_dir=tmp_path / "out")
+    cap = json.loads((Path(result.artifact_dir) / "benchmark.json").read_text())["capacity"]
+    assert cap["shapes"] == {"x": [4, 4_000_000]} and cap["passed"]
+    assert cap["peak_memory_mib"] > 100  # 4 x 4M floats in and out: 2 x 61 MiB at least
+    tight = {**bench, "memory_budget_mib": 50 + cap["peak_memory_mib"] / 2}
+    failed = build(model, fast_recipe.with_overrides(shapes={"x": [1, 16]}, benchmark=tight), out_dir=tmp_path / "out")
+    assert not failed.signed_off and any("shapes x:4x4000000" in f and "MiB budget" in f for f in failed.failures)
+
+
+def test_max_shapes_are_checked_before_any_work(tmp_path, fast_recipe):
+    import pytest
+
+    from accel_opt.errors import UsageError
+
+    model = save(matmul_model(), tmp_path / "m.onnx")
+    with pytest.raises(UsageError, match="rank 3 given"):
+        build(model, fast_recipe.with_overrides(benchmark={**FAST_BENCH, "max_shapes": {"x": [1, 2, 3]}}), out_dir=tmp_path)

@@ -50,6 +50,8 @@ class Recommendation(BaseModel):
 class Capacity(BaseModel):
     batch_size: int
     concurrency: int
+    shapes: dict[str, list[int]] = {}  # --max-shapes, when the capacity point ran at them (else the swept ones)
+    p99_ms: float | None = None
     peak_memory_mib: float
     memory_budget_mib: float | None
     passed: bool
@@ -156,15 +158,24 @@ def recommend(points: list[SweepPoint], config: BenchmarkConfig) -> tuple[Recomm
                           p99_ms=best.p99_ms, peak_memory_mib=best.peak_memory_mib, reason=reason), reason
 
 
-def capacity(points: list[SweepPoint], config: BenchmarkConfig) -> Capacity:
-    """Memory at the largest batch and the highest concurrency swept, against the memory budget."""
+def capacity(points: list[SweepPoint], config: BenchmarkConfig, make_runner: Callable[[], BaseRunner] | None = None,
+             max_feed: Sample | None = None, synchronize: Callable[[], None] = lambda: None) -> Capacity:
+    """Memory at the peak load, against the memory budget: the largest batch at the highest concurrency
+    swept, or, given `max_feed` (the largest declared shapes, --max-shapes), a point run at those shapes
+    with the highest concurrency, since memory that runs out only at peak shapes must show up here."""
     peak = max(points, key=lambda p: (p.batch_size, p.concurrency))
+    shapes: dict[str, list[int]] = {}
+    if max_feed is not None and make_runner is not None:
+        batch = peak.batch_size
+        peak = _point(make_runner, max_feed, batch, max(config.concurrency), config, synchronize)
+        shapes = {name: list(np.shape(array)) for name, array in max_feed.items()}
     budget = config.memory_budget_mib
     passed = budget is None or peak.peak_memory_mib <= budget
-    line = (f"batch {peak.batch_size} x {peak.concurrency} concurrent: peak memory {peak.peak_memory_mib:.0f} MiB"
+    at = "shapes " + ", ".join(f"{n}:{'x'.join(map(str, d))}" for n, d in shapes.items()) if shapes else f"batch {peak.batch_size}"
+    line = (f"{at} x {peak.concurrency} concurrent: peak memory {peak.peak_memory_mib:.0f} MiB"
             + (f" {'<=' if passed else '>'} the {budget:g} MiB budget" if budget is not None else " (no memory budget set)"))
-    return Capacity(batch_size=peak.batch_size, concurrency=peak.concurrency, peak_memory_mib=peak.peak_memory_mib,
-                    memory_budget_mib=budget, passed=passed, line=line)
+    return Capacity(batch_size=peak.batch_size, concurrency=peak.concurrency, shapes=shapes, p99_ms=peak.p99_ms,
+                    peak_memory_mib=peak.peak_memory_mib, memory_budget_mib=budget, passed=passed, line=line)
 
 
 def sweep_checks(recommended: Recommendation | None, why: str, cap: Capacity, config: BenchmarkConfig) -> list:
