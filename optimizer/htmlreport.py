@@ -164,6 +164,14 @@ def _benchmark(bench: dict) -> str:
             ["pipeline", "inputs", "seconds", "ms per input", "inputs/s", "bottleneck", "how"],
             [[escape(j["pipeline"]), j["inputs"], f"{j['seconds']:.2f}", f"{j['per_input_ms']:.2f}", f"{j['inputs_per_s']:.1f}",
               escape(j["bottleneck"]), escape(j["description"])] for j in bench["jobs"]], {1, 2, 3, 4}))
+    eff = bench.get("efficiency")
+    if eff:
+        out.append("<h3>Efficiency</h3>" + f"<p>{eff['gflop_per_sample']:.3g} GFLOP per sample, {eff['weight_mib']:.3g} MiB of "
+                   f"weights; in this run the fp32 GEMM probe ran {eff['fp32_ceiling_gflops']:.0f} GFLOP/s and memory "
+                   f"{eff['memory_gib_per_s']:.1f} GiB/s; {escape(eff['precision_note'])}.</p>" + _table(
+                       ["batch", "achieved GFLOP/s", "of the fp32 ceiling", "FLOP/byte", "bound"],
+                       [[b["batch_size"], f"{b['achieved_gflops']:.1f}", f"{b['fraction_of_fp32_ceiling']:.0%}",
+                         f"{b['arithmetic_intensity']:.1f}", escape(b["bound"])] for b in eff["batches"]], {0, 1, 2, 3}))
     if bench.get("sweep"):
         rec = bench.get("recommended") or {}
         out.append("<h3>Batch size x concurrency</h3>" + _table(

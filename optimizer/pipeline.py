@@ -23,6 +23,7 @@ from accel_opt.accuracy import AccuracyReport, compare
 from accel_opt.backends import Backend, CompiledModel, compile_for, get_backend
 from accel_opt.backends.onnxruntime import reference_runner
 from accel_opt.bench import BenchmarkReport, Target, application, run_benchmark
+from accel_opt.bench.efficiency import efficiency
 from accel_opt.bench.sweep import capacity, recommend, sweep, sweep_checks
 from accel_opt.data import DataSummary, Sample, batch_of, load_samples, shapes_of, split_indices, synthetic_samples
 from accel_opt.errors import AccelOptError, Unsupported, UsageError, first_line, no_space_error
@@ -374,6 +375,12 @@ def _stage_benchmark(ctx: BuildContext) -> tuple[StageStatus, str]:
                                   ctx.backend.synchronize)
     ctx.bench.checks = sweep_checks(ctx.bench.recommended, ctx.bench.recommendation, ctx.bench.capacity, config)
     _application_times(ctx, batch_sizes)
+    batch1 = with_batch(ctx.shapes.shapes, 1, axes) if ctx.shapes.batch_dynamic else ctx.shapes.shapes
+    try:
+        ctx.bench.efficiency = efficiency(ctx.fp32_path, batch1, {b.batch_size: b.latency.p50_ms for b in
+                                                                  ctx.bench.models[0].batches}, ctx.recipe.precision.value)
+    except (ValueError, RuntimeError, onnx.shape_inference.InferenceError) as exc:  # > 2 GB protos, odd graphs
+        log.warning("no efficiency figures: %s", first_line(exc))
     first = ctx.bench.models[0].batches[0]
     detail = f"batch {first.batch_size}: p50 {first.latency.p50_ms:.2f} ms over {first.latency.iterations} iterations"
     detail += f"; sweep of {len(ctx.bench.sweep)} points: " + (ctx.bench.recommendation if ctx.bench.recommended is None else

@@ -174,6 +174,15 @@ def benchmark_markdown(model_name: str, bench: BenchmarkReport) -> str:
                             j.bottleneck, j.description] for j in bench.jobs]))
         if len(bench.jobs) == 2:
             out += ["", f"accel-opt run: {bench.jobs[0].seconds / bench.jobs[1].seconds:.2f}x the naive job's speed."]
+    if bench.efficiency:
+        eff = bench.efficiency
+        out += ["", f"Efficiency: {eff.gflop_per_sample:.3g} GFLOP and {eff.io_mib_per_sample:.3g} MiB of inputs/outputs per "
+                f"sample, {eff.weight_mib:.3g} MiB of weights; host probes in this run: fp32 GEMM {eff.fp32_ceiling_gflops:.0f} "
+                f"GFLOP/s, memory copy {eff.memory_gib_per_s:.1f} GiB/s (balance {eff.machine_balance:.0f} FLOP/byte); "
+                f"{eff.precision_note}.", ""]
+        out.append(_table(["batch", "achieved GFLOP/s", "of the fp32 ceiling", "FLOP/byte", "bound"],
+                          [[str(b.batch_size), f"{b.achieved_gflops:.1f}", f"{b.fraction_of_fp32_ceiling:.0%}",
+                            f"{b.arithmetic_intensity:.1f}", b.bound] for b in eff.batches]))
     for base, ratios in bench.speedup_vs_baseline.items():
         out += ["", f"Speedup of {bench.models[0].label} over {base} (p50 ratio, >1 is faster; measured, not claimed):", ""]
         out.append(_table(["batch", "speedup"], [[str(b), f"{r:.2f}x"] for b, r in ratios.items()]))

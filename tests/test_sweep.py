@@ -103,3 +103,16 @@ def test_max_shapes_are_checked_before_any_work(tmp_path, fast_recipe):
     model = save(matmul_model(), tmp_path / "m.onnx")
     with pytest.raises(UsageError, match="rank 3 given"):
         build(model, fast_recipe.with_overrides(benchmark={**FAST_BENCH, "max_shapes": {"x": [1, 2, 3]}}), out_dir=tmp_path)
+
+
+def test_flops_are_counted_from_the_graph(tmp_path, tiny_cnn_path, fast_recipe):
+    from accel_opt.bench.efficiency import count_flops
+
+    model = save(matmul_model(in_shape=("batch", 64), out_dim=32), tmp_path / "mm.onnx")
+    flops, weight_bytes, io_bytes = count_flops(model, {"x": [3, 64]})
+    assert flops == 2 * 3 * 64 * 32 and weight_bytes == 64 * 32 * 4 and io_bytes == (3 * 64 + 3 * 32) * 4
+    result = build(tiny_cnn_path, fast_recipe, out_dir=tmp_path / "out")
+    eff = json.loads((Path(result.artifact_dir) / "benchmark.json").read_text())["efficiency"]
+    assert eff["gflop_per_sample"] > 0 and eff["fp32_ceiling_gflops"] > 0 and eff["memory_gib_per_s"] > 0
+    assert [b["batch_size"] for b in eff["batches"]] == [1, 2]
+    assert all(b["bound"] in ("compute", "memory") and b["achieved_gflops"] > 0 for b in eff["batches"])

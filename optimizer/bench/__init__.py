@@ -21,6 +21,7 @@ from pydantic import BaseModel
 
 from accel_opt.accuracy import Check
 from accel_opt.bench.application import JobTiming, StageTimes
+from accel_opt.bench.efficiency import Efficiency
 from accel_opt.bench.memory import peak_rss_mib, reset_peak_rss_mib
 from accel_opt.bench.sweep import Capacity, Recommendation, SweepPoint
 from accel_opt.data import BatchAxes, Sample, batch_of
@@ -77,6 +78,7 @@ class BenchmarkReport(BaseModel):
     stages_ms: list[StageTimes] = []
     stage_note: str = ""
     jobs: list[JobTiming] = []
+    efficiency: Efficiency | None = None  # FLOPs and bytes from the graph against host probes of this run
 
     @property
     def failures(self) -> list[str]:
