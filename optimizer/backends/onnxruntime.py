@@ -36,7 +36,7 @@ def create_session(path: Path, providers: list[str], threads: int, optimize: boo
     options.intra_op_num_threads = threads
     options.inter_op_num_threads = 1
     options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-    options.log_severity_level = 3
+    options.log_severity_level = 4  # fatal only: errors reach the caller as exceptions, not log lines
     if optimized_model_path is not None:
         options.optimized_model_filepath = str(optimized_model_path)
     try:
