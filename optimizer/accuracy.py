@@ -132,15 +132,19 @@ def compare(
     names: list[str] | None = None,
     batch_size: int = 1,
     batch_axes: BatchAxes | None = None,
+    candidate_samples: list[Sample] | None = None,
 ) -> AccuracyReport:
     """Run the reference per sample and the candidate in batches of `batch_size` rows (along
-    `batch_axes`; default: axis 0 of every input that has one), then judge every output of every sample."""
+    `batch_axes`; default: axis 0 of every input that has one), then judge every output of every sample.
+    `candidate_samples`: the same samples as the candidate takes them (a model with fused preprocessing
+    takes the host's uint8 crops), one per sample."""
     names = names or [f"sample-{i:04d}" for i in range(len(samples))]
     with _quiet_polygraphy(), reference:
         ref_outs = [_infer(reference, s, name) for s, name in zip(samples, names)]
-    axes = batch_axes if batch_axes is not None else leading_axes(samples[0])
+    fed = candidate_samples if candidate_samples is not None else samples
+    axes = batch_axes if batch_axes is not None else leading_axes(fed[0])
     with _quiet_polygraphy(), candidate:
-        cand_outs, evaluation = _run_candidate(candidate, samples, ref_outs, batch_size, axes)
+        cand_outs, evaluation = _run_candidate(candidate, fed, ref_outs, batch_size, axes)
     return judge(ref_outs, cand_outs, names, tolerance, task_metrics, reference.name, candidate.name, evaluation)
 
 

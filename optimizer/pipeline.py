@@ -28,6 +28,7 @@ from accel_opt.bench.sweep import capacity, recommend, sweep, sweep_checks
 from accel_opt.data import DataSummary, Sample, batch_of, load_samples, shapes_of, split_indices, synthetic_samples
 from accel_opt.errors import AccelOptError, Unsupported, UsageError, first_line, no_space_error
 from accel_opt.graph.cleanup import CleanupReport, cleanup
+from accel_opt.graph.fuse import fuse_normalize, fused_shape
 from accel_opt.graph.inspect import ResolvedShapes, TensorSpec, io_specs, resolve_shapes, with_batch
 from accel_opt.graph.load import LoadedModel, load_model
 from accel_opt.graph.save import save_model
@@ -67,6 +68,7 @@ class BuildContext:
     calibration_samples: list[Sample] = field(default_factory=list)
     eval_samples: list[Sample] = field(default_factory=list)
     eval_names: list[str] = field(default_factory=list)
+    deploy_samples: list[Sample] = field(default_factory=list)  # the eval samples as the artifact takes them (fused: uint8 crops)
     max_feed: Sample | None = None  # a feed at --max-shapes, for the capacity check
     cleanup: CleanupReport | None = None
     fp32_path: Path | None = None  # after cleanup: the baseline every precision is compared with
@@ -135,7 +137,7 @@ def build(
                 worst_cosine=ctx.accuracy.worst_cosine, data=records.data_record(ctx), evaluated=ctx.accuracy.evaluation.deployment,
             )
             fill_headline(result, ctx.bench)
-            result._eval_samples = ctx.eval_samples
+            result._eval_samples = ctx.deploy_samples
             records.write_manifest(ctx, staging, result)  # last file: the folder is complete when it is renamed into place
             artifacts.publish(staging, final)
     except Exception as exc:
@@ -228,6 +230,9 @@ def _stage_load(ctx: BuildContext) -> tuple[StageStatus, str]:
     evaluation = evaluation[: recipe.accuracy.max_samples]
     ctx.eval_samples = [samples[i] for i in evaluation]
     ctx.eval_names = [ctx.data.names[i] for i in evaluation]
+    ctx.deploy_samples = ctx.eval_samples
+    if recipe.preprocessing is not None and recipe.preprocessing.fused:
+        ctx.deploy_samples = _host_crops(ctx, evaluation)
     ctx.deploy_batch = recipe.selection.target_batch_size if ctx.shapes.batch_dynamic else ctx.shapes.batch_size
     ctx.max_feed = _max_feed(ctx)  # checked now: a wrong --max-shapes is a usage error before any work
     shapes = ", ".join(f"{k}:{'x'.join(map(str, v)) or 'scalar'}" for k, v in ctx.shapes.shapes.items())
@@ -237,11 +242,37 @@ def _stage_load(ctx: BuildContext) -> tuple[StageStatus, str]:
     )
 
 
-def _deploy_shapes(ctx: BuildContext) -> dict[str, list[int]]:
-    """The input shapes the artifact is compiled and checked for: the resolved shapes at the deployed batch."""
-    if not ctx.shapes.batch_dynamic:
-        return ctx.shapes.shapes
-    return with_batch(ctx.shapes.shapes, ctx.deploy_batch, ctx.shapes.batch_axes)
+def _host_crops(ctx: BuildContext, evaluation: list[int]) -> list[Sample]:
+    """The evaluation images as a fused-preprocessing model takes them: the host's uint8 HWC crops."""
+    pre = ctx.recipe.preprocessing
+    if ctx.data is None or ctx.data.source != "images":
+        raise UsageError("preprocessing.fused needs --data with image files: the fused model takes decoded crops")
+    name = _image_input(ctx)
+    spec = TensorSpec(name=name, dtype="uint8", shape=["batch", pre.crop, pre.crop, 3])
+    crops, _ = load_samples(ctx.data_dir, [spec], pre.host_part().model_copy(update={"input": name}))
+    return [crops[i] for i in evaluation]
+
+
+def _image_input(ctx: BuildContext) -> str:
+    pre = ctx.recipe.preprocessing
+    return pre.input if pre and pre.input else ctx.inputs[0].name
+
+
+def _fused(ctx: BuildContext) -> bool:
+    return ctx.recipe.preprocessing is not None and ctx.recipe.preprocessing.fused
+
+
+def _deploy_shapes(ctx: BuildContext, fused: bool = True) -> dict[str, list[int]]:
+    """The input shapes the artifact is compiled and checked for: the resolved shapes at the deployed batch
+    (the image input in HWC order when its preprocessing is fused, unless `fused` is False: the model
+    without the fused steps, as the fp32 baseline runs)."""
+    shapes = ctx.shapes.shapes
+    if ctx.shapes.batch_dynamic:
+        shapes = with_batch(shapes, ctx.deploy_batch, ctx.shapes.batch_axes)
+    if fused and _fused(ctx):
+        name = _image_input(ctx)
+        shapes = {**shapes, name: fused_shape(shapes[name], ctx.recipe.preprocessing.layout)}
+    return shapes
 
 
 def _stage_cleanup(ctx: BuildContext) -> tuple[StageStatus, str]:
@@ -293,7 +324,10 @@ def _stage_deployment(ctx: BuildContext, shapes: dict[str, list[int]]) -> None:
     """Write the model, the backend's compiled files and the resource config into the staged artifact,
     then load it back through the runtime: from here on the build checks and times that folder."""
     model_file = ctx.staging / "model.onnx"
-    save_model(onnx.load(str(ctx.candidate_path)), model_file)  # external data resolved next to the source
+    source = ctx.candidate_path
+    if _fused(ctx):
+        source = fuse_normalize(source, _image_input(ctx), ctx.recipe.preprocessing, ctx.workdir / "fused" / source.name)
+    save_model(onnx.load(str(source)), model_file)  # external data resolved next to the source
     ctx.compiled = c = compile_for(ctx.backend, model_file, ctx.recipe.precision, ctx.recipe, ctx.workdir, shapes)
     deployed_inputs, deployed_outputs = io_specs(onnx.load(str(model_file), load_external_data=False))
     for extra in c.extra_files:
@@ -318,8 +352,8 @@ def _batch_problem(ctx: BuildContext) -> str | None:
     if ctx.deploy_batch == 1 or all(a is not None for a in axes.values()):
         return None
     try:
-        with ctx.deployment.runner(runtime.feed_dtypes_of(ctx.eval_samples)) as runner:
-            runner.infer(batch_of(ctx.eval_samples, ctx.deploy_batch, axes), check_inputs=False)
+        with ctx.deployment.runner(runtime.feed_dtypes_of(ctx.deploy_samples)) as runner:
+            runner.infer(batch_of(ctx.deploy_samples, ctx.deploy_batch, axes), check_inputs=False)
     except AccelOptError:
         raise
     except Exception as exc:  # the runtime's own error types
@@ -331,13 +365,14 @@ def _stage_accuracy(ctx: BuildContext) -> tuple[StageStatus, str]:
     recipe, deployment = ctx.recipe, ctx.deployment
     ctx.accuracy = compare(
         _reference(ctx),
-        deployment.runner(runtime.feed_dtypes_of(ctx.eval_samples)),
+        deployment.runner(runtime.feed_dtypes_of(ctx.deploy_samples)),
         ctx.eval_samples,
         recipe.tolerance,
         recipe.accuracy.task_metrics,
         names=ctx.eval_names,
         batch_size=deployment.batch_size,
         batch_axes=deployment.batch_axes,
+        candidate_samples=ctx.deploy_samples,
     )
     ctx.accuracy.evaluation.deployment = deployment.describe(records.artifact_name(ctx))
     # What the gate found (where each output holds a batch's samples) is part of how the artifact runs.
@@ -351,10 +386,11 @@ def _stage_accuracy(ctx: BuildContext) -> tuple[StageStatus, str]:
 
 
 def _stage_benchmark(ctx: BuildContext) -> tuple[StageStatus, str]:
-    targets = [ctx.deployment.target(runtime.feed_dtypes_of(ctx.eval_samples))]
+    targets = [ctx.deployment.target(runtime.feed_dtypes_of(ctx.deploy_samples))]
+    targets[0].samples = ctx.deploy_samples
     if ctx.recipe.precision is not Precision.fp32:
         baseline = compile_for(ctx.backend, ctx.fp32_path, Precision.fp32, ctx.recipe, ctx.workdir / "baseline",
-                               _deploy_shapes(ctx))
+                               _deploy_shapes(ctx, fused=False))
         targets.append(Target(f"{ctx.backend.name}-fp32", ctx.backend.runner(baseline), ctx.backend.synchronize))
     if ctx.torch_module is not None:
         from accel_opt.backends.torch import torch_runner
@@ -365,10 +401,10 @@ def _stage_benchmark(ctx: BuildContext) -> tuple[StageStatus, str]:
     ctx.bench = run_benchmark(targets, ctx.eval_samples, batch_sizes, ctx.recipe.benchmark, ctx.threads, axes)
     streams = getattr(ctx.backend, "concurrency_sweep", None)
     if streams is not None:  # streams x async requests: the concurrency a server would run
-        feed = batch_of(ctx.eval_samples, ctx.deploy_batch, axes)
+        feed = batch_of(ctx.deploy_samples, ctx.deploy_batch, axes)
         ctx.bench.concurrency = streams(ctx.deployment.compiled, feed, seconds=max(0.2, ctx.recipe.benchmark.min_seconds / 2))
-    config, dtypes = ctx.recipe.benchmark, runtime.feed_dtypes_of(ctx.eval_samples)
-    ctx.bench.sweep = sweep(lambda: ctx.deployment.runner(dtypes), ctx.eval_samples, batch_sizes, config, axes,
+    config, dtypes = ctx.recipe.benchmark, runtime.feed_dtypes_of(ctx.deploy_samples)
+    ctx.bench.sweep = sweep(lambda: ctx.deployment.runner(dtypes), ctx.deploy_samples, batch_sizes, config, axes,
                             ctx.backend.synchronize)
     ctx.bench.recommended, ctx.bench.recommendation = recommend(ctx.bench.sweep, config)
     ctx.bench.capacity = capacity(ctx.bench.sweep, config, lambda: ctx.deployment.runner(dtypes), ctx.max_feed,
@@ -396,6 +432,8 @@ def _max_feed(ctx: BuildContext) -> Sample | None:
     given = ctx.recipe.benchmark.max_shapes
     if not given:
         return None
+    if _fused(ctx):
+        raise UsageError("--max-shapes with fused preprocessing is not supported yet: the image input changes layout")
     batch = max(ctx.recipe.benchmark.batch_sizes) if ctx.shapes.batch_dynamic else ctx.shapes.batch_size
     base = with_batch(ctx.shapes.shapes, batch, ctx.shapes.batch_axes) if ctx.shapes.batch_dynamic else ctx.shapes.shapes
     resolved = resolve_shapes(ctx.inputs, {**base, **given}, given_batch_axes=ctx.recipe.batch_axes)  # checks ranks, fixed dims
@@ -409,10 +447,10 @@ def _application_times(ctx: BuildContext, batch_sizes: list[int]) -> None:
         ctx.bench.stage_note = "no --data: the application's stages and the job need real input files"
         return
     files, config = application.data_files(ctx.data_dir), ctx.resource_config
-    host = application.host_stage_ms(files, ctx.recipe.preprocessing)
+    host = application.host_stage_ms(files, ctx.recipe.preprocessing.host_part() if ctx.recipe.preprocessing else None)
     candidate = ctx.bench.models[0]
-    with ctx.deployment.runner(runtime.feed_dtypes_of(ctx.eval_samples)) as runner:
-        outputs = {b: runner.infer(batch_of(ctx.eval_samples, b, ctx.shapes.batch_axes), check_inputs=False) for b in batch_sizes}
+    with ctx.deployment.runner(runtime.feed_dtypes_of(ctx.deploy_samples)) as runner:
+        outputs = {b: runner.infer(batch_of(ctx.deploy_samples, b, ctx.shapes.batch_axes), check_inputs=False) for b in batch_sizes}
     ctx.bench.stages_ms = [
         application.stage_times(host, candidate.at(b).latency.p50_ms,
                                 application.postprocess_ms(outputs[b], config.postprocess, config.outputs[0].name, b), b)

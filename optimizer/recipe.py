@@ -205,6 +205,14 @@ class Preprocessing(_Strict):
     std: tuple[float, float, float] = (0.229, 0.224, 0.225)
     layout: Literal["NCHW", "NHWC"] = "NCHW"
     dtype: Literal["float32", "float16", "uint8"] = "float32"
+    # Normalize and lay out inside the model: it takes the host's uint8 HWC crops (4x fewer bytes to move,
+    # the arithmetic on the backend); decoding, resizing and cropping stay on the host. The gate checks the
+    # fused model on those crops against the reference on the host pipeline's floats.
+    fused: bool = False
+
+    def host_part(self) -> Preprocessing:
+        """What the host still does: decode, resize, crop, as uint8 HWC when the rest is fused."""
+        return self.model_copy(update={"dtype": "uint8", "layout": "NHWC", "fused": False}) if self.fused else self
 
 
 class Postprocess(_Strict):

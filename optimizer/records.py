@@ -44,7 +44,7 @@ def reuse(ctx: BuildContext, final: Path, model: str, stages: list[StageResult],
         worst_cosine=accuracy.worst_cosine, data=data_record(ctx), evaluated=accuracy.evaluation.deployment, reused=True,
     )
     fill_headline(result, bench)
-    result._eval_samples = ctx.eval_samples
+    result._eval_samples = ctx.deploy_samples
     return result
 
 

@@ -174,3 +174,43 @@ def test_build_from_images_measures_the_application_not_only_the_model(classifie
     assert "batches of 4" in fast["description"]
     page = (classifier / "signoff.html").read_text()
     assert page.count("data:image/png;base64,") == 2 and "The whole job" in page
+
+
+def test_fused_preprocessing_takes_uint8_crops_and_is_checked_against_the_host_pipeline(tiny_cnn_path, photos, tmp_path):
+    import onnx
+
+    from accel_opt.recipe import load_recipe
+
+    from .conftest import FAST_BENCH
+
+    recipe = load_recipe().with_overrides(benchmark=FAST_BENCH, preprocessing={**PRE, "fused": True},
+                                          postprocess={"topk": 3}, **{"selection.target_batch_size": 4})
+    result = build(tiny_cnn_path, recipe, data_dir=photos, out_dir=tmp_path / "out")
+    assert result.signed_off, result.failures  # the fused model on uint8 crops vs the reference on host floats
+    folder = Path(result.artifact_dir)
+    (image,) = onnx.load(str(folder / "model.onnx")).graph.input
+    assert image.type.tensor_type.elem_type == onnx.TensorProto.UINT8
+    assert [d.dim_value for d in image.type.tensor_type.shape.dim][1:] == [32, 32, 3]
+    accuracy = json.loads((folder / "accuracy.json").read_text())
+    assert accuracy["outputs"][0]["error"] < 1e-4 and accuracy["evaluation"]["mode"] == "batched"
+    config = json.loads((folder / "resource_config.json").read_text())
+    assert config["preprocessing"]["fused"] is True and config["inputs"][0]["shape_used"] == [4, 32, 32, 3]
+    fused, host = tmp_path / "fused.jsonl", tmp_path / "host.jsonl"
+    run_job(runtime.load(folder), [photos], fused)
+    unfused = build(tiny_cnn_path, recipe.with_overrides(preprocessing=PRE), data_dir=photos, out_dir=tmp_path / "out")
+    run_job(runtime.load(unfused.artifact_dir), [photos], host)
+    assert [line["top1"] for line in _lines(fused)] == [line["top1"] for line in _lines(host)]
+
+
+@pytest.mark.skipif(__import__("importlib").util.find_spec("openvino") is None, reason="openvino is not installed")
+def test_fused_preprocessing_on_openvino_int8_keeps_its_fp32_baseline_unfused(tiny_cnn_path, photos, tmp_path):
+    from accel_opt.recipe import load_recipe
+
+    from .conftest import FAST_BENCH
+
+    recipe = load_recipe().with_overrides(benchmark=FAST_BENCH, preprocessing={**PRE, "fused": True}, backend="openvino",
+                                          precision="int8", **{"selection.target_batch_size": 4})
+    result = build(tiny_cnn_path, recipe, data_dir=photos, out_dir=tmp_path / "out")
+    assert result.exit_code in (0, 1) and result.headline[0].speedup_vs_fp32 is not None
+    config = json.loads((Path(result.artifact_dir) / "resource_config.json").read_text())
+    assert config["settings"]["static_shapes"] == {"image": [4, 32, 32, 3]}

@@ -90,6 +90,7 @@ class Target:
     label: str
     runner: BaseRunner
     synchronize: Callable[[], None] = lambda: None
+    samples: list[Sample] | None = None  # this target's own inputs (fused preprocessing), else the run's
 
 
 def latency_stats(seconds: list[float]) -> LatencyStats:
@@ -129,9 +130,9 @@ def run_benchmark(
     if len(set(labels)) != len(labels):
         raise ValueError(f"benchmark targets need distinct labels, got {labels}")
     loads: dict[str, tuple[float, float, float]] = {}
-    biggest = batch_of(samples, max(batch_sizes), batch_axes)
     try:
         for target in targets:
+            biggest = batch_of(target.samples or samples, max(batch_sizes), batch_axes)
             rss_before = reset_peak_rss_mib()
             start = time.perf_counter()
             target.runner.activate()
@@ -143,11 +144,11 @@ def run_benchmark(
         per_batch: dict[str, list[BatchResult]] = {t.label: [] for t in targets}
         for batch in batch_sizes:
             start = time.perf_counter()
-            feed = batch_of(samples, batch, batch_axes)
-            prep_ms = (time.perf_counter() - start) * 1e3
+            feeds = {t.label: batch_of(t.samples or samples, batch, batch_axes) for t in targets}
+            prep_ms = (time.perf_counter() - start) * 1e3 / len(targets)
             for target in targets:
                 for _ in range(config.warmup_iterations):
-                    target.runner.infer(feed, check_inputs=False)
+                    target.runner.infer(feeds[target.label], check_inputs=False)
                 target.synchronize()
             times: dict[str, list[float]] = {t.label: [] for t in targets}
             per_round = dict(
@@ -157,7 +158,7 @@ def run_benchmark(
             )
             for _ in range(ROUNDS):
                 for target in targets:
-                    times[target.label] += timed_calls(infer_and_sync(target, feed), **per_round)
+                    times[target.label] += timed_calls(infer_and_sync(target, feeds[target.label]), **per_round)
             for target in targets:
                 stats = latency_stats(times[target.label])
                 per_batch[target.label].append(

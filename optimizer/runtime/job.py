@@ -221,7 +221,7 @@ class _Reader:
             # The build's preprocessing exactly: a shortcut (JPEG draft decoding changed top-1 on 3% of
             # images here) would run something the gate did not check.
             with Image.open(file) as img:
-                pixels = preprocess_image(img.convert("RGB"), pre)
+                pixels = preprocess_image(img.convert("RGB"), pre.host_part())
         except (UnidentifiedImageError, OSError, ValueError) as exc:
             raise InputRejected(f"not a readable image ({first_line(exc)})") from None
         return {spec.name: pixels}
