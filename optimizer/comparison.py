@@ -11,15 +11,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import onnx
 from pydantic import BaseModel
 
 from accel_opt import artifacts
 from accel_opt.accuracy import AccuracyReport, Check, compare
 from accel_opt.backends.onnxruntime import reference_runner
 from accel_opt.bench import run_benchmark
-from accel_opt.data import DataSummary, load_samples, synthetic_samples
+from accel_opt.data import DataSummary, load_samples
 from accel_opt.errors import InputRejected, UsageError
-from accel_opt.graph.inspect import with_batch
+from accel_opt.graph.inspect import io_specs
 from accel_opt.hardware import available_cpus
 from accel_opt.recipe import Recipe
 from accel_opt.runtime import Deployment, read_manifest
@@ -72,21 +73,20 @@ def run_comparison(baseline: Deployment, candidate: Deployment, reference: Path,
         raise UsageError("the two artifacts take different inputs: not the same model family")
     recipe = Recipe.model_validate(read_manifest(candidate.folder).recipe["resolved"])
     config = candidate.config
-    if data_dir is not None:
-        samples, data = load_samples(data_dir, config.inputs, config.preprocessing)
-    else:
-        shapes = with_batch(config.shapes, 1, config.batch_axes) if config.batch_dynamic else config.shapes
-        samples, data = synthetic_samples(config.inputs, shapes, SYNTHETIC_SAMPLES, recipe.accuracy.seed)
-    samples = samples[: recipe.accuracy.max_samples]
+    count = recipe.accuracy.max_samples
+    fed = [side.samples(data_dir, SYNTHETIC_SAMPLES, recipe.accuracy.seed)[0][:count] for side in (baseline, candidate)]
+    samples, data = _reference_samples(candidate, reference, data_dir, recipe)
+    samples = samples[:count]
     names = data.names[: len(samples)]
-    dtypes = {name: array.dtype for name, array in samples[0].items()}
     threads = config.threads or available_cpus()
 
-    reports = [compare(reference_runner(reference, threads), side.runner(dtypes), samples, recipe.tolerance,
-                       recipe.accuracy.task_metrics, names=names, batch_size=side.batch_size, batch_axes=side.batch_axes)
-               for side in (baseline, candidate)]
+    reports = [compare(reference_runner(reference, threads), side.runner(_dtypes(own)), samples, recipe.tolerance,
+                       recipe.accuracy.task_metrics, names=names, batch_size=side.batch_size, batch_axes=side.batch_axes,
+                       candidate_samples=own)
+               for side, own in zip((baseline, candidate), fed, strict=True)]
     sizes = sorted({baseline.batch_size, candidate.batch_size})
-    targets = [baseline.target(dtypes, label="baseline"), candidate.target(dtypes, label="candidate")]
+    targets = [baseline.target(_dtypes(fed[0]), label="baseline", samples=fed[0]),
+               candidate.target(_dtypes(fed[1]), label="candidate", samples=fed[1])]
     bench = run_benchmark(targets, samples, sizes, recipe.benchmark, threads, config.batch_axes)
     metric = _quality_metric(reports[1])
     sides = []
@@ -116,6 +116,20 @@ def run_comparison(baseline: Deployment, candidate: Deployment, reference: Path,
                                  f"limit {max_accuracy_drop:g}"))
     return Comparison(reference=str(reference), data=data, quality_metric=metric, baseline=base, candidate=cand,
                       throughput_ratio=ratio, latency_regression_pct=regression, accuracy_drop=drop, checks=checks)
+
+
+def _dtypes(samples: list) -> dict:
+    return {name: array.dtype for name, array in samples[0].items()}
+
+
+def _reference_samples(candidate: Deployment, reference: Path, data_dir, recipe: Recipe) -> tuple[list, DataSummary]:
+    """The samples as the fp32 reference takes them: the candidate's own, unless its preprocessing is fused
+    into the model, where the reference takes the host pipeline's floats from the same files."""
+    pre = candidate.config.preprocessing
+    if pre is None or not pre.fused:
+        return candidate.samples(data_dir, SYNTHETIC_SAMPLES, recipe.accuracy.seed)
+    inputs, _ = io_specs(onnx.load(str(reference), load_external_data=False))
+    return load_samples(data_dir, inputs, pre.model_copy(update={"fused": False}))
 
 
 def _quality_metric(report: AccuracyReport) -> str:

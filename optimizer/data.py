@@ -125,12 +125,17 @@ def preprocess_image(img, pre: Preprocessing) -> np.ndarray:
     width, height = img.size
     left, top = (width - pre.crop) // 2, (height - pre.crop) // 2
     img = img.crop((left, top, left + pre.crop, top + pre.crop))
-    pixels = np.asarray(img, dtype=np.float32)
+    return to_model_input(np.asarray(img)[None], pre)
+
+
+def to_model_input(crops_hwc: np.ndarray, pre: Preprocessing) -> np.ndarray:
+    """uint8 [batch, H, W, 3] crops -> the model's input: normalized, laid out, in `pre.dtype`."""
+    pixels = np.asarray(crops_hwc, dtype=np.float32)
     if pre.dtype != "uint8":
         pixels = (pixels / 255.0 - np.asarray(pre.mean, np.float32)) / np.asarray(pre.std, np.float32)
     if pre.layout == "NCHW":
-        pixels = pixels.transpose(2, 0, 1)
-    return np.ascontiguousarray(pixels[None].astype(pre.dtype))
+        pixels = pixels.transpose(0, 3, 1, 2)
+    return np.ascontiguousarray(pixels.astype(pre.dtype))
 
 
 def synthetic_samples(

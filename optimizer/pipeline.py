@@ -25,7 +25,17 @@ from accel_opt.backends.onnxruntime import reference_runner
 from accel_opt.bench import BenchmarkReport, Target, application, run_benchmark
 from accel_opt.bench.efficiency import efficiency
 from accel_opt.bench.sweep import capacity, recommend, sweep, sweep_checks
-from accel_opt.data import DataSummary, Sample, batch_of, load_samples, shapes_of, split_indices, synthetic_samples
+from accel_opt.data import (
+    DataSummary,
+    Sample,
+    batch_of,
+    check_sample,
+    load_samples,
+    shapes_of,
+    split_indices,
+    synthetic_samples,
+    to_model_input,
+)
 from accel_opt.errors import AccelOptError, Unsupported, UsageError, first_line, no_space_error
 from accel_opt.graph.cleanup import CleanupReport, cleanup
 from accel_opt.graph.fuse import fuse_normalize, fused_shape
@@ -69,6 +79,7 @@ class BuildContext:
     eval_samples: list[Sample] = field(default_factory=list)
     eval_names: list[str] = field(default_factory=list)
     deploy_samples: list[Sample] = field(default_factory=list)  # the eval samples as the artifact takes them (fused: uint8 crops)
+    host_crops: list[Sample] = field(default_factory=list)  # fused preprocessing: every --data image as uint8 HWC crops
     max_feed: Sample | None = None  # a feed at --max-shapes, for the capacity check
     cleanup: CleanupReport | None = None
     fp32_path: Path | None = None  # after cleanup: the baseline every precision is compared with
@@ -77,6 +88,7 @@ class BuildContext:
     compiled: CompiledModel | None = None  # the compile in the workdir (its settings go to the resource config)
     resource_config: ResourceConfig | None = None
     deployment: Deployment | None = None  # the staged artifact, loaded as a user would: what is checked and timed
+    deployed_hashes: dict[str, str] = field(default_factory=dict)  # its files' sha256 when it was loaded
     accuracy: AccuracyReport | None = None
     bench: BenchmarkReport | None = None
 
@@ -214,8 +226,10 @@ def _stage_load(ctx: BuildContext) -> tuple[StageStatus, str]:
     ctx.model_path = ctx.loaded.path
     ctx.inputs, ctx.outputs = io_specs(ctx.loaded.proto)
     recipe = ctx.recipe
+    if _fused(ctx) and (ctx.data_dir is None or any(Path(ctx.data_dir).glob("*.npz"))):
+        raise UsageError("preprocessing.fused needs --data with image files: the fused model takes decoded crops")
     if ctx.data_dir is not None:
-        samples, ctx.data = load_samples(ctx.data_dir, ctx.inputs, recipe.preprocessing)
+        samples, ctx.data = _read_data(ctx)
         ctx.shapes = resolve_shapes(ctx.inputs, recipe.shapes, shapes_of(samples), recipe.batch_axes)
     else:
         ctx.shapes = resolve_shapes(ctx.inputs, recipe.shapes, given_batch_axes=recipe.batch_axes)
@@ -231,8 +245,8 @@ def _stage_load(ctx: BuildContext) -> tuple[StageStatus, str]:
     ctx.eval_samples = [samples[i] for i in evaluation]
     ctx.eval_names = [ctx.data.names[i] for i in evaluation]
     ctx.deploy_samples = ctx.eval_samples
-    if recipe.preprocessing is not None and recipe.preprocessing.fused:
-        ctx.deploy_samples = _host_crops(ctx, evaluation)
+    if _fused(ctx):
+        ctx.deploy_samples = [ctx.host_crops[i] for i in evaluation]
     ctx.deploy_batch = recipe.selection.target_batch_size if ctx.shapes.batch_dynamic else ctx.shapes.batch_size
     ctx.max_feed = _max_feed(ctx)  # checked now: a wrong --max-shapes is a usage error before any work
     shapes = ", ".join(f"{k}:{'x'.join(map(str, v)) or 'scalar'}" for k, v in ctx.shapes.shapes.items())
@@ -242,15 +256,20 @@ def _stage_load(ctx: BuildContext) -> tuple[StageStatus, str]:
     )
 
 
-def _host_crops(ctx: BuildContext, evaluation: list[int]) -> list[Sample]:
-    """The evaluation images as a fused-preprocessing model takes them: the host's uint8 HWC crops."""
+def _read_data(ctx: BuildContext) -> tuple[list[Sample], DataSummary]:
+    """The --data samples as the model takes them. With fused preprocessing the images are decoded once,
+    to the host's uint8 crops (kept: what the fused artifact takes), and normalized from those."""
     pre = ctx.recipe.preprocessing
-    if ctx.data is None or ctx.data.source != "images":
-        raise UsageError("preprocessing.fused needs --data with image files: the fused model takes decoded crops")
+    if not _fused(ctx):
+        return load_samples(ctx.data_dir, ctx.inputs, pre)
     name = _image_input(ctx)
     spec = TensorSpec(name=name, dtype="uint8", shape=["batch", pre.crop, pre.crop, 3])
-    crops, _ = load_samples(ctx.data_dir, [spec], pre.host_part().model_copy(update={"input": name}))
-    return [crops[i] for i in evaluation]
+    crops, data = load_samples(ctx.data_dir, [spec], pre.host_part().model_copy(update={"input": name}))
+    ctx.host_crops = crops
+    samples = [{name: to_model_input(c[name], pre)} for c in crops]
+    for sample, where in zip(samples, data.names):
+        check_sample(sample, ctx.inputs, where)
+    return samples, data
 
 
 def _image_input(ctx: BuildContext) -> str:
@@ -342,7 +361,8 @@ def _stage_deployment(ctx: BuildContext, shapes: dict[str, list[int]]) -> None:
         preprocessing=ctx.recipe.preprocessing, postprocess=ctx.recipe.postprocess,
     )
     artifacts.write_json(ctx.staging / runtime.RESOURCE_CONFIG, ctx.resource_config)
-    ctx.deployment = runtime.load(ctx.staging, expected_files=artifacts.file_hashes(ctx.staging))
+    ctx.deployed_hashes = artifacts.file_hashes(ctx.staging)  # hashed once: build.json reuses them
+    ctx.deployment = runtime.load(ctx.staging, expected_files=ctx.deployed_hashes)
 
 
 def _batch_problem(ctx: BuildContext) -> str | None:
@@ -386,8 +406,7 @@ def _stage_accuracy(ctx: BuildContext) -> tuple[StageStatus, str]:
 
 
 def _stage_benchmark(ctx: BuildContext) -> tuple[StageStatus, str]:
-    targets = [ctx.deployment.target(runtime.feed_dtypes_of(ctx.deploy_samples))]
-    targets[0].samples = ctx.deploy_samples
+    targets = [ctx.deployment.target(runtime.feed_dtypes_of(ctx.deploy_samples), samples=ctx.deploy_samples)]
     if ctx.recipe.precision is not Precision.fp32:
         baseline = compile_for(ctx.backend, ctx.fp32_path, Precision.fp32, ctx.recipe, ctx.workdir / "baseline",
                                _deploy_shapes(ctx, fused=False))
@@ -460,12 +479,11 @@ def _application_times(ctx: BuildContext, batch_sizes: list[int]) -> None:
     from accel_opt.backends.onnxruntime import OnnxRuntimeBackend
 
     pre, job_files = ctx.recipe.preprocessing, files[: application.JOB_FILES]
-    image_input = pre.input if pre and pre.input else ctx.inputs[0].name
     ctx.bench.jobs = [application.accel_opt_job(job_files, ctx.deployment)]
     try:  # the naive job runs the fp32 model on ONNX Runtime, the portable default
         ort = OnnxRuntimeBackend()
         naive_runner = ort.runner(ort.compile(ctx.fp32_path, Precision.fp32, ctx.recipe, ctx.workdir / "naive"))
-        ctx.bench.jobs.insert(0, application.naive_job(job_files, naive_runner, pre, image_input))
+        ctx.bench.jobs.insert(0, application.naive_job(job_files, naive_runner, pre, _image_input(ctx)))
     except AccelOptError as exc:
         ctx.bench.stage_note += f"; no naive job: {exc}"
 
@@ -493,7 +511,7 @@ def _stage_reports(ctx: BuildContext) -> tuple[StageStatus, str]:
         "export": ctx.export,
         "notes": ctx.notes,
         "environment": {"tools": artifacts.tool_versions(), "cpu": hardware.cpu_info()},
-        "files_sha256": {f: artifacts.sha256_file(staging / f) for f in [config.model_file, *config.extra_files]},
+        "files_sha256": {f: ctx.deployed_hashes[f] for f in [config.model_file, *config.extra_files]},
     }
     artifacts.write_json(staging / "build.json", build_info)
     artifacts.write_text(staging / "signoff.html", htmlreport.render(staging))  # from the JSON reports above only

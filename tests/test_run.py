@@ -200,6 +200,15 @@ def test_fused_preprocessing_takes_uint8_crops_and_is_checked_against_the_host_p
     unfused = build(tiny_cnn_path, recipe.with_overrides(preprocessing=PRE), data_dir=photos, out_dir=tmp_path / "out")
     run_job(runtime.load(unfused.artifact_dir), [photos], host)
     assert [line["top1"] for line in _lines(fused)] == [line["top1"] for line in _lines(host)]
+    rebench = CliRunner().invoke(main, ["bench", str(folder), "--data", str(photos), "--batch-sizes", "1"])
+    assert rebench.exit_code == 0, rebench.stderr  # the artifact re-timed on the crops it takes
+    assert CliRunner().invoke(main, ["bench", str(folder)]).exit_code == 2  # no synthetic crops
+    versus = CliRunner().invoke(main, ["compare", unfused.artifact_dir, str(folder), "--data", str(photos),
+                                       "--reference", str(tiny_cnn_path), "--json"])
+    assert versus.exit_code == 0, versus.stdout + versus.stderr
+    assert json.loads(versus.stdout)["candidate"]["accuracy"]["failures"] == []
+    with pytest.raises(UsageError, match="fused needs --data with image files"):
+        build(tiny_cnn_path, recipe, out_dir=tmp_path / "out")
 
 
 @pytest.mark.skipif(__import__("importlib").util.find_spec("openvino") is None, reason="openvino is not installed")

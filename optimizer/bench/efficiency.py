@@ -13,7 +13,6 @@ import time
 
 import numpy as np
 import onnx
-from onnx import numpy_helper
 from pydantic import BaseModel
 
 GEMM_N = 1024
@@ -69,7 +68,8 @@ def count_flops(model_path, shapes: dict[str, list[int]]) -> tuple[int, int, int
                 transposed = node.op_type == "Gemm" and any(x.name == "transA" and x.i for x in node.attribute)
                 k = a[-2] if transposed and len(a) >= 2 else a[-1]
                 flops += 2 * int(np.prod(out)) * k
-    weight_bytes = sum(numpy_helper.to_array(t).nbytes for t in model.graph.initializer)
+    weight_bytes = sum(int(np.prod(t.dims)) * onnx.helper.tensor_dtype_to_np_dtype(t.data_type).itemsize
+                       for t in model.graph.initializer)
     io_bytes = 0
     for value in [*inferred.graph.input, *inferred.graph.output]:
         if value.name in weights:

@@ -22,8 +22,9 @@ from accel_opt.artifacts import MANIFEST, Manifest, sha256_file
 from accel_opt.backends import Backend, CompiledModel, get_backend
 from accel_opt.backends.base import casting_inputs
 from accel_opt.bench import Target
-from accel_opt.errors import InputRejected, Unsupported, first_line
-from accel_opt.graph.inspect import TensorSpec
+from accel_opt.data import DataSummary, Sample, load_samples, synthetic_samples
+from accel_opt.errors import InputRejected, Unsupported, UsageError, first_line
+from accel_opt.graph.inspect import TensorSpec, with_batch
 from accel_opt.recipe import Postprocess, Precision, Preprocessing
 
 RESOURCE_CONFIG = "resource_config.json"
@@ -116,6 +117,17 @@ class Deployment:
         return (f"{folder_name or self.folder.name}/ ({files}), {self.config.backend} {self.config.precision.value}, "
                 f"batch {self.batch_size}")
 
+    def samples(self, data_dir: str | Path | None, synthetic_count: int, seed: int) -> tuple[list[Sample], DataSummary]:
+        """Inputs as this deployment takes them: read from `data_dir` with its recorded preprocessing (the
+        host part, when the rest is fused into the model), else seeded synthetic ones of one row each."""
+        config = self.config
+        if data_dir is not None:
+            return load_samples(data_dir, config.inputs, config.preprocessing.host_part() if config.preprocessing else None)
+        if config.preprocessing is not None and config.preprocessing.fused:
+            raise UsageError(f"{self.folder.name} takes decoded image crops (fused preprocessing): give --data with images")
+        shapes = with_batch(config.shapes, 1, config.batch_axes) if config.batch_dynamic else config.shapes
+        return synthetic_samples(config.inputs, shapes, synthetic_count, seed)
+
     def runner(self, feed_dtypes: dict[str, Any] | None = None) -> BaseRunner:
         """A Polygraphy runner of the deployed model; inputs fed in other dtypes than it deploys
         (float16 I/O builds) are cast inside each call, as an application would have to."""
@@ -123,10 +135,11 @@ class Deployment:
         deployed = {i.name: i.dtype for i in self.config.inputs}
         return casting_inputs(runner, feed_dtypes or deployed, deployed)
 
-    def target(self, feed_dtypes: dict[str, Any] | None = None, label: str | None = None) -> Target:
-        """A benchmark target (labels must differ between the targets of one run)."""
+    def target(self, feed_dtypes: dict[str, Any] | None = None, label: str | None = None,
+               samples: list[Sample] | None = None) -> Target:
+        """A benchmark target (labels must differ between the targets of one run), fed `samples` if given."""
         return Target(label or f"{self.config.backend}-{self.config.precision.value}", self.runner(feed_dtypes),
-                      self.backend.synchronize)
+                      self.backend.synchronize, samples)
 
 
 def load(folder: str | Path, expected_files: dict[str, str] | None = None) -> Deployment:

@@ -10,9 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from accel_opt.bench import BenchmarkReport, run_benchmark
-from accel_opt.data import DataSummary, load_samples, synthetic_samples
+from accel_opt.data import DataSummary
 from accel_opt.errors import UsageError
-from accel_opt.graph.inspect import with_batch
 from accel_opt.hardware import available_cpus
 from accel_opt.recipe import BenchmarkConfig, Recipe
 from accel_opt.runtime import Deployment, read_manifest
@@ -28,11 +27,7 @@ def benchmark_artifact(
     resource = deployment.config
     built = Recipe.model_validate(read_manifest(deployment.folder).recipe["resolved"])
     config = config or built.benchmark
-    if data_dir is not None:
-        samples, data = load_samples(data_dir, resource.inputs, resource.preprocessing)
-    else:
-        shapes = with_batch(resource.shapes, 1, resource.batch_axes) if resource.batch_dynamic else resource.shapes
-        samples, data = synthetic_samples(resource.inputs, shapes, SYNTHETIC_SAMPLES, built.accuracy.seed)
+    samples, data = deployment.samples(data_dir, SYNTHETIC_SAMPLES, built.accuracy.seed)
     if batch_sizes is None:
         batch_sizes = config.batch_sizes if resource.batch_dynamic else [resource.batch_size]
     elif not resource.batch_dynamic and batch_sizes != [resource.batch_size]:
