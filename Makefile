@@ -34,6 +34,8 @@ bench: install
 	$(BIN)/python -m benchmarks.openvino_speed
 	$(BIN)/python -m benchmarks.quiet_state_ratio
 	$(BIN)/python -m benchmarks.minilm_speed
+	$(BIN)/python -m benchmarks.e2e_job --model resnet50
+	$(BIN)/python -m benchmarks.e2e_job --model light
 
 clean:
 	rm -rf $(VENV) artifacts/*/ .pytest_cache .ruff_cache
