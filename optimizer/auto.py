@@ -1,6 +1,7 @@
 """`--backend auto` / `--precision auto`: build every (backend, precision) pair that makes sense on
-this machine, keep those that pass the gate, pick the fastest at the recipe's target batch within
-its latency budget, and report every candidate with why it won or lost.
+this machine, keep those that pass the gate, pick the best on the recipe's objective (latency at
+batch 1, throughput at batch N, or the best throughput within a p99 budget), and report every
+candidate with why it won or lost. A candidate worse than fp32 on the objective never wins.
 
 Each candidate is an ordinary build (its own signed artifact folder); int8 candidates on different
 CPU backends share one calibration through the content-keyed cache. The builds run one after another,
@@ -29,6 +30,13 @@ log = logging.getLogger(__name__)
 AUTO = "auto"
 
 
+class RunoffPoint(BaseModel):
+    batch_size: int
+    p50_ms: float
+    p99_ms: float
+    throughput_per_s: float
+
+
 class Candidate(BaseModel):
     backend: str
     precision: str
@@ -40,10 +48,14 @@ class Candidate(BaseModel):
     throughput_per_s: float | None = None
     cosine: float | None = None  # worst output cosine vs the fp32 reference
     artifact_dir: str | None = None
+    points: list[RunoffPoint] = []  # the runoff, one point per batch size the objective looks at
+    objective_value: float | None = None  # ms (latency) or samples/s (throughput objectives); None: budget not met
+    objective_batch: int | None = None
     verdict: str = ""  # why it won or lost
 
 
 class AutoSelection(BaseModel):
+    objective: str = "throughput"
     target_batch_size: int
     latency_budget_ms: float | None
     backend_reason: str
@@ -115,21 +127,12 @@ def build_auto(
             on_candidate(candidate)
 
     signed = [c for c in candidates if c.signed_off]
-    timing = "each candidate's own build benchmark"
-    if len(signed) > 1:
+    timing = "no candidate signed off"
+    if signed:
         timing = _runoff(signed, results[(signed[0].backend, signed[0].precision)].eval_samples, recipe)
-    for c in signed:
-        if budget is not None and c.latency_p50_ms > budget:
-            c.verdict = f"p50 {c.latency_p50_ms:.2f} ms over the {budget} ms budget"
-    eligible = [c for c in signed if not c.verdict]
-    winner = min(eligible, key=lambda c: c.latency_p50_ms, default=None)
-    for c in eligible:
-        if c is winner:
-            c.verdict = f"won: fastest signed-off candidate at batch {c.batch_size}"
-        else:
-            c.verdict = f"lost: {c.latency_p50_ms / winner.latency_p50_ms:.2f}x the winner's p50 at batch {c.batch_size}"
-    selection = AutoSelection(target_batch_size=target, latency_budget_ms=budget, backend_reason=backend_reason,
-                              timing=timing, winner=winner, candidates=candidates)
+    winner = choose(candidates, recipe.selection.objective, budget, target)
+    selection = AutoSelection(objective=recipe.selection.objective, target_batch_size=target, latency_budget_ms=budget,
+                              backend_reason=backend_reason, timing=timing, winner=winner, candidates=candidates)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     stem = Path(model).stem
@@ -147,16 +150,75 @@ def _failure_line(exc: BaseException) -> str:
     return f"(internal error, a bug: please report it) {type(exc).__name__}: {exc}; log: {write_crash_log(exc)}"
 
 
+OBJECTIVES = {
+    "latency": "lowest p50 at batch 1",
+    "throughput": "most samples/s at the target batch",
+    "throughput_within_p99": "most samples/s at any benchmarked batch whose p99 meets the budget",
+}
+
+
+def objective_batches(objective: str, recipe: Recipe) -> list[int]:
+    return {"latency": [1], "throughput": [recipe.selection.target_batch_size]}.get(
+        objective, sorted(set(recipe.benchmark.batch_sizes)))
+
+
+def choose(candidates: list[Candidate], objective: str, budget_ms: float | None, target: int) -> Candidate | None:
+    """The winner on `objective` among the signed-off candidates with runoff points; sets every verdict.
+    A candidate worse than the best fp32 candidate on the objective never wins."""
+    lower_is_better = objective == "latency"
+    for c in candidates:
+        if not c.signed_off or not c.points:
+            continue
+        within = [p for p in c.points if budget_ms is None or p.p99_ms <= budget_ms]
+        if objective == "throughput_within_p99":
+            best = max(within, key=lambda p: p.throughput_per_s, default=None)
+        else:
+            best = next((p for p in within if p.batch_size == (1 if lower_is_better else target)), within[0] if within else None)
+        if best is None:
+            c.verdict = f"p99 {min(p.p99_ms for p in c.points):.2f} ms over the {budget_ms} ms budget at every batch"
+            continue
+        c.objective_batch = best.batch_size
+        c.objective_value = best.p50_ms if lower_is_better else best.throughput_per_s
+        c.latency_p50_ms, c.throughput_per_s, c.batch_size = best.p50_ms, best.throughput_per_s, best.batch_size
+
+    def better(a: float, b: float) -> bool:
+        return a < b if lower_is_better else a > b
+
+    unit = "ms p50" if lower_is_better else "samples/s"
+    ranked = [c for c in candidates if c.objective_value is not None]
+    fp32 = [c for c in ranked if c.precision == Precision.fp32.value]
+    pick = min if lower_is_better else max
+    floor = pick(fp32, key=lambda c: c.objective_value) if fp32 else None
+    eligible = []
+    for c in ranked:
+        if floor is not None and c is not floor and c.precision != Precision.fp32.value and not better(c.objective_value, floor.objective_value):
+            c.verdict = (f"not faster than fp32 on the objective: {c.objective_value:.2f} vs {floor.backend} fp32 "
+                         f"{floor.objective_value:.2f} {unit}")
+        else:
+            eligible.append(c)
+    winner = None
+    for c in eligible:
+        if winner is None or better(c.objective_value, winner.objective_value):
+            winner = c
+    for c in eligible:
+        ratio = c.objective_value / winner.objective_value
+        c.verdict = (f"won: best on the objective ({OBJECTIVES[objective]}): {c.objective_value:.2f} {unit} at batch "
+                     f"{c.objective_batch}" if c is winner else f"lost: {ratio:.2f}x the winner's {unit} at batch {c.objective_batch}")
+    return winner
+
+
 def _runoff(candidates: list[Candidate], samples: list[Sample], recipe: Recipe) -> str:
-    """Time the candidates' published builds, loaded through the runtime as deployed, against each other
-    in interleaved rounds at their batch size (the same samples every build timed); updates each
-    candidate's latency and throughput."""
-    batch = candidates[0].batch_size
+    """Time the candidates' published builds, loaded through the runtime as deployed, against each other in
+    interleaved rounds at the objective's batch sizes (the same samples every build timed)."""
     threads = recipe.benchmark.threads or hardware.available_cpus()
     deployments = [runtime.load(c.artifact_dir) for c in candidates]
+    batches = objective_batches(recipe.selection.objective, recipe)
+    if not deployments[0].config.batch_dynamic:
+        batches = [deployments[0].batch_size]
     targets = [d.target(runtime.feed_dtypes_of(samples)) for d in deployments]
-    bench = run_benchmark(targets, samples, [batch], recipe.benchmark, threads, deployments[0].batch_axes)
+    bench = run_benchmark(targets, samples, batches, recipe.benchmark, threads, deployments[0].batch_axes)
     for c, timed in zip(candidates, bench.models, strict=True):
-        c.latency_p50_ms = timed.batches[0].latency.p50_ms
-        c.throughput_per_s = timed.batches[0].throughput_per_s
-    return f"p50 from one interleaved runoff of the {len(candidates)} signed-off builds at batch {batch}"
+        c.points = [RunoffPoint(batch_size=b.batch_size, p50_ms=b.latency.p50_ms, p99_ms=b.latency.p99_ms,
+                                throughput_per_s=b.throughput_per_s) for b in timed.batches]
+    sizes = ", ".join(map(str, batches))
+    return f"one interleaved runoff of the {len(candidates)} signed-off builds at batch {sizes}"

@@ -49,8 +49,8 @@ def render(folder: str | Path, title: str | None = None) -> str:
              f" &mdash; {sum(c['passed'] for c in checks)} of {len(checks)} checks passed</div>"]
     if not passed:
         parts.append("<h2>Failed checks</h2>" + _list(failures))
-    parts += [_rests_on(acc, build), _checks(checks), _outputs(acc), _worst(acc), _tasks(acc), _kept(build),
-              _benchmark(bench), _resources(config), _environment(build, config)]
+    parts += [_rests_on(acc, build), _checks(checks), _outputs(acc), _worst(acc), _tasks(acc), _fallback(build),
+              _kept(build), _benchmark(bench), _resources(config), _environment(build, config)]
     notes = build.get("notes", []) + ((build.get("precision") or {}).get("notes") or [])
     if notes:
         parts.append("<h2>Notes</h2>" + _list(notes))
@@ -136,6 +136,65 @@ def _tasks(acc: dict) -> str:
         _list(notes) if notes else "")
 
 
+def _fallback(build: dict) -> str:
+    """The fallback's rounds (naive build first), its top offenders before and after, and the error-by-depth plot."""
+    fb = build.get("fallback")
+    if not fb or fb["status"] == "disabled" or not fb.get("naive"):
+        return ""
+    out = [f"<h2>Fallback (per-layer diagnosis): {escape(fb['status'])}</h2>",
+           f"<p>{escape(fb['reason'])}. Judged with the gate's tolerance on {fb['probe_samples']} "
+           f"{escape(fb['probe_source'])}; {fb['fp32_flops_fraction']:.1%} of the FLOPs in fp32 "
+           f"(budget {fb['max_fp32_flops_fraction']:.0%}, {fb['max_rounds']} rounds).</p>"]
+    rounds = [{"round": "naive", "added": [], "fp32_flops_fraction": 0.0, "verdict": fb["naive"]}, *fb["rounds"]]
+    out.append(_table(["build", "kept in fp32 this round", "FLOPs in fp32", "worst cosine", "probes", "failures"],
+                      [[escape(str(r["round"])), escape(", ".join(r["added"]) or "-"), f"{r['fp32_flops_fraction']:.1%}",
+                        f"{r['verdict']['worst_cosine']:.6f}", _mark(r["verdict"]["passed"]),
+                        escape("; ".join(r["verdict"]["failures"]) or "-")] for r in rounds], {2, 3}))
+    if fb["layers"]:
+        out.append("<h3>Top offenders of the naive build</h3><p class=muted>Error the node adds (its output's error minus "
+                   "its inputs' worst), in units of the output's standard deviation.</p>")
+        out.append(_table(["node", "op", "depth", "added error, naive", "added error, chosen", "kept in fp32"],
+                          [[f"<code>{escape(r['node'])}</code>", escape(r["op_type"]), r["depth"],
+                            f"{r['added_error_naive']:.3g}",
+                            "-" if r["added_error_final"] is None else f"{r['added_error_final']:.3g}",
+                            "yes" if r["kept"] else "no"] for r in fb["layers"]], {2, 3, 4}))
+    if fb.get("naive_profile"):
+        png = base64.b64encode(layer_error_png(fb)).decode()
+        out.append(f'<img alt="error by layer depth, naive and chosen build" src="data:image/png;base64,{png}">')
+    return "\n".join(out)
+
+
+def layer_error_png(fallback: dict) -> bytes:
+    """Error (log scale) against layer depth for the naive and the chosen build."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(10, 3.2), dpi=100)
+    for key, label in (("naive_profile", "naive build"), ("final_profile", "chosen build")):
+        points = [(d, e) for d, e in fallback.get(key) or [] if np.isfinite(e)]
+        if points:
+            depth, error = zip(*points)
+            ax.plot(depth, np.maximum(error, 1e-7), marker=".", linewidth=1, label=label)
+    ax.set_yscale("log")
+    ax.set_xlabel("layer depth (node index in the fp32 graph)")
+    ax.set_ylabel("error / output std")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return _png(fig)
+
+
+def _png(fig) -> bytes:
+    from matplotlib import pyplot as plt
+
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", metadata={"Software": None})
+    plt.close(fig)
+    return buffer.getvalue()
+
+
 def _kept(build: dict) -> str:
     kept = (build.get("precision") or {}).get("kept_in_higher_precision") or []
     if not kept:
@@ -209,10 +268,7 @@ def _plot(bench: dict) -> str:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png", metadata={"Software": None})
-    plt.close(fig)
-    return base64.b64encode(buffer.getvalue()).decode()
+    return base64.b64encode(_png(fig)).decode()
 
 
 STAGES = ("read", "decode", "preprocess", "h2d", "compute", "d2h", "postprocess")
@@ -236,10 +292,7 @@ def _stage_plot(bench: dict) -> str:
     ax.set_xlabel("ms per batch")
     ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
     fig.tight_layout()
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png", metadata={"Software": None})
-    plt.close(fig)
-    return base64.b64encode(buffer.getvalue()).decode()
+    return base64.b64encode(_png(fig)).decode()
 
 
 def _resources(config: dict) -> str:

@@ -21,9 +21,10 @@ import onnx
 from accel_opt import artifacts, hardware, htmlreport, records, report, runtime
 from accel_opt.accuracy import AccuracyReport, compare
 from accel_opt.backends import Backend, CompiledModel, compile_for, get_backend
-from accel_opt.backends.onnxruntime import reference_runner
+from accel_opt.backends.base import casting_inputs
+from accel_opt.backends.onnxruntime import OnnxRuntimeBackend, float_run_quantized_ops, reference_runner
 from accel_opt.bench import BenchmarkReport, Target, application, run_benchmark
-from accel_opt.bench.efficiency import efficiency
+from accel_opt.bench.efficiency import efficiency, node_flops
 from accel_opt.bench.sweep import capacity, recommend, sweep, sweep_checks
 from accel_opt.data import (
     DataSummary,
@@ -42,7 +43,8 @@ from accel_opt.graph.fuse import fuse_normalize, fused_shape
 from accel_opt.graph.inspect import ResolvedShapes, TensorSpec, io_specs, resolve_shapes, with_batch
 from accel_opt.graph.load import LoadedModel, load_model
 from accel_opt.graph.save import save_model
-from accel_opt.precision import PrecisionReport, transform
+from accel_opt.precision import PrecisionReport, fallback, transform
+from accel_opt.precision.diagnose import Diagnosis, diagnose, emulate_bfloat16
 from accel_opt.recipe import Precision, Recipe, load_recipe
 from accel_opt.results import BuildResult, StageResult, StageStatus, fill_headline
 from accel_opt.runtime import DeployedInput, Deployment, ResourceConfig
@@ -84,6 +86,7 @@ class BuildContext:
     cleanup: CleanupReport | None = None
     fp32_path: Path | None = None  # after cleanup: the baseline every precision is compared with
     precision: PrecisionReport | None = None
+    fallback: fallback.FallbackReport | None = None
     candidate_path: Path | None = None
     compiled: CompiledModel | None = None  # the compile in the workdir (its settings go to the resource config)
     resource_config: ResourceConfig | None = None
@@ -310,16 +313,60 @@ def _stage_cleanup(ctx: BuildContext) -> tuple[StageStatus, str]:
 
 def _stage_precision(ctx: BuildContext) -> tuple[StageStatus, str]:
     ctx.candidate_path = ctx.fp32_path
-    precision = ctx.recipe.precision
+    precision, config = ctx.recipe.precision, ctx.recipe.precision_options.fallback
     if precision is Precision.fp32:
         raise _Skip("fp32: the graph keeps its precision")
-    ctx.precision = transform(
-        ctx.fp32_path, precision, ctx.recipe, ctx.backend.name, ctx.calibration_samples,
-        ctx.workdir / f"{precision.value}.onnx", ctx.cache_dir / "calibration" if ctx.cache_dir else None,
-    )
-    ctx.candidate_path = ctx.workdir / f"{precision.value}.onnx"
+    # int8 probes on calibration samples, so the gate's evaluation samples stay unseen; fp16/bf16 have no
+    # calibration split: the fallback only ever moves the build towards fp32 on the first evaluation samples.
+    probes = (ctx.calibration_samples if precision is Precision.int8 else ctx.eval_samples)[: config.probe_samples]
+    source = "calibration samples" if precision is Precision.int8 else "the first evaluation samples"
+    fixed = fallback.wide_weight_consumers(ctx.fp32_path) if precision is Precision.fp16 else []
+    ctx.precision, ctx.fallback, ctx.candidate_path = fallback.run(
+        precision, config, _fallback_actions(ctx, probes), ctx.workdir / f"{precision.value}.onnx", len(probes), source, fixed)
+    ctx.precision.notes.append(f"Fallback: {ctx.fallback.status}, {ctx.fallback.reason}.")
     kept = len(ctx.precision.kept_in_higher_precision)
-    return "passed", f"{ctx.precision.transform}; {kept} nodes kept in higher precision"
+    detail = f"{ctx.precision.transform}; {kept} nodes kept in higher precision; fallback {ctx.fallback.status}"
+    if ctx.fallback.rounds:
+        detail += f" ({len(ctx.fallback.rounds)} rounds, {ctx.fallback.fp32_flops_fraction:.1%} of FLOPs in fp32)"
+    return "passed", detail
+
+
+def _fallback_actions(ctx: BuildContext, probes: list[Sample]) -> fallback.Actions:
+    """The fallback's build / judge / diagnose: the recipe's transform, the gate's tolerance on the probes
+    run on the build's backend, and the per-layer diagnosis on ONNX Runtime (bf16 emulated)."""
+    precision, recipe = ctx.recipe.precision, ctx.recipe
+    calibration_cache = ctx.cache_dir / "calibration" if ctx.cache_dir else None
+
+    def build(keep: list[str], out: Path) -> PrecisionReport:
+        return transform(ctx.fp32_path, precision, recipe, ctx.backend.name, ctx.calibration_samples, out,
+                         calibration_cache, keep_float=keep)
+
+    def judge(path: Path) -> fallback.ProbeVerdict:
+        compiled = compile_for(ctx.backend, path, precision, recipe, ctx.workdir / "probe" / path.stem,
+                               _deploy_shapes(ctx, fused=False))
+        deployed = {spec.name: spec.dtype for spec in io_specs(onnx.load(str(path), load_external_data=False))[0]}
+        runner = casting_inputs(ctx.backend.runner(compiled), runtime.feed_dtypes_of(probes), deployed)
+        result = compare(reference_runner(ctx.fp32_path, ctx.threads), runner, probes,
+                         recipe.tolerance, recipe.accuracy.task_metrics, batch_size=ctx.deploy_batch,
+                         batch_axes=ctx.shapes.batch_axes)
+        return fallback.ProbeVerdict(passed=result.passed, worst_cosine=result.worst_cosine, failures=result.failures[:3])
+
+    def examine(path: Path) -> Diagnosis:
+        if precision is Precision.bf16:
+            path = emulate_bfloat16(path, ctx.workdir / "probe" / f"emulated-{path.name}")
+        return diagnose(ctx.fp32_path, path, probes, ctx.threads)
+
+    batch1 = with_batch(ctx.shapes.shapes, 1, ctx.shapes.batch_axes) if ctx.shapes.batch_dynamic else ctx.shapes.shapes
+    try:
+        flops = node_flops(ctx.fp32_path, batch1)
+    except (ValueError, RuntimeError, onnx.shape_inference.InferenceError) as exc:  # > 2 GB protos, odd graphs
+        log.warning("no FLOP counts for the fallback budget: %s", first_line(exc))
+        flops = {}
+    companions = None
+    if precision is Precision.int8 and isinstance(ctx.backend, OnnxRuntimeBackend):
+        def companions(path: Path) -> list[str]:
+            return float_run_quantized_ops(path, ctx.threads)
+    return fallback.Actions(build=build, judge=judge, diagnose=examine, flops=flops, companions=companions)
 
 
 def _stage_compile(ctx: BuildContext) -> tuple[StageStatus, str]:
@@ -411,6 +458,11 @@ def _stage_benchmark(ctx: BuildContext) -> tuple[StageStatus, str]:
         baseline = compile_for(ctx.backend, ctx.fp32_path, Precision.fp32, ctx.recipe, ctx.workdir / "baseline",
                                _deploy_shapes(ctx, fused=False))
         targets.append(Target(f"{ctx.backend.name}-fp32", ctx.backend.runner(baseline), ctx.backend.synchronize))
+    if ctx.fallback is not None and ctx.fallback.kept:  # the fallback's speed cost, in the same interleaved run
+        naive = compile_for(ctx.backend, ctx.workdir / ctx.fallback.naive_model, ctx.recipe.precision, ctx.recipe,
+                            ctx.workdir / "naive-build", _deploy_shapes(ctx, fused=False))
+        targets.append(Target(f"{ctx.backend.name}-{ctx.recipe.precision.value}-naive", ctx.backend.runner(naive),
+                              ctx.backend.synchronize))
     if ctx.torch_module is not None:
         from accel_opt.backends.torch import torch_runner
 
@@ -476,8 +528,6 @@ def _application_times(ctx: BuildContext, batch_sizes: list[int]) -> None:
         for b in batch_sizes]
     note = application.CPU_NOTE if ctx.compiled.device == "cpu" else ""
     ctx.bench.stage_note = f"host stages timed per input on {min(len(files), application.STAGE_FILES)} files (one core, median), x batch; {note}"
-    from accel_opt.backends.onnxruntime import OnnxRuntimeBackend
-
     pre, job_files = ctx.recipe.preprocessing, files[: application.JOB_FILES]
     ctx.bench.jobs = [application.accel_opt_job(job_files, ctx.deployment)]
     try:  # the naive job runs the fp32 model on ONNX Runtime, the portable default
@@ -496,8 +546,11 @@ def _stage_reports(ctx: BuildContext) -> tuple[StageStatus, str]:
         staging / "signoff.md",
         report.signoff_markdown(name, signed_off, ctx.accuracy, ctx.precision, ctx.data, len(ctx.calibration_samples),
                                 ctx.notes + (ctx.precision.notes if ctx.precision else [])
-                                + [f"Benchmark gate failed: {line}" for line in ctx.bench.failures]),
+                                + [f"Benchmark gate failed: {line}" for line in ctx.bench.failures],
+                                fallback=ctx.fallback, bench=ctx.bench),
     )
+    if ctx.fallback is not None and ctx.fallback.naive_profile:
+        (staging / "layer_error.png").write_bytes(htmlreport.layer_error_png(ctx.fallback.model_dump(mode="json")))
     artifacts.write_json(staging / "benchmark.json", ctx.bench)
     artifacts.write_text(staging / "benchmark.md", report.benchmark_markdown(name, ctx.bench))
     artifacts.write_json(staging / runtime.RESOURCE_CONFIG, records.measured_config(ctx))
@@ -507,6 +560,7 @@ def _stage_reports(ctx: BuildContext) -> tuple[StageStatus, str]:
         "created_utc": artifacts.now_utc(),
         "cleanup": ctx.cleanup.model_dump(mode="json") if ctx.cleanup else None,
         "precision": ctx.precision.model_dump(mode="json") if ctx.precision else None,
+        "fallback": ctx.fallback.model_dump(mode="json") if ctx.fallback else None,
         "data": ctx.data.model_dump(mode="json"),
         "export": ctx.export,
         "notes": ctx.notes,

@@ -235,9 +235,20 @@ class CalibrationConfig(_Strict):
     # Op types that get Q/DQ; None: every op ONNX Runtime has a Q/DQ kernel for (CNNs gain from
     # quantized Add/Pool too). Transformers: [MatMul, Gemm] keeps masks, softmax and norms in float.
     op_types: list[str] | None = None
-    # Accuracy-driven fallback: when the int8 model's output cosine against fp32 on the calibration
-    # samples is below this, the most sensitive groups of layers stay in float until it holds.
-    fallback_min_cosine: float | None = Field(default=None, gt=0, le=1)
+
+
+class FallbackConfig(_Strict):
+    """Accuracy-driven fallback for int8/fp16/bf16: when the reduced build fails the recipe's tolerance on
+    the probe samples, the nodes that add the most error (per-layer diagnosis) are kept in higher
+    precision and the build is redone, until it passes or the budget runs out."""
+
+    enabled: bool = True
+    max_rounds: int = Field(default=6, ge=1)  # round k keeps up to 2**(k-1) more nodes
+    max_fp32_flops_fraction: float = Field(default=0.25, gt=0, le=1)  # of the model's Conv/MatMul/Gemm FLOPs
+    probe_samples: int = Field(default=8, ge=1)  # int8: calibration samples; fp16/bf16: the first evaluation samples
+    # fp16: nodes whose fp32 activations exceed this on a probe sample stay fp32 before any build is judged
+    # (float16 holds at most 65504; the margin covers inputs larger than the probes).
+    fp16_activation_max: float = Field(default=8192.0, gt=0, le=65504)
 
 
 class PrecisionConfig(_Strict):
@@ -252,13 +263,24 @@ class PrecisionConfig(_Strict):
     )
     block_nodes: list[str] = Field(default_factory=list)
     calibration: CalibrationConfig = Field(default_factory=CalibrationConfig)
+    fallback: FallbackConfig = Field(default_factory=FallbackConfig)
 
 
 class SelectionConfig(_Strict):
     """How `--backend auto` / `--precision auto` pick among signed-off candidates."""
 
-    target_batch_size: int = Field(default=8, ge=1)  # compare candidates' p50 at this batch
-    latency_budget_ms: float | None = Field(default=None, gt=0)  # candidates slower than this lose
+    # What `--precision auto` optimizes, every candidate timed on it in one interleaved runoff:
+    #   latency: p50 at batch 1; throughput: samples/s at target_batch_size;
+    #   throughput_within_p99: the best samples/s over benchmark.batch_sizes whose p99 <= latency_budget_ms.
+    objective: Literal["latency", "throughput", "throughput_within_p99"] = "throughput"
+    target_batch_size: int = Field(default=8, ge=1)  # the deployed batch (dynamic batch) and the throughput objective's
+    latency_budget_ms: float | None = Field(default=None, gt=0)  # p99 per call; candidates over it lose
+
+    @model_validator(mode="after")
+    def _budget_for_p99_objective(self) -> SelectionConfig:
+        if self.objective == "throughput_within_p99" and self.latency_budget_ms is None:
+            raise ValueError("objective throughput_within_p99 needs latency_budget_ms")
+        return self
 
 
 class Recipe(_Strict):

@@ -8,6 +8,7 @@ from accel_opt.accuracy import AccuracyReport, Check
 from accel_opt.bench import BenchmarkReport
 from accel_opt.data import DataSummary
 from accel_opt.precision import PrecisionReport
+from accel_opt.precision.fallback import FallbackReport
 
 if TYPE_CHECKING:
     from accel_opt.auto import AutoSelection
@@ -32,6 +33,8 @@ def signoff_markdown(
     eval_data: DataSummary,
     calibration_count: int,
     notes: list[str],
+    fallback: FallbackReport | None = None,
+    bench: BenchmarkReport | None = None,
 ) -> str:
     verdict = "SIGNED OFF" if signed_off else "NOT SIGNED OFF"
     tol, ev = accuracy.tolerance, accuracy.evaluation
@@ -111,11 +114,53 @@ def signoff_markdown(
     if precision is not None and precision.kept_in_higher_precision:
         out += ["", "## Kept in higher precision", ""]
         out.append(_table(["node", "op", "why"], [[k.node, k.op_type, k.reason] for k in precision.kept_in_higher_precision]))
+    if fallback is not None and fallback.status != "disabled":
+        out += ["", *fallback_markdown(fallback, bench)]
     if accuracy.failures:
         out += ["", "## Failed checks", ""] + [f"- {f}" for f in accuracy.failures]
     if notes:
         out += ["", "## Notes", ""] + [f"- {n}" for n in notes]
     return "\n".join(out) + "\n"
+
+
+def fallback_markdown(fallback: FallbackReport, bench: BenchmarkReport | None) -> list[str]:
+    """The fallback: the naive build's probe verdict next to each round's, the top offenders before and
+    after, and what it cost in speed (the naive build is benchmarked beside the chosen one)."""
+    out = ["## Fallback (per-layer diagnosis)", "",
+           f"**{fallback.status}**: {fallback.reason}. Judged with the gate's tolerance on {fallback.probe_samples} "
+           f"{fallback.probe_source}; budget {fallback.max_rounds} rounds, at most {fallback.max_fp32_flops_fraction:.0%} "
+           f"of the Conv/MatMul/Gemm FLOPs in fp32; now {fallback.fp32_flops_fraction:.1%}.", ""]
+    if fallback.naive is None:
+        return out
+    rows = [["naive", "-", "-", f"{fallback.naive.worst_cosine:.6f}", "pass" if fallback.naive.passed else "FAIL",
+             "; ".join(fallback.naive.failures) or "-"]]
+    rows += [[f"round {r.round}", ", ".join(r.added), f"{r.fp32_flops_fraction:.1%}", f"{r.verdict.worst_cosine:.6f}",
+              "pass" if r.verdict.passed else "FAIL", "; ".join(r.verdict.failures) or "-"] for r in fallback.rounds]
+    out.append(_table(["build", "kept in fp32 this round", "FLOPs in fp32", "worst cosine", "probes", "failures"], rows))
+    if fallback.layers:
+        out += ["", "Top offenders of the naive build (error added by the node, in units of its output's scale):", ""]
+        out.append(_table(["node", "op", "depth", "added error, naive", "added error, chosen", "kept in fp32"],
+                          [[r.node, r.op_type, str(r.depth), _error(r.added_error_naive),
+                            "-" if r.added_error_final is None else _error(r.added_error_final), "yes" if r.kept else "no"]
+                           for r in fallback.layers]))
+    speed = _fallback_speed(fallback, bench)
+    if speed:
+        out += ["", speed]
+    return out
+
+
+def _error(value: float) -> str:
+    return "inf" if value == float("inf") else f"{value:.3g}"
+
+
+def _fallback_speed(fallback: FallbackReport, bench: BenchmarkReport | None) -> str:
+    naive = next((m for m in bench.models if m.label.endswith("-naive")), None) if bench else None
+    if naive is None:
+        return ""
+    chosen = bench.models[0]
+    pairs = [(b.batch_size, chosen.at(b.batch_size).latency.p50_ms, b.latency.p50_ms) for b in naive.batches]
+    return "Speed cost of the fallback (p50, same interleaved run): " + "; ".join(
+        f"batch {size}: {mine:.2f} ms vs naive {theirs:.2f} ms ({mine / theirs:.2f}x the naive time)" for size, mine, theirs in pairs)
 
 
 def _data_line(data: DataSummary) -> str:
@@ -190,12 +235,15 @@ def benchmark_markdown(model_name: str, bench: BenchmarkReport) -> str:
 
 
 def selection_markdown(name: str, selection: AutoSelection) -> str:
-    budget = f"{selection.latency_budget_ms} ms" if selection.latency_budget_ms else "none"
+    from accel_opt.auto import OBJECTIVES
+
+    budget = f"p99 <= {selection.latency_budget_ms} ms" if selection.latency_budget_ms else "none"
     out = [
         f"# Automatic choice: {name}",
         "",
-        f"Target batch {selection.target_batch_size}; latency budget {budget}. Backend: {selection.backend_reason}.",
-        f"Latency: {selection.timing}.",
+        f"Objective: {selection.objective} ({OBJECTIVES.get(selection.objective, '')}); target batch "
+        f"{selection.target_batch_size}; latency budget {budget}. Backend: {selection.backend_reason}.",
+        f"Timing: {selection.timing}. A candidate not better than fp32 on the objective never wins.",
         "",
     ]
 

@@ -61,3 +61,37 @@ def image_npz_folder(folder: Path, count: int, seed: int = 0, name: str = "image
     for i in range(count):
         np.savez(folder / f"s{i:02d}.npz", **{name: rng.standard_normal((1, 3, size, size)).astype(np.float32)})
     return folder
+
+
+def spiky_cnn(seed: int = 0) -> onnx.ModelProto:
+    """A CNN that per-tensor int8 breaks: one channel of a middle activation is scaled x2000 and the next
+    1x1 Conv scales it back, so the fp32 function is ordinary but that tensor's int8 range rounds the
+    other 15 channels to zero. image [batch,3,32,32] -> logits [batch,10]."""
+    rng = np.random.default_rng(seed)
+    nodes, inits = [], []
+
+    def conv(name, x, cin, cout, k=3, weight_scale=None):
+        w = (rng.standard_normal((cout, cin, k, k)) / np.sqrt(cin * k * k)).astype(np.float32)
+        if weight_scale is not None:
+            w *= weight_scale
+        nodes.extend([helper.make_node("Conv", [x, f"{name}_w", f"{name}_b"], [name], pads=[k // 2] * 4, name=name),
+                      helper.make_node("Relu", [name], [f"{name}_r"], name=f"{name}_relu")])
+        inits.extend([numpy_helper.from_array(w, f"{name}_w"), numpy_helper.from_array(np.zeros(cout, np.float32), f"{name}_b")])
+        return f"{name}_r"
+
+    x = "image"
+    for i, cin in enumerate([3, 16, 16, 16]):
+        x = conv(f"c{i}", x, cin, 16)
+    spike = np.ones((1, 16, 1, 1), np.float32)
+    spike[0, 0] = 2000.0
+    inits.append(numpy_helper.from_array(spike, "spike_scale"))
+    nodes.append(helper.make_node("Mul", [x, "spike_scale"], ["spiky"], name="spike"))
+    x = conv("c_after", "spiky", 16, 16, k=1, weight_scale=(1 / spike).reshape(1, 16, 1, 1))
+    for i in range(2):
+        x = conv(f"d{i}", x, 16, 16)
+    inits.append(numpy_helper.from_array((rng.standard_normal((16, 10)) * 0.3).astype(np.float32), "fc_w"))
+    nodes += [helper.make_node("GlobalAveragePool", [x], ["gap"], name="gap"),
+              helper.make_node("Flatten", ["gap"], ["flat"], name="flat"),
+              helper.make_node("MatMul", ["flat", "fc_w"], ["logits"], name="fc")]
+    return make_model(nodes, [helper.make_tensor_value_info("image", TensorProto.FLOAT, ["batch", 3, 32, 32])],
+                      [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", 10])], inits)

@@ -99,13 +99,16 @@ def test_build_auto_picks_the_fastest_signed_off_candidate(tiny_cnn_path, recipe
             assert c.verdict.startswith("failed the gate")
             assert c.latency_p50_ms == c.build_latency_p50_ms  # no runoff for it
     # The signed-off builds were timed again, against each other: these are the numbers compared.
-    assert len(signed) > 1 and selection.timing == f"p50 from one interleaved runoff of the {len(signed)} signed-off builds at batch {TARGET}"
+    assert len(signed) > 1 and selection.timing == f"one interleaved runoff of the {len(signed)} signed-off builds at batch {TARGET}"
     assert all(c.latency_p50_ms > 0 and c.latency_p50_ms != c.build_latency_p50_ms for c in signed)
-    winner = min(signed, key=lambda c: c.latency_p50_ms)
-    assert selection.winner == winner and winner.verdict == f"won: fastest signed-off candidate at batch {TARGET}"
+    assert selection.objective == "throughput" and all(c.objective_batch == TARGET for c in signed)
+    fp32 = max((c for c in signed if c.precision == "fp32"), key=lambda c: c.objective_value)
+    winner = selection.winner
+    assert winner.objective_value >= fp32.objective_value and winner.verdict.startswith("won: best on the objective")
     for c in signed:
         if c is not winner:
-            assert c.verdict.startswith("lost: ") and f"the winner's p50 at batch {TARGET}" in c.verdict
+            assert c.verdict.startswith(("lost: ", "not faster than fp32")), c.verdict
+            assert c.objective_value <= winner.objective_value
 
     assert result is not None and result.signed_off
     assert (result.backend, result.precision, result.artifact_dir) == (winner.backend, winner.precision, winner.artifact_dir)
@@ -113,7 +116,7 @@ def test_build_auto_picks_the_fastest_signed_off_candidate(tiny_cnn_path, recipe
     saved = AutoSelection.model_validate_json((tmp_path / "tiny_cnn-auto-selection.json").read_text())
     assert saved == selection
     markdown = (tmp_path / "tiny_cnn-auto-selection.md").read_text()
-    assert f"Target batch {TARGET}; latency budget none" in markdown and "interleaved runoff" in markdown
+    assert f"target batch {TARGET}; latency budget none" in markdown and "interleaved runoff" in markdown
     assert sum(line.startswith(("| onnxruntime ", "| openvino ")) for line in markdown.splitlines()) == len(pairs)
     assert f"Winner: {winner.backend} {winner.precision} -> {winner.artifact_dir}" in markdown
 
@@ -125,11 +128,11 @@ def test_latency_budget_makes_every_candidate_lose(tiny_cnn_path, recipe, data_d
     assert [c.precision for c in selection.candidates] == ["fp32", "int8"]
     for c in selection.candidates:
         assert c.latency_p50_ms is not None and c.artifact_dir
-        assert c.verdict.startswith("failed the gate") or "over the 1e-06 ms budget" in c.verdict
+        assert c.verdict.startswith("failed the gate") or "over the 1e-06 ms budget" in c.verdict, c.verdict
     assert any("over the 1e-06 ms budget" in c.verdict for c in selection.candidates)
     assert json.loads((tmp_path / "tiny_cnn-auto-selection.json").read_text())["winner"] is None
     markdown = (tmp_path / "tiny_cnn-auto-selection.md").read_text()
-    assert "latency budget 1e-06 ms" in markdown and "No candidate passed." in markdown
+    assert "latency budget p99 <= 1e-06 ms" in markdown and "No candidate passed." in markdown
 
 
 def test_unbuildable_candidate_is_listed_with_its_reason(tiny_cnn_path, recipe, tmp_path):
@@ -147,3 +150,44 @@ def test_bad_data_stops_the_search(tiny_cnn_path, recipe, tmp_path):
     empty.mkdir()
     with pytest.raises(InputRejected, match="no .npz files"):  # exit 3: no other candidate would do better
         build_auto(tiny_cnn_path, recipe, "onnxruntime", "fp32", empty, tmp_path / "out")
+
+
+# --- choose: the objective -------------------------------------------------------------------------
+
+
+def _candidate(precision: str, points: list[tuple[int, float, float, float]], backend: str = "onnxruntime"):
+    return auto.Candidate(backend=backend, precision=precision, why_tried="", signed_off=True,
+                          points=[auto.RunoffPoint(batch_size=b, p50_ms=p50, p99_ms=p99, throughput_per_s=t)
+                                  for b, p50, p99, t in points])
+
+
+def test_a_candidate_slower_than_fp32_on_the_objective_never_wins():
+    """int8 has the best throughput at batch 8 but is slower than fp32 at batch 1: on the latency
+    objective fp32 wins and int8 is told why; on the throughput objective int8 wins."""
+    def pair():
+        return [_candidate("fp32", [(1, 2.0, 2.5, 500.0), (8, 12.0, 13.0, 667.0)]),
+                _candidate("int8", [(1, 2.4, 2.9, 417.0), (8, 5.0, 6.0, 1600.0)])]
+
+    latency = pair()
+    winner = auto.choose(latency, "latency", None, 8)
+    assert winner.precision == "fp32" and winner.objective_value == 2.0
+    assert latency[1].verdict.startswith("not faster than fp32 on the objective: 2.40 vs onnxruntime fp32 2.00 ms p50")
+    throughput = pair()
+    assert auto.choose(throughput, "throughput", None, 8).precision == "int8"
+    assert throughput[0].verdict.startswith("lost: ")
+
+
+def test_throughput_within_p99_takes_the_best_point_under_the_budget():
+    candidates = [_candidate("fp32", [(1, 2.0, 2.5, 500.0), (8, 12.0, 13.0, 667.0)]),
+                  _candidate("int8", [(1, 1.0, 1.2, 1000.0), (8, 5.0, 11.0, 1600.0)])]
+    winner = auto.choose(candidates, "throughput_within_p99", 10.0, 8)
+    assert winner.precision == "int8" and winner.objective_batch == 1  # batch 8's p99 of 11 ms is over budget
+    assert candidates[0].objective_batch == 1  # fp32 at batch 8: p99 13 ms
+    assert auto.choose([_candidate("fp32", [(1, 20.0, 25.0, 50.0)])], "throughput_within_p99", 10.0, 8) is None
+
+
+def test_p99_objective_needs_a_budget():
+    from accel_opt.errors import UsageError
+
+    with pytest.raises(UsageError, match="latency_budget_ms"):
+        Recipe().with_overrides(**{"selection.objective": "throughput_within_p99"})

@@ -139,7 +139,8 @@ def test_cache_hit_on_second_call_and_key_follows_settings(model_path, calib, tm
     assert not first.calibration.cache_hit and second.calibration.cache_hit
     assert first.calibration.cache_key == second.calibration.cache_key
     assert (tmp_path / "a.onnx").read_bytes() == (tmp_path / "b.onnx").read_bytes()
-    assert sorted(p.name for p in cache.iterdir()) == [f"{first.calibration.cache_key}.onnx"]  # no temp files left
+    assert sorted(p.name for p in cache.iterdir() if p.is_file()) == [f"{first.calibration.cache_key}.onnx"]  # no temp files left
+    assert [p.name for p in (cache / "ranges" / first.calibration.cache_key).iterdir()] != []  # for fallback rebuilds
     other = quantize(model_path, calib, CalibrationConfig(samples=8, per_channel=False), "onnxruntime",
                      tmp_path / "c.onnx", cache)
     assert not other.calibration.cache_hit and other.calibration.cache_key != first.calibration.cache_key
@@ -197,19 +198,18 @@ def test_transform_entry_point_dispatches_int8_and_fp16(model_path, calib, tmp_p
     assert half.precision is Precision.fp16 and half.calibration is None
 
 
-def test_sensitivity_fallback_keeps_damaging_groups_in_float(model_path, calib, evaluation, tmp_path):
-    """A target int8 cannot meet (cosine 0.99999) makes the fallback keep layer groups in float,
-    most damaging first, until it holds; it says which and why, and the error drops."""
-    plain = quantize(model_path, calib, CalibrationConfig(samples=16), "onnxruntime", tmp_path / "plain.onnx", None)
-    assert plain.kept_in_higher_precision == []
-    config = CalibrationConfig(samples=16, fallback_min_cosine=0.99999)
-    rescued = quantize(model_path, calib, config, "onnxruntime", tmp_path / "rescued.onnx", tmp_path / "cache")
-    kept = rescued.kept_in_higher_precision
-    assert kept and all("int8 sensitivity" in k.reason for k in kept)
-    assert any("kept in float" in note for note in rescued.notes)
-    reference = _run(model_path, evaluation)
-    assert _relative_error(_run(tmp_path / "rescued.onnx", evaluation), reference) < _relative_error(
-        _run(tmp_path / "plain.onnx", evaluation), reference
-    )
-    again = quantize(model_path, calib, config, "onnxruntime", tmp_path / "again.onnx", tmp_path / "cache")
-    assert again.calibration.cache_hit and [k.node for k in again.kept_in_higher_precision] == [k.node for k in kept]
+def test_excluded_nodes_stay_float_and_rebuilds_reuse_the_ranges(model_path, calib, tmp_path):
+    """`exclude` leaves those nodes unquantized; a rebuild with other exclusions reuses the cached
+    pre-processed model and activation ranges instead of recalibrating."""
+    config = CalibrationConfig(samples=16)
+    plain = quantize(model_path, calib, config, "onnxruntime", tmp_path / "plain.onnx", tmp_path / "cache")
+    assert plain.kept_in_higher_precision == [] and not plain.calibration.cache_hit
+    convs = [n.name for n in onnx.load(str(tmp_path / "plain.onnx")).graph.node if n.op_type == "Conv"]
+    again = quantize(model_path, calib, config, "onnxruntime", tmp_path / "ex.onnx", tmp_path / "cache", exclude=[convs[0]])
+    assert again.calibration.cache_key != plain.calibration.cache_key
+    assert list((tmp_path / "cache" / "ranges").iterdir()), "the ranges were not cached"
+    graph = onnx.load(str(tmp_path / "ex.onnx")).graph
+    producers = {o: n.op_type for n in graph.node for o in n.output}
+    first = next(n for n in graph.node if n.name == convs[0])
+    assert producers.get(first.input[1]) != "DequantizeLinear", "the excluded Conv still reads int8 weights"
+

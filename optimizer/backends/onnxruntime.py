@@ -145,15 +145,17 @@ FLOAT_COMPUTE = {"Conv", "ConvTranspose", "MatMul", "Gemm", "FusedConv", "FusedM
 
 def integer_kernels(optimized_path: Path) -> dict[str, int]:
     """{op: count} of the integer kernels in the graph ORT runs; Unsupported (exit 4) when a quantized
-    compute op still runs in float (its input dequantized first), naming them: ORT fuses a Q/DQ group
+    compute op still runs in float (its input dequantized first) that the fallback did not leave in float
+    on purpose (the model's metadata lists those), naming them: ORT fuses a Q/DQ group
     into an integer kernel only when the pattern suits it (a Conv without a QuantizeLinear after it,
     for one, stays a float Conv fed by DequantizeLinear), and the build would then be int8 in name only."""
     import onnx
 
-    graph = onnx.load(str(optimized_path), load_external_data=False).graph
-    dequantized = {out for node in graph.node if node.op_type == "DequantizeLinear" for out in node.output}
-    in_float = [node.name or node.op_type for node in graph.node
-                if node.op_type in FLOAT_COMPUTE and any(i in dequantized for i in node.input)]
+    from accel_opt.precision.fallback import float_by_design
+
+    model = onnx.load(str(optimized_path), load_external_data=False)
+    graph = model.graph
+    in_float = [name for name in _float_run_quantized(graph) if name not in float_by_design(model)]
     if in_float:
         listed = ", ".join(in_float[:5]) + (f" (+{len(in_float) - 5} more)" if len(in_float) > 5 else "")
         raise Unsupported(f"ONNX Runtime runs {len(in_float)} quantized compute ops in float (not fused into integer "
@@ -163,6 +165,24 @@ def integer_kernels(optimized_path: Path) -> dict[str, int]:
         if node.op_type.startswith("QLinear") or node.op_type in INTEGER_KERNELS:
             counts[node.op_type] = counts.get(node.op_type, 0) + 1
     return dict(sorted(counts.items()))
+
+
+def float_run_quantized_ops(model_path: Path, threads: int) -> list[str]:
+    """Quantized compute nodes of a Q/DQ model that ORT's CPU EP would run in float (see integer_kernels)."""
+    import tempfile
+
+    import onnx
+
+    with tempfile.TemporaryDirectory(prefix="accel-opt-ort-") as tmp:
+        optimized = Path(tmp) / "optimized.onnx"
+        create_session(model_path, [CPU_PROVIDER], threads, optimized_model_path=optimized)
+        return _float_run_quantized(onnx.load(str(optimized), load_external_data=False).graph)
+
+
+def _float_run_quantized(graph) -> list[str]:
+    dequantized = {out for node in graph.node if node.op_type == "DequantizeLinear" for out in node.output}
+    return [node.name or node.op_type for node in graph.node
+            if node.op_type in FLOAT_COMPUTE and any(i in dequantized for i in node.input)]
 
 
 def reference_runner(path: Path, threads: int) -> OnnxrtRunner:

@@ -40,6 +40,26 @@ class Efficiency(BaseModel):
 
 def count_flops(model_path, shapes: dict[str, list[int]]) -> tuple[int, int, int]:
     """(FLOPs, weight bytes, input + output bytes) of one forward pass at `shapes` (batch 1: per sample)."""
+    per_node, model, inferred = _node_flops(model_path, shapes)
+    weights = {t.name for t in model.graph.initializer}
+    weight_bytes = sum(int(np.prod(t.dims)) * onnx.helper.tensor_dtype_to_np_dtype(t.data_type).itemsize
+                       for t in model.graph.initializer)
+    io_bytes = 0
+    for value in [*inferred.graph.input, *inferred.graph.output]:
+        if value.name in weights:
+            continue
+        dims = [d.dim_value for d in value.type.tensor_type.shape.dim]
+        itemsize = onnx.helper.tensor_dtype_to_np_dtype(value.type.tensor_type.elem_type).itemsize
+        io_bytes += int(np.prod(dims)) * itemsize if all(d > 0 for d in dims) else 0
+    return sum(per_node.values()), weight_bytes, io_bytes
+
+
+def node_flops(model_path, shapes: dict[str, list[int]]) -> dict[str, int]:
+    """FLOPs of each named Conv / ConvTranspose / MatMul / Gemm node at `shapes`."""
+    return _node_flops(model_path, shapes)[0]
+
+
+def _node_flops(model_path, shapes: dict[str, list[int]]) -> tuple[dict[str, int], onnx.ModelProto, onnx.ModelProto]:
     model = onnx.load(str(model_path))
     for value in model.graph.input:
         if value.name in shapes:
@@ -51,33 +71,27 @@ def count_flops(model_path, shapes: dict[str, list[int]]) -> tuple[int, int, int
     known = {v.name: [d.dim_value for d in v.type.tensor_type.shape.dim]
              for v in [*inferred.graph.input, *inferred.graph.value_info, *inferred.graph.output]}
     weights = {t.name: tuple(t.dims) for t in model.graph.initializer}
-    flops = 0
-    for node in inferred.graph.node:
+    flops: dict[str, int] = {}
+    for index, node in enumerate(inferred.graph.node):
         out = known.get(node.output[0]) if node.output else None
         if not out or any(d <= 0 for d in out):
             continue
+        count = 0
         if node.op_type in ("Conv", "ConvTranspose"):
             kernel = weights.get(node.input[1]) or tuple(known.get(node.input[1], ()))
             if len(kernel) >= 3:
                 groups = next((a.i for a in node.attribute if a.name == "group"), 1)
                 per_output = int(np.prod(kernel[1:])) if node.op_type == "Conv" else int(np.prod(kernel[2:])) * kernel[0] // groups
-                flops += 2 * int(np.prod(out)) * per_output
+                count = 2 * int(np.prod(out)) * per_output
         elif node.op_type in ("MatMul", "Gemm"):
             a = known.get(node.input[0]) or list(weights.get(node.input[0], ()))
             if a:
                 transposed = node.op_type == "Gemm" and any(x.name == "transA" and x.i for x in node.attribute)
                 k = a[-2] if transposed and len(a) >= 2 else a[-1]
-                flops += 2 * int(np.prod(out)) * k
-    weight_bytes = sum(int(np.prod(t.dims)) * onnx.helper.tensor_dtype_to_np_dtype(t.data_type).itemsize
-                       for t in model.graph.initializer)
-    io_bytes = 0
-    for value in [*inferred.graph.input, *inferred.graph.output]:
-        if value.name in weights:
-            continue
-        dims = [d.dim_value for d in value.type.tensor_type.shape.dim]
-        itemsize = onnx.helper.tensor_dtype_to_np_dtype(value.type.tensor_type.elem_type).itemsize
-        io_bytes += int(np.prod(dims)) * itemsize if all(d > 0 for d in dims) else 0
-    return flops, weight_bytes, io_bytes
+                count = 2 * int(np.prod(out)) * k
+        if count:
+            flops[node.name or f"#{index}"] = count
+    return flops, model, inferred
 
 
 def probe_fp32_gflops(reps: int = 5) -> float:

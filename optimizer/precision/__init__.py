@@ -7,6 +7,7 @@ block list kept in fp32 (fp16.py); int8 inserts calibrated QuantizeLinear/Dequan
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 from pydantic import BaseModel
@@ -55,14 +56,20 @@ def transform(
     calibration_samples: list[Sample],
     out_path: Path,
     cache_dir: Path | None,
+    keep_float: Sequence[str] = (),
 ) -> PrecisionReport:
-    """Write the `precision` version of `model_path` to `out_path` (validated: checker + session load)."""
+    """Write the `precision` version of `model_path` to `out_path` (validated: checker + session load).
+    `keep_float`: nodes kept in fp32 besides the recipe's block lists (the fallback's choice)."""
     if precision in (Precision.fp16, Precision.bf16):
         from accel_opt.precision.fp16 import convert_float
 
-        return convert_float(model_path, precision, recipe.precision_options, out_path)
+        options = recipe.precision_options
+        if keep_float:
+            options = options.model_copy(update={"block_nodes": [*options.block_nodes, *keep_float]})
+        return convert_float(model_path, precision, options, out_path)
     if precision is Precision.int8:
         from accel_opt.precision.int8 import quantize
 
-        return quantize(model_path, calibration_samples, recipe.precision_options.calibration, backend_name, out_path, cache_dir)
+        return quantize(model_path, calibration_samples, recipe.precision_options.calibration, backend_name, out_path,
+                        cache_dir, exclude=keep_float)
     raise ValueError(f"no transform for {precision.value}")

@@ -1,101 +1,277 @@
-"""Accuracy-driven int8 fallback: keep the layer groups that int8 damages most in float.
+"""Accuracy-driven fallback: keep the nodes that break a reduced-precision build in higher precision.
 
-Nodes are grouped by (op type, weight shape) -- in a transformer the attention projections, the FFN
-up- and down-projections and the activation x activation products; in a CNN the convolutions of
-one shape -- so the search costs a handful of re-quantizations, not one per node. It measures on
-calibration samples only: the evaluation samples of the gate stay unseen.
+The naive build is judged on probe samples with the recipe's tolerance (the gate's own rules). When it
+fails, the per-layer diagnosis ranks the nodes by the error they add; round k keeps up to 2**(k-1)
+more of the worst in fp32 (excluded from quantization, or blocked from float16/bfloat16), rebuilds,
+re-diagnoses and re-judges, until the probes pass or the budget is spent: `max_rounds`, and the
+fraction of the model's Conv/MatMul/Gemm FLOPs left in fp32. For fp16 every node whose fp32
+activations exceed `fp16_activation_max` on a probe (and every consumer of a weight beyond 65504)
+is kept in fp32 before the first build is judged, so a GPU build inherits it.
+
+The orchestration takes its three actions as callables (build, judge, diagnose), so the pipeline
+chooses the backend that judges and this module stays testable on its own.
 """
 
 from __future__ import annotations
 
-import json
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 import onnx
+from onnx import numpy_helper
+from pydantic import BaseModel
 
-from accel_opt.data import Sample
-from accel_opt.precision import KeptNode
+from accel_opt.precision import KeptNode, PrecisionReport
+from accel_opt.precision.diagnose import Diagnosis, LayerError
+from accel_opt.recipe import FallbackConfig, Precision
 
-PROBE_SAMPLES = 8  # calibration samples the fallback measures on
+FP16_MAX = 65504.0
+FLOAT_BY_DESIGN = "accel_opt.float_by_design"  # metadata key: nodes the fallback left in float on purpose
+TABLE_ROWS = 10  # offenders shown before/after in the report
 
 
-def layer_groups(model: Path, op_types: list[str]) -> dict[str, list[tuple[str, str]]]:
-    """Quantizable nodes by group key -> [(node name, op type)]."""
-    proto = onnx.load(str(model), load_external_data=False)
-    weights = {t.name: tuple(t.dims) for t in proto.graph.initializer}
-    groups: dict[str, list[tuple[str, str]]] = {}
-    for node in proto.graph.node:
-        if node.op_type not in op_types or not node.name:
+class ProbeVerdict(BaseModel):
+    passed: bool
+    worst_cosine: float
+    failures: list[str]
+
+
+class FallbackRound(BaseModel):
+    round: int
+    added: list[str]  # nodes kept in fp32 this round
+    kept: int  # nodes kept in fp32 by the fallback so far
+    fp32_flops_fraction: float
+    verdict: ProbeVerdict
+
+
+class LayerRow(BaseModel):
+    """One top offender of the naive build, with its added error before and after the fallback."""
+
+    node: str
+    op_type: str
+    depth: int
+    added_error_naive: float
+    added_error_final: float | None  # None: not compared in the final build (kept in fp32)
+    kept: bool
+
+
+class FallbackReport(BaseModel):
+    status: Literal["disabled", "not needed", "rescued", "budget exhausted"]
+    reason: str
+    precision: str
+    probe_samples: int
+    probe_source: str
+    max_rounds: int
+    max_fp32_flops_fraction: float
+    naive: ProbeVerdict | None = None
+    rounds: list[FallbackRound] = []
+    kept: list[KeptNode] = []  # chosen by the fallback (the recipe's block lists are in the precision report)
+    fp32_flops_fraction: float = 0.0
+    layers: list[LayerRow] = []
+    naive_profile: list[tuple[int, float]] = []  # (depth, error) per compared tensor
+    final_profile: list[tuple[int, float]] = []
+    naive_model: str = ""  # the naive build's file in the work folder (benchmarked beside the chosen one)
+
+
+@dataclass
+class Actions:
+    build: Callable[[list[str], Path], PrecisionReport]  # (nodes kept in fp32, out path) -> the transform's report
+    judge: Callable[[Path], ProbeVerdict]  # the build, on the probe samples, against the recipe's tolerance
+    diagnose: Callable[[Path], Diagnosis | None]  # per-layer errors of a build (None: not available for it)
+    flops: dict[str, int]  # Conv/MatMul/Gemm FLOPs per node of the fp32 graph
+    # Nodes a build leaves to run in float anyway (ORT fuses a Conv into an integer kernel only with a
+    # QuantizeLinear after it, which a consumer kept in fp32 no longer has). None: nothing to check.
+    companions: Callable[[Path], list[str]] | None = None
+
+
+def run(precision: Precision, config: FallbackConfig, actions: Actions, out_path: Path, probe_samples: int,
+        probe_source: str, fixed: Sequence[KeptNode] = ()) -> tuple[PrecisionReport, FallbackReport, Path]:
+    """Build `precision` (keeping `fixed` in fp32), rescued by the fallback when the probes fail; returns the
+    chosen build's report, the fallback's and its path (beside `out_path`; `out_path` itself when disabled)."""
+    report = FallbackReport(status="disabled", reason="", precision=precision.value, probe_samples=probe_samples,
+                            probe_source=probe_source, max_rounds=config.max_rounds,
+                            max_fp32_flops_fraction=config.max_fp32_flops_fraction)
+    kept: dict[str, KeptNode] = {k.node: k for k in fixed}
+    if not config.enabled:
+        report.reason = "turned off (--no-fallback or the recipe's precision_options.fallback.enabled)"
+        return actions.build(list(kept), out_path), report, out_path
+    total_flops = max(sum(actions.flops.values()), 1)
+
+    def fraction() -> float:
+        return sum(actions.flops.get(n, 0) for n in kept) / total_flops
+
+    primaries: set[str] = set()  # nodes kept for the error they add (not as a consequence of another)
+    naive_path = out_path.with_name(f"naive-{out_path.name}")
+    precision_report = actions.build(list(kept), naive_path)
+    report.naive_model = naive_path.name
+    diagnosis = actions.diagnose(naive_path) if precision is Precision.fp16 else None
+    if diagnosis is not None:  # float16 overflow: certain on a GPU, whatever the CPU probe says
+        for layer in diagnosis.layers:
+            if layer.max_abs_reference > config.fp16_activation_max and layer.node not in kept:
+                kept[layer.node] = KeptNode(node=layer.node, op_type=layer.op_type, reason=(
+                    f"fp16 overflow risk: fp32 activations reach {layer.max_abs_reference:.4g} on the probes "
+                    f"(> {config.fp16_activation_max:g}; float16 max {FP16_MAX:g})"))
+        if len(kept) > len(fixed):
+            precision_report = actions.build(list(kept), naive_path)
+            diagnosis = None
+    report.naive = verdict = actions.judge(naive_path)
+    current = naive_path
+    if verdict.passed:
+        report.status, report.reason = "not needed", "the build passes the recipe's tolerance on the probe samples"
+    else:
+        naive_diagnosis = diagnosis = diagnosis or actions.diagnose(naive_path)
+        if diagnosis is None:
+            report.status, report.reason = "budget exhausted", f"no per-layer diagnosis for {precision.value} here"
+        for number in range(1, config.max_rounds + 1) if diagnosis is not None else ():
+            added, refused = _pick(diagnosis, kept, actions.flops, total_flops, config, 2 ** (number - 1))
+            if not added:
+                report.status, report.reason = "budget exhausted", refused or "no remaining node adds error"
+                break
+            for layer in added:
+                kept[layer.node] = KeptNode(node=layer.node, op_type=layer.op_type, reason=(
+                    f"fallback round {number}: adds error {_fmt(layer.added_error)} of its output's scale "
+                    f"(output {layer.tensor}, depth {layer.depth})"))
+            primaries |= {layer.node for layer in added}
+            current = out_path.with_name(f"round{number}-{out_path.name}")
+            precision_report = _build_with_companions(actions, kept, primaries, current, number)
+            verdict = actions.judge(current)
+            report.rounds.append(FallbackRound(round=number, added=[x.node for x in added], kept=len(kept) - len(fixed),
+                                               fp32_flops_fraction=fraction(), verdict=verdict))
+            if verdict.passed:
+                report.status, report.reason = "rescued", (
+                    f"passes on the probes after {number} round(s), {len(kept) - len(fixed)} node(s) in fp32")
+                break
+            diagnosis = actions.diagnose(current)
+        else:
+            if diagnosis is not None:
+                report.status, report.reason = "budget exhausted", f"still failing after {config.max_rounds} rounds"
+        final_diagnosis = actions.diagnose(current) if current != naive_path else naive_diagnosis
+        if naive_diagnosis is not None:
+            report.layers = _rows(naive_diagnosis, final_diagnosis, kept)
+            report.naive_profile = naive_diagnosis.profile()
+            report.final_profile = final_diagnosis.profile() if final_diagnosis else []
+    report.kept = list(kept.values())
+    report.fp32_flops_fraction = fraction()
+    precision_report.kept_in_higher_precision = _merged(precision_report.kept_in_higher_precision, list(kept.values()))
+    return precision_report, report, current
+
+
+def _build_with_companions(actions: Actions, kept: dict[str, KeptNode], primaries: set[str], path: Path,
+                           number: int) -> PrecisionReport:
+    """Build with `kept` in fp32, and with the nodes whose output still reaches them through a Q/DQ pair
+    (see `requantized_sources`). Nodes the backend then runs in float anyway (Actions.companions) are not
+    excluded, since excluding them would make their producers float in turn, up the whole graph: they are
+    recorded in the model's metadata (FLOAT_BY_DESIGN) for the backend's int8-kernel check, and reported."""
+    report = actions.build(list(kept), path)
+    extra = [name for name in requantized_sources(path, primaries) if name not in kept]
+    op_types = {n.name: n.op_type for n in onnx.load(str(path), load_external_data=False).graph.node}
+    if extra:  # one level only: the node computing a damaging input; its own inputs may stay quantized
+        for name in extra:
+            kept[name] = KeptNode(node=name, op_type=op_types.get(name, ""), reason=(
+                f"fallback round {number}: its output reached a node kept in fp32 through a Q/DQ pair"))
+        report = actions.build(list(kept), path)
+    floating = [n for n in (actions.companions(path) if actions.companions else []) if n not in kept]
+    report.kept_in_higher_precision += [KeptNode(node=n, op_type=op_types.get(n, ""), reason=(
+        f"fallback round {number}: runs in float on the backend (its output feeds a node kept in fp32; "
+        "excluding it would turn its producers float too)")) for n in floating]
+    mark_float_by_design(path, [*kept, *floating])
+    return report
+
+
+def mark_float_by_design(model_path: Path, nodes: list[str]) -> None:
+    """Record in the model which nodes were left in float on purpose (ONNX metadata_props)."""
+    model = onnx.load(str(model_path), load_external_data=False)
+    entries = [p for p in model.metadata_props if p.key != FLOAT_BY_DESIGN]
+    del model.metadata_props[:]
+    model.metadata_props.extend(entries)
+    model.metadata_props.add(key=FLOAT_BY_DESIGN, value=",".join(nodes))
+    onnx.save(model, str(model_path))  # external data references are relative: the files stay where they are
+
+
+def float_by_design(model: onnx.ModelProto) -> set[str]:
+    return {n for p in model.metadata_props if p.key == FLOAT_BY_DESIGN for n in p.value.split(",") if n}
+
+
+def requantized_sources(model_path: Path, kept: set[str]) -> list[str]:
+    """Nodes whose output reaches a node of `kept` through a QuantizeLinear -> DequantizeLinear pair.
+
+    ORT's quantizer quantizes a quantized op's output (a Mul's, an Add's) whatever reads it, so a node
+    kept in float would still read int8-rounded values: the error it was kept for stays unless the
+    node computing that input is kept in float too."""
+    graph = onnx.load(str(model_path), load_external_data=False).graph
+    producers = {o: n for n in graph.node for o in n.output if o}
+    sources = []
+    for node in graph.node:
+        if node.name not in kept:
             continue
-        shape = next((weights[i] for i in node.input[1:] if i in weights), None)
-        key = f"{node.op_type} weight {'x'.join(map(str, shape))}" if shape else f"{node.op_type} activation x activation"
-        groups.setdefault(key, []).append((node.name, node.op_type))
-    return groups
+        for name in node.input:
+            dq = producers.get(name)
+            q = producers.get(dq.input[0]) if dq is not None and dq.op_type == "DequantizeLinear" else None
+            source = producers.get(q.input[0]) if q is not None and q.op_type == "QuantizeLinear" else None
+            while source is not None and source.op_type in ("Cast", "QuantizeLinear", "DequantizeLinear"):
+                source = producers.get(source.input[0])
+            if source is not None and source.name and source.name not in kept:
+                sources.append(source.name)
+    return sources
 
 
-def output_cosine(reference: Path, candidate: Path, samples: list[Sample]) -> float:
-    """Worst output cosine over `samples` together (float64), candidate vs reference."""
-    from accel_opt.backends.onnxruntime import CPU_PROVIDER, create_session
-
-    ref, cand = create_session(reference, [CPU_PROVIDER], 2), create_session(candidate, [CPU_PROVIDER], 2)
-    ref_out = [ref.run(None, s) for s in samples]
-    cand_out = [cand.run(None, s) for s in samples]
-    worst = 1.0
-    for i in range(len(ref_out[0])):
-        a = np.concatenate([o[i].ravel() for o in ref_out]).astype(np.float64)
-        b = np.concatenate([o[i].ravel() for o in cand_out]).astype(np.float64)
-        norms = np.linalg.norm(a) * np.linalg.norm(b)
-        worst = min(worst, float(a @ b / norms) if norms else 1.0)
-    return worst
-
-
-def keep_sensitive_groups_float(
-    reference: Path,
-    quantized: Path,
-    groups: dict[str, list[tuple[str, str]]],
-    requantize: Callable[[list[str], Path], None],
-    samples: list[Sample],
-    min_cosine: float,
-    notes: list[str],
-) -> list[KeptNode]:
-    """Exclude groups greedily, most helpful first, until the cosine holds; rewrites `quantized`.
-
-    `requantize(excluded_node_names, out_path)` writes a Q/DQ model leaving those nodes in float
-    (the calibration ranges are reused, so this is cheap).
-    """
-    probe = samples[:PROBE_SAMPLES]
-    baseline = output_cosine(reference, quantized, probe)
-    if baseline >= min_cosine:
-        notes.append(f"int8 cosine on calibration samples {baseline:.5f} >= {min_cosine}: no layer kept in float")
-        return []
-    trial = quantized.parent.parent / "fallback-trial.onnx"  # outside the folder that is published whole
-    gains = {}
-    for key, nodes in groups.items():
-        requantize([name for name, _ in nodes], trial)
-        gains[key] = output_cosine(reference, trial, probe)
-    excluded: list[str] = []
-    reached = baseline
-    for key in sorted(gains, key=gains.get, reverse=True):
-        excluded.append(key)
-        requantize([name for k in excluded for name, _ in groups[k]], quantized)
-        reached = output_cosine(reference, quantized, probe)
-        if reached >= min_cosine:
+def _pick(diagnosis: Diagnosis, kept: dict[str, KeptNode], flops: dict[str, int], total: int, config: FallbackConfig,
+          count: int) -> tuple[list[LayerError], str]:
+    """Up to `count` worst offenders not yet kept that fit the FLOPs budget; else why none was taken."""
+    taken: list[LayerError] = []
+    used = sum(flops.get(n, 0) for n in kept)
+    refused = ""
+    for layer in diagnosis.ranked():
+        if len(taken) == count:
             break
-    notes.append(
-        f"int8 cosine on {len(probe)} calibration samples was {baseline:.5f} < {min_cosine}; kept in float: "
-        + ", ".join(f"{k} ({len(groups[k])} nodes, alone -> {gains[k]:.5f})" for k in excluded)
-        + f"; now {reached:.5f}"
-    )
-    return [
-        KeptNode(node=name, op_type=op, reason=f"int8 sensitivity: group '{key}' (alone in float: cosine {gains[key]:.5f})")
-        for key in excluded
-        for name, op in groups[key]
-    ]
+        if layer.node in kept or not layer.reduced or any(t.node == layer.node for t in taken):
+            continue
+        if not (layer.added_error > 0 or layer.nonfinite):
+            break
+        cost = flops.get(layer.node, 0)
+        if (used + cost) / total > config.max_fp32_flops_fraction:
+            refused = refused or (f"keeping {layer.node} ({layer.op_type}, adds {_fmt(layer.added_error)}) would put "
+                                  f"{(used + cost) / total:.1%} of the FLOPs in fp32 > the budget "
+                                  f"{config.max_fp32_flops_fraction:.0%}")
+            continue
+        taken.append(layer)
+        used += cost
+    return taken, refused
 
 
-def kept_from_cache(cached: Path) -> list[KeptNode]:
-    """The kept-in-float list stored beside a cached quantized model, if any."""
-    kept_file = cached.with_suffix(".kept.json")
-    return [KeptNode(**k) for k in json.loads(kept_file.read_text())] if kept_file.is_file() else []
+def _rows(naive: Diagnosis, final: Diagnosis | None, kept: dict[str, KeptNode]) -> list[LayerRow]:
+    after = {e.node: e.added_error for e in final.layers} if final else {}
+    rows, seen = [], set()
+    for layer in naive.ranked():
+        if layer.node in seen:
+            continue
+        seen.add(layer.node)
+        rows.append(LayerRow(node=layer.node, op_type=layer.op_type, depth=layer.depth, added_error_naive=layer.added_error,
+                             added_error_final=after.get(layer.node), kept=layer.node in kept))
+        if len(rows) == TABLE_ROWS:
+            break
+    return rows
+
+
+def _merged(reported: list[KeptNode], chosen: list[KeptNode]) -> list[KeptNode]:
+    """The transform's kept list with the fallback's reasons for the nodes it chose."""
+    reasons = {k.node: k for k in chosen}
+    merged = [reasons.pop(k.node, k) for k in reported]
+    return merged + list(reasons.values())
+
+
+def _fmt(value: float) -> str:
+    return "inf (non-finite)" if math.isinf(value) else f"{value:.3g}"
+
+
+def wide_weight_consumers(model_path: Path) -> list[KeptNode]:
+    """Nodes reading a weight beyond float16's range: converting it would clamp it to 65504."""
+    model = onnx.load(str(model_path))
+    wide = {t.name for t in model.graph.initializer
+            if t.data_type == onnx.TensorProto.FLOAT and float(np.abs(numpy_helper.to_array(t)).max(initial=0)) > FP16_MAX}
+    return [KeptNode(node=n.name, op_type=n.op_type, reason="reads a weight beyond float16's range (65504)")
+            for n in model.graph.node if n.name and any(i in wide for i in n.input)]

@@ -12,7 +12,6 @@ import contextlib
 import dataclasses
 import hashlib
 import io
-import json
 import logging
 import os
 import shutil
@@ -32,7 +31,7 @@ from accel_opt.data import Sample
 from accel_opt.errors import InputRejected, Unsupported
 from accel_opt.graph.inspect import opset_of
 from accel_opt.graph.save import EXTERNAL_DATA_ABOVE_BYTES, upgrade_opset
-from accel_opt.precision import CalibrationReport, KeptNode, PrecisionReport, fallback
+from accel_opt.precision import CalibrationReport, PrecisionReport
 from accel_opt.precision.fp16 import validate
 from accel_opt.recipe import CalibrationConfig, CalibrationMethod, Precision, QuantTarget
 
@@ -129,7 +128,6 @@ class QuantSettings:
     percentile: float
     num_bins: int
     op_types: tuple[str, ...] | None = None  # None: every op with a Q/DQ kernel in ORT
-    fallback_min_cosine: float | None = None
     num_quantized_bins: int = 128  # entropy: bins of the quantized distribution in the KL search (ORT and TensorRT use 128)
 
 
@@ -140,8 +138,11 @@ def quantize(
     backend_name: str,
     out_path: Path,
     cache_dir: Path | None,
+    exclude: Sequence[str] = (),
 ) -> PrecisionReport:
-    """Write the calibrated Q/DQ int8 version of `model_path` to `out_path` (validated), reusing the cache."""
+    """Write the calibrated Q/DQ int8 version of `model_path` to `out_path` (validated), reusing the cache.
+    `exclude`: nodes left in float. The pre-processed model and the activation ranges are cached apart
+    from the quantized model, so a rebuild with other exclusions does not recalibrate."""
     start = time.perf_counter()
     model_path, out_path = Path(model_path), Path(out_path)
     samples = list(samples[: config.samples])
@@ -149,11 +150,11 @@ def quantize(
         raise InputRejected("int8 calibration needs at least one sample")
     preset = resolve_preset(config.target, backend_name)
     settings = QuantSettings(preset, config.method, config.per_channel, config.percentile, config.num_bins,
-                             tuple(config.op_types) if config.op_types else None, config.fallback_min_cosine)
-    key = calibration_key(model_path, samples, settings)
+                             tuple(config.op_types) if config.op_types else None)
+    ranges_key = calibration_key(model_path, samples, settings)
+    key = ranges_key if not exclude else hashlib.sha256(f"{ranges_key}|{sorted(exclude)}".encode()).hexdigest()
     opset_before = opset_of(onnx.load(str(model_path), load_external_data=False))
     notes: list[str] = []
-    kept: list[KeptNode] = []
     out_path.parent.mkdir(parents=True, exist_ok=True)
     cached = Path(cache_dir) / f"{key}.onnx" if cache_dir is not None else None
     cache_hit = False
@@ -167,31 +168,19 @@ def quantize(
                 validate(out_path, run_session=True, tmp=tmp)
                 cache_hit = True
                 notes.append(f"calibration cache hit: {cached}")
-                kept = fallback.kept_from_cache(cached)
             except Exception as exc:  # a damaged entry: recalibrate, and overwrite it below
                 notes.append(f"calibration cache entry {cached.name} is invalid ({exc}); recalibrated")
         if not cache_hit:
-            prepared = _prepare(model_path, tmp, notes)
+            prepared, ranges, large = _prepared_and_ranges(model_path, samples, settings, tmp, cache_dir, ranges_key, notes)
             # Staged under the final name: an external data file keeps the name the model refers to.
             staged = tmp / "staged" / out_path.name
             staged.parent.mkdir()
-            large = _tensor_bytes(prepared) > EXTERNAL_DATA_ABOVE_BYTES
-            ranges = _calibrate(prepared, samples, settings, tmp, large)
             overrides = _signed_input_overrides(prepared, ranges) if settings.preset.symmetric_signed_inputs else {}
-            _quantize_with_ranges(prepared, ranges, overrides, settings, staged, large)
+            _quantize_with_ranges(prepared, ranges, overrides, settings, staged, large, exclude)
             validate(staged, run_session=True, tmp=tmp)
-            if settings.fallback_min_cosine is not None:
-                kept = fallback.keep_sensitive_groups_float(
-                    prepared, staged, fallback.layer_groups(prepared, _op_types(settings)),
-                    lambda exclude, out: _quantize_with_ranges(prepared, ranges, overrides, settings, out, large, exclude),
-                    samples, settings.fallback_min_cosine, notes,
-                )
             for produced in staged.parent.iterdir():
                 shutil.move(str(produced), str(out_path.parent / produced.name))
             if cached is not None and not large:
-                if kept:  # written before the model entry, which marks the cache entry complete
-                    cached.parent.mkdir(parents=True, exist_ok=True)
-                    cached.with_suffix(".kept.json").write_text(json.dumps([k.model_dump() for k in kept]))
                 artifacts.copy_file(out_path, cached)
             elif cached is not None:
                 notes.append("not cached: the quantized model keeps its weights in an external data file")
@@ -204,7 +193,6 @@ def quantize(
         opset_before=opset_before,
         opset_after=opset_of(onnx.load(str(out_path), load_external_data=False)),
         keep_io_types=True,
-        kept_in_higher_precision=kept,
         calibration=CalibrationReport(
             method=config.method.value,
             preset=preset.name,
@@ -239,6 +227,24 @@ def calibration_key(model_path: Path, samples: list[Sample], settings: QuantSett
     tools = f"ort={onnxruntime.__version__}|onnx={onnx.__version__}|format={_CACHE_FORMAT}"
     digest.update(f"{sorted(fields.items())}|{tools}".encode())
     return digest.hexdigest()
+
+
+def _prepared_and_ranges(model_path: Path, samples: list[Sample], settings: QuantSettings, tmp: Path,
+                         cache_dir: Path | None, key: str, notes: list[str]) -> tuple[Path, Path, bool]:
+    """The pre-processed model and its activation ranges (ORT's calibration-cache file), from the cache
+    when an earlier build of the same model, samples and settings left them (a fallback rebuild)."""
+    entry = Path(cache_dir) / "ranges" / key if cache_dir is not None else None
+    if entry is not None and (entry / "ranges.json").is_file():  # ranges.json is written last
+        return entry / "prepared.onnx", entry / "ranges.json", _tensor_bytes(entry / "prepared.onnx") > EXTERNAL_DATA_ABOVE_BYTES
+    prepared = _prepare(model_path, tmp, notes)
+    large = _tensor_bytes(prepared) > EXTERNAL_DATA_ABOVE_BYTES
+    ranges = _calibrate(prepared, samples, settings, tmp, large)
+    if entry is None or large:
+        return prepared, ranges, large
+    entry.mkdir(parents=True, exist_ok=True)
+    artifacts.copy_file(prepared, entry / "prepared.onnx")
+    artifacts.copy_file(ranges, entry / "ranges.json")
+    return entry / "prepared.onnx", entry / "ranges.json", large
 
 
 @contextlib.contextmanager

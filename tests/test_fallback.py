@@ -1,0 +1,164 @@
+"""Per-layer diagnosis and the accuracy-driven fallback, on real Q/DQ and float16 graphs run by ORT."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from click.testing import CliRunner
+from onnx import TensorProto, helper, numpy_helper
+
+from accel_opt.cli import main
+from accel_opt.pipeline import build
+from accel_opt.precision.diagnose import diagnose, map_tensors
+from accel_opt.precision.fp16 import convert_float
+from accel_opt.precision.int8 import quantize
+from accel_opt.recipe import CalibrationConfig, Precision, Recipe
+
+from .conftest import image_npz_folder, make_model, save, spiky_cnn
+
+
+@pytest.fixture(scope="module")
+def samples():
+    rng = np.random.default_rng(1)
+    return [{"image": rng.standard_normal((1, 3, 32, 32)).astype(np.float32)} for _ in range(8)]
+
+
+@pytest.fixture(scope="module")
+def spiky(tmp_path_factory) -> tuple[Path, Path]:
+    folder = tmp_path_factory.mktemp("spiky")
+    return save(spiky_cnn(), folder / "spiky.onnx"), image_npz_folder(folder / "data", 40)
+
+
+def _folder(result) -> Path:
+    return Path(result.artifact_dir)
+
+
+def test_mapping_across_qdq_has_no_false_errors(tiny_cnn_path, samples, tmp_path):
+    """A correctly quantized model: every mapped tensor's error is small, including the Relus ORT folds
+    into their Conv's Q range (whose float output is the value before the Relu) and the renamed output."""
+    quantize(tiny_cnn_path, samples, CalibrationConfig(samples=8), "onnxruntime", tmp_path / "q.onnx", None)
+    diagnosis = diagnose(tiny_cnn_path, tmp_path / "q.onnx", samples[:4])
+    assert diagnosis.tensors_compared >= 10
+    assert max(e.error for e in diagnosis.layers) < 0.05, [(e.tensor, e.error) for e in diagnosis.layers]
+    folded = [e for e in diagnosis.layers if e.tensor.startswith("relu") and e.op_type == "Conv"]
+    assert folded, "no folded activation was mapped"
+    assert any(e.tensor == "logits" for e in diagnosis.layers)
+
+
+def test_mapping_across_cast_inserted_fp16_graph(tiny_cnn_path, samples, tmp_path):
+    convert_float(tiny_cnn_path, Precision.fp16, Recipe().precision_options, tmp_path / "h.onnx")
+    mapping = map_tensors(onnx.load(str(tiny_cnn_path)), onnx.shape_inference.infer_shapes(onnx.load(str(tmp_path / "h.onnx"))))
+    assert "logits" in mapping.pairs and mapping.node_of["logits"].op_type == "Gemm"  # through the output Cast
+    diagnosis = diagnose(tiny_cnn_path, tmp_path / "h.onnx", samples[:2])
+    assert diagnosis.tensors_unmatched == 0
+    assert max(e.error for e in diagnosis.layers) < 5e-3
+    assert all(e.reduced for e in diagnosis.layers if e.op_type == "Conv")
+
+
+def test_ranking_blames_the_node_that_adds_the_error(spiky, samples, tmp_path):
+    model, _ = spiky
+    quantize(model, samples, CalibrationConfig(samples=8), "onnxruntime", tmp_path / "q.onnx", None)
+    ranked = diagnose(model, tmp_path / "q.onnx", samples[:4]).ranked()
+    assert ranked[0].node == "c_after", [(e.node, e.added_error) for e in ranked[:4]]
+    assert ranked[0].added_error > 0.3
+    downstream = next(e for e in ranked if e.node == "d1")
+    assert downstream.error > 0.3 and downstream.added_error < ranked[0].added_error  # broken, but not its doing
+
+
+def test_int8_collapse_is_rescued_with_a_small_fraction_in_fp32(spiky, fast_recipe, tmp_path):
+    model, data = spiky
+    result = build(model, fast_recipe.with_overrides(precision="int8"), data_dir=data, out_dir=tmp_path / "out")
+    assert result.signed_off, result.failures
+    info = json.loads((_folder(result) / "build.json").read_text())
+    fallback = info["fallback"]
+    assert fallback["status"] == "rescued" and fallback["naive"]["passed"] is False
+    assert fallback["naive"]["worst_cosine"] < 0.5 and fallback["fp32_flops_fraction"] < 0.1
+    assert {k["node"] for k in fallback["kept"]} >= {"c_after"}
+    signoff = (_folder(result) / "signoff.md").read_text()
+    assert "## Fallback (per-layer diagnosis)" in signoff and "| naive |" in signoff and "FAIL" in signoff
+    assert "Speed cost of the fallback" in signoff
+    assert (_folder(result) / "layer_error.png").read_bytes()[:4] == b"\x89PNG"
+    assert "Fallback (per-layer diagnosis): rescued" in (_folder(result) / "signoff.html").read_text()
+    config = json.loads((_folder(result) / "resource_config.json").read_text())
+    assert config["settings"]["integer_kernels_by_op"]["QLinearConv"] >= 4  # the rest still runs int8
+
+
+def test_budget_exhausted_is_exit_1_and_says_why(spiky, fast_recipe, tmp_path):
+    model, data = spiky
+    recipe = fast_recipe.with_overrides(precision="int8", **{"precision_options.fallback.max_fp32_flops_fraction": 0.001})
+    result = build(model, recipe, data_dir=data, out_dir=tmp_path / "out")
+    assert not result.signed_off and result.exit_code == 1
+    fallback = json.loads((_folder(result) / "build.json").read_text())["fallback"]
+    assert fallback["status"] == "budget exhausted" and "budget" in fallback["reason"] and "c_after" in fallback["reason"]
+    assert "budget exhausted" in (_folder(result) / "signoff.md").read_text()
+
+
+def test_no_fallback_ships_the_naive_build_and_fails(spiky, tmp_path):
+    model, data = spiky
+    out = CliRunner().invoke(main, ["build", str(model), "--precision", "int8", "--data", str(data), "--no-fallback",
+                                    "--out", str(tmp_path / "out"), "--json", "--recipe", "default"])
+    payload = json.loads(out.output.strip().splitlines()[-1])
+    assert out.exit_code == 1 and not payload["signed_off"], out.output[-500:]
+    fallback = json.loads((Path(payload["artifact_dir"]) / "build.json").read_text())["fallback"]
+    assert fallback["status"] == "disabled"
+
+
+def test_fp16_overflow_is_kept_in_fp32_before_any_build_is_judged(tmp_path, fast_recipe):
+    """x @ w * 3e4 overflows float16 (max 65504) in the middle of the graph; the output is small again."""
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((8, 8)).astype(np.float32)
+    model = save(make_model(
+        [helper.make_node("MatMul", ["x", "w"], ["h"], name="mm1"),
+         helper.make_node("Mul", ["h", "big"], ["huge"], name="blow_up"),
+         helper.make_node("Mul", ["huge", "small"], ["back"], name="scale_back"),
+         helper.make_node("MatMul", ["back", "w"], ["y"], name="mm2")],
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 8])],
+        [numpy_helper.from_array(w, "w"), numpy_helper.from_array(np.array(3e4, np.float32), "big"),
+         numpy_helper.from_array(np.array(1 / 3e4, np.float32), "small")],
+    ), tmp_path / "overflow.onnx")
+    result = build(model, fast_recipe.with_overrides(precision="fp16", shapes={"x": [1, 8]}), out_dir=tmp_path / "out")
+    assert result.signed_off, result.failures
+    fallback = json.loads((_folder(result) / "build.json").read_text())["fallback"]
+    reasons = {k["node"]: k["reason"] for k in fallback["kept"]}
+    assert "blow_up" in reasons and "fp16 overflow" in reasons["blow_up"]
+    assert fallback["status"] == "not needed"  # caught before the first verdict
+
+
+def test_float_by_design_nodes_pass_the_int8_kernel_check(tmp_path):
+    """The ORT int8-kernel check still refuses a float-run quantized op, unless the model records that
+    the fallback left it in float on purpose."""
+    from accel_opt.backends.onnxruntime import OnnxRuntimeBackend, float_run_quantized_ops
+    from accel_opt.errors import Unsupported
+    from accel_opt.precision.fallback import mark_float_by_design
+
+    rng = np.random.default_rng(0)
+    weights = [numpy_helper.from_array(rng.integers(-100, 100, (4, 3, 3, 3)).astype(np.int8), "w_q"),
+               numpy_helper.from_array(np.array(0.01, np.float32), "scale"),
+               numpy_helper.from_array(np.array(0, np.int8), "zero_s8"),
+               numpy_helper.from_array(np.array(0, np.uint8), "zero_u8")]
+    model = save(make_model(
+        [helper.make_node("QuantizeLinear", ["x", "scale", "zero_u8"], ["x_q"]),
+         helper.make_node("DequantizeLinear", ["x_q", "scale", "zero_u8"], ["x_dq"]),
+         helper.make_node("DequantizeLinear", ["w_q", "scale", "zero_s8"], ["w"]),
+         helper.make_node("Conv", ["x_dq", "w"], ["y"], name="lonely_conv")],
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 8, 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4, 6, 6])], weights, opset=17,
+    ), tmp_path / "qdq.onnx")
+    assert float_run_quantized_ops(model, 1) == ["lonely_conv"]
+    with pytest.raises(Unsupported):
+        OnnxRuntimeBackend().compile(model, Precision.int8, Recipe(), tmp_path / "a")
+    mark_float_by_design(model, ["lonely_conv"])
+    compiled = OnnxRuntimeBackend().compile(model, Precision.int8, Recipe(), tmp_path / "b")
+    assert compiled.settings["integer_kernels_by_op"] == {}
+
+
+def test_a_build_that_passes_is_left_alone(tiny_cnn_path, fast_recipe, tmp_path):
+    data = image_npz_folder(tmp_path / "data", 24)
+    result = build(tiny_cnn_path, fast_recipe.with_overrides(precision="int8"), data_dir=data, out_dir=tmp_path / "out")
+    fallback = json.loads((_folder(result) / "build.json").read_text())["fallback"]
+    assert fallback["status"] == "not needed" and fallback["kept"] == [] and fallback["rounds"] == []
