@@ -5,7 +5,9 @@ BIN := $(VENV)/bin
 # The CPU build of torch: any other spec can pull a multi-GB CUDA build (measured: ~5 GB).
 TORCH_PIN := torch==2.13.0
 
-.PHONY: install demo test test-all lint bench clean
+.PHONY: install demo test test-all lint bench gpu-check clean
+# A Python with a CUDA build of torch (the venv pins the CPU build); on a machine without a GPU the check says so, exit 0.
+GPU_PYTHON ?= $(BIN)/python
 
 install: $(VENV)/.installed
 
@@ -36,6 +38,9 @@ bench: install
 	$(BIN)/python -m benchmarks.minilm_speed
 	$(BIN)/python -m benchmarks.e2e_job --model resnet50
 	$(BIN)/python -m benchmarks.e2e_job --model light
+
+gpu-check:
+	$(GPU_PYTHON) -m benchmarks.gpu_check
 
 clean:
 	rm -rf $(VENV) artifacts/*/ .pytest_cache .ruff_cache

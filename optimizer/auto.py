@@ -18,7 +18,7 @@ from pathlib import Path
 from pydantic import BaseModel
 
 from accel_opt import artifacts, hardware, report, runtime
-from accel_opt.backends.select import auto_backend, candidate_precisions
+from accel_opt.backends.select import auto_backend_choice, candidate_precisions
 from accel_opt.bench import run_benchmark
 from accel_opt.data import Sample
 from accel_opt.errors import AccelOptError, UsageError, write_crash_log
@@ -67,7 +67,8 @@ class AutoSelection(BaseModel):
 def plan(recipe: Recipe, backend: str, precision: str, has_data: bool) -> tuple[list[tuple[str, str, str]], str]:
     """The (backend, precision, why) pairs to build, and the reason for the backend choice."""
     if backend == AUTO:
-        chosen, backend_reason = auto_backend()
+        choice = auto_backend_choice()  # TensorRT on a GPU with TensorRT, else the CPU choice
+        chosen, backend_reason = choice.backend, choice.reason
         backends = [chosen] + ([BackendName.onnxruntime] if chosen is not BackendName.onnxruntime else [])
     else:
         backends, backend_reason = [BackendName(backend)], "given on the command line or in the recipe"

@@ -283,6 +283,19 @@ class SelectionConfig(_Strict):
         return self
 
 
+class TensorRtConfig(_Strict):
+    """Native TensorRT builds (--backend tensorrt). Profiles default to batch 1 .. the largest benchmarked
+    batch at the resolved shapes; the *_shapes here override them per input."""
+
+    workspace_mib: int = Field(default=4096, ge=1)
+    optimization_level: int = Field(default=3, ge=0, le=5)  # builder optimization level (TensorRT's default 3)
+    build_timeout_s: float = Field(default=3600, gt=0)
+    min_shapes: dict[str, list[Annotated[int, Field(ge=1)]]] = Field(default_factory=dict)
+    opt_shapes: dict[str, list[Annotated[int, Field(ge=1)]]] = Field(default_factory=dict)
+    max_shapes: dict[str, list[Annotated[int, Field(ge=1)]]] = Field(default_factory=dict)
+    timing_cache_dir: str | None = None  # reused only on the same GPU and TensorRT version
+
+
 class Recipe(_Strict):
     name: str = DEFAULT_RECIPE_NAME
     description: str = ""
@@ -302,6 +315,7 @@ class Recipe(_Strict):
     accuracy: AccuracyConfig = Field(default_factory=AccuracyConfig)
     benchmark: BenchmarkConfig = Field(default_factory=BenchmarkConfig)
     selection: SelectionConfig = Field(default_factory=SelectionConfig)
+    tensorrt: TensorRtConfig = Field(default_factory=TensorRtConfig)
 
     def fingerprint(self) -> str:
         """Content hash of the resolved recipe: part of a build's identity."""

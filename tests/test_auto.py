@@ -67,7 +67,9 @@ def test_plan_with_given_backend_or_precision():
 
 def test_plan_does_not_list_onnxruntime_twice(monkeypatch):
     # A machine where auto picks ONNX Runtime itself (no AVX-512/AMX, or no openvino installed).
-    monkeypatch.setattr(auto, "auto_backend", lambda: (BackendName.onnxruntime, "portable default"))
+    from accel_opt.backends.select import BackendChoice
+
+    monkeypatch.setattr(auto, "auto_backend_choice", lambda: BackendChoice(BackendName.onnxruntime, None, "portable default"))
     pairs, reason = plan(Recipe(), "auto", "auto", has_data=True)
     assert reason == "portable default" and {b for b, _, _ in pairs} == {"onnxruntime"}
     assert [p for _, p, _ in pairs] == ["fp32", "int8"]

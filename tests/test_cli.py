@@ -99,15 +99,23 @@ def test_bad_recipe_exit_2(tmp_path):
     assert result.exit_code == 2 and "benchmark.warmup" in result.stderr
 
 
+def _tensorrt_here() -> bool:
+    from accel_opt.backends.tensorrt import TensorRtBackend
+
+    return bool(TensorRtBackend().available())
+
+
 def test_help_lists_exit_codes():
     result = _run("build", "--help")
     assert result.exit_code == 0 and "70 internal error" in result.stdout
 
 
-def test_tensorrt_backend_is_refused_with_a_reason(tmp_path):
+@pytest.mark.skipif(_tensorrt_here(), reason="TensorRT and a GPU are present: the build would run")
+def test_tensorrt_backend_without_gpu_is_one_line_exit_4(tmp_path):
     model = save(matmul_model(), tmp_path / "m.onnx")
     result = _run("build", model, "--backend", "tensorrt", "--out", tmp_path / "out")
-    assert result.exit_code == 4 and "tensorrt is not in this release" in result.stderr
+    assert result.exit_code == 4 and "backend tensorrt is unavailable here" in result.stderr
+    assert "pip install 'accel-opt[tensorrt]'" in result.stderr and len(result.stderr.strip().splitlines()) == 1
 
 
 def test_json_says_what_the_verdict_rests_on(tiny_cnn_path, fast_recipe_file, tmp_path):

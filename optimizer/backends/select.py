@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import platform
+from dataclasses import dataclass
 
 from accel_opt.backends.openvino import precision_support
 from accel_opt.hardware import cpu_flags
@@ -71,3 +72,67 @@ def candidate_precisions(
         (Precision.fp16, "tensor-core fp16"),
         (Precision.int8, "explicit Q/DQ (symmetric int8)"),
     ]
+
+
+CUDA_PROVIDER = "CUDAExecutionProvider"
+
+
+@dataclass(frozen=True)
+class AcceleratorFacts:
+    """What `--backend auto` needs to know about GPUs; injected in tests."""
+
+    gpu_name: str | None  # CUDA device 0, None without one
+    tensorrt_available: bool  # TensorRT imports (only tried where a GPU was found)
+    tensorrt_reason: str  # why not, when it does not
+    ort_providers: tuple[str, ...]  # onnxruntime.get_available_providers()
+
+
+@dataclass(frozen=True)
+class BackendChoice:
+    backend: BackendName
+    providers: tuple[str, ...] | None  # ONNX Runtime's execution providers in order; None for other backends
+    reason: str
+
+
+def accelerator_facts() -> AcceleratorFacts:
+    """This machine's facts. TensorRT is imported only where libcuda reports a device."""
+    from accel_opt.backends.cuda_device import cuda_devices
+
+    try:
+        import onnxruntime
+
+        providers = tuple(onnxruntime.get_available_providers())
+    except ImportError:
+        providers = ()
+    probe = cuda_devices()
+    if not probe:
+        return AcceleratorFacts(None, False, probe.reason, providers)
+    from accel_opt.backends.tensorrt import TensorRtBackend
+
+    availability = TensorRtBackend().available()
+    return AcceleratorFacts(probe.devices[0].name, bool(availability), availability.reason, providers)
+
+
+def auto_backend_choice(
+    facts: AcceleratorFacts | None = None, flags: frozenset[str] | None = None, machine: str | None = None,
+    openvino_importable: bool | None = None,
+) -> BackendChoice:
+    """`--backend auto` with GPUs considered: TensorRT on an NVIDIA GPU with TensorRT installed; else ONNX
+    Runtime's CUDA EP where onnxruntime-gpu offers it on a GPU; else the CPU choice of `auto_backend`.
+
+    onnxruntime-gpu lists the CUDA EP even without a GPU and then runs on the CPU (ORT #17394), so the
+    EP counts only with a device present; create_session still checks the EP is active.
+    """
+    facts = accelerator_facts() if facts is None else facts
+    if facts.gpu_name and facts.tensorrt_available:
+        return BackendChoice(BackendName.tensorrt, None, f"NVIDIA GPU ({facts.gpu_name}) with TensorRT: native engines")
+    if facts.gpu_name and CUDA_PROVIDER in facts.ort_providers:
+        return BackendChoice(BackendName.onnxruntime, (CUDA_PROVIDER, "CPUExecutionProvider"),
+                             f"NVIDIA GPU ({facts.gpu_name}) without TensorRT ({facts.tensorrt_reason}); "
+                             "ONNX Runtime's CUDA execution provider")
+    backend, why = auto_backend(flags, machine, openvino_importable)
+    if facts.gpu_name:
+        why = (f"NVIDIA GPU ({facts.gpu_name}) found, but TensorRT is unavailable ({facts.tensorrt_reason}) and "
+               f"onnxruntime-gpu is not installed; CPU: {why}")
+    providers = ("CPUExecutionProvider",) if backend is BackendName.onnxruntime else None
+    return BackendChoice(backend, providers, why)

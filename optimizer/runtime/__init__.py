@@ -203,6 +203,12 @@ def _environment_problems(folder: Path, config: ResourceConfig) -> list[str]:
         import openvino
 
         recorded, here = config.settings.get("openvino_version"), openvino.get_version()
+    elif config.backend == "tensorrt":  # an engine runs only on the GPU model and TensorRT version that built it
+        from accel_opt.backends.tensorrt import here_facts
+        from accel_opt.backends.trt_plan import check_engine_compatible
+
+        reason = check_engine_compatible(config.settings, here_facts())
+        return [f"{config.model_file}: {reason}"] if reason else []
     else:
         return []
     problems = []

@@ -1,0 +1,91 @@
+"""NVIDIA GPUs as the CUDA driver sees them, found without importing TensorRT, torch or onnxruntime.
+
+TensorRT's runtime objects can crash a process on a machine without a GPU (seen: a segfault on
+exit), so everything that decides whether TensorRT may be imported asks here first. The probe
+reads the driver library (libcuda) through ctypes: cuInit, cuDeviceGetCount, then each device's
+name, compute capability and memory. It honours CUDA_VISIBLE_DEVICES like any CUDA program.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import glob
+import shutil
+from dataclasses import dataclass
+from functools import lru_cache
+
+LIBCUDA = ("libcuda.so.1", "libcuda.so")
+# CUdevice_attribute values (cuda.h): the compute capability's major and minor number.
+CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR = 75
+CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR = 76
+CUDA_ERROR_NO_DEVICE = 100
+
+
+@dataclass(frozen=True)
+class CudaDevice:
+    index: int
+    name: str  # "NVIDIA H200"
+    compute_capability: str  # "9.0"
+    memory_mib: int
+
+
+@dataclass(frozen=True)
+class CudaProbe:
+    devices: tuple[CudaDevice, ...]
+    driver_cuda_version: str | None  # the newest CUDA version the driver supports, "12.4"
+    reason: str = ""  # why no device was found ("" when one was)
+
+    def __bool__(self) -> bool:
+        return bool(self.devices)
+
+
+def _driver_present() -> bool:
+    """A device node or nvidia-smi: cheap signs of an NVIDIA driver, checked before loading libcuda."""
+    return bool(glob.glob("/dev/nvidia[0-9]*")) or shutil.which("nvidia-smi") is not None
+
+
+def _load_libcuda() -> ctypes.CDLL | None:
+    for name in LIBCUDA:
+        try:
+            return ctypes.CDLL(name)
+        except OSError:
+            continue
+    return None
+
+
+def probe_devices() -> CudaProbe:
+    """Every CUDA device this process may use, with the driver's CUDA version, or a reason for none."""
+    if not _driver_present():
+        return CudaProbe((), None, "no NVIDIA GPU: no /dev/nvidia* device and no nvidia-smi (no NVIDIA driver)")
+    lib = _load_libcuda()
+    if lib is None:
+        return CudaProbe((), None, "no NVIDIA driver library (libcuda.so.1 not found)")
+    status = lib.cuInit(0)
+    if status == CUDA_ERROR_NO_DEVICE:
+        return CudaProbe((), None, "the NVIDIA driver reports no CUDA device (check CUDA_VISIBLE_DEVICES)")
+    if status != 0:
+        return CudaProbe((), None, f"the CUDA driver failed to initialise (cuInit returned CUDA error {status})")
+    version, count = ctypes.c_int(0), ctypes.c_int(0)
+    lib.cuDriverGetVersion(ctypes.byref(version))  # 12040 -> CUDA 12.4
+    driver_cuda = f"{version.value // 1000}.{version.value % 1000 // 10}" if version.value else None
+    if lib.cuDeviceGetCount(ctypes.byref(count)) != 0 or count.value == 0:
+        return CudaProbe((), driver_cuda, "the NVIDIA driver reports no CUDA device (check CUDA_VISIBLE_DEVICES)")
+    devices = []
+    for index in range(count.value):
+        device, major, minor = ctypes.c_int(0), ctypes.c_int(0), ctypes.c_int(0)
+        name, memory = ctypes.create_string_buffer(256), ctypes.c_size_t(0)
+        if lib.cuDeviceGet(ctypes.byref(device), index) != 0:
+            continue
+        lib.cuDeviceGetName(name, len(name), device)
+        lib.cuDeviceGetAttribute(ctypes.byref(major), CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, device)
+        lib.cuDeviceGetAttribute(ctypes.byref(minor), CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, device)
+        lib.cuDeviceTotalMem_v2(ctypes.byref(memory), device)
+        devices.append(CudaDevice(index, name.value.decode(errors="replace"), f"{major.value}.{minor.value}",
+                                  memory.value // 2**20))
+    return CudaProbe(tuple(devices), driver_cuda, "" if devices else "no CUDA device could be queried")
+
+
+@lru_cache(maxsize=1)
+def cuda_devices() -> CudaProbe:
+    """probe_devices(), once per process (the devices do not change while it runs)."""
+    return probe_devices()
