@@ -9,6 +9,7 @@ preprocessing, or a seeded generator (the sign-off then says the data was synthe
 from __future__ import annotations
 
 import hashlib
+import math
 import zipfile
 from pathlib import Path
 
@@ -107,12 +108,22 @@ def _read_image(path: Path, inputs: list[TensorSpec], pre: Preprocessing) -> Sam
         raise UsageError("preprocessing.input must name the image input of a model with several inputs")
     try:
         with Image.open(path) as img:
-            rgb = img.convert("RGB")
+            rgb = decode_image(img, pre)
     except (UnidentifiedImageError, OSError) as exc:
         raise InputRejected(f"--data {path.name}: not a readable image ({exc})") from None
     sample = {spec.name: preprocess_image(rgb, pre)}
     check_sample(sample, [spec], where=path.name)
     return sample
+
+
+def decode_image(img, pre: Preprocessing | None):
+    """An opened image's RGB pixels; with `pre.draft_decode`, a JPEG is decoded at the smallest DCT scale
+    (1/2, 1/4, 1/8) whose shorter side still reaches `pre.resize` (Pillow's draft must come before loading)."""
+    if pre is not None and pre.draft_decode and img.format == "JPEG":
+        width, height = img.size
+        scale = pre.resize / min(width, height)
+        img.draft("RGB", (math.ceil(width * scale), math.ceil(height * scale)))
+    return img.convert("RGB")
 
 
 def preprocess_image(img, pre: Preprocessing) -> np.ndarray:

@@ -82,6 +82,7 @@ class BuildContext:
     eval_names: list[str] = field(default_factory=list)
     deploy_samples: list[Sample] = field(default_factory=list)  # the eval samples as the artifact takes them (fused: uint8 crops)
     host_crops: list[Sample] = field(default_factory=list)  # fused preprocessing: every --data image as uint8 HWC crops
+    draft_samples: list[Sample] = field(default_factory=list)  # draft_decode: every --data image as the artifact takes it
     max_feed: Sample | None = None  # a feed at --max-shapes, for the capacity check
     cleanup: CleanupReport | None = None
     fp32_path: Path | None = None  # after cleanup: the baseline every precision is compared with
@@ -250,6 +251,8 @@ def _stage_load(ctx: BuildContext) -> tuple[StageStatus, str]:
     ctx.deploy_samples = ctx.eval_samples
     if _fused(ctx):
         ctx.deploy_samples = [ctx.host_crops[i] for i in evaluation]
+    elif ctx.draft_samples:
+        ctx.deploy_samples = [ctx.draft_samples[i] for i in evaluation]
     ctx.deploy_batch = recipe.selection.target_batch_size if ctx.shapes.batch_dynamic else ctx.shapes.batch_size
     ctx.max_feed = _max_feed(ctx)  # checked now: a wrong --max-shapes is a usage error before any work
     shapes = ", ".join(f"{k}:{'x'.join(map(str, v)) or 'scalar'}" for k, v in ctx.shapes.shapes.items())
@@ -263,12 +266,19 @@ def _read_data(ctx: BuildContext) -> tuple[list[Sample], DataSummary]:
     """The --data samples as the model takes them. With fused preprocessing the images are decoded once,
     to the host's uint8 crops (kept: what the fused artifact takes), and normalized from those."""
     pre = ctx.recipe.preprocessing
+    draft = pre is not None and pre.draft_decode and not any(Path(ctx.data_dir).glob("*.npz"))
+    reference_pre = pre.model_copy(update={"draft_decode": False}) if draft else pre
     if not _fused(ctx):
-        return load_samples(ctx.data_dir, ctx.inputs, pre)
+        samples, data = load_samples(ctx.data_dir, ctx.inputs, reference_pre)
+        if draft:  # the candidate takes what `accel-opt run` will feed it; the reference, full decodes
+            ctx.draft_samples = load_samples(ctx.data_dir, ctx.inputs, pre)[0]
+        return samples, data
     name = _image_input(ctx)
     spec = TensorSpec(name=name, dtype="uint8", shape=["batch", pre.crop, pre.crop, 3])
     crops, data = load_samples(ctx.data_dir, [spec], pre.host_part().model_copy(update={"input": name}))
     ctx.host_crops = crops
+    if draft:
+        crops = load_samples(ctx.data_dir, [spec], reference_pre.host_part().model_copy(update={"input": name}))[0]
     samples = [{name: to_model_input(c[name], pre)} for c in crops]
     for sample, where in zip(samples, data.names):
         check_sample(sample, ctx.inputs, where)

@@ -209,6 +209,10 @@ class Preprocessing(_Strict):
     # the arithmetic on the backend); decoding, resizing and cropping stay on the host. The gate checks the
     # fused model on those crops against the reference on the host pipeline's floats.
     fused: bool = False
+    # JPEG decoding at 1/2, 1/4 or 1/8 scale in the DCT domain (Pillow's draft mode) when the image is at
+    # least that much larger than `resize`: several times less decoding work. The pixels differ from a full
+    # decode, so the gate runs the candidate on draft-decoded inputs against the reference on full decodes.
+    draft_decode: bool = False
 
     def host_part(self) -> Preprocessing:
         """What the host still does: decode, resize, crop, as uint8 HWC when the rest is fused."""

@@ -223,3 +223,30 @@ def test_fused_preprocessing_on_openvino_int8_keeps_its_fp32_baseline_unfused(ti
     assert result.exit_code in (0, 1) and result.headline[0].speedup_vs_fp32 is not None
     config = json.loads((Path(result.artifact_dir) / "resource_config.json").read_text())
     assert config["settings"]["static_shapes"] == {"image": [4, 32, 32, 3]}
+
+
+def test_draft_decoding_is_checked_by_the_gate_against_full_decodes(tiny_cnn_path, photos, tmp_path):
+    """draft_decode: JPEGs decode at a reduced DCT scale (less work), and the gate runs the candidate on
+    those inputs against the reference on full decodes: the pixels differ, so the gate's error is not 0."""
+    from accel_opt.data import decode_image
+    from accel_opt.recipe import Preprocessing, load_recipe
+
+    from .conftest import FAST_BENCH
+
+    big = next(p for p in sorted(photos.iterdir()) if Image.open(p).size[0] >= 4 * PRE["resize"])
+    with Image.open(big) as img:
+        full = decode_image(img, Preprocessing(**PRE))
+    with Image.open(big) as img:
+        small = decode_image(img, Preprocessing(**PRE, draft_decode=True))
+    assert min(small.size) >= PRE["resize"] and small.size[0] * 2 <= full.size[0]  # at least 2x fewer pixels per side
+
+    recipe = load_recipe().with_overrides(benchmark=FAST_BENCH, preprocessing={**PRE, "draft_decode": True},
+                                          postprocess={"topk": 3}, **{"selection.target_batch_size": 4})
+    result = build(tiny_cnn_path, recipe, data_dir=photos, out_dir=tmp_path / "out")
+    folder = Path(result.artifact_dir)
+    accuracy = json.loads((folder / "accuracy.json").read_text())
+    assert accuracy["outputs"][0]["error"] > 1e-4  # draft-decoded candidate vs fully decoded reference
+    assert json.loads((folder / "resource_config.json").read_text())["preprocessing"]["draft_decode"] is True
+    out = tmp_path / "p.jsonl"
+    run_job(runtime.load(folder), [photos], out)
+    assert len(_lines(out)) == len(list(photos.iterdir()))

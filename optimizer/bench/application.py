@@ -20,7 +20,7 @@ import numpy as np
 from polygraphy.backend.base import BaseRunner
 from pydantic import BaseModel
 
-from accel_opt.data import IMAGE_SUFFIXES, preprocess_image
+from accel_opt.data import IMAGE_SUFFIXES, decode_image, preprocess_image
 from accel_opt.recipe import Postprocess, Preprocessing
 
 STAGE_FILES = 32  # files the host stages are timed on
@@ -72,7 +72,7 @@ def host_stage_ms(files: list[Path], pre: Preprocessing | None) -> dict[str, flo
             decode_end = prep_end = clock()
         else:
             with Image.open(io.BytesIO(data)) as img:
-                rgb = img.convert("RGB")
+                rgb = decode_image(img, pre)
             decode_end = clock()
             preprocess_image(rgb, pre)
             prep_end = clock()

@@ -144,7 +144,7 @@ def map_tensors(reference: onnx.ModelProto, candidate: onnx.ModelProto) -> Tenso
     cand_to_ref: dict[str, str] = {}
     for depth, node in enumerate(reference.graph.node):
         for name in node.output:
-            if name not in ref_types:
+            if name not in ref_types or node.op_type == "Constant":  # weights, not activations
                 continue
             cand = name if name in producers else name + QUANT_INPUT_SUFFIX if name + QUANT_INPUT_SUFFIX in producers else None
             computing = producers.get(origin(cand)) if cand else None

@@ -106,7 +106,7 @@ def run(precision: Precision, config: FallbackConfig, actions: Actions, out_path
 
     primaries: set[str] = set()  # nodes kept for the error they add (not as a consequence of another)
     naive_path = out_path.with_name(f"naive-{out_path.name}")
-    precision_report = actions.build(list(kept), naive_path)
+    precision_report = _build_with_companions(actions, kept, primaries, naive_path, 0)
     report.naive_model = naive_path.name
     diagnosis = actions.diagnose(naive_path) if precision is Precision.fp16 else None
     if diagnosis is not None:  # float16 overflow: certain on a GPU, whatever the CPU probe says
@@ -116,7 +116,7 @@ def run(precision: Precision, config: FallbackConfig, actions: Actions, out_path
                     f"fp16 overflow risk: fp32 activations reach {layer.max_abs_reference:.4g} on the probes "
                     f"(> {config.fp16_activation_max:g}; float16 max {FP16_MAX:g})"))
         if len(kept) > len(fixed):
-            precision_report = actions.build(list(kept), naive_path)
+            precision_report = _build_with_companions(actions, kept, primaries, naive_path, 0)
             diagnosis = None
     report.naive = verdict = actions.judge(naive_path)
     current = naive_path
@@ -175,9 +175,9 @@ def _build_with_companions(actions: Actions, kept: dict[str, KeptNode], primarie
                 f"fallback round {number}: its output reached a node kept in fp32 through a Q/DQ pair"))
         report = actions.build(list(kept), path)
     floating = [n for n in (actions.companions(path) if actions.companions else []) if n not in kept]
-    report.kept_in_higher_precision += [KeptNode(node=n, op_type=op_types.get(n, ""), reason=(
-        f"fallback round {number}: runs in float on the backend (its output feeds a node kept in fp32; "
-        "excluding it would turn its producers float too)")) for n in floating]
+    why = ("the backend has no integer kernel for it in this graph: it runs in float on dequantized inputs"
+           if not number else f"fallback round {number}: runs in float on the backend once its neighbours are kept in fp32")
+    report.kept_in_higher_precision += [KeptNode(node=n, op_type=op_types.get(n, ""), reason=why) for n in floating]
     mark_float_by_design(path, [*kept, *floating])
     return report
 
@@ -232,8 +232,8 @@ def _pick(diagnosis: Diagnosis, kept: dict[str, KeptNode], flops: dict[str, int]
             continue
         if not (layer.added_error > 0 or layer.nonfinite):
             break
-        cost = flops.get(layer.node, 0)
-        if (used + cost) / total > config.max_fp32_flops_fraction:
+        cost = flops.get(layer.node, 0)  # elementwise ops and pooling count 0: always within the budget
+        if cost and (used + cost) / total > config.max_fp32_flops_fraction:
             refused = refused or (f"keeping {layer.node} ({layer.op_type}, adds {_fmt(layer.added_error)}) would put "
                                   f"{(used + cost) / total:.1%} of the FLOPs in fp32 > the budget "
                                   f"{config.max_fp32_flops_fraction:.0%}")

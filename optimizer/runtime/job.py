@@ -27,7 +27,15 @@ import numpy as np
 from pydantic import BaseModel
 
 from accel_opt.artifacts import write_bytes
-from accel_opt.data import IMAGE_SUFFIXES, Sample, check_sample, concat_samples, preprocess_image, split_output
+from accel_opt.data import (
+    IMAGE_SUFFIXES,
+    Sample,
+    check_sample,
+    concat_samples,
+    decode_image,
+    preprocess_image,
+    split_output,
+)
 from accel_opt.errors import InputRejected, UsageError, first_line
 from accel_opt.hardware import available_cpus
 from accel_opt.recipe import Postprocess
@@ -218,10 +226,10 @@ class _Reader:
             raise UsageError("the artifact has several inputs; its preprocessing names none for images")
         spec = next(s for s in self.specs if s.name == (pre.input or self.specs[0].name))
         try:
-            # The build's preprocessing exactly: a shortcut (JPEG draft decoding changed top-1 on 3% of
-            # images here) would run something the gate did not check.
+            # The build's preprocessing exactly (draft decoding only when the recipe chose it: the gate
+            # checked the candidate on draft-decoded inputs then).
             with Image.open(file) as img:
-                pixels = preprocess_image(img.convert("RGB"), pre.host_part())
+                pixels = preprocess_image(decode_image(img, pre), pre.host_part())
         except (UnidentifiedImageError, OSError, ValueError) as exc:
             raise InputRejected(f"not a readable image ({first_line(exc)})") from None
         return {spec.name: pixels}
