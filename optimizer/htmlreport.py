@@ -141,8 +141,9 @@ def _fallback(build: dict) -> str:
     fb = build.get("fallback")
     if not fb or fb["status"] == "disabled" or not fb.get("naive"):
         return ""
+    slack = "" if fb.get("probe_slack", 1) == 1 else f" at {fb['probe_slack']:.0%} of its slack"
     out = [f"<h2>Fallback (per-layer diagnosis): {escape(fb['status'])}</h2>",
-           f"<p>{escape(fb['reason'])}. Judged with the gate's tolerance on {fb['probe_samples']} "
+           f"<p>{escape(fb['reason'])}. Judged with the gate's tolerance{slack} on {fb['probe_samples']} "
            f"{escape(fb['probe_source'])}; {fb['fp32_flops_fraction']:.1%} of the FLOPs in fp32 "
            f"(budget {fb['max_fp32_flops_fraction']:.0%}, {fb['max_rounds']} rounds).</p>"]
     rounds = [{"round": "naive", "added": [], "fp32_flops_fraction": 0.0, "verdict": fb["naive"]}, *fb["rounds"]]

@@ -333,6 +333,7 @@ def _stage_precision(ctx: BuildContext) -> tuple[StageStatus, str]:
     fixed = fallback.wide_weight_consumers(ctx.fp32_path) if precision is Precision.fp16 else []
     ctx.precision, ctx.fallback, ctx.candidate_path = fallback.run(
         precision, config, _fallback_actions(ctx, probes), ctx.workdir / f"{precision.value}.onnx", len(probes), source, fixed)
+    ctx.fallback.probe_slack = fallback.PROBE_MARGIN if precision is Precision.int8 else 1.0
     ctx.precision.notes.append(f"Fallback: {ctx.fallback.status}, {ctx.fallback.reason}.")
     kept = len(ctx.precision.kept_in_higher_precision)
     detail = f"{ctx.precision.transform}; {kept} nodes kept in higher precision; fallback {ctx.fallback.status}"
@@ -347,6 +348,10 @@ def _fallback_actions(ctx: BuildContext, probes: list[Sample]) -> fallback.Actio
     precision, recipe = ctx.recipe.precision, ctx.recipe
     calibration_cache = ctx.cache_dir / "calibration" if ctx.cache_dir else None
 
+    tolerance = (recipe.tolerance, recipe.accuracy.task_metrics)
+    if precision is Precision.int8:  # in-sample probes: judged with half the slack
+        tolerance = fallback.stricter(*tolerance)
+
     def build(keep: list[str], out: Path) -> PrecisionReport:
         return transform(ctx.fp32_path, precision, recipe, ctx.backend.name, ctx.calibration_samples, out,
                          calibration_cache, keep_float=keep)
@@ -356,8 +361,7 @@ def _fallback_actions(ctx: BuildContext, probes: list[Sample]) -> fallback.Actio
                                _deploy_shapes(ctx, fused=False))
         deployed = {spec.name: spec.dtype for spec in io_specs(onnx.load(str(path), load_external_data=False))[0]}
         runner = casting_inputs(ctx.backend.runner(compiled), runtime.feed_dtypes_of(probes), deployed)
-        result = compare(reference_runner(ctx.fp32_path, ctx.threads), runner, probes,
-                         recipe.tolerance, recipe.accuracy.task_metrics, batch_size=ctx.deploy_batch,
+        result = compare(reference_runner(ctx.fp32_path, ctx.threads), runner, probes, *tolerance, batch_size=ctx.deploy_batch,
                          batch_axes=ctx.shapes.batch_axes)
         return fallback.ProbeVerdict(passed=result.passed, worst_cosine=result.worst_cosine, failures=result.failures[:3])
 

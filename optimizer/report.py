@@ -127,7 +127,8 @@ def fallback_markdown(fallback: FallbackReport, bench: BenchmarkReport | None) -
     """The fallback: the naive build's probe verdict next to each round's, the top offenders before and
     after, and what it cost in speed (the naive build is benchmarked beside the chosen one)."""
     out = ["## Fallback (per-layer diagnosis)", "",
-           f"**{fallback.status}**: {fallback.reason}. Judged with the gate's tolerance on {fallback.probe_samples} "
+           f"**{fallback.status}**: {fallback.reason}. Judged with the gate's tolerance"
+           f"{'' if fallback.probe_slack == 1 else f' at {fallback.probe_slack:.0%} of its slack'} on {fallback.probe_samples} "
            f"{fallback.probe_source}; budget {fallback.max_rounds} rounds, at most {fallback.max_fp32_flops_fraction:.0%} "
            f"of the Conv/MatMul/Gemm FLOPs in fp32; now {fallback.fp32_flops_fraction:.1%}.", ""]
     if fallback.naive is None:

@@ -95,3 +95,20 @@ def spiky_cnn(seed: int = 0) -> onnx.ModelProto:
               helper.make_node("MatMul", ["flat", "fc_w"], ["logits"], name="fc")]
     return make_model(nodes, [helper.make_tensor_value_info("image", TensorProto.FLOAT, ["batch", 3, 32, 32])],
                       [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", 10])], inits)
+
+
+def lonely_qdq_conv(path: Path) -> Path:
+    """A Q/DQ Conv with no QuantizeLinear after it: ORT cannot fuse it into QLinearConv and runs it in float."""
+    rng = np.random.default_rng(0)
+    weights = [numpy_helper.from_array(rng.integers(-100, 100, (4, 3, 3, 3)).astype(np.int8), "w_q"),
+               numpy_helper.from_array(np.array(0.01, np.float32), "scale"),
+               numpy_helper.from_array(np.array(0, np.int8), "zero_s8"),
+               numpy_helper.from_array(np.array(0, np.uint8), "zero_u8")]
+    return save(make_model(
+        [helper.make_node("QuantizeLinear", ["x", "scale", "zero_u8"], ["x_q"]),
+         helper.make_node("DequantizeLinear", ["x_q", "scale", "zero_u8"], ["x_dq"]),
+         helper.make_node("DequantizeLinear", ["w_q", "scale", "zero_s8"], ["w"]),
+         helper.make_node("Conv", ["x_dq", "w"], ["y"], name="lonely_conv")],
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 8, 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4, 6, 6])], weights, opset=17,
+    ), path)

@@ -18,7 +18,7 @@ from accel_opt.precision.fp16 import convert_float
 from accel_opt.precision.int8 import quantize
 from accel_opt.recipe import CalibrationConfig, Precision, Recipe
 
-from .conftest import image_npz_folder, make_model, save, spiky_cnn
+from .conftest import image_npz_folder, lonely_qdq_conv, make_model, save, spiky_cnn
 
 
 @pytest.fixture(scope="module")
@@ -136,19 +136,7 @@ def test_float_by_design_nodes_pass_the_int8_kernel_check(tmp_path):
     from accel_opt.errors import Unsupported
     from accel_opt.precision.fallback import mark_float_by_design
 
-    rng = np.random.default_rng(0)
-    weights = [numpy_helper.from_array(rng.integers(-100, 100, (4, 3, 3, 3)).astype(np.int8), "w_q"),
-               numpy_helper.from_array(np.array(0.01, np.float32), "scale"),
-               numpy_helper.from_array(np.array(0, np.int8), "zero_s8"),
-               numpy_helper.from_array(np.array(0, np.uint8), "zero_u8")]
-    model = save(make_model(
-        [helper.make_node("QuantizeLinear", ["x", "scale", "zero_u8"], ["x_q"]),
-         helper.make_node("DequantizeLinear", ["x_q", "scale", "zero_u8"], ["x_dq"]),
-         helper.make_node("DequantizeLinear", ["w_q", "scale", "zero_s8"], ["w"]),
-         helper.make_node("Conv", ["x_dq", "w"], ["y"], name="lonely_conv")],
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 8, 8])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4, 6, 6])], weights, opset=17,
-    ), tmp_path / "qdq.onnx")
+    model = lonely_qdq_conv(tmp_path / "qdq.onnx")
     assert float_run_quantized_ops(model, 1) == ["lonely_conv"]
     with pytest.raises(Unsupported):
         OnnxRuntimeBackend().compile(model, Precision.int8, Recipe(), tmp_path / "a")

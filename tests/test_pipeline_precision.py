@@ -112,27 +112,13 @@ def test_int8_build_records_the_integer_kernels_ort_runs(tiny_cnn_path, fast_rec
 
 def test_quantized_op_left_in_float_by_ort_is_refused(tmp_path):
     """A Q/DQ Conv without a QuantizeLinear after it: ORT cannot fuse it and would run it in float."""
-    from onnx import TensorProto, helper, numpy_helper
-
     from accel_opt.backends.onnxruntime import OnnxRuntimeBackend
     from accel_opt.errors import Unsupported
     from accel_opt.recipe import Precision, Recipe
 
-    from .conftest import make_model, save
+    from .conftest import lonely_qdq_conv
 
-    rng = np.random.default_rng(0)
-    weights = [numpy_helper.from_array(rng.integers(-100, 100, (4, 3, 3, 3)).astype(np.int8), "w_q"),
-               numpy_helper.from_array(np.array(0.01, np.float32), "scale"),
-               numpy_helper.from_array(np.array(0, np.int8), "zero_s8"),
-               numpy_helper.from_array(np.array(0, np.uint8), "zero_u8")]
-    model = save(make_model(
-        [helper.make_node("QuantizeLinear", ["x", "scale", "zero_u8"], ["x_q"]),
-         helper.make_node("DequantizeLinear", ["x_q", "scale", "zero_u8"], ["x_dq"]),
-         helper.make_node("DequantizeLinear", ["w_q", "scale", "zero_s8"], ["w"]),
-         helper.make_node("Conv", ["x_dq", "w"], ["y"], name="lonely_conv")],
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 8, 8])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4, 6, 6])], weights, opset=17,
-    ), tmp_path / "qdq.onnx")
+    model = lonely_qdq_conv(tmp_path / "qdq.onnx")
     with pytest.raises(Unsupported, match="1 quantized compute ops in float.*lonely_conv") as info:
         OnnxRuntimeBackend().compile(model, Precision.int8, Recipe(), tmp_path)
     assert info.value.exit_code == 4

@@ -27,11 +27,12 @@ from pydantic import BaseModel
 
 from accel_opt.precision import KeptNode, PrecisionReport
 from accel_opt.precision.diagnose import Diagnosis, LayerError
-from accel_opt.recipe import FallbackConfig, Precision
+from accel_opt.recipe import CosineMetric, DetectionMetric, FallbackConfig, Precision, TaskMetric, Tolerance, TopKMetric
 
 FP16_MAX = 65504.0
 FLOAT_BY_DESIGN = "accel_opt.float_by_design"  # metadata key: nodes the fallback left in float on purpose
 TABLE_ROWS = 10  # offenders shown before/after in the report
+PROBE_MARGIN = 0.5  # int8 probes must pass with half the gate's slack
 
 
 class ProbeVerdict(BaseModel):
@@ -65,6 +66,7 @@ class FallbackReport(BaseModel):
     precision: str
     probe_samples: int
     probe_source: str
+    probe_slack: float = 1.0  # the fraction of the gate's slack the probes may use
     max_rounds: int
     max_fp32_flops_fraction: float
     naive: ProbeVerdict | None = None
@@ -106,7 +108,7 @@ def run(precision: Precision, config: FallbackConfig, actions: Actions, out_path
 
     primaries: set[str] = set()  # nodes kept for the error they add (not as a consequence of another)
     naive_path = out_path.with_name(f"naive-{out_path.name}")
-    precision_report = _build_with_companions(actions, kept, primaries, naive_path, 0)
+    precision_report = _build_with_companions(actions, kept, primaries, naive_path, 0, config)
     report.naive_model = naive_path.name
     diagnosis = actions.diagnose(naive_path) if precision is Precision.fp16 else None
     if diagnosis is not None:  # float16 overflow: certain on a GPU, whatever the CPU probe says
@@ -116,7 +118,7 @@ def run(precision: Precision, config: FallbackConfig, actions: Actions, out_path
                     f"fp16 overflow risk: fp32 activations reach {layer.max_abs_reference:.4g} on the probes "
                     f"(> {config.fp16_activation_max:g}; float16 max {FP16_MAX:g})"))
         if len(kept) > len(fixed):
-            precision_report = _build_with_companions(actions, kept, primaries, naive_path, 0)
+            precision_report = _build_with_companions(actions, kept, primaries, naive_path, 0, config)
             diagnosis = None
     report.naive = verdict = actions.judge(naive_path)
     current = naive_path
@@ -137,7 +139,7 @@ def run(precision: Precision, config: FallbackConfig, actions: Actions, out_path
                     f"(output {layer.tensor}, depth {layer.depth})"))
             primaries |= {layer.node for layer in added}
             current = out_path.with_name(f"round{number}-{out_path.name}")
-            precision_report = _build_with_companions(actions, kept, primaries, current, number)
+            precision_report = _build_with_companions(actions, kept, primaries, current, number, config)
             verdict = actions.judge(current)
             report.rounds.append(FallbackRound(round=number, added=[x.node for x in added], kept=len(kept) - len(fixed),
                                                fp32_flops_fraction=fraction(), verdict=verdict))
@@ -160,14 +162,44 @@ def run(precision: Precision, config: FallbackConfig, actions: Actions, out_path
     return precision_report, report, current
 
 
+def stricter(tolerance: Tolerance, metrics: Sequence[TaskMetric], factor: float = PROBE_MARGIN) -> tuple[Tolerance, list]:
+    """The gate's tolerance and task metrics with `factor` of their slack: int8 probes are calibration samples,
+    on which a build does better than on unseen ones (YOLOv8n: probes passed, the gate's recall was 0.87)."""
+    tol = tolerance.model_copy(update={
+        "max_error": tolerance.max_error * factor, "max_sample_error": tolerance.max_sample_error * factor,
+        "min_cosine": 1 - (1 - tolerance.min_cosine) * factor, "min_sample_cosine": 1 - (1 - tolerance.min_sample_cosine) * factor,
+        "max_gain_error": tolerance.max_gain_error * factor})
+
+    def tighten(value: float) -> float:
+        return 1 - (1 - value) * factor
+
+    tightened = []
+    for metric in metrics:
+        if isinstance(metric, TopKMetric):
+            metric = metric.model_copy(update={"min_agreement": {k: tighten(v) for k, v in metric.min_agreement.items()}})
+        elif isinstance(metric, CosineMetric):
+            metric = metric.model_copy(update={"min_mean_cosine": tighten(metric.min_mean_cosine),
+                                               "min_worst_cosine": tighten(metric.min_worst_cosine)})
+        elif isinstance(metric, DetectionMetric):
+            metric = metric.model_copy(update={"min_precision": tighten(metric.min_precision),
+                                               "min_recall": tighten(metric.min_recall)})
+        tightened.append(metric)
+    return tol, tightened
+
+
 def _build_with_companions(actions: Actions, kept: dict[str, KeptNode], primaries: set[str], path: Path,
-                           number: int) -> PrecisionReport:
+                           number: int, config: FallbackConfig) -> PrecisionReport:
     """Build with `kept` in fp32, and with the nodes whose output still reaches them through a Q/DQ pair
     (see `requantized_sources`). Nodes the backend then runs in float anyway (Actions.companions) are not
     excluded, since excluding them would make their producers float in turn, up the whole graph: they are
     recorded in the model's metadata (FLOAT_BY_DESIGN) for the backend's int8-kernel check, and reported."""
     report = actions.build(list(kept), path)
-    extra = [name for name in requantized_sources(path, primaries) if name not in kept]
+    budget = config.max_fp32_flops_fraction * max(sum(actions.flops.values()), 1)
+    extra = []
+    for name in requantized_sources(path, primaries):  # within the FLOPs budget, like the picks
+        used = sum(actions.flops.get(n, 0) for n in [*kept, *extra])
+        if name not in kept and name not in extra and (not actions.flops.get(name) or used + actions.flops[name] <= budget):
+            extra.append(name)
     op_types = {n.name: n.op_type for n in onnx.load(str(path), load_external_data=False).graph.node}
     if extra:  # one level only: the node computing a damaging input; its own inputs may stay quantized
         for name in extra:

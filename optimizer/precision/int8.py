@@ -31,7 +31,7 @@ from accel_opt.data import Sample
 from accel_opt.errors import InputRejected, Unsupported
 from accel_opt.graph.inspect import opset_of
 from accel_opt.graph.save import EXTERNAL_DATA_ABOVE_BYTES, upgrade_opset
-from accel_opt.precision import CalibrationReport, PrecisionReport
+from accel_opt.precision import CalibrationReport, KeptNode, PrecisionReport
 from accel_opt.precision.fp16 import validate
 from accel_opt.recipe import CalibrationConfig, CalibrationMethod, Precision, QuantTarget
 
@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 
 MIN_OPSET = 13  # per-channel DequantizeLinear (`axis`) exists from opset 13; opset 12 gives invalid models
 CALIBRATION_CHUNK = 8  # samples per calibrator pass: bounds the memory of histogram calibration
-_CACHE_FORMAT = 1  # bump when this module's output for the same inputs changes
+_CACHE_FORMAT = 2  # bump when this module's output for the same inputs changes
 
 
 @dataclass(frozen=True)
@@ -176,7 +176,7 @@ def quantize(
             staged = tmp / "staged" / out_path.name
             staged.parent.mkdir()
             overrides = _signed_input_overrides(prepared, ranges) if settings.preset.symmetric_signed_inputs else {}
-            _quantize_with_ranges(prepared, ranges, overrides, settings, staged, large, exclude)
+            _quantize_with_ranges(prepared, ranges, overrides, settings, staged, large, [*exclude, *output_movers(prepared)])
             validate(staged, run_session=True, tmp=tmp)
             for produced in staged.parent.iterdir():
                 shutil.move(str(produced), str(out_path.parent / produced.name))
@@ -186,8 +186,12 @@ def quantize(
                 notes.append("not cached: the quantized model keeps its weights in an external data file")
     calib_seconds = time.perf_counter() - calib_start
 
+    kept = [KeptNode(node=name, op_type=op, reason="produces a graph output and only moves or squashes values: "
+                     "a Q/DQ pair there would round what the user reads, for no integer kernel")
+            for name, op in _op_types_of(out_path, output_movers(out_path))]
     return PrecisionReport(
         precision=Precision.int8,
+        kept_in_higher_precision=kept,
         transform=f"static int8 Q/DQ ({preset.activation_type} activations, {preset.weight_type} "
         f"{'per-channel' if config.per_channel else 'per-tensor'} weights), {config.method.value} calibration",
         opset_before=opset_before,
@@ -227,6 +231,20 @@ def calibration_key(model_path: Path, samples: list[Sample], settings: QuantSett
     tools = f"ort={onnxruntime.__version__}|onnx={onnx.__version__}|format={_CACHE_FORMAT}"
     digest.update(f"{sorted(fields.items())}|{tools}".encode())
     return digest.hexdigest()
+
+
+# Ops that only move or squash values: at a graph output their Q/DQ pair rounds what the user reads and
+# speeds nothing up. A YOLO head concatenates box pixels (0-1024) and class scores (0-1) into one output:
+# one uint8 scale of 1024/255 rounds every score to 0 (measured: recall 0 with cosine 0.998).
+OUTPUT_MOVERS = ("Concat", "Reshape", "Transpose", "Flatten", "Squeeze", "Unsqueeze", "Split", "Slice", "Gather",
+                 "Sigmoid", "Softmax", "Resize", "MaxPool", "AveragePool", "GlobalAveragePool", "Add", "Mul", "Sub", "Div")
+
+
+def output_movers(model_path: Path) -> list[str]:
+    """Nodes producing a graph output that only move or squash values (see OUTPUT_MOVERS): left in float."""
+    graph = onnx.load(str(model_path), load_external_data=False).graph
+    outputs = {o.name for o in graph.output}
+    return [n.name for n in graph.node if n.name and n.op_type in OUTPUT_MOVERS and any(o in outputs for o in n.output)]
 
 
 def _prepared_and_ranges(model_path: Path, samples: list[Sample], settings: QuantSettings, tmp: Path,
@@ -407,6 +425,11 @@ def _calibration_errors(method: CalibrationMethod):
             f"(typically an attention mask): quantize only matrix ops (precision_options.calibration.op_types: "
             f"[MatMul, Gemm]) or use --calibration minmax ({exc})"
         ) from None
+
+
+def _op_types_of(model_path: Path, names: list[str]) -> list[tuple[str, str]]:
+    wanted = set(names)
+    return [(n.name, n.op_type) for n in onnx.load(str(model_path), load_external_data=False).graph.node if n.name in wanted]
 
 
 def _external_files(model_path: Path) -> list[Path]:
