@@ -150,3 +150,30 @@ def test_a_build_that_passes_is_left_alone(tiny_cnn_path, fast_recipe, tmp_path)
     result = build(tiny_cnn_path, fast_recipe.with_overrides(precision="int8"), data_dir=data, out_dir=tmp_path / "out")
     fallback = json.loads((_folder(result) / "build.json").read_text())["fallback"]
     assert fallback["status"] == "not needed" and fallback["kept"] == [] and fallback["rounds"] == []
+
+
+def test_an_output_mixing_pixels_and_scores_keeps_its_concat_float(tmp_path):
+    """A detector-style head: boxes in pixels (0-1000) and sigmoid scores (0-1) concatenated into one output.
+    One uint8 scale for that tensor would round every score to 0; the Concat stays float instead."""
+    rng = np.random.default_rng(0)
+    w = (rng.standard_normal((8, 3, 3, 3)) * 0.3).astype(np.float32)
+    model = save(make_model(
+        [helper.make_node("Conv", ["x", "w"], ["f"], pads=[1, 1, 1, 1], name="conv"),
+         helper.make_node("Split", ["f"], ["box_raw", "score_raw"], axis=1, num_outputs=2, name="split"),
+         helper.make_node("Mul", ["box_raw", "stride"], ["box"], name="to_pixels"),
+         helper.make_node("Sigmoid", ["score_raw"], ["score"], name="sigmoid"),
+         helper.make_node("Concat", ["box", "score"], ["y"], axis=1, name="head")],
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 16, 16])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 8, 16, 16])],
+        [numpy_helper.from_array(w, "w"), numpy_helper.from_array(np.array(500.0, np.float32), "stride")], opset=18,
+    ), tmp_path / "head.onnx")
+    samples = [{"x": rng.standard_normal((1, 3, 16, 16)).astype(np.float32)} for _ in range(8)]
+    report = quantize(model, samples, CalibrationConfig(samples=8), "onnxruntime", tmp_path / "q.onnx", None)
+    assert [k.node for k in report.kept_in_higher_precision] == ["head"]
+    graph = onnx.load(str(tmp_path / "q.onnx")).graph
+    assert next(n for n in graph.node if "y" in n.output).op_type == "Concat"  # not a DequantizeLinear
+    from accel_opt.backends.onnxruntime import CPU_PROVIDER, create_session
+
+    ref = create_session(model, [CPU_PROVIDER], 1).run(None, samples[0])[0]
+    cand = create_session(tmp_path / "q.onnx", [CPU_PROVIDER], 1).run(None, samples[0])[0]
+    assert np.abs(cand[:, 4:] - ref[:, 4:]).max() < 0.05  # the scores survive (one 1000/255 step would be ~4)
