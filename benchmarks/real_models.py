@@ -88,10 +88,10 @@ def yolo_input(page: np.ndarray) -> np.ndarray:
     return (page / 255.0).transpose(2, 0, 1)[None].astype(np.float32)
 
 
-def run(model: Path, recipe_name: str, data: Path, shapes: dict, out: Path) -> list[dict]:
+def run(model: Path, recipe_name: str, data: Path, shapes: dict, out: Path, variants=(False, True)) -> list[dict]:
     rows = []
     for backend in ("onnxruntime", "openvino"):
-        for fallback in (False, True):
+        for fallback in variants:
             recipe = load_recipe(recipe_name).with_overrides(
                 precision="int8", backend=backend, shapes=shapes or None,
                 **{"precision_options.fallback.enabled": fallback, "accuracy.max_samples": 24,
@@ -121,16 +121,18 @@ def main() -> None:
     parser.add_argument("--ppocr", type=Path)
     parser.add_argument("--yolo", type=Path)
     parser.add_argument("--pages", type=int, default=56)
+    parser.add_argument("--only-fallback", action="store_true", help="skip the --no-fallback builds")
     args = parser.parse_args()
     print(json.dumps({"host": hardware.cpu_info()}), flush=True)
+    variants = (True,) if args.only_fallback else (False, True)
     with tempfile.TemporaryDirectory(prefix="accel-opt-real-") as tmp:
         tmp = Path(tmp)
         if args.ppocr:
             data = write_feeds(tmp / "ppocr-data", "x", 480, args.pages, ppocr_input)
-            run(args.ppocr, "default", data, {"x": [1, 3, 480, 480]}, tmp / "out")
+            run(args.ppocr, "default", data, {"x": [1, 3, 480, 480]}, tmp / "out", variants)
         if args.yolo:
             data = write_feeds(tmp / "yolo-data", "images", 1024, args.pages, yolo_input)
-            run(args.yolo, "detector", data, {}, tmp / "out")
+            run(args.yolo, "detector", data, {}, tmp / "out", variants)
 
 
 if __name__ == "__main__":

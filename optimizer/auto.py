@@ -96,6 +96,10 @@ def build_auto(
 ) -> tuple[BuildResult | None, AutoSelection]:
     """Build the candidates and return (the winner's BuildResult or None, the selection report)."""
     pairs, backend_reason = plan(recipe, backend, precision, data_dir is not None)
+    if backend == AUTO:  # ONNX Runtime on a GPU: its CUDA EP, as the choice says
+        choice = auto_backend_choice()
+        if choice.backend is BackendName.onnxruntime and choice.providers and choice.providers[0] != "CPUExecutionProvider":
+            recipe = recipe.with_overrides(**{"onnxruntime.providers": [choice.providers[0]]})
     target = recipe.selection.target_batch_size
     budget = recipe.selection.latency_budget_ms
     results: dict[tuple[str, str], BuildResult] = {}

@@ -22,6 +22,7 @@ from accel_opt import artifacts, hardware, htmlreport, records, report, runtime
 from accel_opt.accuracy import AccuracyReport, compare
 from accel_opt.backends import Backend, CompiledModel, compile_for, get_backend
 from accel_opt.backends.base import casting_inputs
+from accel_opt.backends.gpu_timing import last_stage_ms, median_stage_ms
 from accel_opt.backends.onnxruntime import OnnxRuntimeBackend, float_run_quantized_ops, reference_runner
 from accel_opt.bench import BenchmarkReport, Target, application, run_benchmark
 from accel_opt.bench.efficiency import efficiency, node_flops
@@ -121,7 +122,8 @@ def build(
     factory = _factory_or_none(str(model))
     model_path = Path(model) if factory is None else Path(str(model).rpartition(":")[2] + ".onnx")
     out_dir = Path(out_dir)
-    backend = get_backend(recipe.backend)
+    backend = get_backend(recipe.backend, providers=recipe.onnxruntime.providers,
+                          allow_cpu_nodes=recipe.onnxruntime.allow_cpu_nodes)
     support = backend.supports(recipe.precision)
     if not support:
         raise Unsupported(f"--precision {recipe.precision.value} on {backend.name}: {support.reason}")
@@ -368,7 +370,7 @@ def _fallback_actions(ctx: BuildContext, probes: list[Sample]) -> fallback.Actio
     def examine(path: Path) -> Diagnosis:
         if precision is Precision.bf16:
             path = emulate_bfloat16(path, ctx.workdir / "probe" / f"emulated-{path.name}")
-        return diagnose(ctx.fp32_path, path, probes, ctx.threads)
+        return diagnose(ctx.fp32_path, path, probes[: recipe.precision_options.fallback.diagnosis_samples], ctx.threads)
 
     batch1 = with_batch(ctx.shapes.shapes, 1, ctx.shapes.batch_axes) if ctx.shapes.batch_dynamic else ctx.shapes.shapes
     try:
@@ -534,13 +536,23 @@ def _application_times(ctx: BuildContext, batch_sizes: list[int]) -> None:
     files, config = application.data_files(ctx.data_dir), ctx.resource_config
     host = application.host_stage_ms(files, ctx.recipe.preprocessing.host_part() if ctx.recipe.preprocessing else None)
     candidate = ctx.bench.models[0]
+    outputs, device = {}, {}
     with ctx.deployment.runner(runtime.feed_dtypes_of(ctx.deploy_samples)) as runner:
-        outputs = {b: runner.infer(batch_of(ctx.deploy_samples, b, ctx.shapes.batch_axes), check_inputs=False) for b in batch_sizes}
+        for b in batch_sizes:  # GPU runners time h2d / compute / d2h apart, each ended by a synchronization
+            feed = batch_of(ctx.deploy_samples, b, ctx.shapes.batch_axes)
+            outputs[b] = runner.infer(feed, check_inputs=False)
+            calls = [last_stage_ms(runner)]
+            if calls[0]:
+                for _ in range(application.DEVICE_STAGE_CALLS - 1):
+                    runner.infer(feed, check_inputs=False)
+                    calls.append(last_stage_ms(runner))
+            device[b] = median_stage_ms(calls) if calls[0] else None
     ctx.bench.stages_ms = [
         application.stage_times(host, candidate.at(b).latency.p50_ms,
-                                application.postprocess_ms(outputs[b], config.postprocess, config.outputs[0].name, b), b)
+                                application.postprocess_ms(outputs[b], config.postprocess, config.outputs[0].name, b), b,
+                                device_ms=device[b])
         for b in batch_sizes]
-    note = application.CPU_NOTE if ctx.compiled.device == "cpu" else ""
+    note = application.CPU_NOTE if ctx.compiled.device == "cpu" else application.DEVICE_NOTE
     ctx.bench.stage_note = f"host stages timed per input on {min(len(files), application.STAGE_FILES)} files (one core, median), x batch; {note}"
     pre, job_files = ctx.recipe.preprocessing, files[: application.JOB_FILES]
     ctx.bench.jobs = [application.accel_opt_job(job_files, ctx.deployment)]

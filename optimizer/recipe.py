@@ -249,7 +249,8 @@ class FallbackConfig(_Strict):
     enabled: bool = True
     max_rounds: int = Field(default=6, ge=1)  # round k keeps up to 2**(k-1) more nodes
     max_fp32_flops_fraction: float = Field(default=0.25, gt=0, le=1)  # of the model's Conv/MatMul/Gemm FLOPs
-    probe_samples: int = Field(default=8, ge=1)  # int8: calibration samples; fp16/bf16: the first evaluation samples
+    probe_samples: int = Field(default=16, ge=1)  # judged: int8's calibration samples; fp16/bf16's first evaluation samples
+    diagnosis_samples: int = Field(default=4, ge=1)  # the first probes, run layer by layer (the costly part)
     # fp16: nodes whose fp32 activations exceed this on a probe sample stay fp32 before any build is judged
     # (float16 holds at most 65504; the margin covers inputs larger than the probes).
     fp16_activation_max: float = Field(default=8192.0, gt=0, le=65504)
@@ -300,6 +301,17 @@ class TensorRtConfig(_Strict):
     timing_cache_dir: str | None = None  # reused only on the same GPU and TensorRT version
 
 
+class OnnxRuntimeConfig(_Strict):
+    """ONNX Runtime's execution provider (--backend onnxruntime). providers[0] runs the model; CUDA/TensorRT
+    EPs need an NVIDIA GPU and onnxruntime-gpu (pip uninstall -y onnxruntime && pip install 'accel-opt[gpu]'),
+    the TensorRT EP also TensorRT's libraries. Later entries are not fallbacks."""
+
+    providers: list[Literal["CPUExecutionProvider", "CUDAExecutionProvider", "TensorrtExecutionProvider"]] = Field(
+        default_factory=lambda: ["CPUExecutionProvider"], min_length=1)
+    # Off: a GPU build whose EP would leave any node to the CPU EP is refused (exit 4), naming the ops.
+    allow_cpu_nodes: bool = False
+
+
 class Recipe(_Strict):
     name: str = DEFAULT_RECIPE_NAME
     description: str = ""
@@ -320,6 +332,7 @@ class Recipe(_Strict):
     benchmark: BenchmarkConfig = Field(default_factory=BenchmarkConfig)
     selection: SelectionConfig = Field(default_factory=SelectionConfig)
     tensorrt: TensorRtConfig = Field(default_factory=TensorRtConfig)
+    onnxruntime: OnnxRuntimeConfig = Field(default_factory=OnnxRuntimeConfig)
 
     def fingerprint(self) -> str:
         """Content hash of the resolved recipe: part of a build's identity."""

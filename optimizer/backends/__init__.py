@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 from accel_opt.backends.base import Availability, Backend, CompiledModel
@@ -11,13 +12,18 @@ from accel_opt.recipe import BackendName, Precision, Recipe
 __all__ = ["Availability", "Backend", "CompiledModel", "compile_for", "get_backend"]
 
 
-def get_backend(name: BackendName | str) -> Backend:
-    """The backend object for `name`; raises Unsupported (exit 4) with a reason if it cannot run here."""
+def get_backend(name: BackendName | str, providers: Sequence[str] | None = None,
+                allow_cpu_nodes: bool = False) -> Backend:
+    """The backend object for `name`; raises Unsupported (exit 4) with a reason if it cannot run here.
+
+    ONNX Runtime only: `providers[0]` is the execution provider (CPU by default; CUDAExecutionProvider
+    or TensorrtExecutionProvider need an NVIDIA GPU and onnxruntime-gpu), `allow_cpu_nodes` lets a GPU
+    EP leave nodes it does not take to the CPU EP. Other backends ignore both."""
     name = BackendName(name)
     if name is BackendName.onnxruntime:
         from accel_opt.backends.onnxruntime import OnnxRuntimeBackend
 
-        backend: Backend = OnnxRuntimeBackend()
+        backend: Backend = OnnxRuntimeBackend(list(providers) if providers else None, allow_cpu_nodes=allow_cpu_nodes)
     elif name is BackendName.openvino:
         from accel_opt.backends.openvino import OpenVinoBackend
 

@@ -1,4 +1,4 @@
-"""PyTorch eager: importing a user's model factory, and a Polygraphy runner over the module.
+"""PyTorch: importing a user's model factory, the runner over the module (torch_exec.py), verifying an export.
 
 `TorchRunner` is the accuracy reference for torch-sourced builds and the "PyTorch eager"
 baseline row in benchmarks. torch is an optional extra: it is imported inside functions only,
@@ -12,42 +12,27 @@ import importlib
 import importlib.util
 import re
 import sys
-import time
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import onnx
-from polygraphy.backend.base import BaseRunner
-from polygraphy.common import TensorMetadata
-from polygraphy.datatype import DataType
 from pydantic import BaseModel
 
+# The runner, torch's import and CUDA checks live in torch_exec; re-exported here, where callers import them.
+from accel_opt.backends.torch_exec import (  # noqa: F401
+    AUTOCAST_DTYPES,
+    TORCH_EXTRA,
+    TorchRunner,
+    flatten_outputs,
+    require_cuda,
+    require_torch,
+)
 from accel_opt.data import Sample, synthetic_samples
-from accel_opt.errors import GateFailed, InputRejected, Unsupported, UsageError, first_line
-from accel_opt.graph.inspect import TensorSpec, io_specs
+from accel_opt.errors import GateFailed, InputRejected, UsageError, first_line
+from accel_opt.graph.inspect import io_specs
 from accel_opt.recipe import Tolerance
-
-TORCH_EXTRA = "pip install 'accel-opt[torch]' torch==2.13.0"
-
-
-def require_torch() -> Any:
-    """Import torch or raise Unsupported (exit 4) naming the extra to install."""
-    try:
-        import torch
-    except ImportError:
-        raise Unsupported(f"PyTorch models need torch: {TORCH_EXTRA}") from None
-    return torch
-
-
-def flatten_outputs(result: Any) -> list[Any]:
-    """The tensors of a forward() result in order (tuples, lists, dicts flattened as torch.export does)."""
-    import torch
-    from torch.utils._pytree import tree_leaves
-
-    return [leaf for leaf in tree_leaves(result) if isinstance(leaf, torch.Tensor)]
 
 
 def looks_like_factory(spec: str) -> bool:
@@ -146,73 +131,13 @@ def _on_sys_path(folder: Path | None):
             sys.path.remove(str(folder))
 
 
-class TorchRunner(BaseRunner):
-    """Runs an nn.Module eagerly under torch.inference_mode; numpy in, numpy out, keyed like the ONNX model.
-
-    `model` is a module or a factory (called on activate). Positional forward() arguments follow
-    `inputs` order; tuple/dict results are flattened in order onto `output_names`.
-    `torch.set_num_threads` is process-wide: it is set on activate and restored on deactivate.
-    """
-
-    def __init__(
-        self,
-        model: Any,
-        inputs: list[TensorSpec],
-        output_names: list[str],
-        threads: int | None = None,
-        name: str | None = None,
-    ):
-        super().__init__(name=name, prefix="torch-runner")
-        self._model, self.inputs, self.output_names, self.threads = model, list(inputs), list(output_names), threads
-
-    def activate_impl(self) -> None:
-        torch = require_torch()
-        model = self._model
-        if not isinstance(model, torch.nn.Module):
-            model = model()
-        self.model = model.eval()
-        self._previous_threads = torch.get_num_threads()
-        if self.threads:
-            torch.set_num_threads(self.threads)
-
-    def get_input_metadata_impl(self) -> TensorMetadata:
-        meta = TensorMetadata()
-        for spec in self.inputs:
-            meta.add(spec.name, dtype=DataType.from_dtype(np.dtype(spec.dtype)), shape=spec.shape)
-        return meta
-
-    def infer_impl(self, feed_dict: dict[str, Any]) -> OrderedDict[str, np.ndarray]:
-        import torch
-
-        args = [self._tensor(feed_dict[spec.name]) for spec in self.inputs]
-        start = time.perf_counter()
-        with torch.inference_mode():
-            result = self.model(*args)
-        outputs = flatten_outputs(result)
-        self.inference_time = time.perf_counter() - start
-        if len(outputs) != len(self.output_names):
-            raise InputRejected(
-                f"the PyTorch model returned {len(outputs)} tensors, the ONNX model has {len(self.output_names)} outputs"
-            )
-        return OrderedDict((n, t.detach().cpu().numpy()) for n, t in zip(self.output_names, outputs, strict=True))
-
-    @staticmethod
-    def _tensor(array: Any) -> Any:
-        import torch
-
-        return array if isinstance(array, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(array))
-
-    def deactivate_impl(self) -> None:
-        import torch
-
-        del self.model
-        torch.set_num_threads(self._previous_threads)
-
-
-def torch_runner(model: Any, onnx_path: Path, threads: int | None = None, name: str = "pytorch-eager") -> TorchRunner:
+def torch_runner(model: Any, onnx_path: Path, threads: int | None = None, name: str = "pytorch-eager",
+                 device: str = "cpu", precision: str = "fp32", compile: bool = False,
+                 compile_backend: str = "inductor") -> TorchRunner:
     """A TorchRunner whose inputs and output names are those of the model exported to `onnx_path`."""
     inputs, outputs = io_specs(onnx.load(str(onnx_path), load_external_data=False))
-    return TorchRunner(model, inputs, [o.name for o in outputs], threads=threads, name=name)
+    return TorchRunner(model, inputs, [o.name for o in outputs], threads=threads, name=name, device=device,
+                       precision=precision, compile=compile, compile_backend=compile_backend)
 
 
 class OutputCheck(BaseModel):

@@ -26,6 +26,8 @@ from accel_opt.recipe import Postprocess, Preprocessing
 STAGE_FILES = 32  # files the host stages are timed on
 JOB_FILES = 64  # files the naive and the accel-opt job each process
 CPU_NOTE = "h2d and d2h are 0 on a CPU backend: the model reads and writes host memory"
+DEVICE_STAGE_CALLS = 10
+DEVICE_NOTE = f"h2d / compute / d2h: medians of {DEVICE_STAGE_CALLS} calls, each stage ended by a synchronization"
 
 
 class StageTimes(BaseModel):
@@ -97,10 +99,13 @@ def postprocess_ms(outputs: dict[str, np.ndarray], post: Postprocess | None, fir
     return (time.perf_counter() - start) * 1e3
 
 
-def stage_times(host_ms: dict[str, float], compute_ms: float, post_ms: float, batch: int) -> StageTimes:
+def stage_times(host_ms: dict[str, float], compute_ms: float, post_ms: float, batch: int,
+                device_ms: dict[str, float] | None = None) -> StageTimes:
+    """One batch's stages; `device_ms` (a GPU runner's h2d_ms / compute_ms / d2h_ms) replaces the CPU's 0 / p50 / 0."""
+    device = device_ms or {"h2d_ms": 0.0, "compute_ms": compute_ms, "d2h_ms": 0.0}
     stages = {"read_ms": host_ms["read"] * batch, "decode_ms": host_ms["decode"] * batch,
-              "preprocess_ms": host_ms["preprocess"] * batch, "h2d_ms": 0.0, "compute_ms": compute_ms, "d2h_ms": 0.0,
-              "postprocess_ms": post_ms}
+              "preprocess_ms": host_ms["preprocess"] * batch, "h2d_ms": device["h2d_ms"], "compute_ms": device["compute_ms"],
+              "d2h_ms": device["d2h_ms"], "postprocess_ms": post_ms}
     return StageTimes(batch_size=batch, bottleneck=max(stages, key=stages.get).removesuffix("_ms"), **stages)
 
 

@@ -160,7 +160,7 @@ def load(folder: str | Path, expected_files: dict[str, str] | None = None) -> De
         providers=config.providers, threads=config.threads, build_seconds=0.0, settings=config.settings,
         extra_files=[folder / name for name in config.extra_files],
     )
-    return Deployment(folder=folder, config=config, backend=get_backend(config.backend), compiled=compiled)
+    return Deployment(folder=folder, config=config, backend=_backend_of(config), compiled=compiled)
 
 
 class Problem(BaseModel):
@@ -185,10 +185,16 @@ def check(folder: Path, expected_files: dict[str, str] | None = None) -> list[Pr
     except (ValidationError, ValueError, OSError) as exc:
         return [Problem(line=f"{RESOURCE_CONFIG} is unreadable: {first_line(exc)}", exit_code=3)]
     try:
-        get_backend(config.backend)
+        _backend_of(config)
     except Unsupported as exc:
         return [Problem(line=str(exc), exit_code=4)]
     return [Problem(line=line, exit_code=4) for line in _environment_problems(folder, config)]
+
+
+def _backend_of(config: ResourceConfig):
+    """The backend as the build ran it (a GPU EP recorded there is required here too)."""
+    return get_backend(config.backend, providers=config.settings.get("providers_requested"),
+                       allow_cpu_nodes=config.settings.get("cpu_ep_fallback") == "allowed")
 
 
 def _environment_problems(folder: Path, config: ResourceConfig) -> list[str]:
