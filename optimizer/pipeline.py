@@ -369,6 +369,7 @@ def _fallback_actions(ctx: BuildContext, probes: list[Sample]) -> fallback.Actio
 
     def examine(path: Path) -> Diagnosis:
         if precision is Precision.bf16:
+            (ctx.workdir / "probe").mkdir(parents=True, exist_ok=True)
             path = emulate_bfloat16(path, ctx.workdir / "probe" / f"emulated-{path.name}")
         return diagnose(ctx.fp32_path, path, probes[: recipe.precision_options.fallback.diagnosis_samples], ctx.threads)
 

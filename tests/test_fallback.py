@@ -177,3 +177,15 @@ def test_an_output_mixing_pixels_and_scores_keeps_its_concat_float(tmp_path):
     ref = create_session(model, [CPU_PROVIDER], 1).run(None, samples[0])[0]
     cand = create_session(tmp_path / "q.onnx", [CPU_PROVIDER], 1).run(None, samples[0])[0]
     assert np.abs(cand[:, 4:] - ref[:, 4:]).max() < 0.05  # the scores survive (one 1000/255 step would be ~4)
+
+
+def test_bf16_is_diagnosed_through_an_emulated_fp32_copy(tiny_cnn_path, samples, tmp_path):
+    """ORT's CPU EP has no bf16 Conv: the diagnosis runs an fp32 copy that rounds every bf16 tensor."""
+    from accel_opt.precision.diagnose import emulate_bfloat16
+
+    convert_float(tiny_cnn_path, Precision.bf16, Recipe().precision_options, tmp_path / "b.onnx")
+    emulated = emulate_bfloat16(tmp_path / "b.onnx", tmp_path / "e.onnx")
+    diagnosis = diagnose(tiny_cnn_path, emulated, samples[:2])
+    assert diagnosis.tensors_compared >= 15 and all(e.reduced for e in diagnosis.layers if e.op_type == "Conv")
+    errors = [e.error for e in diagnosis.layers]
+    assert 1e-4 < max(errors) < 0.05  # bf16's 8-bit mantissa shows, and nothing more

@@ -126,6 +126,7 @@ def run(precision: Precision, config: FallbackConfig, actions: Actions, out_path
         report.status, report.reason = "not needed", "the build passes the recipe's tolerance on the probe samples"
     else:
         naive_diagnosis = diagnosis = diagnosis or actions.diagnose(naive_path)
+        diagnosed = naive_path  # the build `diagnosis` describes
         if diagnosis is None:
             report.status, report.reason = "budget exhausted", f"no per-layer diagnosis for {precision.value} here"
         for number in range(1, config.max_rounds + 1) if diagnosis is not None else ():
@@ -147,11 +148,11 @@ def run(precision: Precision, config: FallbackConfig, actions: Actions, out_path
                 report.status, report.reason = "rescued", (
                     f"passes on the probes after {number} round(s), {len(kept) - len(fixed)} node(s) in fp32")
                 break
-            diagnosis = actions.diagnose(current)
+            diagnosis, diagnosed = actions.diagnose(current), current
         else:
             if diagnosis is not None:
                 report.status, report.reason = "budget exhausted", f"still failing after {config.max_rounds} rounds"
-        final_diagnosis = actions.diagnose(current) if current != naive_path else naive_diagnosis
+        final_diagnosis = diagnosis if diagnosed == current else actions.diagnose(current)
         if naive_diagnosis is not None:
             report.layers = _rows(naive_diagnosis, final_diagnosis, kept)
             report.naive_profile = naive_diagnosis.profile()
