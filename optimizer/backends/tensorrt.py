@@ -36,6 +36,7 @@ from polygraphy.backend.base import BaseRunner
 from accel_opt.artifacts import copy_file, sha256_file, write_json, write_text
 from accel_opt.backends.base import Availability, CompiledModel
 from accel_opt.backends.cuda_device import cuda_devices
+from accel_opt.backends.ort_gpu import gpu_precision_support
 from accel_opt.backends.trt_build_config import ShapeRange, derive_profiles, profile_bounds, trtexec_command
 from accel_opt.backends.trt_inspect import graph_tensor_dtypes, precision_counts, wider_layers
 from accel_opt.backends.trt_plan import (
@@ -46,7 +47,7 @@ from accel_opt.backends.trt_plan import (
     timing_cache_name,
     version_tuple,
 )
-from accel_opt.doctor import GPU_PRECISION_MIN_CC, INSTALL
+from accel_opt.doctor import INSTALL
 from accel_opt.errors import GateFailed, InputRejected, InternalError, ResourceExhausted, Unsupported, first_line
 from accel_opt.graph.inspect import io_specs
 from accel_opt.recipe import Precision, Recipe
@@ -148,15 +149,7 @@ class TensorRtBackend:
         return Availability(True)
 
     def supports(self, precision: Precision) -> Availability:
-        need = GPU_PRECISION_MIN_CC.get(precision.value)
-        probe = cuda_devices()
-        if need is None or not probe:
-            return Availability(True)
-        device = probe.devices[0]
-        if version_tuple(device.compute_capability, 2) < need:
-            return Availability(False, f"{device.name} (compute capability {device.compute_capability}) has no "
-                                       f"{precision.value} tensor cores; TensorRT needs {need[0]}.{need[1]} or newer")
-        return Availability(True)
+        return gpu_precision_support(precision)
 
     def compile(self, onnx_path: Path, precision: Precision, recipe: Recipe, workdir: Path, *,
                 shapes: dict[str, list[int]] | None = None) -> CompiledModel:
