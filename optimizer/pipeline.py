@@ -374,16 +374,18 @@ def _fallback_actions(ctx: BuildContext, probes: list[Sample]) -> fallback.Actio
         return diagnose(ctx.fp32_path, path, probes[: recipe.precision_options.fallback.diagnosis_samples], ctx.threads)
 
     batch1 = with_batch(ctx.shapes.shapes, 1, ctx.shapes.batch_axes) if ctx.shapes.batch_dynamic else ctx.shapes.shapes
-    try:
-        flops = node_flops(ctx.fp32_path, batch1)
-    except (ValueError, RuntimeError, onnx.shape_inference.InferenceError) as exc:  # > 2 GB protos, odd graphs
-        log.warning("no FLOP counts for the fallback budget: %s", first_line(exc))
-        flops = {}
+
+    def flops_of(path: Path) -> dict[str, int]:
+        try:
+            return node_flops(path, batch1)
+        except (ValueError, RuntimeError, onnx.shape_inference.InferenceError) as exc:  # > 2 GB protos, odd graphs
+            log.warning("no FLOP counts for the fallback budget: %s", first_line(exc))
+            return {}
     companions = None
     if precision is Precision.int8 and isinstance(ctx.backend, OnnxRuntimeBackend):
         def companions(path: Path) -> list[str]:
             return float_run_quantized_ops(path, ctx.threads)
-    return fallback.Actions(build=build, judge=judge, diagnose=examine, flops=flops, companions=companions)
+    return fallback.Actions(build=build, judge=judge, diagnose=examine, flops_of=flops_of, companions=companions)
 
 
 def _stage_compile(ctx: BuildContext) -> tuple[StageStatus, str]:

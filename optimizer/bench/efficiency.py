@@ -67,6 +67,7 @@ def _node_flops(model_path, shapes: dict[str, list[int]]) -> tuple[dict[str, int
             for dim, size in zip(dims, shapes[value.name]):
                 dim.ClearField("dim_param")
                 dim.dim_value = size
+    del model.graph.value_info[:]  # shapes recorded with symbolic dims would win over the ones set above
     inferred = onnx.shape_inference.infer_shapes(model)
     known = {v.name: [d.dim_value for d in v.type.tensor_type.shape.dim]
              for v in [*inferred.graph.input, *inferred.graph.value_info, *inferred.graph.output]}
@@ -74,8 +75,9 @@ def _node_flops(model_path, shapes: dict[str, list[int]]) -> tuple[dict[str, int
     flops: dict[str, int] = {}
     for index, node in enumerate(inferred.graph.node):
         out = known.get(node.output[0]) if node.output else None
-        if not out or any(d <= 0 for d in out):
+        if not out:
             continue
+        out = [d if d > 0 else 1 for d in out]  # a dim inference left symbolic: the batch, set to 1 above
         count = 0
         if node.op_type in ("Conv", "ConvTranspose"):
             kernel = weights.get(node.input[1]) or tuple(known.get(node.input[1], ()))

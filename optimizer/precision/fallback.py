@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
@@ -84,10 +84,12 @@ class Actions:
     build: Callable[[list[str], Path], PrecisionReport]  # (nodes kept in fp32, out path) -> the transform's report
     judge: Callable[[Path], ProbeVerdict]  # the build, on the probe samples, against the recipe's tolerance
     diagnose: Callable[[Path], Diagnosis | None]  # per-layer errors of a build (None: not available for it)
-    flops: dict[str, int]  # Conv/MatMul/Gemm FLOPs per node of the fp32 graph
+    # Conv/MatMul/Gemm FLOPs per node of a build, counted on the naive build (its node names are the ones kept)
+    flops_of: Callable[[Path], dict[str, int]]
     # Nodes a build leaves to run in float anyway (ORT fuses a Conv into an integer kernel only with a
     # QuantizeLinear after it, which a consumer kept in fp32 no longer has). None: nothing to check.
     companions: Callable[[Path], list[str]] | None = None
+    flops: dict[str, int] = field(default_factory=dict)  # flops_of(the naive build), set by run()
 
 
 def run(precision: Precision, config: FallbackConfig, actions: Actions, out_path: Path, probe_samples: int,
@@ -101,14 +103,14 @@ def run(precision: Precision, config: FallbackConfig, actions: Actions, out_path
     if not config.enabled:
         report.reason = "turned off (--no-fallback or the recipe's precision_options.fallback.enabled)"
         return actions.build(list(kept), out_path), report, out_path
+    primaries: set[str] = set()  # nodes kept for the error they add (not as a consequence of another)
+    naive_path = out_path.with_name(f"naive-{out_path.name}")
+    precision_report = _build_with_companions(actions, kept, primaries, naive_path, 0, config)
+    actions.flops = actions.flops_of(naive_path)
     total_flops = max(sum(actions.flops.values()), 1)
 
     def fraction() -> float:
         return sum(actions.flops.get(n, 0) for n in kept) / total_flops
-
-    primaries: set[str] = set()  # nodes kept for the error they add (not as a consequence of another)
-    naive_path = out_path.with_name(f"naive-{out_path.name}")
-    precision_report = _build_with_companions(actions, kept, primaries, naive_path, 0, config)
     report.naive_model = naive_path.name
     diagnosis = actions.diagnose(naive_path) if precision is Precision.fp16 else None
     if diagnosis is not None:  # float16 overflow: certain on a GPU, whatever the CPU probe says
