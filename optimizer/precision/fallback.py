@@ -106,7 +106,7 @@ def run(precision: Precision, config: FallbackConfig, actions: Actions, out_path
     primaries: set[str] = set()  # nodes kept for the error they add (not as a consequence of another)
     naive_path = out_path.with_name(f"naive-{out_path.name}")
     precision_report = _build_with_companions(actions, kept, primaries, naive_path, 0, config)
-    actions.flops = actions.flops_of(naive_path)
+    actions.flops, groups = actions.flops_of(naive_path), layer_groups(naive_path)
     total_flops = max(sum(actions.flops.values()), 1)
 
     def fraction() -> float:
@@ -132,7 +132,7 @@ def run(precision: Precision, config: FallbackConfig, actions: Actions, out_path
         if diagnosis is None:
             report.status, report.reason = "budget exhausted", f"no per-layer diagnosis for {precision.value} here"
         for number in range(1, config.max_rounds + 1) if diagnosis is not None else ():
-            added, refused = _pick(diagnosis, kept, actions.flops, total_flops, config, 2 ** (number - 1))
+            added, siblings, refused = _pick(diagnosis, kept, actions.flops, total_flops, config, 2 ** (number - 1), groups)
             if not added:
                 report.status, report.reason = "budget exhausted", refused or "no remaining node adds error"
                 break
@@ -140,11 +140,14 @@ def run(precision: Precision, config: FallbackConfig, actions: Actions, out_path
                 kept[layer.node] = KeptNode(node=layer.node, op_type=layer.op_type, reason=(
                     f"fallback round {number}: adds error {_fmt(layer.added_error)} of its output's scale "
                     f"(output {layer.tensor}, depth {layer.depth})"))
-            primaries |= {layer.node for layer in added}
+            for name, leader in siblings.items():
+                kept[name] = KeptNode(node=name, op_type=groups[name].split()[0], reason=(
+                    f"fallback round {number}: the same layer ({groups[name]}) as {leader} in another block"))
+            primaries |= {layer.node for layer in added} | set(siblings)
             current = out_path.with_name(f"round{number}-{out_path.name}")
             precision_report = _build_with_companions(actions, kept, primaries, current, number, config)
             verdict = actions.judge(current)
-            report.rounds.append(FallbackRound(round=number, added=[x.node for x in added], kept=len(kept) - len(fixed),
+            report.rounds.append(FallbackRound(round=number, added=[x.node for x in added] + list(siblings), kept=len(kept) - len(fixed),
                                                fp32_flops_fraction=fraction(), verdict=verdict))
             if verdict.passed:
                 report.status, report.reason = "rescued", (
@@ -255,15 +258,18 @@ def requantized_sources(model_path: Path, kept: set[str]) -> list[str]:
 
 
 def _pick(diagnosis: Diagnosis, kept: dict[str, KeptNode], flops: dict[str, int], total: int, config: FallbackConfig,
-          count: int) -> tuple[list[LayerError], str]:
-    """Up to `count` worst offenders not yet kept that fit the FLOPs budget; else why none was taken."""
+          count: int, groups: dict[str, str]) -> tuple[list[LayerError], dict[str, str], str]:
+    """Up to `count` worst offenders not yet kept that fit the FLOPs budget, each with the nodes of its group
+    (same op and weight shape: the same layer of every repeated block, which int8 breaks alike; MiniLM's
+    FFN down-projections) when the group fits too; returns them, {sibling: its leader}, and why none was taken."""
     taken: list[LayerError] = []
+    siblings: dict[str, str] = {}
     used = sum(flops.get(n, 0) for n in kept)
     refused = ""
     for layer in diagnosis.ranked():
         if len(taken) == count:
             break
-        if layer.node in kept or not layer.reduced or any(t.node == layer.node for t in taken):
+        if layer.node in kept or layer.node in siblings or not layer.reduced or any(t.node == layer.node for t in taken):
             continue
         if not (layer.added_error > 0 or layer.nonfinite):
             break
@@ -275,7 +281,31 @@ def _pick(diagnosis: Diagnosis, kept: dict[str, KeptNode], flops: dict[str, int]
             continue
         taken.append(layer)
         used += cost
-    return taken, refused
+        key = groups.get(layer.node)
+        group = [n for n, k in groups.items() if key and k == key and n != layer.node and n not in kept and n not in siblings]
+        group_cost = sum(flops.get(n, 0) for n in group)
+        if group and (used + group_cost) / total <= config.max_fp32_flops_fraction:
+            siblings.update(dict.fromkeys(group, layer.node))
+            used += group_cost
+    return taken, siblings, refused
+
+
+def layer_groups(model_path: Path) -> dict[str, str]:
+    """Conv/MatMul/Gemm node -> "op weight-shape" (weights read directly or through a DequantizeLinear)."""
+    graph = onnx.load(str(model_path), load_external_data=False).graph
+    dims = {t.name: tuple(t.dims) for t in graph.initializer}
+    producers = {o: n for n in graph.node for o in n.output}
+    groups = {}
+    for node in graph.node:
+        if node.op_type not in ("Conv", "ConvTranspose", "MatMul", "Gemm") or len(node.input) < 2 or not node.name:
+            continue
+        weight = node.input[1]
+        source = producers.get(weight)
+        if source is not None and source.op_type in ("DequantizeLinear", "Cast"):
+            weight = source.input[0]
+        if weight in dims:
+            groups[node.name] = f"{node.op_type} {'x'.join(map(str, dims[weight]))}"
+    return groups
 
 
 def _rows(naive: Diagnosis, final: Diagnosis | None, kept: dict[str, KeptNode]) -> list[LayerRow]:
