@@ -189,3 +189,13 @@ def test_bf16_is_diagnosed_through_an_emulated_fp32_copy(tiny_cnn_path, samples,
     assert diagnosis.tensors_compared >= 15 and all(e.reduced for e in diagnosis.layers if e.op_type == "Conv")
     errors = [e.error for e in diagnosis.layers]
     assert 1e-4 < max(errors) < 0.05  # bf16's 8-bit mantissa shows, and nothing more
+
+
+def test_layer_groups_see_weights_through_dequantize(tiny_cnn_path, samples, tmp_path):
+    """The same layer of repeated blocks (op + weight shape) groups in the fp32 and the Q/DQ graph alike."""
+    from accel_opt.precision.fallback import layer_groups
+
+    quantize(tiny_cnn_path, samples, CalibrationConfig(samples=8), "onnxruntime", tmp_path / "q.onnx", None)
+    assert layer_groups(tiny_cnn_path) == layer_groups(tmp_path / "q.onnx")
+    groups = layer_groups(tmp_path / "q.onnx")
+    assert groups["fc"].startswith("Gemm ") and any(list(groups.values()).count(k) > 1 for k in groups.values())
