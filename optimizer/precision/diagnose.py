@@ -18,6 +18,7 @@ marking has no cross-graph mapping: hence this module.
 
 from __future__ import annotations
 
+import functools
 import math
 import tempfile
 from collections.abc import Iterator
@@ -174,7 +175,7 @@ def map_tensors(reference: onnx.ModelProto, candidate: onnx.ModelProto) -> Tenso
 
 def diagnose(reference: Path, candidate: Path, samples: list[Sample], threads: int = 2) -> Diagnosis:
     """Compare every mapped intermediate tensor of `candidate` with `reference` on `samples`."""
-    ref_proto, cand_proto = _with_types(reference), _with_types(candidate)
+    ref_proto, cand_proto = _typed(reference), _typed(candidate)
     mapping = map_tensors(ref_proto, cand_proto)
     stats = {name: _Stats() for name in mapping.pairs}
     sizes = _tensor_bytes(ref_proto, samples[0]) if samples else {}
@@ -241,6 +242,17 @@ def _float_tensors(model: onnx.ModelProto) -> dict[str, int]:
     values = [*model.graph.input, *model.graph.value_info, *model.graph.output]
     return {v.name: v.type.tensor_type.elem_type for v in values
             if v.type.HasField("tensor_type") and v.type.tensor_type.elem_type in FLOAT_TYPES}
+
+
+def _typed(path: Path) -> onnx.ModelProto:
+    """`_with_types`, once per file version: the fallback diagnoses every round against the same reference."""
+    stat = Path(path).stat()
+    return _typed_cached(str(path), stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=4)
+def _typed_cached(path: str, mtime_ns: int, size: int) -> onnx.ModelProto:
+    return _with_types(Path(path))
 
 
 def _with_types(path: Path) -> onnx.ModelProto:

@@ -216,7 +216,8 @@ def _build_with_companions(actions: Actions, kept: dict[str, KeptNode], primarie
     why = ("the backend has no integer kernel for it in this graph: it runs in float on dequantized inputs"
            if not number else f"fallback round {number}: runs in float on the backend once its neighbours are kept in fp32")
     report.kept_in_higher_precision += [KeptNode(node=n, op_type=op_types.get(n, ""), reason=why) for n in floating]
-    mark_float_by_design(path, [*kept, *floating])
+    if kept or floating:  # read by ONNX Runtime's int8-kernel check; nothing to record otherwise
+        mark_float_by_design(path, [*kept, *floating])
     return report
 
 

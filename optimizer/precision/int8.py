@@ -176,7 +176,8 @@ def quantize(
             staged = tmp / "staged" / out_path.name
             staged.parent.mkdir()
             overrides = _signed_input_overrides(prepared, ranges) if settings.preset.symmetric_signed_inputs else {}
-            _quantize_with_ranges(prepared, ranges, overrides, settings, staged, large, [*exclude, *output_movers(prepared)])
+            movers = [name for name, _ in output_movers(prepared)]
+            _quantize_with_ranges(prepared, ranges, overrides, settings, staged, large, [*exclude, *movers])
             validate(staged, run_session=True, tmp=tmp)
             for produced in staged.parent.iterdir():
                 shutil.move(str(produced), str(out_path.parent / produced.name))
@@ -188,7 +189,7 @@ def quantize(
 
     kept = [KeptNode(node=name, op_type=op, reason="produces a graph output and only moves or squashes values: "
                      "a Q/DQ pair there would round what the user reads, for no integer kernel")
-            for name, op in _op_types_of(out_path, output_movers(out_path))]
+            for name, op in output_movers(out_path)]
     return PrecisionReport(
         precision=Precision.int8,
         kept_in_higher_precision=kept,
@@ -233,18 +234,19 @@ def calibration_key(model_path: Path, samples: list[Sample], settings: QuantSett
     return digest.hexdigest()
 
 
-# Ops that only move or squash values: at a graph output their Q/DQ pair rounds what the user reads and
-# speeds nothing up. A YOLO head concatenates box pixels (0-1024) and class scores (0-1) into one output:
+# Ops that move, squash or combine values elementwise: at a graph output their Q/DQ pair rounds what the
+# user reads and speeds nothing up (no Conv/MatMul integer kernel gains from it). A YOLO head concatenates box pixels (0-1024) and class scores (0-1) into one output:
 # one uint8 scale of 1024/255 rounds every score to 0 (measured: recall 0 with cosine 0.998).
 OUTPUT_MOVERS = ("Concat", "Reshape", "Transpose", "Flatten", "Squeeze", "Unsqueeze", "Split", "Slice", "Gather",
                  "Sigmoid", "Softmax", "Resize", "MaxPool", "AveragePool", "GlobalAveragePool", "Add", "Mul", "Sub", "Div")
 
 
-def output_movers(model_path: Path) -> list[str]:
-    """Nodes producing a graph output that only move or squash values (see OUTPUT_MOVERS): left in float."""
+def output_movers(model_path: Path) -> list[tuple[str, str]]:
+    """(name, op type) of the nodes producing a graph output that are OUTPUT_MOVERS: left in float."""
     graph = onnx.load(str(model_path), load_external_data=False).graph
     outputs = {o.name for o in graph.output}
-    return [n.name for n in graph.node if n.name and n.op_type in OUTPUT_MOVERS and any(o in outputs for o in n.output)]
+    return [(n.name, n.op_type) for n in graph.node
+            if n.name and n.op_type in OUTPUT_MOVERS and any(o in outputs for o in n.output)]
 
 
 def _prepared_and_ranges(model_path: Path, samples: list[Sample], settings: QuantSettings, tmp: Path,
@@ -425,11 +427,6 @@ def _calibration_errors(method: CalibrationMethod):
             f"(typically an attention mask): quantize only matrix ops (precision_options.calibration.op_types: "
             f"[MatMul, Gemm]) or use --calibration minmax ({exc})"
         ) from None
-
-
-def _op_types_of(model_path: Path, names: list[str]) -> list[tuple[str, str]]:
-    wanted = set(names)
-    return [(n.name, n.op_type) for n in onnx.load(str(model_path), load_external_data=False).graph.node if n.name in wanted]
 
 
 def _external_files(model_path: Path) -> list[Path]:
