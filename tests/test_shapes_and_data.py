@@ -128,3 +128,41 @@ def test_batch_of_cycles_samples():
     samples = [{"x": np.full((1, 2), i, np.float32)} for i in range(3)]
     batch = batch_of(samples, 5)["x"]
     assert batch.shape == (5, 2) and batch[:, 0].tolist() == [0, 1, 2, 0, 1]
+
+
+@pytest.mark.parametrize("layout,dtype", [("NCHW", "float32"), ("NHWC", "float32"), ("NCHW", "float16"), ("NHWC", "uint8")])
+def test_model_input_matches_the_textbook_normalization(layout, dtype):
+    """The fast in-place normalization computes (x / 255 - mean) / std, laid out and typed as asked."""
+    from accel_opt.data import to_model_input
+    from accel_opt.recipe import Preprocessing
+
+    pre = Preprocessing(layout=layout, dtype=dtype)
+    crops = np.random.default_rng(0).integers(0, 256, (2, 6, 5, 3), dtype=np.uint8)
+    expected = crops.astype(np.float64)
+    if dtype != "uint8":
+        expected = (expected / 255.0 - np.asarray(pre.mean)) / np.asarray(pre.std)
+    if layout == "NCHW":
+        expected = expected.transpose(0, 3, 1, 2)
+    got = to_model_input(crops, pre)
+    assert got.dtype == np.dtype(dtype) and got.shape == expected.shape and got.flags.c_contiguous
+    np.testing.assert_allclose(got.astype(np.float64), expected, atol=2e-3 if dtype == "float16" else 1e-5)
+
+
+def test_crop_region_resize_matches_resizing_the_whole_image():
+    """Resampling only the crop's box gives the pixels of resize-then-crop (within rounding)."""
+    from PIL import Image
+
+    from accel_opt.data import preprocess_image
+    from accel_opt.recipe import Preprocessing
+
+    pre = Preprocessing(resize=64, crop=56, dtype="uint8", layout="NHWC")
+    rng = np.random.default_rng(1)
+    for size in [(173, 97), (97, 173), (64, 64), (301, 220)]:
+        smooth = Image.fromarray(rng.integers(0, 256, (size[1] // 8 + 1, size[0] // 8 + 1, 3), dtype=np.uint8))
+        img = smooth.resize(size, Image.BICUBIC)
+        scale = pre.resize / min(size)
+        whole = img.resize((max(pre.crop, round(size[0] * scale)), max(pre.crop, round(size[1] * scale))), Image.BILINEAR)
+        left, top = (whole.width - pre.crop) // 2, (whole.height - pre.crop) // 2
+        expected = np.asarray(whole.crop((left, top, left + pre.crop, top + pre.crop)), dtype=int)
+        got = preprocess_image(img, pre)[0].astype(int)
+        assert np.abs(got - expected).max() <= 1, size
