@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from polygraphy.backend.base import BaseRunner
@@ -21,11 +21,13 @@ from pydantic import BaseModel, ValidationError
 from accel_opt.artifacts import MANIFEST, Manifest, sha256_file
 from accel_opt.backends import Backend, CompiledModel, get_backend
 from accel_opt.backends.base import casting_inputs
-from accel_opt.bench import Target
 from accel_opt.data import DataSummary, Sample, load_samples, synthetic_samples
 from accel_opt.errors import InputRejected, Unsupported, UsageError, first_line
 from accel_opt.graph.inspect import TensorSpec, with_batch
 from accel_opt.recipe import Postprocess, Precision, Preprocessing
+
+if TYPE_CHECKING:  # the benchmark (and the accuracy code it pulls in) is not needed to run an artifact
+    from accel_opt.bench import Target
 
 RESOURCE_CONFIG = "resource_config.json"
 
@@ -138,6 +140,8 @@ class Deployment:
     def target(self, feed_dtypes: dict[str, Any] | None = None, label: str | None = None,
                samples: list[Sample] | None = None) -> Target:
         """A benchmark target (labels must differ between the targets of one run), fed `samples` if given."""
+        from accel_opt.bench import Target
+
         return Target(label or f"{self.config.backend}-{self.config.precision.value}", self.runner(feed_dtypes),
                       self.backend.synchronize, samples)
 
