@@ -5,6 +5,7 @@ On the same real JPEG files (generated offline: random crops of scikit-image's p
 decoding, resizing, inference, writing):
 - the naive job: Pillow decode + resize per image, ONNX Runtime fp32 at batch 1, one image after another;
 - `accel-opt run` of the artifact `accel-opt build --backend auto --precision auto --recipe image-classifier`
+  with normalization fused into the model (unless --host-preprocessing),
   signed off (calibrated and gated on other crops of the same photos);
 - the decode floor: reading and decoding every file once on all cores, nothing else.
 It prints the ratio, the top-1 agreement between the two jobs, each job's accuracy against the photo a
@@ -90,6 +91,34 @@ def decode_floor(folder: Path) -> float:
     return time.perf_counter() - start
 
 
+def cpu_ms_per_image(folder: Path, artifact: str, count: int = 100) -> dict[str, float]:
+    """Where a job's CPU goes, per image on one core: decoding, the deployed host preprocessing after it
+    (resize, crop and whatever is not fused), and the model (its p50 at the deployed batch from the build's
+    benchmark, times its threads: the cores it holds while it runs)."""
+    from accel_opt.data import decode_image, preprocess_image
+    from accel_opt.runtime import RESOURCE_CONFIG, ResourceConfig
+
+    config = ResourceConfig.model_validate_json((Path(artifact) / RESOURCE_CONFIG).read_text())
+    pre = config.preprocessing
+    files = sorted(folder.iterdir())[:count]
+    decode_s = preprocess_s = float("inf")
+    for _ in range(2):  # the better of two passes: the first also warms caches
+        start = time.perf_counter()
+        decoded = []
+        for path in files:
+            with Image.open(path) as img:
+                decoded.append(decode_image(img, pre))
+        decode_s = min(decode_s, time.perf_counter() - start)
+        start = time.perf_counter()
+        for rgb in decoded:
+            preprocess_image(rgb, pre.host_part())
+        preprocess_s = min(preprocess_s, time.perf_counter() - start)
+    bench = json.loads((Path(artifact) / "benchmark.json").read_text())
+    point = next(p for p in bench["sweep"] if p["batch_size"] == config.batch_size and p["concurrency"] == 1)
+    return {"decode": decode_s / count * 1e3, "host preprocessing": preprocess_s / count * 1e3,
+            "model": point["p50_ms"] / config.batch_size * config.threads}
+
+
 def timed(cmd: list[str]) -> tuple[float, str]:
     wait_for_idle()
     start = time.perf_counter()
@@ -120,26 +149,34 @@ def main() -> int:
     parser.add_argument("--count", type=int, default=500, help="JPEG files in the job")
     parser.add_argument("--model", choices=["resnet50", "light"], default="resnet50",
                         help="resnet50: compute-bound (8 GFLOP/image); light: a small ResNet where decoding dominates")
+    parser.add_argument("--width", type=int,
+                        help="the ResNet's first width (default: 64 for resnet50; 8 for light, 0.07 GFLOP/image: at width "
+                             "16, 0.23 GFLOP, its compute costs more CPU than decoding on a CPU without AMX)")
     parser.add_argument("--threads", type=int, default=available_cpus())
     parser.add_argument("--workdir", type=Path, help="keep files here (default: a temp dir)")
+    parser.add_argument("--host-preprocessing", action="store_true",
+                        help="normalize on the host, as the recipe does; by default the build fuses normalization into "
+                             "the model (checked by the gate)")
     parser.add_argument("--draft-decode", action="store_true",
-                        help="build with preprocessing.draft_decode (JPEG DCT-scaled decoding, checked by the gate)")
+                        help="also decode JPEGs in draft mode (checked by the gate; little gain on 320-800 px files, "
+                             "and its pixel differences fail the fp32 candidates' tolerance)")
     args = parser.parse_args()
     work = args.workdir or Path(tempfile.mkdtemp(prefix="accel-opt-e2e-"))
     work.mkdir(parents=True, exist_ok=True)
     recipe = "image-classifier"
-    if args.draft_decode:
+    fast_preprocessing = {**({} if args.host_preprocessing else {"preprocessing.fused": True}),
+                          **({"preprocessing.draft_decode": True} if args.draft_decode else {})}
+    if fast_preprocessing:
         import yaml
 
-        recipe = str(work / "image-classifier-draft.yaml")
-        drafted = load_recipe("image-classifier").with_overrides(**{"preprocessing.draft_decode": True})
-        Path(recipe).write_text(yaml.safe_dump(drafted.model_dump(mode="json")))
+        recipe = str(work / "image-classifier-fast_preprocessing.yaml")
+        Path(recipe).write_text(yaml.safe_dump(load_recipe("image-classifier").with_overrides(**fast_preprocessing).model_dump(mode="json")))
     bin_dir = Path(sys.executable).parent
 
     samples, labels = zoo.photo_dataset(224)
     head = zoo.HEAD_TRAINING_COUNT
     layout = {"resnet50": zoo.RESNET50_LAYOUT, "light": (1, 1, 1, 1)}[args.model]
-    width = {"resnet50": 64, "light": 16}[args.model]
+    width = args.width or {"resnet50": 64, "light": 8}[args.model]
     model = zoo.save(zoo.resnet(layout=layout, width=width, head_training=(samples[:head], labels[:head])),
                      work / f"{args.model}.onnx")
     job_files, job_labels = work / "job", make_jpegs(work / "job", args.count, seed=1)
@@ -164,6 +201,7 @@ def main() -> int:
                             str(work / "run.jsonl"), "--overwrite", "--json"])
     probe_after = gemm_probe_gflops(args.threads)
     summary = json.loads(run_out)
+    costs = cpu_ms_per_image(job_files, artifact)
 
     naive, fast = top1s(work / "naive.jsonl"), top1s(work / "run.jsonl")
     files = sorted(naive)
@@ -176,7 +214,9 @@ def main() -> int:
     print(f"host: {cpu['model']}, {cpu['available_cpus']} CPUs, flags {' '.join(cpu['flags'])}")
     print(f"model: {args.model} ({'x'.join(map(str, layout))} blocks, width {width}) at 224x224; {args.count} JPEGs of 320-800 px")
     print(f"build ({build_seconds:.0f} s, not part of the job): {built['backend']} {built['precision']} signed off -> {artifact}"
-          + ("; draft JPEG decoding (checked by the gate)" if args.draft_decode else ""))
+          + "".join(f"; {what} (checked by the gate)" for key, what in [("preprocessing.fused", "normalization fused into the model"),
+                                                                         ("preprocessing.draft_decode", "draft JPEG decoding")]
+                    if key in fast_preprocessing))
     print()
     print(f"{'job (whole process)':42} {'seconds':>8} {'images/s':>9} {'vs naive':>9}")
     print(f"{'naive: Pillow + ORT fp32 batch 1, serial':42} {naive_s:8.2f} {args.count / naive_s:9.1f} {1.0:8.2f}x")
@@ -190,6 +230,8 @@ def main() -> int:
           f"{stages['wait_for_inputs']:.1f} s, compute {stages['compute']:.1f} s, write {stages['write']:.2f} s)")
     print(f"top-1 agreement, accel-opt run vs naive: {agreement:.1%}; accuracy vs the photo: naive {naive_acc:.1%}, "
           f"accel-opt run {fast_acc:.1%}")
+    print("CPU per image (one core): " + ", ".join(f"{k} {v:.2f} ms" for k, v in costs.items())
+          + f"; together {sum(costs.values()) / costs['decode']:.1f}x the decoding alone, on the same {args.threads} cores")
     print(f"host state: fp32 GEMM probe {probe_before:.0f} GFLOP/s before the jobs, {probe_after:.0f} after")
     target = 6.0 if args.model == "resnet50" else None
     if target:
