@@ -17,7 +17,7 @@ import numpy as np
 from pydantic import BaseModel
 
 from accel_opt.artifacts import sha256_file
-from accel_opt.errors import InputRejected, UsageError
+from accel_opt.errors import InputRejected, UsageError, first_line
 from accel_opt.graph.inspect import TensorSpec
 from accel_opt.recipe import Preprocessing
 
@@ -101,19 +101,31 @@ def check_sample(sample: Sample, inputs: list[TensorSpec], where: str) -> None:
 
 
 def _read_image(path: Path, inputs: list[TensorSpec], pre: Preprocessing) -> Sample:
-    from PIL import Image, UnidentifiedImageError
-
     spec = next((s for s in inputs if s.name == pre.input), inputs[0]) if pre.input else inputs[0]
     if len(inputs) != 1 and pre.input is None:
         raise UsageError("preprocessing.input must name the image input of a model with several inputs")
     try:
-        with Image.open(path) as img:
-            rgb = decode_image(img, pre)
-    except (UnidentifiedImageError, OSError) as exc:
-        raise InputRejected(f"--data {path.name}: not a readable image ({exc})") from None
+        rgb = read_image(path, pre)
+    except InputRejected as exc:
+        raise InputRejected(f"--data {path.name}: {exc}") from None
     sample = {spec.name: preprocess_image(rgb, pre)}
     check_sample(sample, [spec], where=path.name)
     return sample
+
+
+def read_image(path: str | Path, pre: Preprocessing | None):
+    """The RGB pixels of an image file (decoded as `decode_image` does), or InputRejected saying why not:
+    not an image, truncated, or larger than Pillow's decompression-bomb limit (a small file that would
+    decode to gigabytes is refused before any pixel is decoded)."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(path) as img:
+            return decode_image(img, pre)
+    except Image.DecompressionBombError as exc:
+        raise InputRejected(f"refused: {first_line(exc)}") from None
+    except (UnidentifiedImageError, OSError, ValueError) as exc:
+        raise InputRejected(f"not a readable image ({first_line(exc)})") from None
 
 
 def decode_image(img, pre: Preprocessing | None):

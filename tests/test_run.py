@@ -12,8 +12,8 @@ from PIL import Image
 
 from accel_opt import runtime
 from accel_opt.cli import main
-from accel_opt.data import preprocess_image
-from accel_opt.errors import UsageError
+from accel_opt.data import load_samples, preprocess_image
+from accel_opt.errors import InputRejected, UsageError
 from accel_opt.pipeline import build
 from accel_opt.recipe import Postprocess, Preprocessing
 from accel_opt.runtime.job import errors_path, run_job
@@ -93,6 +93,27 @@ def test_bad_inputs_are_listed_and_the_others_predicted(classifier, photos, tmp_
     assert "not a readable image" in errors[str(broken)]
     assert "dim 2 is 16" in errors[str(wrong)] or "shape" in errors[str(wrong)]
     assert errors[str(tmp_path / "missing.png")] == "not found"
+
+
+def test_a_decompression_bomb_is_refused_not_a_crash(classifier, photos, tmp_path, monkeypatch):
+    """An image over Pillow's decompression-bomb limit (a small file that would decode to gigabytes) is
+    listed in the errors file before any pixel is decoded and the job goes on (exit 3); in `--data` it is
+    a refusal naming the file (exit 3), not an internal error."""
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 200_000)  # refused beyond 2x this: a 700x700 image, not the photos
+    bomb = tmp_path / "bomb.png"
+    Image.new("L", (700, 700)).save(bomb)
+    out = tmp_path / "p.jsonl"
+    result = CliRunner().invoke(main, ["run", str(classifier), str(photos / "00_0.jpg"), str(bomb), "--out", str(out)])
+    assert result.exit_code == 3, result.output
+    assert [line["input"] for line in _lines(out)] == [str(photos / "00_0.jpg")]
+    assert "decompression bomb" in _lines(errors_path(out))[0]["error"]
+
+    data = tmp_path / "data"
+    data.mkdir()
+    bomb.rename(data / "bomb.png")
+    deployed = runtime.load(classifier).config
+    with pytest.raises(InputRejected, match="bomb.png: refused"):
+        load_samples(data, deployed.inputs, Preprocessing(**PRE))
 
 
 def test_resume_skips_what_was_answered_and_drops_a_partial_line(classifier, photos, tmp_path):

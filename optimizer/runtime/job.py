@@ -32,8 +32,8 @@ from accel_opt.data import (
     Sample,
     check_sample,
     concat_samples,
-    decode_image,
     preprocess_image,
+    read_image,
     split_output,
 )
 from accel_opt.errors import InputRejected, UsageError, first_line
@@ -219,20 +219,13 @@ class _Reader:
         return sample
 
     def _image(self, file: Path) -> Sample:
-        from PIL import Image, UnidentifiedImageError
-
         pre = self.config.preprocessing
         if len(self.specs) != 1 and pre.input is None:
             raise UsageError("the artifact has several inputs; its preprocessing names none for images")
         spec = next(s for s in self.specs if s.name == (pre.input or self.specs[0].name))
-        try:
-            # The build's preprocessing exactly (draft decoding only when the recipe chose it: the gate
-            # checked the candidate on draft-decoded inputs then).
-            with Image.open(file) as img:
-                pixels = preprocess_image(decode_image(img, pre), pre.host_part())
-        except (UnidentifiedImageError, OSError, ValueError) as exc:
-            raise InputRejected(f"not a readable image ({first_line(exc)})") from None
-        return {spec.name: pixels}
+        # The build's preprocessing exactly (draft decoding only when the recipe chose it: the gate checked
+        # the candidate on draft-decoded inputs then).
+        return {spec.name: preprocess_image(read_image(file, pre), pre.host_part())}
 
 
 def _infer(runner, deployment: Deployment, batch: list[tuple[str, Sample]], batch_size: int) -> list[dict[str, np.ndarray]]:
