@@ -68,36 +68,48 @@ def load_samples(
 
 def _read_npz(path: Path, inputs: list[TensorSpec]) -> Sample:
     try:
-        with np.load(path, allow_pickle=False) as archive:
-            sample = {name: archive[name] for name in archive.files}
-    except (ValueError, OSError, zipfile.BadZipFile) as exc:
-        raise InputRejected(f"--data {path.name}: not a readable .npz without pickles ({exc})") from None
-    check_sample(sample, inputs, where=path.name)
+        sample = read_npz(path)
+    except InputRejected as exc:
+        raise InputRejected(f"--data {path.name}: {exc}") from None
+    check_sample(sample, inputs, where=f"--data {path.name}")
     return sample
 
 
-def check_sample(sample: Sample, inputs: list[TensorSpec], where: str) -> None:
-    """Names, dtypes, ranks, fixed dims and finiteness must match the model's inputs exactly."""
+def read_npz(path: str | Path) -> Sample:
+    """The arrays of a .npz feed dict, or InputRejected saying why not (never unpickles anything)."""
+    if not zipfile.is_zipfile(path):  # else numpy takes any other file for a pickle and says so
+        raise InputRejected("not a .npz (zip) file")
+    try:
+        with np.load(path, allow_pickle=False) as archive:
+            return {name: archive[name] for name in archive.files}
+    except (ValueError, OSError, zipfile.BadZipFile) as exc:
+        raise InputRejected(f"not a readable .npz without pickles ({first_line(exc)})") from None
+
+
+def check_sample(sample: Sample, inputs: list[TensorSpec], where: str | None = None) -> None:
+    """Names, dtypes, ranks, fixed dims and finiteness must match the model's inputs exactly; a refusal
+    starts with `where` (such as "--data x.npz") when given."""
+    at = f"{where}: " if where else ""
     expected = {spec.name: spec for spec in inputs}
     missing = sorted(set(expected) - set(sample))
     extra = sorted(set(sample) - set(expected))
     if missing or extra:
         raise InputRejected(
-            f"--data {where}: arrays {sorted(sample)} do not match model inputs {sorted(expected)}"
+            f"{at}arrays {sorted(sample)} do not match model inputs {sorted(expected)}"
             + (f" (missing {missing})" if missing else "")
             + (f" (unknown {extra})" if extra else "")
         )
     for name, array in sample.items():
         spec = expected[name]
         if array.dtype.name != spec.dtype:
-            raise InputRejected(f"--data {where}: {name} has dtype {array.dtype.name}, the model expects {spec.dtype}")
+            raise InputRejected(f"{at}{name} has dtype {array.dtype.name}, the model expects {spec.dtype}")
         if array.ndim != len(spec.shape):
-            raise InputRejected(f"--data {where}: {name} has rank {array.ndim}, the model expects {len(spec.shape)}")
+            raise InputRejected(f"{at}{name} has rank {array.ndim}, the model expects {len(spec.shape)}")
         for axis, (have, want) in enumerate(zip(array.shape, spec.shape)):
             if isinstance(want, int) and want > 0 and have != want:
-                raise InputRejected(f"--data {where}: {name} dim {axis} is {have}, the model fixes it at {want}")
+                raise InputRejected(f"{at}{name} dim {axis} is {have}, the model fixes it at {want}")
         if array.dtype.kind in "fc" and not np.isfinite(array).all():
-            raise InputRejected(f"--data {where}: {name} contains NaN or Inf")
+            raise InputRejected(f"{at}{name} contains NaN or Inf")
 
 
 def _read_image(path: Path, inputs: list[TensorSpec], pre: Preprocessing) -> Sample:
@@ -109,7 +121,7 @@ def _read_image(path: Path, inputs: list[TensorSpec], pre: Preprocessing) -> Sam
     except InputRejected as exc:
         raise InputRejected(f"--data {path.name}: {exc}") from None
     sample = {spec.name: preprocess_image(rgb, pre)}
-    check_sample(sample, [spec], where=path.name)
+    check_sample(sample, [spec], where=f"--data {path.name}")
     return sample
 
 

@@ -283,7 +283,7 @@ def _read_data(ctx: BuildContext) -> tuple[list[Sample], DataSummary]:
         crops = load_samples(ctx.data_dir, [spec], reference_pre.host_part().model_copy(update={"input": name}))[0]
     samples = [{name: to_model_input(c[name], pre)} for c in crops]
     for sample, where in zip(samples, data.names):
-        check_sample(sample, ctx.inputs, where)
+        check_sample(sample, ctx.inputs, f"--data {where}")
     return samples, data
 
 

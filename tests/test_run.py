@@ -82,17 +82,21 @@ def test_bad_inputs_are_listed_and_the_others_predicted(classifier, photos, tmp_
     np.savez(wrong, image=np.zeros((1, 3, 16, 16), np.float32))
     good_npz = tmp_path / "good.npz"
     np.savez(good_npz, image=np.zeros((1, 3, 32, 32), np.float32))
+    text = tmp_path / "text.npz"
+    text.write_text("not an archive")
     out = tmp_path / "preds.jsonl"
-    inputs = [photos / "00_0.jpg", broken, wrong, tmp_path / "missing.png", good_npz, photos / "01_1.jpg"]
+    inputs = [photos / "00_0.jpg", broken, wrong, tmp_path / "missing.png", good_npz, text, photos / "01_1.jpg"]
     result = CliRunner().invoke(main, ["run", str(classifier), *map(str, inputs), "--out", str(out), "--json"])
     assert result.exit_code == 3, result.stderr
     summary = json.loads(result.stdout)
-    assert summary["predicted"] == 3 and summary["rejected"] == 3
-    assert [line["input"] for line in _lines(out)] == [str(inputs[0]), str(good_npz), str(inputs[5])]
+    assert summary["predicted"] == 3 and summary["rejected"] == 4
+    assert [line["input"] for line in _lines(out)] == [str(inputs[0]), str(good_npz), str(inputs[6])]
     errors = {e["input"]: e["error"] for e in _lines(errors_path(out))}
     assert "not a readable image" in errors[str(broken)]
     assert "dim 2 is 16" in errors[str(wrong)] or "shape" in errors[str(wrong)]
     assert errors[str(tmp_path / "missing.png")] == "not found"
+    assert errors[str(text)] == "not a .npz (zip) file"  # not numpy's "contains pickled data"
+    assert not any(e.startswith("--data") for e in errors.values())  # a run's inputs are not the build's --data
 
 
 def test_a_decompression_bomb_is_refused_not_a_crash(classifier, photos, tmp_path, monkeypatch):

@@ -16,7 +16,6 @@ import io
 import json
 import os
 import time
-import zipfile
 from collections import deque
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -34,9 +33,10 @@ from accel_opt.data import (
     concat_samples,
     preprocess_image,
     read_image,
+    read_npz,
     split_output,
 )
-from accel_opt.errors import InputRejected, UsageError, first_line
+from accel_opt.errors import InputRejected, UsageError
 from accel_opt.hardware import available_cpus
 from accel_opt.recipe import Postprocess
 from accel_opt.runtime import Deployment
@@ -210,12 +210,8 @@ class _Reader:
         return sample
 
     def _npz(self, file: Path) -> Sample:
-        try:
-            with np.load(file, allow_pickle=False) as archive:
-                sample = {name: archive[name] for name in archive.files}
-        except (ValueError, OSError, zipfile.BadZipFile) as exc:
-            raise InputRejected(f"not a readable .npz without pickles ({first_line(exc)})") from None
-        check_sample(sample, self.specs, where=file.name)
+        sample = read_npz(file)
+        check_sample(sample, self.specs)
         return sample
 
     def _image(self, file: Path) -> Sample:
