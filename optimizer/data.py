@@ -154,7 +154,7 @@ def preprocess_image(img, pre: Preprocessing) -> np.ndarray:
     """Resize the shorter side, center-crop, normalize, lay out; returns a batch of one.
 
     Only the crop's region is resampled (Pillow's `box`): the same pixels as resizing the whole image
-    and cropping after (within 1 of 255 from rounding), for ~20% less work."""
+    and cropping after (within 1 of 255 from rounding), in about half the time for a 640x427 photo."""
     from PIL import Image
 
     width, height = img.size
@@ -173,7 +173,8 @@ def to_model_input(crops_hwc: np.ndarray, pre: Preprocessing) -> np.ndarray:
     if pre.dtype == "uint8":  # the pixels as they are (fused preprocessing's host part): no float round trip
         return np.ascontiguousarray(crops_hwc.transpose(0, 3, 1, 2) if pre.layout == "NCHW" else crops_hwc)
     # (x / 255 - mean) / std as one multiply and one subtract, in place, written once in the target layout:
-    # 17x less time than the textbook expression with its temporaries (1.5 -> 0.09 ms per 224x224 image).
+    # 0.10 ms per 224x224 crop, against 0.6 ms for the textbook expression with its temporaries and 1.5 ms
+    # for the strided cast this function did before (benchmarks/decode_speed.py).
     std = np.asarray(pre.std, np.float32)
     scale, offset = 1.0 / (255.0 * std), np.asarray(pre.mean, np.float32) / std
     if pre.layout == "NCHW":
