@@ -112,7 +112,7 @@ def run_job(
     predicted = rejected = 0
     waited = computed = written = 0.0
     clock = time.perf_counter
-    with deployment.runner() as runner, ThreadPoolExecutor(workers, thread_name_prefix="accel-opt-read") as pool, writer:
+    with ThreadPoolExecutor(workers, thread_name_prefix="accel-opt-read") as pool, writer:
         pending: deque[tuple[str, Future]] = deque()
         queue = iter(remaining)
 
@@ -122,27 +122,28 @@ def run_job(
                 if len(pending) >= window:
                     return
 
-        refill()
-        batch: list[tuple[str, Sample]] = []
-        while pending:
-            path, future = pending.popleft()
-            refill()
-            start = clock()
-            try:
-                batch.append((path, future.result()))
-            except InputRejected as exc:
-                writer.reject(path, str(exc))
-                rejected += 1
-            waited += clock() - start
-            if len(batch) == batch_size or (not pending and batch):
+        refill()  # the first inputs decode while the model loads
+        with deployment.runner() as runner:
+            batch: list[tuple[str, Sample]] = []
+            while pending:
+                path, future = pending.popleft()
+                refill()
                 start = clock()
-                outputs = _infer(runner, deployment, batch, batch_size)
-                done = clock()
-                predicted += writer.predict(batch, outputs)
-                computed, written = computed + done - start, written + clock() - done
-                batch = []
-                if on_progress:
-                    on_progress(predicted + rejected, len(remaining))
+                try:
+                    batch.append((path, future.result()))
+                except InputRejected as exc:
+                    writer.reject(path, str(exc))
+                    rejected += 1
+                waited += clock() - start
+                if len(batch) == batch_size or (not pending and batch):
+                    start = clock()
+                    outputs = _infer(runner, deployment, batch, batch_size)
+                    done = clock()
+                    predicted += writer.predict(batch, outputs)
+                    computed, written = computed + done - start, written + clock() - done
+                    batch = []
+                    if on_progress:
+                        on_progress(predicted + rejected, len(remaining))
     seconds = time.perf_counter() - started
     stages = {"read": sum(reader.seconds), "wait_for_inputs": waited, "compute": computed, "write": written}
     return JobSummary(
