@@ -134,7 +134,8 @@ def build_auto(
     signed = [c for c in candidates if c.signed_off]
     timing = "no candidate signed off"
     if signed:
-        timing = _runoff(signed, results[(signed[0].backend, signed[0].precision)].eval_samples, recipe)
+        timed = signed + speed_floors(candidates)
+        timing = _runoff(timed, results[(signed[0].backend, signed[0].precision)].eval_samples, recipe)
     winner = choose(candidates, recipe.selection.objective, budget, target)
     selection = AutoSelection(objective=recipe.selection.objective, target_batch_size=target, latency_budget_ms=budget,
                               backend_reason=backend_reason, timing=timing, winner=winner, candidates=candidates)
@@ -167,12 +168,21 @@ def objective_batches(objective: str, recipe: Recipe) -> list[int]:
         objective, sorted(set(recipe.benchmark.batch_sizes)))
 
 
+def speed_floors(candidates: list[Candidate]) -> list[Candidate]:
+    """The fp32 builds that failed the gate, timed only as the speed a reduced precision must beat, when no
+    fp32 build signed off: a lossy preprocessing option (draft decoding) fails every fp32 build by its tight
+    tolerance, and an int8 build slower than those fp32 builds still does not pay."""
+    fp32 = [c for c in candidates if c.precision == Precision.fp32.value]
+    return [] if any(c.signed_off for c in fp32) else [c for c in fp32 if c.artifact_dir]
+
+
 def choose(candidates: list[Candidate], objective: str, budget_ms: float | None, target: int) -> Candidate | None:
     """The winner on `objective` among the signed-off candidates with runoff points; sets every verdict.
-    A candidate worse than the best fp32 candidate on the objective never wins."""
+    A candidate worse than the best fp32 candidate on the objective never wins: the best signed-off fp32
+    candidate, or where none signed off, the best fp32 build timed as the floor (`speed_floors`)."""
     lower_is_better = objective == "latency"
     for c in candidates:
-        if not c.signed_off or not c.points:
+        if not c.points or not (c.signed_off or c in speed_floors(candidates)):
             continue
         within = [p for p in c.points if budget_ms is None or p.p99_ms <= budget_ms]
         if objective == "throughput_within_p99":
@@ -180,7 +190,8 @@ def choose(candidates: list[Candidate], objective: str, budget_ms: float | None,
         else:
             best = next((p for p in within if p.batch_size == (1 if lower_is_better else target)), within[0] if within else None)
         if best is None:
-            c.verdict = f"p99 {min(p.p99_ms for p in c.points):.2f} ms over the {budget_ms} ms budget at every batch"
+            if c.signed_off:
+                c.verdict = f"p99 {min(p.p99_ms for p in c.points):.2f} ms over the {budget_ms} ms budget at every batch"
             continue
         c.objective_batch = best.batch_size
         c.objective_value = best.p50_ms if lower_is_better else best.throughput_per_s
@@ -190,15 +201,18 @@ def choose(candidates: list[Candidate], objective: str, budget_ms: float | None,
         return a < b if lower_is_better else a > b
 
     unit = "ms p50" if lower_is_better else "samples/s"
-    ranked = [c for c in candidates if c.objective_value is not None]
-    fp32 = [c for c in ranked if c.precision == Precision.fp32.value]
+    ranked = [c for c in candidates if c.objective_value is not None and c.signed_off]
+    fp32 = [c for c in candidates if c.objective_value is not None and c.precision == Precision.fp32.value]
+    fp32 = [c for c in fp32 if c.signed_off] or fp32
     pick = min if lower_is_better else max
     floor = pick(fp32, key=lambda c: c.objective_value) if fp32 else None
+    if floor is not None and not floor.signed_off and "speed floor" not in floor.verdict:
+        floor.verdict += f" (timed as the fp32 speed floor: {floor.objective_value:.2f} {unit})"
     eligible = []
     for c in ranked:
         if floor is not None and c is not floor and c.precision != Precision.fp32.value and not better(c.objective_value, floor.objective_value):
             c.verdict = (f"not faster than fp32 on the objective: {c.objective_value:.2f} vs {floor.backend} fp32 "
-                         f"{floor.objective_value:.2f} {unit}")
+                         f"{floor.objective_value:.2f} {unit}" + ("" if floor.signed_off else " (that fp32 build failed the gate)"))
         else:
             eligible.append(c)
     winner = None
@@ -226,4 +240,6 @@ def _runoff(candidates: list[Candidate], samples: list[Sample], recipe: Recipe) 
         c.points = [RunoffPoint(batch_size=b.batch_size, p50_ms=b.latency.p50_ms, p99_ms=b.latency.p99_ms,
                                 throughput_per_s=b.throughput_per_s) for b in timed.batches]
     sizes = ", ".join(map(str, batches))
-    return f"one interleaved runoff of the {len(candidates)} signed-off builds at batch {sizes}"
+    floors = sum(not c.signed_off for c in candidates)
+    return (f"one interleaved runoff of the {len(candidates) - floors} signed-off builds at batch {sizes}"
+            + (f", with {floors} fp32 build(s) that failed the gate timed as the speed floor" if floors else ""))

@@ -258,7 +258,13 @@ def selection_markdown(name: str, selection: AutoSelection) -> str:
          for c in selection.candidates],
     ))
     winner = selection.winner
-    out += ["", f"Winner: {winner.backend} {winner.precision} -> {winner.artifact_dir}" if winner else "No candidate passed."]
+    if winner:
+        last = f"Winner: {winner.backend} {winner.precision} -> {winner.artifact_dir}"
+    elif any(c.signed_off for c in selection.candidates):
+        last = "No winner: the signed-off candidates lose on the objective (see their verdicts)."
+    else:
+        last = "No winner: no candidate passed the gate."
+    out += ["", last]
     return "\n".join(out) + "\n"
 
 

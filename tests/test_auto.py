@@ -134,7 +134,7 @@ def test_latency_budget_makes_every_candidate_lose(tiny_cnn_path, recipe, data_d
     assert any("over the 1e-06 ms budget" in c.verdict for c in selection.candidates)
     assert json.loads((tmp_path / "tiny_cnn-auto-selection.json").read_text())["winner"] is None
     markdown = (tmp_path / "tiny_cnn-auto-selection.md").read_text()
-    assert "latency budget p99 <= 1e-06 ms" in markdown and "No candidate passed." in markdown
+    assert "latency budget p99 <= 1e-06 ms" in markdown and "No winner: the signed-off candidates lose on the objective" in markdown
 
 
 def test_unbuildable_candidate_is_listed_with_its_reason(tiny_cnn_path, recipe, tmp_path):
@@ -177,6 +177,23 @@ def test_a_candidate_slower_than_fp32_on_the_objective_never_wins():
     throughput = pair()
     assert auto.choose(throughput, "throughput", None, 8).precision == "int8"
     assert throughput[0].verdict.startswith("lost: ")
+
+
+def test_without_a_signed_off_fp32_build_the_failed_fp32_builds_are_the_speed_floor():
+    """Draft decoding fails every fp32 build by fp32's tight tolerance; an int8 build slower than those fp32
+    builds still does not pay, so it does not win either; one faster than them does."""
+    fp32 = _candidate("fp32", [(8, 5.0, 6.0, 1566.0)], backend="openvino")
+    fp32.signed_off, fp32.verdict, fp32.artifact_dir = False, "failed the gate: logits: max error 0.414", "x"
+    slow = _candidate("int8", [(8, 11.0, 12.0, 712.0)])
+    assert auto.speed_floors([fp32, slow]) == [fp32]
+    assert auto.choose([fp32, slow], "throughput", None, 8) is None
+    assert slow.verdict.endswith("1566.00 samples/s (that fp32 build failed the gate)")
+    assert fp32.verdict.startswith("failed the gate") and "speed floor" in fp32.verdict
+    fast = _candidate("bf16", [(8, 3.0, 3.5, 2561.0)], backend="openvino")
+    assert auto.choose([fp32, slow, fast], "throughput", None, 8) is fast
+    signed_fp32 = _candidate("fp32", [(8, 10.0, 11.0, 800.0)])  # a signed-off fp32 build is the floor again
+    assert auto.speed_floors([fp32, signed_fp32, slow]) == []
+    assert auto.choose([fp32, signed_fp32, slow], "throughput", None, 8) is signed_fp32
 
 
 def test_throughput_within_p99_takes_the_best_point_under_the_budget():
