@@ -147,8 +147,14 @@ def build(model, precision, backend, recipe_path, data_dir, shapes, batch_axes, 
     if junit_file:
         _write_junit(junit_file, _junit_suites(model, result, selection))
     exit_code = result.exit_code if result else 1
+    no_winner = None
+    if result is None and selection is not None:
+        why = ("the signed-off candidates lose on the objective" if any(c.signed_off for c in selection.candidates)
+               else "no candidate passed the gate")
+        no_winner = f"no winner: {why}; every candidate's verdict is in {Path(out_dir) / (Path(str(model)).stem + '-auto-selection.md')}"
     if as_json:
-        payload = result.model_dump(mode="json") if result else {"signed_off": False, "exit_code": 1, "artifact_dir": None}
+        payload = result.model_dump(mode="json") if result else {"signed_off": False, "exit_code": 1, "artifact_dir": None,
+                                                                 "failures": [no_winner] if no_winner else None}
         if selection is not None:
             payload["selection"] = selection.model_dump(mode="json")
         click.echo(json.dumps(payload))
@@ -159,6 +165,8 @@ def build(model, precision, backend, recipe_path, data_dir, shapes, batch_axes, 
             click.echo(selection_markdown(Path(model).stem, selection))
         if result:
             _print_result(result)
+    if no_winner:
+        click.echo(f"accel-opt: {no_winner}", err=True)
     sys.exit(exit_code)
 
 

@@ -124,16 +124,30 @@ def test_build_auto_picks_the_fastest_signed_off_candidate(tiny_cnn_path, recipe
 
 
 def test_latency_budget_makes_every_candidate_lose(tiny_cnn_path, recipe, data_dir, tmp_path):
-    tight = recipe.with_overrides(**{"selection.latency_budget_ms": 1e-6})
-    result, selection = build_auto(tiny_cnn_path, tight, "onnxruntime", "auto", data_dir, tmp_path)
-    assert result is None and selection.winner is None
+    """Through the CLI: exit 1, one line on stderr saying why there is no winner, every verdict in the report."""
+    import yaml
+    from click.testing import CliRunner
+
+    from accel_opt.cli import main
+
+    tight = tmp_path / "tight.yaml"
+    tight.write_text(yaml.safe_dump(recipe.with_overrides(**{"selection.latency_budget_ms": 1e-6}).model_dump(mode="json")))
+    out = tmp_path / "out"
+    result = CliRunner().invoke(main, ["build", str(tiny_cnn_path), "--backend", "onnxruntime", "--precision", "auto",
+                                       "--recipe", str(tight), "--data", str(data_dir), "--out", str(out), "--json"])
+    assert result.exit_code == 1, result.output
+    assert "no winner: the signed-off candidates lose on the objective" in result.stderr
+    payload = json.loads(result.stdout)
+    assert payload["artifact_dir"] is None and "tiny_cnn-auto-selection.md" in payload["failures"][0]
+    selection = AutoSelection.model_validate(payload["selection"])
+    assert selection.winner is None
     assert [c.precision for c in selection.candidates] == ["fp32", "int8"]
     for c in selection.candidates:
         assert c.latency_p50_ms is not None and c.artifact_dir
         assert c.verdict.startswith("failed the gate") or "over the 1e-06 ms budget" in c.verdict, c.verdict
     assert any("over the 1e-06 ms budget" in c.verdict for c in selection.candidates)
-    assert json.loads((tmp_path / "tiny_cnn-auto-selection.json").read_text())["winner"] is None
-    markdown = (tmp_path / "tiny_cnn-auto-selection.md").read_text()
+    assert json.loads((out / "tiny_cnn-auto-selection.json").read_text())["winner"] is None
+    markdown = (out / "tiny_cnn-auto-selection.md").read_text()
     assert "latency budget p99 <= 1e-06 ms" in markdown and "No winner: the signed-off candidates lose on the objective" in markdown
 
 
