@@ -181,8 +181,9 @@ def choose(candidates: list[Candidate], objective: str, budget_ms: float | None,
     A candidate worse than the best fp32 candidate on the objective never wins: the best signed-off fp32
     candidate, or where none signed off, the best fp32 build timed as the floor (`speed_floors`)."""
     lower_is_better = objective == "latency"
+    floors = speed_floors(candidates)
     for c in candidates:
-        if not c.points or not (c.signed_off or c in speed_floors(candidates)):
+        if not c.points or not (c.signed_off or c in floors):
             continue
         within = [p for p in c.points if budget_ms is None or p.p99_ms <= budget_ms]
         if objective == "throughput_within_p99":
