@@ -204,7 +204,9 @@ def judge(
     candidate_name: str = "candidate",
     evaluation: Evaluation | None = None,
 ) -> AccuracyReport:
-    """The verdict on per-sample outputs of the reference and the candidate (same order as `names`)."""
+    """The verdict on per-sample outputs of the reference and the candidate (same order as `names`).
+    A reference with NaN in an output is refused (InputRejected): nothing can be judged against it."""
+    _refuse_undefined_reference(ref_outs, names, reference_name)
     outputs: list[OutputAccuracy] = []
     per_sample: list[SampleAccuracy] = []
     checks: list[Check] = []
@@ -248,6 +250,16 @@ def judge(
     )
 
 
+def _refuse_undefined_reference(ref_outs: list[dict[str, np.ndarray]], names: list[str], reference_name: str) -> None:
+    for name in ref_outs[0]:
+        undefined = [n for n, out in zip(names, ref_outs) if name in out and np.isnan(np.asarray(out[name], np.float64)).any()]
+        if undefined:
+            raise InputRejected(
+                f"the reference ({reference_name}) outputs NaN in {name} on {len(undefined)} of {len(names)} samples "
+                f"(first: {undefined[0]}): the model is undefined on these inputs, so no build can be checked against "
+                "it; give --data with inputs in the model's domain")
+
+
 def _stat(values: np.ndarray, stat: str) -> float:
     if values.size == 0:
         return 0.0
@@ -261,24 +273,29 @@ def _cosine(a: np.ndarray, b: np.ndarray) -> float:
 
 def _judge_output(name: str, refs: list[np.ndarray], cands: list[np.ndarray], names: list[str],
                   tol: Tolerance) -> tuple[OutputAccuracy, list[SampleAccuracy]]:
-    ref_flat = [np.asarray(r, dtype=np.float64).ravel() for r in refs]
+    ref_raw = [np.asarray(r, dtype=np.float64).ravel() for r in refs]
     cand_raw = [np.asarray(c, dtype=np.float64).ravel() for c in cands]
-    finite = [np.isfinite(c) for c in cand_raw]
-    cand_flat = [np.where(ok, c, 0.0) for c, ok in zip(cand_raw, finite)]  # statistics on finite values; NaN/Inf fail apart
+    # A reference +-inf (a masked log-probability) is matched only by the same infinity, and then compares equal
+    # (Polygraphy's infinities_compare_equal); it is left out of the statistics. Anywhere else a candidate NaN/Inf
+    # fails apart: `ok` is False there, and the statistics see 0.
+    kept = [np.isfinite(r) for r in ref_raw]
+    ok = [np.where(k, np.isfinite(c), c == r) for k, c, r in zip(kept, cand_raw, ref_raw)]
+    ref_flat = [r[k] for r, k in zip(ref_raw, kept)]
+    cand_flat = [np.where(good[k], c[k], 0.0) for c, k, good in zip(cand_raw, kept, ok)]
     ref_all, cand_all = np.concatenate(ref_flat), np.concatenate(cand_flat)
-    non_finite = int(sum(int((~ok).sum()) for ok in finite))
+    non_finite = int(sum(int((~good).sum()) for good in ok))
 
-    std = float(ref_all.std())
+    std = float(ref_all.std()) if ref_all.size else 0.0
     peak = float(np.abs(ref_all).max()) if ref_all.size else 0.0
     scale, basis = (std, "std") if std > 0 else ((peak, "max abs") if peak > 0 else (1.0, "unit"))
     ref_rms = float(np.sqrt(np.mean(ref_all**2))) if ref_all.size else 0.0
 
     samples: list[SampleAccuracy] = []
-    for sample, r, c, ok in zip(names, ref_flat, cand_flat, finite):
+    for sample, r, c, good in zip(names, ref_flat, cand_flat, ok):
         error = _stat(np.abs(c - r) / scale, tol.error_stat)
-        has_direction = ref_rms > 0 and float(np.sqrt(np.mean(r**2))) >= NEAR_ZERO_RMS_FRACTION * ref_rms
+        has_direction = ref_rms > 0 and r.size > 0 and float(np.sqrt(np.mean(r**2))) >= NEAR_ZERO_RMS_FRACTION * ref_rms
         cosine = _cosine(c, r) if has_direction else None
-        bad = int((~ok).sum())
+        bad = int((~good).sum())
         passed = bad == 0 and error <= tol.max_sample_error and (cosine is None or cosine >= tol.min_sample_cosine)
         samples.append(SampleAccuracy(sample=sample, output=name, error=error, cosine=cosine, non_finite_count=bad,
                                       passed=passed))
@@ -326,7 +343,8 @@ def _output_checks(o: OutputAccuracy, samples: list[SampleAccuracy], tol: Tolera
 
     abs_err = _abs(o, tol.error_stat)
     checks = [
-        check("finite", not o.non_finite_count, f"{o.non_finite_count} NaN/Inf values in the candidate output"),
+        check("finite", not o.non_finite_count, f"{o.non_finite_count} NaN/Inf values in the candidate output "
+              "where the reference has a finite value or another infinity"),
         check("error", o.error <= tol.max_error,
               f"{tol.error_stat} error {o.error:.3g} of the output's scale {'<=' if o.error <= tol.max_error else '>'} "
               f"{tol.max_error:g} (scale: {o.scale_basis} {o.scale:.4g}; {tol.error_stat} abs error {abs_err:.4g})"),

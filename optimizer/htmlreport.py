@@ -104,12 +104,17 @@ def _checks(checks: list[dict]) -> str:
                                       [[escape(c["name"]), _mark(c["passed"]), escape(c["line"])] for c in checks])
 
 
+def _num(value: float | None, spec: str) -> str:
+    """A measured number; null in the JSON is a value that was not finite (an infinite gain, a NaN error)."""
+    return "not finite" if value is None else format(value, spec)
+
+
 def _outputs(acc: dict) -> str:
     stat = acc["tolerance"]["error_stat"]
-    rows = [[escape(o["name"]), f"{escape(o['scale_basis'])} {o['scale']:.4g}", f"{o['error']:.3g}",
-             f"{o['worst_sample_error']:.3g}", f"{o['cosine']:.6f}",
-             "-" if o["worst_sample_cosine"] is None else f"{o['worst_sample_cosine']:.6f}", f"{o['gain']:.5f}",
-             f"{o['max_abs_error']:.3g}", o["non_finite_count"], f"{o['failed_samples']} of {acc['sample_count']}",
+    rows = [[escape(o["name"]), f"{escape(o['scale_basis'])} {_num(o['scale'], '.4g')}", _num(o["error"], ".3g"),
+             _num(o["worst_sample_error"], ".3g"), _num(o["cosine"], ".6f"),
+             "-" if o["worst_sample_cosine"] is None else f"{o['worst_sample_cosine']:.6f}", _num(o["gain"], ".5f"),
+             _num(o["max_abs_error"], ".3g"), o["non_finite_count"], f"{o['failed_samples']} of {acc['sample_count']}",
              _mark(o["passed"])] for o in acc["outputs"]]
     return "<h2>Outputs</h2>" + _table(
         ["output", "scale", f"{stat} error", "worst sample error", "cosine", "worst sample cosine", "gain", "max abs",
@@ -119,7 +124,7 @@ def _outputs(acc: dict) -> str:
 def _worst(acc: dict) -> str:
     if not acc["worst_samples"]:
         return ""
-    rows = [[escape(w["sample"]), escape(w["output"]), f"{w['error']:.3g}",
+    rows = [[escape(w["sample"]), escape(w["output"]), _num(w["error"], ".3g"),
              "-" if w["cosine"] is None else f"{w['cosine']:.6f}", _mark(w["passed"])] for w in acc["worst_samples"]]
     return "<h2>Worst samples</h2>" + _table(["sample", "output", "error", "cosine", "verdict"], rows, numeric={2, 3})
 
@@ -127,7 +132,7 @@ def _worst(acc: dict) -> str:
 def _tasks(acc: dict) -> str:
     if not acc["task_metrics"]:
         return ""
-    rows = [[escape(f"{m['kind']}:{k}"), escape(m["output"]), f"{m['values'][k]:.4f}", v, _mark(m["values"][k] >= v)]
+    rows = [[escape(f"{m['kind']}:{k}"), escape(m["output"]), _num(m["values"][k], ".4f"), v, _mark(m["values"][k] is not None and m["values"][k] >= v)]
             for m in acc["task_metrics"] for k, v in m["thresholds"].items()]
     notes = [f"{m['kind']}: {m['note']}" for m in acc["task_metrics"] if m.get("note")]
     notes += [f"{m['kind']}: changed or worst samples: {', '.join(m['worst_samples'])}"
@@ -149,14 +154,14 @@ def _fallback(build: dict) -> str:
     rounds = [{"round": "naive", "added": [], "fp32_flops_fraction": 0.0, "verdict": fb["naive"]}, *fb["rounds"]]
     out.append(_table(["build", "kept in fp32 this round", "FLOPs in fp32", "worst cosine", "probes", "failures"],
                       [[escape(str(r["round"])), escape(", ".join(r["added"]) or "-"), f"{r['fp32_flops_fraction']:.1%}",
-                        f"{r['verdict']['worst_cosine']:.6f}", _mark(r["verdict"]["passed"]),
+                        _num(r["verdict"]["worst_cosine"], ".6f"), _mark(r["verdict"]["passed"]),
                         escape("; ".join(r["verdict"]["failures"]) or "-")] for r in rounds], {2, 3}))
     if fb["layers"]:
         out.append("<h3>Top offenders of the naive build</h3><p class=muted>Error the node adds (its output's error minus "
                    "its inputs' worst), in units of the output's standard deviation.</p>")
         out.append(_table(["node", "op", "depth", "added error, naive", "added error, chosen", "kept in fp32"],
                           [[f"<code>{escape(r['node'])}</code>", escape(r["op_type"]), r["depth"],
-                            f"{r['added_error_naive']:.3g}",
+                            _num(r["added_error_naive"], ".3g"),
                             "-" if r["added_error_final"] is None else f"{r['added_error_final']:.3g}",
                             "yes" if r["kept"] else "no"] for r in fb["layers"]], {2, 3, 4}))
     if fb.get("naive_profile"):

@@ -163,6 +163,29 @@ def test_nan_output_fails_the_gate(tmp_path):
     assert any("NaN/Inf" in f for f in report.failures)
 
 
+def test_reference_infinities_compare_equal_only_to_the_same_infinity():
+    """A masked log-probability (-inf in the reference) passes when the candidate has the same -inf there,
+    is left out of the statistics, and fails when the candidate has anything else there."""
+    ref = [{"logp": np.array([-0.5, -np.inf, -1.5])}, {"logp": np.array([-np.inf, -0.2, -2.0])}]
+    same = [{"logp": r["logp"].copy()} for r in ref]
+    report = judge(ref, same, ["a", "b"], TOL)
+    assert report.passed and report.outputs[0].non_finite_count == 0 and np.isfinite(report.outputs[0].scale)
+    finite_there = [ref[0], {"logp": np.array([-30.0, -0.2, -2.0])}]
+    other_inf = [ref[0], {"logp": np.array([np.inf, -0.2, -2.0])}]
+    for cand in (finite_there, other_inf):
+        report = judge(ref, cand, ["a", "b"], OPEN)
+        assert not report.passed and report.outputs[0].non_finite_count == 1 and report.worst_samples[0].sample == "b"
+
+
+def test_a_reference_with_nan_is_refused_not_judged():
+    """NaN in the reference means the model is undefined on that input: exit 3, naming the output and sample."""
+    from accel_opt.errors import InputRejected
+
+    ref = [{"y": np.array([1.0, 2.0])}, {"y": np.array([np.nan, 2.0])}]
+    with pytest.raises(InputRejected, match=r"outputs NaN in y on 1 of 2 samples \(first: b\)"):
+        judge(ref, [dict(r) for r in ref], ["a", "b"], OPEN)
+
+
 def test_task_metrics(tmp_path):
     ref = save(matmul_model(out_dim=8), tmp_path / "m.onnx")
     model = matmul_model(out_dim=8, seed=5)  # a different classifier: top-1 mostly disagrees

@@ -50,6 +50,10 @@ def test_fp32_build_signs_off_with_every_artifact(tiny_cnn_path, fast_recipe, tm
     assert "SIGNED OFF" in page and "NOT SIGNED OFF" not in page and "Synthetic data was used" in page
     assert not re.search(r"(src|href)=[\"'](?!data:)|https?://|@import", page)  # self-contained: nothing fetched
     assert page.count("data:image/png;base64,") == 1
+    accuracy = json.loads((folder / "accuracy.json").read_text())
+    accuracy["outputs"][0]["gain"] = None  # an infinite gain (a zero reference) is null in the JSON
+    (folder / "accuracy.json").write_text(json.dumps(accuracy))
+    assert "not finite" in htmlreport.render(folder)
     assert not list(tmp_path.glob(".*staging*"))
 
 
