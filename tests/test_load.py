@@ -163,3 +163,25 @@ def test_model_saved_by_onnx_with_external_data_loads(tmp_path):
     path = tmp_path / "big.onnx"
     onnx.save(model, str(path), save_as_external_data=True, location="big.onnx.data", size_threshold=0)
     assert load_model(path, tmp_path).external_data_files
+
+
+def test_unnamed_and_duplicate_nodes_get_unique_names(tmp_path):
+    """ONNX node names are optional; the diagnosis, the fallback and the quantizer's exclusions refer to nodes
+    by name, so every node of the build's copy is named once (the user's file is left as it is)."""
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4])
+    nodes = [helper.make_node("Relu", ["x"], ["a"]), helper.make_node("Neg", ["a"], ["b"], name="dup"),
+             helper.make_node("Abs", ["b"], ["c"], name="dup"), helper.make_node("Relu", ["c"], ["y"], name="Relu_0")]
+    model = helper.make_model(helper.make_graph(nodes, "g", [x], [y]), opset_imports=[helper.make_opsetid("", 17)])
+    path = save(model, tmp_path / "unnamed.onnx")
+    (tmp_path / "work").mkdir()
+    loaded = load_model(path, tmp_path / "work")
+    for proto in (loaded.proto, onnx.load(str(loaded.path))):
+        names = [n.name for n in proto.graph.node]
+        assert names[1:] == ["dup", "Abs_2", "Relu_0"] and names[0] not in ("", "Relu_0") and len(set(names)) == 4
+    assert loaded.path != path and [n.name for n in onnx.load(str(path)).graph.node][0] == ""
+    assert any("2 unnamed or duplicate-named nodes" in note for note in loaded.notes)
+    for i, node in enumerate(model.graph.node):
+        node.name = f"n{i}"
+    named = load_model(save(model, tmp_path / "named.onnx"), tmp_path / "work")
+    assert named.path == tmp_path / "named.onnx"  # nothing to rename: the file is used as given

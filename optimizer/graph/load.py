@@ -177,23 +177,53 @@ def load_model(path: str | Path, workdir: Path) -> LoadedModel:
     notes = []
     build_path = path
     unused = unused_domain_imports(proto)
-    if unused:
-        build_path = _without_imports(path, unused, workdir)
+    renamed = name_nodes(proto)  # on the parsed copy: counts what the rewrite below will do
+    if unused or renamed:
+        build_path = _rewritten(path, unused, workdir)
         _drop_imports(shaped, unused)
+        name_nodes(shaped)
+    if unused:
         notes.append(f"unused opset imports dropped: {', '.join(unused)} (no node uses them)")
+    if renamed:
+        notes.append(f"{renamed} unnamed or duplicate-named nodes named <op>_<index> (the per-layer diagnosis, the "
+                     "fallback and the quantizer's exclusions refer to nodes by name)")
     loaded = LoadedModel(path=build_path, proto=shaped, external_data_files=external_files, notes=notes)
     log.info("loaded %s: opset %d, %d nodes", path, loaded.opset, len(proto.graph.node))
     return loaded
 
 
-def _without_imports(path: Path, domains: list[str], workdir: Path) -> Path:
+def _rewritten(path: Path, domains: list[str], workdir: Path) -> Path:
+    """The model without the opset imports `domains` and with every node named, saved in `workdir`."""
     from accel_opt.graph.save import save_model
 
     model = onnx.load(str(path))  # with its (already checked) external data
     _drop_imports(model, domains)
+    name_nodes(model)
     out = workdir / "input" / path.name
     save_model(model, out)
     return out
+
+
+def name_nodes(model: onnx.ModelProto) -> int:
+    """Give every unnamed node, and every node whose name an earlier node already took, the name
+    `<op>_<index>` (made unique), in every graph and subgraph; returns how many were renamed. Node
+    names are optional in ONNX, and tools that refer to nodes by name would confuse them."""
+    graphs = list(_all_graphs(model.graph))
+    taken = {node.name for graph in graphs for node in graph.node if node.name}
+    seen: set[str] = set()
+    renamed = 0
+    for graph in graphs:
+        for index, node in enumerate(graph.node):
+            if node.name and node.name not in seen:
+                seen.add(node.name)
+                continue
+            name, suffix = f"{node.op_type}_{index}", 1
+            while name in taken or name in seen:
+                name, suffix = f"{node.op_type}_{index}_{suffix}", suffix + 1
+            node.name = name
+            seen.add(name)
+            renamed += 1
+    return renamed
 
 
 def _drop_imports(model: onnx.ModelProto, domains: list[str]) -> None:
