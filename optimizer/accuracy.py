@@ -56,7 +56,9 @@ class OutputAccuracy(BaseModel):
     name: str
     shape: list[int]  # of one sample's reference output
     scale: float  # what errors are divided by
-    scale_basis: Literal["std", "max abs", "unit"]  # std of the reference; its max |value| if constant; 1 if all zero
+    # std of the reference; its max |value| if constant; 1 if all zero; "exact": an integer/bool output, compared
+    # element by element (its error is the fraction of elements that differ, its cosine and gain are 1)
+    scale_basis: Literal["std", "max abs", "unit", "exact"]
     error: float  # error statistic of the scaled error over all samples
     worst_sample_error: float
     cosine: float  # over all samples (Polygraphy)
@@ -71,6 +73,7 @@ class OutputAccuracy(BaseModel):
     mean_rel_error: float
     non_finite_count: int  # NaN or Inf in the candidate output
     passed: bool
+    agreement: float | None = None  # "exact" outputs: the fraction of elements equal to the reference
 
 
 class TaskMetricResult(BaseModel):
@@ -120,7 +123,7 @@ class AccuracyReport(BaseModel):
 
     @property
     def worst_cosine(self) -> float:
-        return min((o.cosine for o in self.outputs), default=1.0)
+        return min((o.cosine for o in self.outputs if o.agreement is None), default=1.0)
 
 
 def compare(
@@ -273,6 +276,8 @@ def _cosine(a: np.ndarray, b: np.ndarray) -> float:
 
 def _judge_output(name: str, refs: list[np.ndarray], cands: list[np.ndarray], names: list[str],
                   tol: Tolerance) -> tuple[OutputAccuracy, list[SampleAccuracy]]:
+    if np.asarray(refs[0]).dtype.kind in "biu":
+        return _judge_exact(name, refs, cands, names, tol)
     ref_raw = [np.asarray(r, dtype=np.float64).ravel() for r in refs]
     cand_raw = [np.asarray(c, dtype=np.float64).ravel() for c in cands]
     # A reference +-inf (a masked log-probability) is matched only by the same infinity, and then compares equal
@@ -336,10 +341,39 @@ def _judge_output(name: str, refs: list[np.ndarray], cands: list[np.ndarray], na
     return output, samples
 
 
+def _judge_exact(name: str, refs: list[np.ndarray], cands: list[np.ndarray], names: list[str],
+                 tol: Tolerance) -> tuple[OutputAccuracy, list[SampleAccuracy]]:
+    """An integer/bool output: each sample's error is the fraction of its elements that differ."""
+    differ = [np.asarray(c).ravel() != np.asarray(r).ravel() for r, c in zip(refs, cands)]
+    changed = np.concatenate(differ)
+    agreement = 1.0 - float(changed.mean()) if changed.size else 1.0
+    samples = [SampleAccuracy(sample=sample, output=name, error=float(d.mean()) if d.size else 0.0, cosine=None,
+                              non_finite_count=0, passed=True) for sample, d in zip(names, differ)]
+    output = OutputAccuracy(
+        name=name, shape=list(np.shape(refs[0])), scale=1.0, scale_basis="exact", error=1.0 - agreement,
+        worst_sample_error=max(s.error for s in samples), cosine=1.0, worst_sample_cosine=None,
+        samples_without_direction=len(samples), failed_samples=0, gain=1.0, max_abs_error=0.0, mean_abs_error=0.0,
+        median_abs_error=0.0, max_rel_error=0.0, mean_rel_error=0.0, non_finite_count=0, passed=False,
+        agreement=agreement,
+    )
+    output.passed = all(c.passed for c in _output_checks(output, samples, tol))
+    return output, samples
+
+
 def _output_checks(o: OutputAccuracy, samples: list[SampleAccuracy], tol: Tolerance) -> list[Check]:
     """Every numeric check of one output, passed or failed, each with its one-line reason."""
     def check(kind: str, passed: bool, line: str) -> Check:
         return Check(name=f"{o.name}: {kind}", passed=passed, line=f"{o.name}: {line}")
+
+    if o.agreement is not None:
+        within = o.agreement >= tol.min_agreement
+        differing = [s.sample for s in samples if s.error > 0]
+        elements = len(samples) * max(1, math.prod(o.shape))
+        note = None if within else _resolution_note(elements, tol.min_agreement)
+        return [check("agreement", within, f"{o.agreement:.2%} of the elements equal the reference "
+                      f"{'>=' if within else '<'} {tol.min_agreement:.2%}"
+                      + (f"; {len(differing)} of {len(samples)} samples differ, first {differing[0]}" if differing else "")
+                      + (f" ({note})" if note else ""))]
 
     abs_err = _abs(o, tol.error_stat)
     checks = [

@@ -115,7 +115,9 @@ def _outputs(acc: dict) -> str:
              _num(o["worst_sample_error"], ".3g"), _num(o["cosine"], ".6f"),
              "-" if o["worst_sample_cosine"] is None else f"{o['worst_sample_cosine']:.6f}", _num(o["gain"], ".5f"),
              _num(o["max_abs_error"], ".3g"), o["non_finite_count"], f"{o['failed_samples']} of {acc['sample_count']}",
-             _mark(o["passed"])] for o in acc["outputs"]]
+             _mark(o["passed"])] if o.get("agreement") is None else
+            [escape(o["name"]), "exact", f"{o['error']:.3g} differ", f"{o['worst_sample_error']:.3g} differ", "-", "-", "-",
+             "-", 0, f"agreement {o['agreement']:.2%}", _mark(o["passed"])] for o in acc["outputs"]]
     return "<h2>Outputs</h2>" + _table(
         ["output", "scale", f"{stat} error", "worst sample error", "cosine", "worst sample cosine", "gain", "max abs",
          "NaN/Inf", "failed samples", "verdict"], rows, numeric=set(range(2, 10)))

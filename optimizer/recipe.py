@@ -76,6 +76,9 @@ class Tolerance(_Strict):
     - `atol`/`rtol` (optional, in the output's own units): Polygraphy's element rule
       |cand - ref| <= atol + rtol * |ref|, aggregated with `error_stat`; checked only when given.
     - NaN or Inf in a candidate output always fails.
+    - `min_agreement`: integer and boolean outputs (class ids from an ArgMax, masks, indices) are compared
+      exactly, not by distance: the fraction of their elements equal to the reference, over all samples.
+      A near-tie argmax flips under any rounding, so one changed id must not fail a build by itself.
     """
 
     max_error: float = Field(ge=0)
@@ -86,6 +89,7 @@ class Tolerance(_Strict):
     error_stat: ErrorStat = "mean"
     atol: float | None = Field(default=None, ge=0)
     rtol: float | None = Field(default=None, ge=0)
+    min_agreement: float = Field(default=0.98, ge=0, le=1)
 
 
 def _default_tolerances() -> dict[Precision, Tolerance]:
@@ -93,10 +97,10 @@ def _default_tolerances() -> dict[Precision, Tolerance]:
         # fp32: only graph rewrites and kernel choice differ from the reference (~1e-6 of the scale, but fused
         # re-parameterized blocks reach more: PP-OCRv4 det on ORT, optimized vs not, 2.3e-3 at the worst pixel).
         Precision.fp32: Tolerance(max_error=1e-2, max_sample_error=1e-2, min_cosine=0.99999, min_sample_cosine=0.9999,
-                                  max_gain_error=1e-4, error_stat="max"),
+                                  max_gain_error=1e-4, error_stat="max", min_agreement=0.999),
         # fp16: 10-bit mantissa, ~1e-3 relative per op, accumulating through depth.
         Precision.fp16: Tolerance(max_error=1e-2, max_sample_error=2e-2, min_cosine=0.999, min_sample_cosine=0.99,
-                                  max_gain_error=5e-3),
+                                  max_gain_error=5e-3, min_agreement=0.99),
         # bf16: 7-bit mantissa, ~8x coarser than fp16 (YOLOv8n on OpenVINO bf16: 6e-4 of the scale, cosine 0.99999).
         Precision.bf16: Tolerance(max_error=4e-2, max_sample_error=8e-2, min_cosine=0.99, min_sample_cosine=0.98,
                                   max_gain_error=2e-2),

@@ -83,11 +83,14 @@ def signoff_markdown(
             [[o.name, f"{o.scale_basis} {o.scale:.4g}", f"{o.error:.3g}", f"{o.worst_sample_error:.3g}", f"{o.cosine:.6f}",
               "-" if o.worst_sample_cosine is None else f"{o.worst_sample_cosine:.6f}", f"{o.gain:.5f}",
               f"{o.max_abs_error:.3g}", str(o.non_finite_count), f"{o.failed_samples} of {accuracy.sample_count}",
-              "pass" if o.passed else "FAIL"]
+              "pass" if o.passed else "FAIL"] if o.agreement is None else
+             [o.name, "exact", f"{o.error:.3g} differ", f"{o.worst_sample_error:.3g} differ", "-", "-", "-", "-", "0",
+              f"agreement {o.agreement:.2%}", "pass" if o.passed else "FAIL"]
              for o in accuracy.outputs],
         ),
     ]
-    skipped = [f"{o.name}: {o.samples_without_direction}" for o in accuracy.outputs if o.samples_without_direction]
+    skipped = [f"{o.name}: {o.samples_without_direction}" for o in accuracy.outputs
+               if o.samples_without_direction and o.agreement is None]
     if skipped:
         out += ["", "Per-sample cosine skipped (reference ~all zeros, no direction to compare; error still judged): "
                 + ", ".join(skipped)]

@@ -177,6 +177,24 @@ def test_reference_infinities_compare_equal_only_to_the_same_infinity():
         assert not report.passed and report.outputs[0].non_finite_count == 1 and report.worst_samples[0].sample == "b"
 
 
+def test_integer_outputs_are_compared_exactly_by_agreement():
+    """An ArgMax class id is judged by the fraction of ids equal to the reference, not by distance: one
+    near-tie flip in 100 passes int8's 98%, three fail, and neither moves the worst cosine."""
+    rng = np.random.default_rng(0)
+    ref = [{"logits": rng.standard_normal(4), "cls": np.array([i % 4], np.int64)} for i in range(100)]
+    one_flip = [{"logits": r["logits"], "cls": r["cls"] if i else r["cls"] + 1} for i, r in enumerate(ref)]
+    report = judge(ref, one_flip, [f"s{i}" for i in range(100)], INT8)
+    cls = next(o for o in report.outputs if o.name == "cls")
+    assert report.passed and cls.agreement == 0.99 and cls.scale_basis == "exact" and report.worst_cosine > 0.9999
+    three = [{"logits": r["logits"], "cls": r["cls"] + (i < 3)} for i, r in enumerate(ref)]
+    report = judge(ref, three, [f"s{i}" for i in range(100)], INT8)
+    assert not report.passed and report.failures == ["cls: 97.00% of the elements equal the reference < 98.00%; "
+                                                     "3 of 100 samples differ, first s0"]
+    masks = [{"m": np.array([True, False])}, {"m": np.array([True, True])}]
+    assert judge(masks, [{"m": np.array([True, False])}, {"m": np.array([True, False])}], ["a", "b"], INT8).failures[0] \
+        .startswith("m: 75.00% of the elements equal the reference < 98.00%; 1 of 2 samples differ, first b (4 evaluation rows")
+
+
 def test_a_reference_with_nan_is_refused_not_judged():
     """NaN in the reference means the model is undefined on that input: exit 3, naming the output and sample."""
     from accel_opt.errors import InputRejected
