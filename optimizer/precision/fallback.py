@@ -174,7 +174,7 @@ def stricter(tolerance: Tolerance, metrics: Sequence[TaskMetric], factor: float 
     tol = tolerance.model_copy(update={
         "max_error": tolerance.max_error * factor, "max_sample_error": tolerance.max_sample_error * factor,
         "min_cosine": 1 - (1 - tolerance.min_cosine) * factor, "min_sample_cosine": 1 - (1 - tolerance.min_sample_cosine) * factor,
-        "max_gain_error": tolerance.max_gain_error * factor})
+        "max_gain_error": tolerance.max_gain_error * factor, "min_agreement": 1 - (1 - tolerance.min_agreement) * factor})
 
     def tighten(value: float) -> float:
         return 1 - (1 - value) * factor
