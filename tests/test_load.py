@@ -185,3 +185,21 @@ def test_unnamed_and_duplicate_nodes_get_unique_names(tmp_path):
         node.name = f"n{i}"
     named = load_model(save(model, tmp_path / "named.onnx"), tmp_path / "work")
     assert named.path == tmp_path / "named.onnx"  # nothing to rename: the file is used as given
+
+
+@pytest.mark.parametrize("kind", ["sequence output", "string input"])
+def test_non_numeric_inputs_and_outputs_are_unsupported(tmp_path, kind):
+    """A sequence output (sklearn-onnx's ZipMap) or a string input is exit 4 with one line, not a crash later."""
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])
+    if kind == "sequence output":
+        nodes = [helper.make_node("SequenceConstruct", ["x"], ["seq"], name="sc")]
+        inputs, outputs = [x], [helper.make_tensor_sequence_value_info("seq", TensorProto.FLOAT, None)]
+        match = "output 'seq' is a sequence, not a tensor.*zipmap"
+    else:
+        nodes = [helper.make_node("Identity", ["s"], ["o"], name="id")]
+        inputs = [helper.make_tensor_value_info("s", TensorProto.STRING, [1])]
+        outputs = [helper.make_tensor_value_info("o", TensorProto.STRING, [1])]
+        match = "input 's' is a string tensor"
+    model = helper.make_model(helper.make_graph(nodes, "g", inputs, outputs), opset_imports=[helper.make_opsetid("", 17)])
+    with pytest.raises(Unsupported, match=match):
+        load_model(save(model, tmp_path / "m.onnx"), tmp_path)

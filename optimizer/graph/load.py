@@ -132,6 +132,23 @@ def _check_ops(proto: onnx.ModelProto) -> None:
                 raise InputRejected(f"node {node.name!r} uses domain {node.domain!r} without an opset import")
 
 
+def _check_io(proto: onnx.ModelProto) -> None:
+    """Graph inputs and outputs must be tensors of numbers or booleans: the gate measures numeric
+    distance and agreement, and the backends take array feeds."""
+    initializers = {init.name for init in proto.graph.initializer}
+    for kind, values in (("input", [v for v in proto.graph.input if v.name not in initializers]), ("output", proto.graph.output)):
+        for value in values:
+            which = value.type.WhichOneof("value")
+            if which != "tensor_type":
+                hint = " (sklearn-onnx classifiers: convert with options={id(model): {'zipmap': False}})" if which in (
+                    "sequence_type", "map_type") else ""
+                raise Unsupported(f"{kind} {value.name!r} is a {(which or 'untyped value').replace('_type', '')}, not a "
+                                  f"tensor: accel-opt builds models whose inputs and outputs are tensors{hint}")
+            if value.type.tensor_type.elem_type == onnx.TensorProto.STRING:
+                raise Unsupported(f"{kind} {value.name!r} is a string tensor: accel-opt builds models whose inputs and "
+                                  "outputs are numbers or booleans (tokenize outside the model)")
+
+
 def unused_domain_imports(proto: onnx.ModelProto) -> list[str]:
     """Opset imports of custom domains that no node (nor local function) uses: e.g. a Paddle export's
     `Paddle` v1. ONNX tooling (the version converter, IR-version lookup) fails on unknown domains."""
@@ -160,6 +177,7 @@ def load_model(path: str | Path, workdir: Path) -> LoadedModel:
     proto = _parse(path)
     external_files = _check_external_data(proto, path.parent)
     _check_ops(proto)
+    _check_io(proto)
     try:
         onnx.checker.check_model(str(path))
     except onnx.checker.ValidationError as exc:
