@@ -17,6 +17,8 @@ from accel_opt.graph.inspect import opset_of
 from accel_opt.precision.fp16 import convert_float
 from accel_opt.recipe import Precision, PrecisionConfig
 
+from .conftest import save
+
 
 def _cosine(a: np.ndarray, b: np.ndarray) -> float:
     a, b = a.astype(np.float64).ravel(), b.astype(np.float64).ravel()
@@ -164,3 +166,15 @@ def test_initializer_type_declarations_do_not_break_blocked_ops(precision, tmp_p
     x = rng.standard_normal((2, 8)).astype(np.float32)
     result = np.asarray(ReferenceEvaluator(str(out)).run(None, {"x": x})[0], np.float32)
     np.testing.assert_allclose(result, _run(source, {"x": x}), atol=5e-2)
+
+
+def test_an_input_echoed_as_an_output_converts(tmp_path):
+    """A graph output that is a graph input (echoed back) made the converter emit a Cast no order can place."""
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4])
+    r = helper.make_tensor_value_info("r", TensorProto.FLOAT, ["batch", 4])
+    graph = helper.make_graph([helper.make_node("Relu", ["x"], ["r"], name="relu")], "echo", [x], [r, x])
+    path = save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), tmp_path / "echo.onnx")
+    convert_float(path, Precision.fp16, PrecisionConfig(), tmp_path / "echo16.onnx")
+    converted = onnx.load(str(tmp_path / "echo16.onnx"))
+    assert [o.name for o in converted.graph.output] == ["r", "x"]
+    assert all(o.type.tensor_type.elem_type == TensorProto.FLOAT for o in converted.graph.output)  # keep_io_types

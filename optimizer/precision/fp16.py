@@ -17,7 +17,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, external_data_helper, numpy_helper
 
-from accel_opt.errors import Unsupported, first_line
+from accel_opt.errors import InputRejected, Unsupported, first_line
 from accel_opt.graph.inspect import opset_of
 from accel_opt.graph.save import save_model, upgrade_opset
 from accel_opt.precision import KeptNode, PrecisionReport
@@ -78,6 +78,7 @@ def convert_float(model_path: Path, precision: Precision, options: PrecisionConf
         model = _load_with_shapes(source, tmp)
         original = {t.name: t for t in model.graph.initializer} if precision is Precision.bf16 else {}
         original_floats = {name: numpy_helper.to_array(t) for name, t in original.items() if t.data_type == TensorProto.FLOAT}
+        echoed = _detach_echoed_outputs(model)
         converted = convert_float_to_float16(
             model,
             keep_io_types=options.keep_io_types,
@@ -85,6 +86,7 @@ def convert_float(model_path: Path, precision: Precision, options: PrecisionConf
             op_block_list=sorted(block_ops),
             node_block_list=list(options.block_nodes),
         )
+        _reattach_echoed_outputs(converted, echoed)
         if precision is Precision.bf16:
             _retype_bf16(converted, original_floats)
         _topological_sort(converted.graph)
@@ -119,7 +121,30 @@ def validate(path: Path, run_session: bool, tmp: Path) -> None:
     if run_session:
         from accel_opt.backends.onnxruntime import CPU_PROVIDER, create_session
 
-        create_session(path, [CPU_PROVIDER], threads=1)
+        try:
+            create_session(path, [CPU_PROVIDER], threads=1)
+        except InputRejected as exc:  # the input was valid: the conversion made a model ORT refuses
+            raise Unsupported(f"the float16 converter wrote a model ONNX Runtime refuses ({path.name}; the subgraphs "
+                              f"of If/Loop/Scan nodes are a known case): {str(exc).removeprefix('ONNX Runtime could not load the model: ')}") from None
+
+
+def _detach_echoed_outputs(model: onnx.ModelProto) -> list[tuple[int, str]]:
+    """Take out the graph outputs that are graph inputs (an input echoed back): the converter wires a Cast
+    for each that no topological order can place. Returns their positions and names."""
+    inputs = {i.name for i in model.graph.input}
+    echoed = [(index, o.name) for index, o in enumerate(model.graph.output) if o.name in inputs]
+    for index, _ in reversed(echoed):
+        del model.graph.output[index]
+    return echoed
+
+
+def _reattach_echoed_outputs(model: onnx.ModelProto, echoed: list[tuple[int, str]]) -> None:
+    """Put them back where they were, typed as the (converted) graph input they echo."""
+    inputs = {i.name: i for i in model.graph.input}
+    for index, name in echoed:
+        value = onnx.ValueInfoProto()
+        value.CopyFrom(inputs[name])
+        model.graph.output.insert(index, value)
 
 
 def _load_with_shapes(source: Path, tmp: Path) -> onnx.ModelProto:
