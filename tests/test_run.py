@@ -136,6 +136,21 @@ def test_resume_skips_what_was_answered_and_drops_a_partial_line(classifier, pho
     assert len({line["input"] for line in lines}) == 12
 
 
+def test_bad_out_paths_are_usage_errors_and_resume_leaves_a_foreign_file_alone(classifier, photos, tmp_path):
+    image = str(photos / "00_0.jpg")
+    result = CliRunner().invoke(main, ["run", str(classifier), image, "--out", str(tmp_path)])
+    assert result.exit_code == 2 and "is a folder" in result.stderr
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    result = CliRunner().invoke(main, ["run", str(classifier), image, "--out", str(blocker / "p.jsonl")])
+    assert result.exit_code == 2 and "cannot write there" in result.stderr
+    foreign = tmp_path / "notes.jsonl"
+    foreign.write_bytes(b'{"a": 1}\n\xff\xfe partial')
+    result = CliRunner().invoke(main, ["run", str(classifier), image, "--out", str(foreign), "--resume"])
+    assert result.exit_code == 3 and "not a predictions file" in result.stderr
+    assert foreign.read_bytes() == b'{"a": 1}\n\xff\xfe partial'  # not truncated: it is not ours
+
+
 def test_feeds_without_postprocess_get_an_npz_each(tiny_cnn_path, tmp_path):
     from accel_opt.recipe import load_recipe
 

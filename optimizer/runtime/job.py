@@ -158,24 +158,35 @@ def run_job(
 
 def _prepare_outputs(predictions: Path, errors: Path, resume: bool, overwrite: bool) -> set[str]:
     """The inputs already answered (--resume), after dropping a partial last line a killed run left."""
+    if predictions.is_dir() or errors.is_dir():
+        raise UsageError(f"--out {predictions} is a folder: give the predictions file, such as {predictions / 'predictions.jsonl'}")
     if predictions.exists() and not (resume or overwrite):
         raise UsageError(f"{predictions} exists: --resume to skip the inputs it answers, or --overwrite")
     try:
         predictions.parent.mkdir(parents=True, exist_ok=True)
+        return _answered(predictions, errors, resume)
     except OSError as exc:
         raise UsageError(f"--out {predictions}: cannot write there ({exc.strerror or exc})") from None
+
+
+def _answered(predictions: Path, errors: Path, resume: bool) -> set[str]:
+    """Start this run's files: keep the answered lines (--resume) or empty the predictions; empty the errors."""
     answered: set[str] = set()
     if resume and predictions.exists():
         data = predictions.read_bytes()
         whole = data[: data.rfind(b"\n") + 1]
-        if len(whole) != len(data):
-            with open(predictions, "r+b") as f:
-                f.truncate(len(whole))
-        for line in whole.decode("utf-8").splitlines():
+        try:
+            lines = whole.decode("utf-8").splitlines()
+        except UnicodeDecodeError:
+            raise InputRejected(f"{predictions}: not a predictions file of accel-opt run (not UTF-8 text)") from None
+        for line in lines:
             try:
                 answered.add(json.loads(line)["input"])
             except (ValueError, KeyError, TypeError):
                 raise InputRejected(f"{predictions}: not a predictions file of accel-opt run (line {line[:60]!r})") from None
+        if len(whole) != len(data):  # only once the file is known to be ours
+            with open(predictions, "r+b") as f:
+                f.truncate(len(whole))
     else:
         predictions.write_text("")
     errors.write_text("")  # this run's rejections; answered inputs are not read again
