@@ -112,7 +112,9 @@ def bench_command(artifact, data_dir, batch_sizes, out_file, junit_file, as_json
             try:
                 sizes = [int(b) for b in batch_sizes.split(",") if b.strip()]
             except ValueError:
-                raise UsageError(f"--batch-sizes: expected integers like 1,8, got {batch_sizes!r}") from None
+                sizes = []
+            if not sizes or min(sizes) < 1:
+                raise UsageError(f"--batch-sizes: expected positive integers like 1,8, got {batch_sizes!r}")
         deployment = runtime.load(artifact)
         result, data = benchmark_artifact(deployment, data_dir, sizes)
         if out_file:

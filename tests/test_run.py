@@ -199,6 +199,12 @@ def test_bench_times_the_artifact_again_as_deployed(classifier, photos, tmp_path
     assert refused.exit_code == 3 and "sha256 does not match" in refused.stderr
 
 
+@pytest.mark.parametrize("sizes", ["0", "1,x", ","])
+def test_bench_batch_sizes_must_be_positive_integers(classifier, sizes):
+    result = CliRunner().invoke(main, ["bench", str(classifier), "--batch-sizes", sizes])
+    assert result.exit_code == 2 and "expected positive integers" in result.stderr
+
+
 def test_build_from_images_measures_the_application_not_only_the_model(classifier):
     bench = json.loads((classifier / "benchmark.json").read_text())
     stages = {s["batch_size"]: s for s in bench["stages_ms"]}
