@@ -31,7 +31,7 @@ Exit codes:
 @click.option("--out", "predictions", type=click.Path(path_type=Path), required=True, help="Predictions, JSON Lines.")
 @click.option("--resume", is_flag=True, help="Skip the inputs PREDICTIONS already answers; append the rest.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing PREDICTIONS file.")
-@click.option("--workers", type=int, help="Reader threads decoding and preprocessing inputs (default: CPUs available).")
+@click.option("--workers", type=click.IntRange(min=1), help="Reader threads decoding and preprocessing inputs (default: CPUs available).")
 @click.option("--json", "as_json", is_flag=True, help="Print the job summary as one JSON object on stdout.")
 @click.option("-v", "--verbose", is_flag=True)
 def run_command(artifact, inputs, predictions, resume, overwrite, workers, as_json, verbose):
