@@ -199,3 +199,34 @@ def test_layer_groups_see_weights_through_dequantize(tiny_cnn_path, samples, tmp
     assert layer_groups(tiny_cnn_path) == layer_groups(tmp_path / "q.onnx")
     groups = layer_groups(tmp_path / "q.onnx")
     assert groups["fc"].startswith("Gemm ") and any(list(groups.values()).count(k) > 1 for k in groups.values())
+
+
+def test_a_round_the_converter_cannot_write_leaves_the_build_before_it(tiny_cnn_path, tmp_path):
+    """float16 keeping an If node in fp32 makes ONNX Runtime's converter write an invalid model: that round
+    ends the fallback with its reason, and the build before it stands (not an exit 4 for the whole build)."""
+    import shutil
+
+    from accel_opt.errors import Unsupported
+    from accel_opt.precision import PrecisionReport
+    from accel_opt.precision.diagnose import Diagnosis, LayerError
+    from accel_opt.precision.fallback import Actions, ProbeVerdict, run
+    from accel_opt.recipe import FallbackConfig
+
+    first = onnx.load(str(tiny_cnn_path)).graph.node[0]
+
+    def build(kept: list[str], path: Path) -> PrecisionReport:
+        if kept:
+            raise Unsupported("the float16 converter wrote a model ONNX Runtime refuses (round1-fp16.onnx)")
+        shutil.copy(tiny_cnn_path, path)
+        return PrecisionReport(precision=Precision.fp16, transform="naive", opset_before=17, opset_after=17, keep_io_types=True)
+
+    layer = LayerError(node=first.name, op_type=first.op_type, depth=0, tensor=first.output[0], error=0.5, input_error=0.0,
+                       added_error=0.5, max_abs_reference=1.0)
+    actions = Actions(build=build, judge=lambda path: ProbeVerdict(passed=False, worst_cosine=0.5, failures=["y: cosine 0.5"]),
+                      diagnose=lambda path: Diagnosis(samples=1, tensors_compared=1, tensors_unmatched=0, layers=[layer]),
+                      flops_of=lambda path: {})
+    report, fallback, chosen = run(Precision.fp16, FallbackConfig(), actions, tmp_path / "fp16.onnx", 4, "probes")
+    assert fallback.status == "budget exhausted" and fallback.rounds == []
+    assert fallback.reason.startswith("round 1 could not be built (the float16 converter wrote a model")
+    assert chosen.name == "naive-fp16.onnx" and chosen.is_file() and report.transform == "naive"
+    assert fallback.kept == []

@@ -25,6 +25,7 @@ import onnx
 from onnx import numpy_helper
 from pydantic import BaseModel
 
+from accel_opt.errors import Unsupported, first_line
 from accel_opt.precision import KeptNode, PrecisionReport
 from accel_opt.precision.diagnose import Diagnosis, LayerError
 from accel_opt.recipe import CosineMetric, DetectionMetric, FallbackConfig, Precision, TaskMetric, Tolerance, TopKMetric
@@ -136,6 +137,7 @@ def run(precision: Precision, config: FallbackConfig, actions: Actions, out_path
             if not added:
                 report.status, report.reason = "budget exhausted", refused or "no remaining node adds error"
                 break
+            kept_before, primaries_before = dict(kept), set(primaries)
             for layer in added:
                 kept[layer.node] = KeptNode(node=layer.node, op_type=layer.op_type, reason=(
                     f"fallback round {number}: adds error {_fmt(layer.added_error)} of its output's scale "
@@ -144,8 +146,15 @@ def run(precision: Precision, config: FallbackConfig, actions: Actions, out_path
                 kept[name] = KeptNode(node=name, op_type=groups[name].split()[0], reason=(
                     f"fallback round {number}: the same layer ({groups[name]}) as {leader} in another block"))
             primaries |= {layer.node for layer in added} | set(siblings)
-            current = out_path.with_name(f"round{number}-{out_path.name}")
-            precision_report = _build_with_companions(actions, kept, primaries, current, number, config)
+            attempt = out_path.with_name(f"round{number}-{out_path.name}")
+            try:
+                precision_report = _build_with_companions(actions, kept, primaries, attempt, number, config)
+            except Unsupported as exc:  # the converter cannot write this mix (float16: a kept If/Loop body)
+                kept.clear(), kept.update(kept_before), primaries.clear(), primaries.update(primaries_before)
+                report.status, report.reason = "budget exhausted", (
+                    f"round {number} could not be built ({first_line(exc)}); the build before it stands")
+                break
+            current = attempt
             verdict = actions.judge(current)
             report.rounds.append(FallbackRound(round=number, added=[x.node for x in added] + list(siblings), kept=len(kept) - len(fixed),
                                                fp32_flops_fraction=fraction(), verdict=verdict))
