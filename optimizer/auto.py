@@ -63,6 +63,19 @@ class AutoSelection(BaseModel):
     winner: Candidate | None
     candidates: list[Candidate]
 
+    def no_winner_reason(self) -> str | None:
+        """Why nothing was chosen, in a few words (None: there is a winner)."""
+        if self.winner is not None:
+            return None
+        if any(c.signed_off for c in self.candidates):
+            return "the signed-off candidates lose on the objective"
+        return "no candidate passed the gate"
+
+
+def selection_report_path(out_dir: str | Path, model: str | Path, suffix: str = ".md") -> Path:
+    """Where build_auto writes its selection report (`suffix` .json for the record)."""
+    return Path(out_dir) / f"{Path(str(model)).stem}-auto-selection{suffix}"
+
 
 def plan(recipe: Recipe, backend: str, precision: str, has_data: bool) -> tuple[list[tuple[str, str, str]], str]:
     """The (backend, precision, why) pairs to build, and the reason for the backend choice."""
@@ -139,11 +152,9 @@ def build_auto(
     winner = choose(candidates, recipe.selection.objective, budget, target)
     selection = AutoSelection(objective=recipe.selection.objective, target_batch_size=target, latency_budget_ms=budget,
                               backend_reason=backend_reason, timing=timing, winner=winner, candidates=candidates)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = Path(model).stem
-    artifacts.write_json(out / f"{stem}-auto-selection.json", selection)
-    artifacts.write_text(out / f"{stem}-auto-selection.md", report.selection_markdown(stem, selection))
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    artifacts.write_json(selection_report_path(out_dir, model, ".json"), selection)
+    artifacts.write_text(selection_report_path(out_dir, model), report.selection_markdown(Path(model).stem, selection))
     if not results and errors:  # nothing built at all: the (first) error is the answer, with its exit code
         raise errors[0]
     return (results[(winner.backend, winner.precision)] if winner else None), selection

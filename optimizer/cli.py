@@ -149,9 +149,10 @@ def build(model, precision, backend, recipe_path, data_dir, shapes, batch_axes, 
     exit_code = result.exit_code if result else 1
     no_winner = None
     if result is None and selection is not None:
-        why = ("the signed-off candidates lose on the objective" if any(c.signed_off for c in selection.candidates)
-               else "no candidate passed the gate")
-        no_winner = f"no winner: {why}; every candidate's verdict is in {Path(out_dir) / (Path(str(model)).stem + '-auto-selection.md')}"
+        from accel_opt.auto import selection_report_path
+
+        no_winner = (f"no winner: {selection.no_winner_reason()}; every candidate's verdict is in "
+                     f"{selection_report_path(out_dir, model)}")
     if as_json:
         payload = result.model_dump(mode="json") if result else {"signed_off": False, "exit_code": 1, "artifact_dir": None,
                                                                  "failures": [no_winner] if no_winner else None}

@@ -261,13 +261,8 @@ def selection_markdown(name: str, selection: AutoSelection) -> str:
          for c in selection.candidates],
     ))
     winner = selection.winner
-    if winner:
-        last = f"Winner: {winner.backend} {winner.precision} -> {winner.artifact_dir}"
-    elif any(c.signed_off for c in selection.candidates):
-        last = "No winner: the signed-off candidates lose on the objective (see their verdicts)."
-    else:
-        last = "No winner: no candidate passed the gate."
-    out += ["", last]
+    out += ["", f"Winner: {winner.backend} {winner.precision} -> {winner.artifact_dir}" if winner
+            else f"No winner: {selection.no_winner_reason()} (see the verdicts)."]
     return "\n".join(out) + "\n"
 
 
