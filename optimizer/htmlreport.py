@@ -18,6 +18,8 @@ from typing import Any
 
 import numpy as np
 
+from accel_opt.report import number_cell, output_cells, output_columns
+
 REPORTS = ("accuracy.json", "benchmark.json", "resource_config.json", "build.json")
 STYLE = """
 body{font:14px/1.45 -apple-system,"Segoe UI",Helvetica,Arial,sans-serif;color:#1f2328;margin:0;background:#f6f8fa}
@@ -104,29 +106,15 @@ def _checks(checks: list[dict]) -> str:
                                       [[escape(c["name"]), _mark(c["passed"]), escape(c["line"])] for c in checks])
 
 
-def _num(value: float | None, spec: str) -> str:
-    """A measured number; null in the JSON is a value that was not finite (an infinite gain, a NaN error)."""
-    return "not finite" if value is None else format(value, spec)
-
-
 def _outputs(acc: dict) -> str:
-    stat = acc["tolerance"]["error_stat"]
-    rows = [[escape(o["name"]), f"{escape(o['scale_basis'])} {_num(o['scale'], '.4g')}", _num(o["error"], ".3g"),
-             _num(o["worst_sample_error"], ".3g"), _num(o["cosine"], ".6f"),
-             "-" if o["worst_sample_cosine"] is None else f"{o['worst_sample_cosine']:.6f}", _num(o["gain"], ".5f"),
-             _num(o["max_abs_error"], ".3g"), o["non_finite_count"], f"{o['failed_samples']} of {acc['sample_count']}",
-             _mark(o["passed"])] if o.get("agreement") is None else
-            [escape(o["name"]), "exact", f"{o['error']:.3g} differ", f"{o['worst_sample_error']:.3g} differ", "-", "-", "-",
-             "-", 0, f"agreement {o['agreement']:.2%}", _mark(o["passed"])] for o in acc["outputs"]]
-    return "<h2>Outputs</h2>" + _table(
-        ["output", "scale", f"{stat} error", "worst sample error", "cosine", "worst sample cosine", "gain", "max abs",
-         "NaN/Inf", "failed samples", "verdict"], rows, numeric=set(range(2, 10)))
+    rows = [[*map(escape, output_cells(o, acc["sample_count"])), _mark(o["passed"])] for o in acc["outputs"]]
+    return "<h2>Outputs</h2>" + _table(output_columns(acc["tolerance"]["error_stat"]), rows, numeric=set(range(2, 10)))
 
 
 def _worst(acc: dict) -> str:
     if not acc["worst_samples"]:
         return ""
-    rows = [[escape(w["sample"]), escape(w["output"]), _num(w["error"], ".3g"),
+    rows = [[escape(w["sample"]), escape(w["output"]), number_cell(w["error"], ".3g"),
              "-" if w["cosine"] is None else f"{w['cosine']:.6f}", _mark(w["passed"])] for w in acc["worst_samples"]]
     return "<h2>Worst samples</h2>" + _table(["sample", "output", "error", "cosine", "verdict"], rows, numeric={2, 3})
 
@@ -134,7 +122,7 @@ def _worst(acc: dict) -> str:
 def _tasks(acc: dict) -> str:
     if not acc["task_metrics"]:
         return ""
-    rows = [[escape(f"{m['kind']}:{k}"), escape(m["output"]), _num(m["values"][k], ".4f"), v, _mark(m["values"][k] is not None and m["values"][k] >= v)]
+    rows = [[escape(f"{m['kind']}:{k}"), escape(m["output"]), number_cell(m["values"][k], ".4f"), v, _mark(m["values"][k] is not None and m["values"][k] >= v)]
             for m in acc["task_metrics"] for k, v in m["thresholds"].items()]
     notes = [f"{m['kind']}: {m['note']}" for m in acc["task_metrics"] if m.get("note")]
     notes += [f"{m['kind']}: changed or worst samples: {', '.join(m['worst_samples'])}"
@@ -156,14 +144,14 @@ def _fallback(build: dict) -> str:
     rounds = [{"round": "naive", "added": [], "fp32_flops_fraction": 0.0, "verdict": fb["naive"]}, *fb["rounds"]]
     out.append(_table(["build", "kept in fp32 this round", "FLOPs in fp32", "worst cosine", "probes", "failures"],
                       [[escape(str(r["round"])), escape(", ".join(r["added"]) or "-"), f"{r['fp32_flops_fraction']:.1%}",
-                        _num(r["verdict"]["worst_cosine"], ".6f"), _mark(r["verdict"]["passed"]),
+                        number_cell(r["verdict"]["worst_cosine"], ".6f"), _mark(r["verdict"]["passed"]),
                         escape("; ".join(r["verdict"]["failures"]) or "-")] for r in rounds], {2, 3}))
     if fb["layers"]:
         out.append("<h3>Top offenders of the naive build</h3><p class=muted>Error the node adds (its output's error minus "
                    "its inputs' worst), in units of the output's standard deviation.</p>")
         out.append(_table(["node", "op", "depth", "added error, naive", "added error, chosen", "kept in fp32"],
                           [[f"<code>{escape(r['node'])}</code>", escape(r["op_type"]), r["depth"],
-                            _num(r["added_error_naive"], ".3g"),
+                            number_cell(r["added_error_naive"], ".3g"),
                             "-" if r["added_error_final"] is None else f"{r['added_error_final']:.3g}",
                             "yes" if r["kept"] else "no"] for r in fb["layers"]], {2, 3, 4}))
     if fb.get("naive_profile"):

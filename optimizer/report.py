@@ -25,6 +25,28 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
+def number_cell(value: float | None, spec: str) -> str:
+    """A measured number; null in a JSON report is a value that was not finite (an infinite gain)."""
+    return "not finite" if value is None else format(value, spec)
+
+
+def output_columns(error_stat: str) -> list[str]:
+    return ["output", "scale", f"{error_stat} error", "worst sample error", "cosine", "worst sample cosine", "gain",
+            "max abs", "NaN/Inf", "failed samples", "verdict"]
+
+
+def output_cells(o: dict, sample_count: int) -> list[str]:
+    """The outputs-table cells of one OutputAccuracy (as JSON), all but the verdict: sign-off markdown and
+    HTML alike. An exact (integer/bool) output shows its agreement, with no distance statistics."""
+    if o.get("agreement") is not None:
+        return [o["name"], "exact", f"{o['error']:.3g} differ", f"{o['worst_sample_error']:.3g} differ", "-", "-", "-", "-",
+                "0", f"agreement {o['agreement']:.2%}"]
+    return [o["name"], f"{o['scale_basis']} {number_cell(o['scale'], '.4g')}", number_cell(o["error"], ".3g"),
+            number_cell(o["worst_sample_error"], ".3g"), number_cell(o["cosine"], ".6f"),
+            "-" if o["worst_sample_cosine"] is None else f"{o['worst_sample_cosine']:.6f}", number_cell(o["gain"], ".5f"),
+            number_cell(o["max_abs_error"], ".3g"), str(o["non_finite_count"]), f"{o['failed_samples']} of {sample_count}"]
+
+
 def signoff_markdown(
     model_name: str,
     signed_off: bool,
@@ -77,17 +99,9 @@ def signoff_markdown(
         "",
         "## Outputs",
         "",
-        _table(
-            ["output", "scale", f"{tol.error_stat} error", "worst sample error", "cosine", "worst sample cosine", "gain",
-             "max abs", "NaN/Inf", "failed samples", "verdict"],
-            [[o.name, f"{o.scale_basis} {o.scale:.4g}", f"{o.error:.3g}", f"{o.worst_sample_error:.3g}", f"{o.cosine:.6f}",
-              "-" if o.worst_sample_cosine is None else f"{o.worst_sample_cosine:.6f}", f"{o.gain:.5f}",
-              f"{o.max_abs_error:.3g}", str(o.non_finite_count), f"{o.failed_samples} of {accuracy.sample_count}",
-              "pass" if o.passed else "FAIL"] if o.agreement is None else
-             [o.name, "exact", f"{o.error:.3g} differ", f"{o.worst_sample_error:.3g} differ", "-", "-", "-", "-", "0",
-              f"agreement {o.agreement:.2%}", "pass" if o.passed else "FAIL"]
-             for o in accuracy.outputs],
-        ),
+        _table(output_columns(tol.error_stat),
+               [[*output_cells(o.model_dump(mode="json"), accuracy.sample_count), "pass" if o.passed else "FAIL"]
+                for o in accuracy.outputs]),
     ]
     skipped = [f"{o.name}: {o.samples_without_direction}" for o in accuracy.outputs
                if o.samples_without_direction and o.agreement is None]
