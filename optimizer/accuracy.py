@@ -255,7 +255,8 @@ def judge(
 
 def _refuse_undefined_reference(ref_outs: list[dict[str, np.ndarray]], names: list[str], reference_name: str) -> None:
     for name in ref_outs[0]:
-        undefined = [n for n, out in zip(names, ref_outs) if name in out and np.isnan(np.asarray(out[name], np.float64)).any()]
+        undefined = [n for n, out in zip(names, ref_outs) if name in out and np.asarray(out[name]).dtype.kind in "fc"
+                     and np.isnan(out[name]).any()]  # only float outputs can hold NaN: no copies
         if undefined:
             raise InputRejected(
                 f"the reference ({reference_name}) outputs NaN in {name} on {len(undefined)} of {len(names)} samples "

@@ -150,7 +150,9 @@ def run(precision: Precision, config: FallbackConfig, actions: Actions, out_path
             try:
                 precision_report = _build_with_companions(actions, kept, primaries, attempt, number, config)
             except Unsupported as exc:  # the converter cannot write this mix (float16: a kept If/Loop body)
-                kept.clear(), kept.update(kept_before), primaries.clear(), primaries.update(primaries_before)
+                kept.clear()
+                kept.update(kept_before)
+                primaries.intersection_update(primaries_before)
                 report.status, report.reason = "budget exhausted", (
                     f"round {number} could not be built ({first_line(exc)}); the build before it stands")
                 break
