@@ -34,6 +34,8 @@ from accel_opt.errors import ResourceExhausted, UsageError, no_space_error
 log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
+# Written by `accel-opt sign` after the build: it covers every file (manifest included), so no manifest lists it.
+SIGNATURE = "model.sig"
 BUILD_PREFIX = ".build-"  # .<model>.build-<random>: one build's hidden folder
 OWNER_LOCK = "owner.lock"  # inside it, flock-ed by the building process while it lives
 UNLOCKED_GRACE_SECONDS = 600  # a build folder without its lock file yet is left alone this long
@@ -107,8 +109,8 @@ def now_utc() -> str:
 
 
 def file_hashes(folder: Path) -> dict[str, str]:
-    """sha256 of every file directly in `folder` except the manifest, by name."""
-    return {p.name: sha256_file(p) for p in sorted(folder.iterdir()) if p.is_file() and p.name != MANIFEST}
+    """sha256 of every file directly in `folder` except the manifest and a signature, by name."""
+    return {p.name: sha256_file(p) for p in sorted(folder.iterdir()) if p.is_file() and p.name not in (MANIFEST, SIGNATURE)}
 
 
 def prepare_out_dir(out_dir: Path) -> Path:

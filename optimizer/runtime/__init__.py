@@ -18,7 +18,7 @@ import numpy as np
 from polygraphy.backend.base import BaseRunner
 from pydantic import BaseModel, ValidationError
 
-from accel_opt.artifacts import MANIFEST, Manifest, sha256_file
+from accel_opt.artifacts import MANIFEST, SIGNATURE, Manifest, sha256_file
 from accel_opt.backends import Backend, CompiledModel, get_backend
 from accel_opt.backends.base import casting_inputs
 from accel_opt.data import DataSummary, Sample, load_samples, synthetic_samples
@@ -28,6 +28,7 @@ from accel_opt.recipe import Postprocess, Precision, Preprocessing
 
 if TYPE_CHECKING:  # the benchmark (and the accuracy code it pulls in) is not needed to run an artifact
     from accel_opt.bench import Target
+    from accel_opt.signing import Trust
 
 RESOURCE_CONFIG = "resource_config.json"
 
@@ -73,7 +74,8 @@ class ResourceConfig(BaseModel):
 
 
 def verify_files(folder: Path, expected: dict[str, str]) -> list[str]:
-    """One line per problem: a file missing, changed (sha256) or not part of the artifact."""
+    """One line per problem: a file missing, changed (sha256) or not part of the artifact. A signature
+    (`model.sig`, added after the build and covering the manifest) is the one file no manifest lists."""
     problems = []
     for name, digest in sorted(expected.items()):
         path = folder / name
@@ -81,9 +83,15 @@ def verify_files(folder: Path, expected: dict[str, str]) -> list[str]:
             problems.append(f"{name}: missing")
         elif sha256_file(path) != digest:
             problems.append(f"{name}: sha256 does not match the manifest (changed after the build)")
-    present = {p.name for p in folder.iterdir() if p.is_file() and p.name != MANIFEST}
+    present = {p.name for p in folder.iterdir() if p.is_file() and p.name not in (MANIFEST, SIGNATURE)}
     problems += [f"{name}: not part of the artifact (not in the manifest)" for name in sorted(present - set(expected))]
     return problems
+
+
+def artifact_identity(folder: str | Path) -> str:
+    """A folder's content identity: the sha256 of its manifest.json, which holds every other file's sha256
+    and the build's inputs. The same for every copy of one build; a signature does not change it."""
+    return sha256_file(Path(folder) / MANIFEST)
 
 
 def read_manifest(folder: Path) -> Manifest:
@@ -108,6 +116,10 @@ class Deployment:
     @property
     def batch_size(self) -> int:
         return self.config.batch_size
+
+    @property
+    def identity(self) -> str:
+        return artifact_identity(self.folder)
 
     @property
     def batch_axes(self) -> dict[str, int | None]:
@@ -146,14 +158,15 @@ class Deployment:
                       self.backend.synchronize, samples)
 
 
-def load(folder: str | Path, expected_files: dict[str, str] | None = None) -> Deployment:
+def load(folder: str | Path, expected_files: dict[str, str] | None = None, trust: Trust | None = None) -> Deployment:
     """Verify `folder` and return its Deployment. Refuses (one line) an incomplete or changed folder
     (exit 3) and one this machine cannot run as it was checked (exit 4).
 
-    `expected_files` (name -> sha256) stands in for the manifest while a build is still staging.
+    `expected_files` (name -> sha256) stands in for the manifest while a build is still staging. With
+    `trust`, the folder must also carry a signature by that key (exit 3 when unsigned or forged).
     """
     folder = Path(folder)
-    problems = check(folder, expected_files)
+    problems = check(folder, expected_files, trust)
     if problems:
         more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
         first = problems[0]
@@ -172,11 +185,16 @@ class Problem(BaseModel):
     exit_code: int  # 3: the folder is incomplete or altered; 4: this machine cannot run it as it was checked
 
 
-def check(folder: Path, expected_files: dict[str, str] | None = None) -> list[Problem]:
+def check(folder: Path, expected_files: dict[str, str] | None = None, trust: Trust | None = None) -> list[Problem]:
     """Every reason `folder` must not be run here, altered/incomplete ones (exit 3) first; [] when it may.
     Nothing in the folder is deserialized before its hash has matched."""
     if not folder.is_dir():
         return [Problem(line=f"artifact folder not found: {folder}", exit_code=3)]
+    if trust is not None:  # first: the signature covers the manifest, which is read next
+        from accel_opt.signing import signature_problem
+
+        if line := signature_problem(folder, trust):
+            return [Problem(line=f"signature check failed: {line}", exit_code=3)]
     try:
         expected = read_manifest(folder).artifacts if expected_files is None else expected_files
     except InputRejected as exc:

@@ -1,0 +1,152 @@
+"""Signed artifact folders: who built a folder, on top of the manifest's hashes (which only prove it is intact).
+
+`accel-opt sign` writes `model.sig` inside the folder with the OpenSSF `model-signing` package: a Sigstore
+bundle over an in-toto statement of every file's sha256, `manifest.json` included, signed with an
+elliptic-curve key (or a key whose certificate chains to a CA). Anyone can change a file and re-hash the
+manifest; nobody without the private key can sign the result. Verification hashes the folder's bytes and
+parses only the signature itself, so it runs before anything in the folder is deserialized.
+
+model-signing is an optional extra, imported here only. In 1.1.1 `import model_signing` needs pyOpenSSL,
+which it does not declare (the extra does); its Python API hashes the signature file too unless told to
+ignore it; a verifying Config reused across folders keeps the previous folder's ignore paths, so each
+verification builds a fresh one.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from accel_opt.artifacts import SIGNATURE
+from accel_opt.errors import Unsupported, UsageError, first_line
+
+PUBLIC_KEY_ENV = "ACCEL_OPT_PUBLIC_KEY"  # a trusted public key for run/bench/verify/compare when --public-key is not given
+INSTALL = "pip install 'accel-opt[sign]'"
+
+
+@dataclass(frozen=True)
+class Trust:
+    """Whose signature a folder must carry: an elliptic-curve public key, or the CA certificates a signing
+    certificate must chain to."""
+
+    public_key: Path | None = None
+    certificate_chain: tuple[Path, ...] = ()
+
+    def describe(self) -> str:
+        if self.public_key is not None:
+            return f"the key in {self.public_key.name}"
+        return f"the certificates in {', '.join(p.name for p in self.certificate_chain)}"
+
+
+def trust_of(public_key: str | Path | None, certificate_chain: Iterable[str | Path] = ()) -> Trust | None:
+    """The Trust the options ask for, or None (no signature required). Key files are checked here (exit 2)."""
+    chain = tuple(Path(p) for p in certificate_chain)
+    if public_key is not None and chain:
+        raise UsageError("--public-key and --certificate-chain: give one (a key, or the CA a signing certificate chains to)")
+    if public_key is None and not chain:
+        return None
+    for path, option in [(Path(public_key), "--public-key")] if public_key is not None else [(p, "--certificate-chain") for p in chain]:
+        if not path.is_file():
+            raise UsageError(f"{option} {path}: not found")
+    if public_key is not None:
+        _check_public_key(Path(public_key))
+    return Trust(public_key=Path(public_key) if public_key is not None else None, certificate_chain=chain)
+
+
+def sign_folder(folder: Path, private_key: Path, signing_certificate: Path | None = None,
+                certificate_chain: Iterable[Path] = ()) -> Path:
+    """Sign every file of `folder` (a previous signature excepted) into `folder/model.sig`; return its path.
+    With `signing_certificate`, the bundle carries that certificate (and `certificate_chain`) instead of a key hint."""
+    signing, _, hashing = _model_signing()
+    chain = [Path(p) for p in certificate_chain]
+    for path, option in [(private_key, "--key"), *([(signing_certificate, "--signing-certificate")] if signing_certificate else []),
+                         *[(p, "--certificate-chain") for p in chain]]:
+        if not Path(path).is_file():
+            raise UsageError(f"{option} {path}: not found")
+    if chain and signing_certificate is None:
+        raise UsageError("--certificate-chain needs --signing-certificate (the certificate of --key)")
+    config = signing.Config()
+    try:
+        if signing_certificate is not None:
+            config.use_certificate_signer(private_key=private_key, signing_certificate=signing_certificate, certificate_chain=chain)
+        else:
+            config.use_elliptic_key_signer(private_key=private_key)
+    except (ValueError, TypeError) as exc:  # not PEM, not a private key, not an elliptic curve
+        raise UsageError(f"--key {private_key}: not a usable elliptic-curve private key ({first_line(exc)})") from None
+    config.set_hashing_config(_hashing_config(hashing))
+    target = folder / SIGNATURE
+    # The bundle is written after the folder is hashed, to a temporary name, then renamed: a reader never
+    # sees half a signature, and the temporary file does not exist while the files are hashed.
+    tmp = folder / f".{SIGNATURE}.{os.getpid()}.tmp"
+    try:
+        config.sign(folder, tmp)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, target)
+    except (ValueError, TypeError) as exc:  # a key the signer cannot use (the certificate does not match it, ...)
+        raise UsageError(f"--key {private_key}: cannot sign with it ({first_line(exc)})") from None
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+    return target
+
+
+def signature_problem(folder: Path, trust: Trust) -> str | None:
+    """One line naming why `folder` is not signed by `trust` (the file changed, added or missing, or the key),
+    or None when the signature covers exactly the folder's files."""
+    _, verifying, hashing = _model_signing()
+    signature = folder / SIGNATURE
+    if not signature.is_file():
+        return f"{SIGNATURE}: missing: the folder is not signed (accel-opt sign ARTIFACT --key KEY)"
+    config = verifying.Config()  # fresh per folder: a reused one keeps the last folder's ignore paths
+    if trust.public_key is not None:
+        config.use_elliptic_key_verifier(public_key=trust.public_key)
+    else:
+        config.use_certificate_verifier(certificate_chain=list(trust.certificate_chain))
+    config.set_hashing_config(_hashing_config(hashing))
+    try:
+        config.verify(folder, signature)
+    except Exception as exc:  # noqa: BLE001 - any failure to verify is a refusal (signature parse errors, chain errors)
+        return _explain(exc, trust)
+    return None
+
+
+def _explain(exc: Exception, trust: Trust) -> str:
+    text = str(exc)
+    if changed := re.search(r"Hash mismatch for '([^']+)'", text):
+        return f"{changed.group(1)}: changed after the folder was signed (the signature by {trust.describe()} does not cover it)"
+    if extra := re.search(r"Extra files found in model '[^']*': ([^\"\]]+)", text):
+        return f"{extra.group(1).strip()}: added after the folder was signed (not covered by its signature)"
+    if missing := re.search(r"Missing files in model '[^']*': ([^\"\]]+)", text):
+        return f"{missing.group(1).strip()}: missing (removed after the folder was signed)"
+    if "Key mismatch" in text or isinstance(exc, AttributeError):  # AttributeError: a bundle of the other kind
+        return f"{SIGNATURE}: not signed by {trust.describe()}"
+    return f"{SIGNATURE}: does not verify against {trust.describe()} ({type(exc).__name__}: {first_line(exc)})"
+
+
+def _hashing_config(hashing):
+    """Every file of the folder, git paths included, but the signature itself."""
+    return hashing.Config().set_ignored_paths(paths=[SIGNATURE], ignore_git_paths=False)
+
+
+def _check_public_key(path: Path) -> None:
+    _model_signing()  # cryptography comes with it
+    from cryptography.hazmat.primitives.asymmetric.ec import EllipticCurvePublicKey
+    from cryptography.hazmat.primitives.serialization import load_pem_public_key
+
+    try:
+        key = load_pem_public_key(path.read_bytes())
+    except (ValueError, TypeError) as exc:
+        raise UsageError(f"--public-key {path}: not a public key in PEM ({first_line(exc)})") from None
+    if not isinstance(key, EllipticCurvePublicKey):
+        raise UsageError(f"--public-key {path}: not an elliptic-curve key ({type(key).__name__}); model signing uses EC keys")
+
+
+def _model_signing():
+    """(signing, verifying, hashing) of model-signing, or Unsupported (exit 4) naming the extra to install."""
+    try:
+        from model_signing import hashing, signing, verifying
+    except ImportError as exc:
+        raise Unsupported(f"signing needs the model-signing package ({first_line(exc)}): {INSTALL}") from None
+    return signing, verifying, hashing
