@@ -9,6 +9,7 @@ checked and timed is what ships. Nothing is deserialized before its hash has bee
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -112,6 +113,7 @@ class Deployment:
     config: ResourceConfig
     backend: Backend
     compiled: CompiledModel
+    staged_files: dict[str, str] | None = None  # name -> sha256 while the build is still staging (no manifest yet)
 
     @property
     def batch_size(self) -> int:
@@ -119,6 +121,9 @@ class Deployment:
 
     @property
     def identity(self) -> str:
+        """`artifact_identity` of the folder; while staging, the sha256 of its files' hashes instead."""
+        if self.staged_files is not None:
+            return hashlib.sha256(json.dumps(self.staged_files, sort_keys=True).encode()).hexdigest()
         return artifact_identity(self.folder)
 
     @property
@@ -177,7 +182,7 @@ def load(folder: str | Path, expected_files: dict[str, str] | None = None, trust
         providers=config.providers, threads=config.threads, build_seconds=0.0, settings=config.settings,
         extra_files=[folder / name for name in config.extra_files],
     )
-    return Deployment(folder=folder, config=config, backend=_backend_of(config), compiled=compiled)
+    return Deployment(folder=folder, config=config, backend=_backend_of(config), compiled=compiled, staged_files=expected_files)
 
 
 class Problem(BaseModel):

@@ -4,28 +4,23 @@ A bounded pipeline: reader threads decode and preprocess inputs (Pillow releases
 decodes and resizes) -> batches of the deployed size -> inference -> a writer that appends one JSON
 line per input, in input order. At most `window` inputs are in flight, whatever their number, so
 memory stays bounded. An unreadable or wrong-shaped input goes to `<out>.errors.jsonl` with its
-reason and the others are still predicted. Every line is written whole and flushed per batch; a
-run that is killed leaves at most a partial last line without its newline, which `--resume`
-drops before it skips the inputs already answered.
+reason and the others are still predicted. An input given twice is answered once, at its first place.
+Every line is written whole and flushed per batch; a run that is killed leaves at most a partial last
+line without its newline, which `--resume` drops before it skips the inputs already answered. What the
+job promises about its files (one writer, one artifact per file, whole lines) is in `output.py`.
 """
 
 from __future__ import annotations
 
-import hashlib
-import io
-import json
-import os
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 from pydantic import BaseModel
 
-from accel_opt.artifacts import write_bytes
 from accel_opt.data import (
     IMAGE_SUFFIXES,
     Sample,
@@ -38,8 +33,10 @@ from accel_opt.data import (
 )
 from accel_opt.errors import InputRejected, UsageError
 from accel_opt.hardware import available_cpus
-from accel_opt.recipe import Postprocess
 from accel_opt.runtime import Deployment
+from accel_opt.runtime.output import Outputs, Writer, input_key, topk_record
+
+__all__ = ["JobSummary", "errors_path", "expand_inputs", "run_job", "topk_record", "unique_inputs"]
 
 NPZ = ".npz"
 
@@ -48,7 +45,8 @@ class JobSummary(BaseModel):
     artifact: str
     predictions: str
     errors: str
-    inputs: int  # given (after expanding folders)
+    inputs: int  # given (after expanding folders), each distinct path once
+    duplicates: int = 0  # paths given more than once: answered once, at their first place
     predicted: int  # by this run
     rejected: int  # by this run, listed in the errors file
     skipped: int  # already answered (--resume)
@@ -79,9 +77,20 @@ def expand_inputs(inputs: Iterable[str | Path]) -> list[str]:
     return expanded
 
 
+def unique_inputs(paths: list[str]) -> list[str]:
+    """Each input once, at its first place: a fresh run and a resumed one answer a repeated path alike."""
+    seen: set[str] = set()
+    unique = []
+    for path in paths:
+        if (key := input_key(path)) not in seen:
+            seen.add(key)
+            unique.append(path)
+    return unique
+
+
 def errors_path(predictions: Path) -> Path:
     """PREDICTIONS.jsonl -> PREDICTIONS.errors.jsonl"""
-    return predictions.with_name(f"{predictions.stem}.errors{predictions.suffix or '.jsonl'}")
+    return Outputs(Path(predictions)).errors
 
 
 def run_job(
@@ -94,18 +103,39 @@ def run_job(
     on_progress: Callable[[int, int], None] | None = None,
     started: float | None = None,
 ) -> JobSummary:
-    """Predict every input with `deployment`; `on_progress(done, total)` after each batch."""
+    """Predict every input with `deployment`; `on_progress(done, total)` after each batch. Refuses (exit 2)
+    another job writing the same files, `--resume` over another artifact's answers, and an --out among the inputs."""
     started = started or time.perf_counter()
-    predictions = Path(predictions)
-    errors = errors_path(predictions)
-    todo = expand_inputs(inputs)
-    answered = _prepare_outputs(predictions, errors, resume, overwrite)
-    remaining = [p for p in todo if p not in answered]
+    inputs = list(inputs)
+    outputs = Outputs(Path(predictions))
+    given = expand_inputs(inputs)
+    todo = unique_inputs(given)
     config = deployment.config
-    if config.preprocessing is None and any(Path(p).suffix.lower() in IMAGE_SUFFIXES for p in remaining):
+    if config.preprocessing is None and any(Path(p).suffix.lower() in IMAGE_SUFFIXES for p in todo):
         raise UsageError(f"{deployment.folder.name} was built without `preprocessing`: give .npz feed dicts, not images")
+    outputs.refuse_bad_paths(inputs, resume, overwrite)
+    with outputs.exclusive():
+        answered = outputs.start(deployment.folder, deployment.identity, resume, overwrite)
+        remaining = [p for p in todo if input_key(p) not in answered]
+        counts, stages, workers, batch_size = _predict(deployment, remaining, outputs, workers, on_progress)
+    predicted, rejected = counts
+    seconds = time.perf_counter() - started
+    return JobSummary(
+        artifact=str(deployment.folder), predictions=str(outputs.predictions), errors=str(outputs.errors), inputs=len(todo),
+        duplicates=len(given) - len(todo), predicted=predicted, rejected=rejected, skipped=len(todo) - len(remaining),
+        workers=workers, batch_size=batch_size, seconds=seconds,
+        inputs_per_s=(predicted + rejected) / seconds if seconds > 0 else 0.0,
+        stages_seconds={k: round(v, 4) for k, v in stages.items()},
+        bottleneck="reading" if stages["wait_for_inputs"] > stages["compute"] else "compute", exit_code=3 if rejected else 0,
+    )
+
+
+def _predict(deployment: Deployment, remaining: list[str], outputs: Outputs, workers: int | None,
+             on_progress: Callable[[int, int], None] | None) -> tuple[tuple[int, int], dict[str, float], int, int]:
+    """The pipeline over `remaining`: ((predicted, rejected), stage seconds, reader threads, batch size)."""
+    config = deployment.config
     reader = _Reader(deployment)
-    writer = _Writer(predictions, errors, deployment)
+    writer = Writer(outputs, config.postprocess, config.outputs[0].name)
     batch_size = config.batch_size if config.output_batch_axes else 1
     workers = workers or max(1, available_cpus())
     window = 4 * workers + batch_size  # inputs decoded ahead of inference
@@ -137,60 +167,15 @@ def run_job(
                 waited += clock() - start
                 if len(batch) == batch_size or (not pending and batch):
                     start = clock()
-                    outputs = _infer(runner, deployment, batch, batch_size)
+                    results = _infer(runner, deployment, batch, batch_size)
                     done = clock()
-                    predicted += writer.predict(batch, outputs)
+                    predicted += writer.predict([p for p, _ in batch], results)
                     computed, written = computed + done - start, written + clock() - done
                     batch = []
                     if on_progress:
                         on_progress(predicted + rejected, len(remaining))
-    seconds = time.perf_counter() - started
     stages = {"read": sum(reader.seconds), "wait_for_inputs": waited, "compute": computed, "write": written}
-    return JobSummary(
-        artifact=str(deployment.folder), predictions=str(predictions), errors=str(errors), inputs=len(todo),
-        predicted=predicted, rejected=rejected, skipped=len(todo) - len(remaining), workers=workers,
-        batch_size=batch_size, seconds=seconds,
-        inputs_per_s=(predicted + rejected) / seconds if seconds > 0 else 0.0,
-        stages_seconds={k: round(v, 4) for k, v in stages.items()},
-        bottleneck="reading" if waited > computed else "compute", exit_code=3 if rejected else 0,
-    )
-
-
-def _prepare_outputs(predictions: Path, errors: Path, resume: bool, overwrite: bool) -> set[str]:
-    """The inputs already answered (--resume), after dropping a partial last line a killed run left."""
-    if predictions.is_dir() or errors.is_dir():
-        raise UsageError(f"--out {predictions} is a folder: give the predictions file, such as {predictions / 'predictions.jsonl'}")
-    if predictions.exists() and not (resume or overwrite):
-        raise UsageError(f"{predictions} exists: --resume to skip the inputs it answers, or --overwrite")
-    try:
-        predictions.parent.mkdir(parents=True, exist_ok=True)
-        return _answered(predictions, errors, resume)
-    except OSError as exc:
-        raise UsageError(f"--out {predictions}: cannot write there ({exc.strerror or exc})") from None
-
-
-def _answered(predictions: Path, errors: Path, resume: bool) -> set[str]:
-    """Start this run's files: keep the answered lines (--resume) or empty the predictions; empty the errors."""
-    answered: set[str] = set()
-    if resume and predictions.exists():
-        data = predictions.read_bytes()
-        whole = data[: data.rfind(b"\n") + 1]
-        try:
-            lines = whole.decode("utf-8").splitlines()
-        except UnicodeDecodeError:
-            raise InputRejected(f"{predictions}: not a predictions file of accel-opt run (not UTF-8 text)") from None
-        for line in lines:
-            try:
-                answered.add(json.loads(line)["input"])
-            except (ValueError, KeyError, TypeError):
-                raise InputRejected(f"{predictions}: not a predictions file of accel-opt run (line {line[:60]!r})") from None
-        if len(whole) != len(data):  # only once the file is known to be ours
-            with open(predictions, "r+b") as f:
-                f.truncate(len(whole))
-    else:
-        predictions.write_text("")
-    errors.write_text("")  # this run's rejections; answered inputs are not read again
-    return answered
+    return (predicted, rejected), stages, workers, batch_size
 
 
 class _Reader:
@@ -255,55 +240,3 @@ def _infer(runner, deployment: Deployment, batch: list[tuple[str, Sample]], batc
         for out, part in zip(per_input, parts):
             out[name] = part
     return per_input
-
-
-def topk_record(post: Postprocess, outputs: dict[str, np.ndarray], first_output: str) -> dict[str, Any]:
-    """A classifier's answer for one input: top1 and the top-k [class, score] pairs."""
-    scores = np.asarray(outputs[post.output or first_output], dtype=np.float64).ravel()
-    if post.softmax:
-        scores = np.exp(scores - scores.max())
-        scores /= scores.sum()
-    top = np.argsort(-scores, kind="stable")[: post.topk]
-    return {"top1": int(top[0]), "topk": [[int(i), round(float(scores[i]), 6)] for i in top]}
-
-
-class _Writer:
-    """Appends whole JSON lines: predictions in input order, rejections with their reason."""
-
-    def __init__(self, predictions: Path, errors: Path, deployment: Deployment):
-        self.predictions, self.errors = predictions, errors
-        self.post = deployment.config.postprocess
-        self.outputs_dir = predictions.with_name(f"{predictions.stem}.outputs")
-        self.first_output = deployment.config.outputs[0].name
-
-    def __enter__(self) -> _Writer:
-        self._out = open(self.predictions, "a", encoding="utf-8")  # noqa: SIM115 - closed in __exit__
-        self._err = open(self.errors, "a", encoding="utf-8")  # noqa: SIM115
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        for f in (self._out, self._err):
-            f.flush()
-            os.fsync(f.fileno())
-            f.close()
-
-    def reject(self, path: str, reason: str) -> None:
-        self._err.write(json.dumps({"input": path, "error": reason}) + "\n")
-        self._err.flush()
-
-    def predict(self, batch: list[tuple[str, Sample]], outputs: list[dict[str, np.ndarray]]) -> int:
-        lines = [json.dumps({"input": path, **self._record(path, out)}) + "\n" for (path, _), out in zip(batch, outputs)]
-        self._out.write("".join(lines))  # one write per batch, each line whole
-        self._out.flush()
-        return len(lines)
-
-    def _record(self, path: str, outputs: dict[str, np.ndarray]) -> dict[str, Any]:
-        if self.post is not None:
-            return topk_record(self.post, outputs, self.first_output)
-        # Every output, saved beside the predictions: one .npz per input, named after its place in the run.
-        self.outputs_dir.mkdir(exist_ok=True)
-        buffer = io.BytesIO()
-        np.savez(buffer, **outputs)
-        target = self.outputs_dir / f"{hashlib.sha256(path.encode()).hexdigest()[:12]}-{Path(path).stem}.npz"
-        write_bytes(target, buffer.getvalue())
-        return {"outputs": str(target)}

@@ -1,0 +1,281 @@
+"""What `accel-opt run` writes, and what it promises about it.
+
+- One writer: the job holds an exclusive lock (flock on `.<name>.run.lock` beside the predictions, holding its
+  pid) over the predictions, errors and sidecar files and the outputs folder for its whole life; a second job
+  on the same files is refused at once. The kernel drops the lock when its process dies, even by SIGKILL.
+- One artifact per file: `PREDICTIONS.meta.json` names the artifact (sha256 of its manifest.json) that
+  answered; `--resume` with another artifact, or over a file without it, is refused.
+- Inputs are never outputs: no file the job writes may be an input or sit in an input folder.
+- Whole lines only: a failed write (full disk, I/O error) is cut back to the end of the last whole line
+  before the error goes on, so every line of the file parses, whatever stopped the job.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import hashlib
+import io
+import json
+import logging
+import os
+import time
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from pydantic import BaseModel, ValidationError
+
+from accel_opt.artifacts import now_utc, write_bytes, write_json
+from accel_opt.errors import InputRejected, UsageError, no_space_error
+from accel_opt.recipe import Postprocess
+
+log = logging.getLogger(__name__)
+
+SHORT_HASH = 12  # hex digits of an identity shown to a person
+
+
+def input_key(path: str) -> str:
+    """Two spellings of one path (`a.jpg`, `./a.jpg`) are one input."""
+    return os.path.normpath(path)
+
+
+class PredictionsMeta(BaseModel):
+    """`PREDICTIONS.meta.json`: which artifact wrote the predictions beside it."""
+
+    format: int = 1
+    artifact_identity: str  # sha256 of the artifact's manifest.json
+    artifact: str  # its folder when the job started
+    started_utc: str
+
+
+@dataclass(frozen=True)
+class Outputs:
+    """The files of one job, all named after its predictions file."""
+
+    predictions: Path
+
+    @property
+    def errors(self) -> Path:  # PREDICTIONS.jsonl -> PREDICTIONS.errors.jsonl
+        p = self.predictions
+        return p.with_name(f"{p.stem}.errors{p.suffix or '.jsonl'}")
+
+    @property
+    def meta(self) -> Path:
+        return self.predictions.with_name(f"{self.predictions.stem}.meta.json")
+
+    @property
+    def outputs_dir(self) -> Path:
+        return self.predictions.with_name(f"{self.predictions.stem}.outputs")
+
+    @property
+    def lock(self) -> Path:
+        # Named after the stem without .errors/.meta: a job whose predictions are another job's errors or
+        # sidecar file (p.errors.jsonl) takes the same lock as that job (p.jsonl).
+        stem = self.predictions.stem
+        while stem.endswith((".errors", ".meta")):
+            stem = stem.rsplit(".", 1)[0]
+        return self.predictions.with_name(f".{stem}.run.lock")
+
+    def refuse_bad_paths(self, inputs: Iterable[str | Path], resume: bool, overwrite: bool) -> None:
+        """UsageError for a predictions path that is a folder, for contradictory flags, and when a file the
+        job writes is an input, or in an input folder (whose files are read), or when an input lies in the
+        outputs folder. Checked before anything is created or truncated."""
+        if self.predictions.is_dir() or self.errors.is_dir():
+            raise UsageError(f"--out {self.predictions} is a folder: give the predictions file, such as "
+                             f"{self.predictions / 'predictions.jsonl'}")
+        if resume and overwrite:
+            raise UsageError("--resume keeps the answered lines and --overwrite drops them: give one")
+        written = [self.predictions, self.errors, self.meta, self.lock, self.outputs_dir]
+        resolved = {path: path.resolve() for path in written}
+        outputs_dir = resolved[self.outputs_dir]
+        for item in inputs:
+            given = Path(item)
+            source = given.resolve()
+            for path, target in resolved.items():
+                if given.is_dir() and (target.parent == source or target == source):
+                    where = f"inside the input folder {item}" if target != source else f"the input folder {item}"
+                    raise UsageError(f"--out {self.predictions}: the job would write {path} {where}: put the predictions outside the inputs")
+                if target == source or (given.exists() and path.exists() and os.path.samefile(given, path)):
+                    raise UsageError(f"--out {self.predictions}: the job would write {path}, which is the input {item}: "
+                                     "put the predictions outside the inputs")
+            if source.is_relative_to(outputs_dir):
+                raise UsageError(f"--out {self.predictions}: the input {item} is in the job's outputs folder {self.outputs_dir}: "
+                                 "put the predictions elsewhere")
+
+    @contextmanager
+    def exclusive(self) -> Iterator[None]:
+        """Hold the job's lock while the block runs; UsageError at once, naming the holder's pid, if held."""
+        try:
+            self.predictions.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.lock, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise _cannot_write(self.predictions, exc) from None
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as exc:
+                if exc.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+                    raise
+                raise UsageError(f"--out {self.predictions}: another accel-opt run (pid {_holder(fd)}) is writing it; "
+                                 "wait for it to finish or choose another --out") from None
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+            yield
+        finally:
+            os.close(fd)  # releases the lock; the file stays (removing it would let two jobs lock two files)
+
+    def start(self, artifact: Path, identity: str, resume: bool, overwrite: bool) -> set[str]:
+        """Start this job's files (under the lock): keep the answered lines of the same artifact (--resume),
+        else empty the predictions; empty the errors; record the artifact. Return the answered inputs' keys."""
+        predictions = self.predictions
+        if predictions.exists() and not (resume or overwrite):
+            raise UsageError(f"{predictions} exists: --resume to skip the inputs it answers, or --overwrite")
+        try:
+            answered = self._resume(artifact, identity) if resume and predictions.exists() else set()
+            if not answered:
+                predictions.write_text("")  # emptied before the sidecar names the new artifact
+            self.errors.write_text("")  # this job's rejections; answered inputs are not read again
+            write_json(self.meta, PredictionsMeta(artifact_identity=identity, artifact=str(artifact), started_utc=now_utc()))
+        except OSError as exc:
+            raise _cannot_write(predictions, exc) from None
+        return answered
+
+    def _resume(self, artifact: Path, identity: str) -> set[str]:
+        data = self.predictions.read_bytes()
+        whole = data[: data.rfind(b"\n") + 1]
+        answered = _answered_inputs(self.predictions, whole)
+        recorded = self._recorded()
+        if recorded is None and answered:
+            raise UsageError(f"--resume: {self.predictions} has no {self.meta.name}, so which artifact answered it is unknown "
+                             "(written by an older accel-opt?): start over with --overwrite")
+        if recorded is not None and recorded.artifact_identity != identity and answered:
+            raise UsageError(f"--resume: {self.predictions} holds answers of {recorded.artifact_identity[:SHORT_HASH]} "
+                             f"({Path(recorded.artifact).name}), not of {identity[:SHORT_HASH]} ({artifact.name}): "
+                             "start over with --overwrite, or choose another --out")
+        if len(whole) != len(data):  # only once the file is known to be ours and this artifact's
+            with open(self.predictions, "r+b") as f:
+                f.truncate(len(whole))
+        return answered
+
+    def _recorded(self) -> PredictionsMeta | None:
+        if not self.meta.is_file():
+            return None
+        try:
+            return PredictionsMeta.model_validate_json(self.meta.read_text())
+        except (ValidationError, ValueError) as exc:
+            raise InputRejected(f"{self.meta}: unreadable ({str(exc).splitlines()[0]}): start over with --overwrite") from None
+
+
+def _answered_inputs(predictions: Path, whole: bytes) -> set[str]:
+    try:
+        lines = whole.decode("utf-8").splitlines()
+    except UnicodeDecodeError:
+        raise InputRejected(f"{predictions}: not a predictions file of accel-opt run (not UTF-8 text)") from None
+    answered = set()
+    for line in lines:
+        try:
+            answered.add(input_key(json.loads(line)["input"]))
+        except (ValueError, KeyError, TypeError):
+            raise InputRejected(f"{predictions}: not a predictions file of accel-opt run (line {line[:60]!r})") from None
+    return answered
+
+
+def _holder(fd: int) -> str:
+    """The pid the lock's holder wrote (it writes it right after locking: wait a moment for it)."""
+    for _ in range(20):
+        if pid := os.pread(fd, 32, 0).decode("ascii", "replace").strip():
+            return pid
+        time.sleep(0.01)
+    return "unknown"
+
+
+def _cannot_write(predictions: Path, exc: OSError) -> Exception:
+    return no_space_error(exc, predictions.parent) or UsageError(f"--out {predictions}: cannot write there ({exc.strerror or exc})")
+
+
+class LineFile:
+    """An append-only file of whole lines. After each complete write its length is the end of a whole line;
+    a write that fails (or is interrupted) is cut back to it before the error goes on."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        self.whole_bytes = os.fstat(self._fd).st_size
+
+    def append(self, text: str) -> None:
+        encoded = text.encode("utf-8")
+        data = memoryview(encoded)
+        try:
+            while data:  # one system call per batch, unless the file system takes only part of it
+                data = data[os.write(self._fd, data):]
+        except BaseException:
+            self._cut_back()
+            raise
+        self.whole_bytes += len(encoded)
+
+    def close(self) -> None:
+        try:
+            os.fsync(self._fd)
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:  # a pipe or a character device cannot be synced
+                raise
+        finally:
+            os.close(self._fd)
+
+    def _cut_back(self) -> None:
+        try:
+            os.ftruncate(self._fd, self.whole_bytes)
+        except OSError as exc:  # not a regular file (a pipe): nothing to cut
+            log.warning("could not cut %s back to its last whole line: %s", self.path, exc)
+
+
+def topk_record(post: Postprocess, outputs: dict[str, np.ndarray], first_output: str) -> dict[str, Any]:
+    """A classifier's answer for one input: top1 and the top-k [class, score] pairs."""
+    scores = np.asarray(outputs[post.output or first_output], dtype=np.float64).ravel()
+    if post.softmax:
+        scores = np.exp(scores - scores.max())
+        scores /= scores.sum()
+    top = np.argsort(-scores, kind="stable")[: post.topk]
+    return {"top1": int(top[0]), "topk": [[int(i), round(float(scores[i]), 6)] for i in top]}
+
+
+class Writer:
+    """Appends whole JSON lines: predictions in input order, rejections with their reason."""
+
+    def __init__(self, outputs: Outputs, post: Postprocess | None, first_output: str):
+        self.outputs, self.post, self.first_output = outputs, post, first_output
+
+    def __enter__(self) -> Writer:
+        self._out = LineFile(self.outputs.predictions)
+        self._err = LineFile(self.outputs.errors)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            self._out.close()
+        finally:
+            self._err.close()
+
+    def reject(self, path: str, reason: str) -> None:
+        self._err.append(json.dumps({"input": path, "error": reason}) + "\n")
+
+    def predict(self, paths: list[str], outputs: list[dict[str, np.ndarray]]) -> int:
+        lines = [json.dumps({"input": path, **self._record(path, out)}) + "\n" for path, out in zip(paths, outputs)]
+        self._out.append("".join(lines))  # one write per batch, each line whole
+        return len(lines)
+
+    def _record(self, path: str, outputs: dict[str, np.ndarray]) -> dict[str, Any]:
+        if self.post is not None:
+            return topk_record(self.post, outputs, self.first_output)
+        # Every output, saved beside the predictions (before the line naming it): one .npz per input.
+        folder = self.outputs.outputs_dir
+        folder.mkdir(exist_ok=True)
+        buffer = io.BytesIO()
+        np.savez(buffer, **outputs)
+        target = folder / f"{hashlib.sha256(path.encode()).hexdigest()[:12]}-{Path(path).stem}.npz"
+        write_bytes(target, buffer.getvalue())
+        return {"outputs": str(target)}
