@@ -15,14 +15,34 @@ import click
 
 from accel_opt.cli import EXIT_CODES_HELP, _fail, _interrupted, _setup_logging, _write_junit, main
 from accel_opt.errors import AccelOptError, UsageError
+from accel_opt.signing import PUBLIC_KEY_ENV
 
 RUN_EXIT_CODES = """\b
 Exit codes:
   0  every input predicted
-  2  usage error (the predictions file exists without --resume/--overwrite, images without preprocessing)
-  3  some inputs rejected (listed with the reason in PREDICTIONS.errors.jsonl), or the artifact altered/incomplete
-  4  the artifact cannot run here (another runtime version or CPU)
+  2  usage error: PREDICTIONS exists without --resume/--overwrite; another run is writing it (its pid named);
+     --resume over another artifact's answers, or over a file without PREDICTIONS.meta.json; --out among the
+     inputs; images without preprocessing; a key file missing or not an EC public key
+  3  some inputs rejected (listed with the reason in PREDICTIONS.errors.jsonl); the artifact altered/incomplete;
+     with --public-key, unsigned or not signed by that key
+  4  the artifact cannot run here (another runtime version or CPU); --public-key without model-signing installed
+  5  no space left for the predictions (the file keeps whole lines: free space, then --resume)
   70 internal error"""
+
+
+def _trust_options(command):
+    """--public-key / --certificate-chain: require a signature by that key or CA before the folder is read."""
+    command = click.option("--certificate-chain", "certificate_chain", multiple=True, type=click.Path(path_type=Path),
+                           help="Require a signature whose signing certificate chains to these CA certificates (PEM).")(command)
+    return click.option("--public-key", type=click.Path(path_type=Path), envvar=PUBLIC_KEY_ENV, show_envvar=True,
+                        help="Require a signature (model.sig) by this elliptic-curve public key (PEM), checked before "
+                             "anything in the folder is read.")(command)
+
+
+def _trust(public_key, certificate_chain):
+    from accel_opt.signing import trust_of
+
+    return trust_of(public_key, certificate_chain)
 
 
 @main.command("run", epilog=RUN_EXIT_CODES)
@@ -33,13 +53,20 @@ Exit codes:
 @click.option("--overwrite", is_flag=True, help="Replace an existing PREDICTIONS file.")
 @click.option("--workers", type=click.IntRange(min=1), help="Reader threads decoding and preprocessing inputs (default: CPUs available).")
 @click.option("--json", "as_json", is_flag=True, help="Print the job summary as one JSON object on stdout.")
+@_trust_options
 @click.option("-v", "--verbose", is_flag=True)
-def run_command(artifact, inputs, predictions, resume, overwrite, workers, as_json, verbose):
+def run_command(artifact, inputs, predictions, resume, overwrite, workers, as_json, public_key, certificate_chain, verbose):
     """Run a built ARTIFACT folder on INPUTS (image files, .npz feed dicts, or folders of them).
 
     Writes one JSON line per input, in input order: {"input": PATH, "top1": ..., "topk": [[class, score], ...]}
     for classifier recipes (postprocess: topk), else {"input": PATH, "outputs": NPZ}. The artifact is verified
-    (manifest, hashes, environment) before anything runs, and runs as the build checked it.
+    (manifest, hashes, environment; with --public-key its signature first) before anything runs, and runs as
+    the build checked it.
+
+    Nothing lost or mixed: one run at a time per PREDICTIONS (a lock beside it); PREDICTIONS.meta.json names
+    the artifact that answered, and --resume with another one is refused; no output file may be an input or in
+    an input folder; every line is whole, even after a full disk. A path given twice is answered once, at its
+    first place (the summary counts the duplicates), by a fresh run and a resumed one alike.
     """
     import time
 
@@ -49,7 +76,7 @@ def run_command(artifact, inputs, predictions, resume, overwrite, workers, as_js
         from accel_opt import runtime
         from accel_opt.runtime.job import run_job
 
-        deployment = runtime.load(artifact)
+        deployment = runtime.load(artifact, trust=_trust(public_key, certificate_chain))
         show_progress = not as_json and sys.stderr.isatty()
         with _progress(show_progress) as on_progress:
             summary = run_job(deployment, inputs, predictions, resume=resume, overwrite=overwrite, workers=workers,
@@ -63,6 +90,7 @@ def run_command(artifact, inputs, predictions, resume, overwrite, workers, as_js
         click.echo(summary.model_dump_json())
     else:
         skipped = f", {summary.skipped} already answered" if summary.skipped else ""
+        skipped += f", {summary.duplicates} given twice (answered once)" if summary.duplicates else ""
         rejected = f", {summary.rejected} rejected (see {summary.errors})" if summary.rejected else ""
         click.echo(f"predicted {summary.predicted} of {summary.inputs} inputs{skipped}{rejected} in "
                    f"{summary.seconds:.1f} s ({summary.inputs_per_s:.1f} inputs/s) -> {summary.predictions}", err=True)
@@ -99,8 +127,9 @@ def _progress(enabled: bool):
 @click.option("--out", "out_file", type=click.Path(path_type=Path), help="Also write the report as JSON here.")
 @click.option("--junit", "junit_file", type=click.Path(path_type=Path), help="Write one JUnit test case per batch size measured.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as one JSON object on stdout.")
+@_trust_options
 @click.option("-v", "--verbose", is_flag=True)
-def bench_command(artifact, data_dir, batch_sizes, out_file, junit_file, as_json, verbose):
+def bench_command(artifact, data_dir, batch_sizes, out_file, junit_file, as_json, public_key, certificate_chain, verbose):
     """Benchmark a built ARTIFACT folder again, loaded and run as deployed, without rebuilding it."""
     _setup_logging(verbose)
     try:
@@ -115,7 +144,7 @@ def bench_command(artifact, data_dir, batch_sizes, out_file, junit_file, as_json
                 sizes = []
             if not sizes or min(sizes) < 1:
                 raise UsageError(f"--batch-sizes: expected positive integers like 1,8, got {batch_sizes!r}")
-        deployment = runtime.load(artifact)
+        deployment = runtime.load(artifact, trust=_trust(public_key, certificate_chain))
         result, data = benchmark_artifact(deployment, data_dir, sizes)
         if out_file:
             artifacts.write_json(out_file, result)
@@ -143,31 +172,83 @@ def bench_command(artifact, data_dir, batch_sizes, out_file, junit_file, as_json
 
 VERIFY_EXIT_CODES = """\b
 Exit codes:
-  0  complete, unaltered, and runnable here as it was checked
-  3  incomplete or altered (no manifest, a file missing, changed or not part of it)
-  4  this machine cannot run it as it was checked (backend missing, another runtime version or CPU)"""
+  0  complete, unaltered, and runnable here as it was checked (and, with --public-key, signed by that key)
+  2  a --public-key or --certificate-chain file missing or not a usable key
+  3  incomplete or altered (no manifest, a file missing, changed or not part of it); with --public-key,
+     unsigned, signed by another key, or a file changed, added or removed after signing
+  4  this machine cannot run it as it was checked (backend missing, another runtime version or CPU);
+     --public-key without model-signing installed (pip install 'accel-opt[sign]')"""
 
 
 @main.command("verify", epilog=VERIFY_EXIT_CODES)
 @click.argument("artifact", type=click.Path(path_type=Path))
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout.")
-def verify_command(artifact, as_json):
-    """Check a built ARTIFACT folder before running it: manifest, every file's sha256, the environment."""
+@_trust_options
+def verify_command(artifact, as_json, public_key, certificate_chain):
+    """Check a built ARTIFACT folder before running it: its signature (with --public-key), manifest, every
+    file's sha256, the environment."""
     from accel_opt import runtime
 
-    problems = runtime.check(artifact)
+    try:
+        trust = _trust(public_key, certificate_chain)
+        problems = runtime.check(artifact, trust=trust)
+    except AccelOptError as exc:
+        _fail(exc, False, as_json)
+        return
     exit_code = 3 if any(p.exit_code == 3 for p in problems) else 4 if problems else 0
     if as_json:
         click.echo(json.dumps({"artifact_dir": str(artifact), "ok": not problems, "exit_code": exit_code,
-                               "problems": [p.model_dump() for p in problems]}))
+                               "signature_checked": trust is not None, "problems": [p.model_dump() for p in problems]}))
     elif problems:
         for problem in problems:
             click.echo(f"accel-opt: {artifact}: {problem.line}", err=True)
     else:
+        from accel_opt.artifacts import SIGNATURE
+
         manifest = runtime.read_manifest(artifact)
-        click.echo(f"ok: {artifact}: {len(manifest.artifacts)} files match manifest.json; {manifest.backend} "
+        signature = (f"signed by {trust.describe()}" if trust is not None else
+                     f"{SIGNATURE} not checked (give --public-key)" if (artifact / SIGNATURE).is_file() else "unsigned")
+        click.echo(f"ok: {artifact}: {signature}; {len(manifest.artifacts)} files match manifest.json; {manifest.backend} "
                    f"{manifest.precision} runs here as built; {'signed off' if manifest.signed_off else 'NOT signed off'}")
     sys.exit(exit_code)
+
+
+SIGN_EXIT_CODES = """\b
+Exit codes:
+  0  signed: ARTIFACT/model.sig covers every file of the folder, manifest.json included
+  2  a key or certificate file missing or unusable
+  3  the folder is incomplete or altered (it is verified before it is signed)
+  4  model-signing is not installed (pip install 'accel-opt[sign]')"""
+
+
+@main.command("sign", epilog=SIGN_EXIT_CODES)
+@click.argument("artifact", type=click.Path(path_type=Path))
+@click.option("--key", "private_key", type=click.Path(path_type=Path), required=True, help="Elliptic-curve private key (PEM).")
+@click.option("--signing-certificate", type=click.Path(path_type=Path),
+              help="The certificate of --key: the signature carries it, and verifiers trust its CA instead of one key.")
+@click.option("--certificate-chain", "certificate_chain", multiple=True, type=click.Path(path_type=Path),
+              help="Certificates from the signing certificate up to the CA (PEM; repeatable).")
+def sign_command(artifact, private_key, signing_certificate, certificate_chain):
+    """Sign a built ARTIFACT folder: model.sig, written inside it, proves who built it (the manifest's hashes only
+    prove it intact). The folder is verified first. Check it with `accel-opt verify ARTIFACT --public-key PUB.pem`,
+    or give --public-key to run, bench and compare."""
+    try:
+        from accel_opt import runtime
+        from accel_opt.errors import InputRejected
+        from accel_opt.signing import sign_folder
+
+        altered = [p for p in runtime.check(artifact) if p.exit_code == 3]
+        if altered:
+            raise InputRejected(f"{artifact}: not signed: {altered[0].line}")
+        signature = sign_folder(artifact, private_key, signing_certificate, certificate_chain)
+        manifest = runtime.read_manifest(artifact)
+    except (AccelOptError, Exception) as exc:  # noqa: BLE001 - every error maps to an exit code
+        _fail(exc, False, False)
+        return
+    by = f"the certificate {signing_certificate.name}" if signing_certificate else f"the key {private_key.name}"
+    click.echo(f"signed: {signature}: {len(manifest.artifacts) + 1} files (manifest.json included) signed with {by}; "
+               f"{'signed off' if manifest.signed_off else 'NOT signed off'}")
+    sys.exit(0)
 
 
 @main.command("doctor")
@@ -206,9 +287,10 @@ def doctor_command(as_json):
 @click.option("--max-accuracy-drop", type=float, help="Fail (exit 1) when the task metric (or worst cosine) drops more than this.")
 @click.option("--junit", "junit_file", type=click.Path(path_type=Path), help="Write the checks as JUnit XML here.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout.")
+@_trust_options
 @click.option("-v", "--verbose", is_flag=True)
 def compare_command(baseline, candidate, data_dir, reference, max_latency_regression, max_accuracy_drop, junit_file, as_json,
-                    verbose):
+                    public_key, certificate_chain, verbose):
     """Compare two built artifacts of one model family (the deployed build and a new one): speed interleaved
     in one run, accuracy of each against the same reference, and regression gates."""
     _setup_logging(verbose)
@@ -216,7 +298,8 @@ def compare_command(baseline, candidate, data_dir, reference, max_latency_regres
         from accel_opt import runtime
         from accel_opt.comparison import comparison_markdown, reference_of, run_comparison
 
-        base, cand = runtime.load(baseline), runtime.load(candidate)
+        trust = _trust(public_key, certificate_chain)  # both folders must carry it
+        base, cand = runtime.load(baseline, trust=trust), runtime.load(candidate, trust=trust)
         result = run_comparison(base, cand, reference_of(cand, reference), data_dir, max_latency_regression, max_accuracy_drop)
     except (AccelOptError, MemoryError, Exception) as exc:  # noqa: BLE001
         if junit_file:
