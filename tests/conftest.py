@@ -23,6 +23,35 @@ def tiny_cnn_path(tmp_path_factory) -> Path:
     return zoo.save(zoo.resnet(layout=(1, 1), width=8, num_classes=10, image_size=32, seed=0), path)
 
 
+CLASSIFIER_PRE = {"resize": 36, "crop": 32}  # the `classifier` fixture's preprocessing
+
+
+@pytest.fixture(scope="session")
+def photos(tmp_path_factory) -> Path:
+    """12 real JPEGs of different sizes (scikit-image's photos, rotated and scaled)."""
+    from PIL import Image
+
+    folder = tmp_path_factory.mktemp("photos")
+    for i, photo in enumerate(zoo._skimage_photos()[:6]):
+        for j, scale in enumerate((0.5, 0.8)):
+            img = Image.fromarray(photo)
+            img.resize((int(img.width * scale), int(img.height * scale))).rotate(90 * j, expand=True).save(folder / f"{i:02d}_{j}.jpg")
+    return folder
+
+
+@pytest.fixture(scope="session")
+def classifier(tiny_cnn_path, photos, tmp_path_factory) -> Path:
+    """The tiny CNN built from the photos with a classifier's preprocessing and top-k postprocess (batch 4).
+    Shared: tests that change the folder work on a copy."""
+    from accel_opt.pipeline import build
+
+    recipe = load_recipe().with_overrides(benchmark=FAST_BENCH, preprocessing=CLASSIFIER_PRE, postprocess={"topk": 3},
+                                          **{"selection.target_batch_size": 4})
+    result = build(tiny_cnn_path, recipe, data_dir=photos, out_dir=tmp_path_factory.mktemp("out"))
+    assert result.signed_off, result.failures
+    return Path(result.artifact_dir)
+
+
 @pytest.fixture()
 def fast_recipe() -> Recipe:
     return load_recipe().model_copy(deep=True).with_overrides(

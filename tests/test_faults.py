@@ -154,3 +154,32 @@ def test_full_disk_is_exit_5_and_nothing_is_complete(small_mount, tmp_path, size
     assert "no space left" in done.stderr and done.stderr.count("\n") == 1
     assert not list((full / "out").rglob(MANIFEST)) and not _build_folders(full / "out")
     np.testing.assert_equal(sorted(p.name for p in (full / "out").iterdir() if not p.name.startswith(".")), [])
+
+
+def test_a_full_disk_mid_run_leaves_whole_lines_and_resume_finishes(small_mount, classifier, tmp_path):
+    """`accel-opt run` into a 16 KiB tmpfs: the disk fills after a few batches (exit 5); the file is cut back
+    to its last whole line, so every line parses; after space is freed, --resume answers the rest once each."""
+    from click.testing import CliRunner
+
+    from accel_opt.cli import main
+
+    feeds = tmp_path / "feeds"
+    feeds.mkdir()
+    rng = np.random.default_rng(0)
+    for i in range(120):  # ~300-byte lines: about 36 KiB of predictions in all
+        np.savez(feeds / f"{i:03d}-{'x' * 180}.npz", image=rng.standard_normal((1, 3, 32, 32)).astype(np.float32))
+    full = small_mount("size=16k")
+    out = full / "preds.jsonl"
+    result = CliRunner().invoke(main, ["run", str(classifier), str(feeds), "--out", str(out)])
+    assert result.exit_code == 5, result.stderr
+    assert "no space left" in result.stderr and result.stderr.count("\n") == 1
+    text = out.read_text()
+    assert text.endswith("\n")
+    lines = [json.loads(line) for line in text.splitlines()]  # every line whole
+    assert 0 < len(lines) < 120
+    subprocess.run(["mount", "-o", "remount,size=1m", "tmpfs", str(full)], check=True, capture_output=True)
+    result = CliRunner().invoke(main, ["run", str(classifier), str(feeds), "--out", str(out), "--resume", "--json"])
+    assert result.exit_code == 0, result.stderr
+    assert json.loads(result.stdout)["skipped"] == len(lines)
+    answers = [json.loads(line)["input"] for line in out.read_text().splitlines()]
+    assert answers == [str(feeds / p.name) for p in sorted(feeds.iterdir())]

@@ -18,36 +18,9 @@ from accel_opt.pipeline import build
 from accel_opt.recipe import Postprocess, Preprocessing
 from accel_opt.runtime.job import errors_path, run_job
 
-from .conftest import image_npz_folder
+from .conftest import CLASSIFIER_PRE, image_npz_folder
 
-PRE = {"resize": 36, "crop": 32}
-
-
-@pytest.fixture(scope="module")
-def photos(tmp_path_factory) -> Path:
-    """12 real JPEGs of different sizes (scikit-image's photos, rotated and scaled)."""
-    from accel_opt.zoo import _skimage_photos
-
-    folder = tmp_path_factory.mktemp("photos")
-    for i, photo in enumerate(_skimage_photos()[:6]):
-        for j, scale in enumerate((0.5, 0.8)):
-            img = Image.fromarray(photo)
-            img.resize((int(img.width * scale), int(img.height * scale))).rotate(90 * j, expand=True).save(folder / f"{i:02d}_{j}.jpg")
-    return folder
-
-
-@pytest.fixture(scope="module")
-def classifier(tiny_cnn_path, photos, tmp_path_factory) -> Path:
-    """The tiny CNN built from the photos with a classifier's preprocessing and top-k postprocess."""
-    from accel_opt.recipe import load_recipe
-
-    from .conftest import FAST_BENCH
-
-    recipe = load_recipe().with_overrides(benchmark=FAST_BENCH, preprocessing=PRE, postprocess={"topk": 3},
-                                          **{"selection.target_batch_size": 4})
-    result = build(tiny_cnn_path, recipe, data_dir=photos, out_dir=tmp_path_factory.mktemp("out"))
-    assert result.signed_off, result.failures
-    return Path(result.artifact_dir)
+PRE = CLASSIFIER_PRE
 
 
 def _lines(path: Path) -> list[dict]:
