@@ -93,6 +93,8 @@ def main() -> None:
 @click.option("--keep-io-types/--no-keep-io-types", default=None, help="fp16/bf16: keep inputs/outputs in fp32 (default: keep).")
 @click.option("--providers", help="ONNX Runtime execution provider: CUDAExecutionProvider or TensorrtExecutionProvider (onnxruntime-gpu, a GPU); default CPU.")
 @click.option("--calibration", type=click.Choice(["minmax", "entropy", "percentile"]), help="int8 calibration method.")
+@click.option("--target-cpu", type=click.Choice(["host", "avx2", "avx512", "avx_vnni", "avx512_vnni", "amx", "arm64"]),
+              help="int8: the CPU class to build for (default: this one); avx2/avx512 without VNNI get 7-bit weights.")
 @click.option("--no-fallback", is_flag=True, help="int8/fp16/bf16: ship the naive build even when it fails (no layer kept in fp32 by the per-layer diagnosis).")
 @click.option("--threads", type=int, help="Intra-op threads (default: CPUs available).")
 @click.option("--out", "out_dir", type=click.Path(path_type=Path), default=Path("artifacts"), show_default=True, help="Where build folders go.")
@@ -101,7 +103,7 @@ def main() -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout (for CI).")
 @click.option("-v", "--verbose", is_flag=True, help="Log progress and show tracebacks.")
 def build(model, precision, backend, recipe_path, data_dir, shapes, batch_axes, max_shapes, require_data, keep_io_types,
-          providers, calibration, no_fallback, threads, out_dir, force, junit_file, as_json, verbose):
+          providers, calibration, target_cpu, no_fallback, threads, out_dir, force, junit_file, as_json, verbose):
     """Build MODEL (.onnx) through cleanup, precision, compile, accuracy gate and benchmark."""
     _setup_logging(verbose)
     try:
@@ -119,6 +121,7 @@ def build(model, precision, backend, recipe_path, data_dir, shapes, batch_axes, 
             **{
                 "precision_options.keep_io_types": keep_io_types,
                 "precision_options.calibration.method": calibration,
+                "precision_options.calibration.target_cpu": target_cpu,
                 "precision_options.fallback.enabled": False if no_fallback else None,
                 "onnxruntime.providers": providers.split(",") if providers else None,
                 "benchmark.threads": threads,

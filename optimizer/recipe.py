@@ -54,6 +54,8 @@ class _Strict(BaseModel):
 
 
 ErrorStat = Literal["mean", "median", "max"]
+# CPU kernel classes (accel_opt.hardware.CPU_CLASSES plus the non-x86 ones), or "host": this machine's.
+TargetCpu = Literal["host", "avx2", "avx512", "avx_vnni", "avx512_vnni", "amx", "arm64", "other"]
 
 
 class Tolerance(_Strict):
@@ -244,6 +246,11 @@ class CalibrationConfig(_Strict):
     # Op types that get Q/DQ; None: every op ONNX Runtime has a Q/DQ kernel for (CNNs gain from
     # quantized Add/Pool too). Transformers: [MatMul, Gemm] keeps masks, softmax and norms in float.
     op_types: list[str] | None = None
+    # The CPU class the int8 graph is built for (its kernels decide the weights' range): "host" is this machine.
+    # On avx2 / avx512 without VNNI the u8 x s8 kernels sum pairs in int16 and saturate: 7-bit weights there.
+    target_cpu: TargetCpu = "host"
+    # 7-bit weights: None follows target_cpu (on where the kernels saturate); true/false overrides that.
+    reduce_range: bool | None = None
 
 
 class FallbackConfig(_Strict):

@@ -31,6 +31,9 @@ class CalibrationReport(BaseModel):
     per_channel: bool
     symmetric_activations: bool
     sample_count: int
+    target_cpu: str = "host"  # the CPU class the integer ranges were chosen for
+    reduce_range: bool = False  # 7-bit weights
+    reduce_range_reason: str = ""
     seconds: float
     cache_hit: bool
     cache_key: str
