@@ -102,6 +102,9 @@ class Manifest(BaseModel):
     tools: dict[str, str]
     cpu: dict[str, Any]
     command_line: list[str]
+    # The CPU class whose kernels the gate ran (accel_opt.hardware.kernel_class): where the sign-off holds.
+    # None: a folder from before classes were recorded.
+    cpu_class: str | None = None
 
 
 def now_utc() -> str:

@@ -20,6 +20,7 @@ from accel_opt.signing import PUBLIC_KEY_ENV
 RUN_EXIT_CODES = """\b
 Exit codes:
   0  every input predicted
+  1  signed off on another CPU class, and its re-check on this one failed (nothing was predicted)
   2  usage error: PREDICTIONS exists without --resume/--overwrite; another run is writing it (its pid named);
      --resume over another artifact's answers, or over a file without PREDICTIONS.meta.json; --out among the
      inputs; images without preprocessing; a key file missing or not an EC public key
@@ -39,6 +40,12 @@ def _trust_options(command):
                              "anything in the folder is read.")(command)
 
 
+def _say_scope(line: str | None) -> None:
+    """Where a folder's sign-off holds, when it is not this CPU class: one line on stderr."""
+    if line:
+        click.echo(f"accel-opt: {line}", err=True)
+
+
 def _trust(public_key, certificate_chain):
     from accel_opt.signing import trust_of
 
@@ -53,9 +60,12 @@ def _trust(public_key, certificate_chain):
 @click.option("--overwrite", is_flag=True, help="Replace an existing PREDICTIONS file.")
 @click.option("--workers", type=click.IntRange(min=1), help="Reader threads decoding and preprocessing inputs (default: CPUs available).")
 @click.option("--json", "as_json", is_flag=True, help="Print the job summary as one JSON object on stdout.")
+@click.option("--no-recheck", is_flag=True, help="On another CPU class than the sign-off's, run without re-checking "
+              "the folder's probe set here first (the default re-checks, once, and refuses a failed re-check).")
 @_trust_options
 @click.option("-v", "--verbose", is_flag=True)
-def run_command(artifact, inputs, predictions, resume, overwrite, workers, as_json, public_key, certificate_chain, verbose):
+def run_command(artifact, inputs, predictions, resume, overwrite, workers, as_json, no_recheck, public_key,
+                certificate_chain, verbose):
     """Run a built ARTIFACT folder on INPUTS (image files, .npz feed dicts, or folders of them).
 
     Writes one JSON line per input, in input order: {"input": PATH, "top1": ..., "topk": [[class, score], ...]}
@@ -75,8 +85,10 @@ def run_command(artifact, inputs, predictions, resume, overwrite, workers, as_js
     try:
         from accel_opt import runtime
         from accel_opt.runtime.job import run_job
+        from accel_opt.runtime.probe import signed_off_here
 
         deployment = runtime.load(artifact, trust=_trust(public_key, certificate_chain))
+        _say_scope(signed_off_here(deployment, recheck_allowed=not no_recheck))
         show_progress = not as_json and sys.stderr.isatty()
         with _progress(show_progress) as on_progress:
             summary = run_job(deployment, inputs, predictions, resume=resume, overwrite=overwrite, workers=workers,
@@ -135,6 +147,7 @@ def bench_command(artifact, data_dir, batch_sizes, out_file, junit_file, as_json
     try:
         from accel_opt import artifacts, report, runtime
         from accel_opt.runtime.measure import benchmark_artifact
+        from accel_opt.runtime.probe import signed_off_here
 
         sizes = None
         if batch_sizes:
@@ -145,6 +158,7 @@ def bench_command(artifact, data_dir, batch_sizes, out_file, junit_file, as_json
             if not sizes or min(sizes) < 1:
                 raise UsageError(f"--batch-sizes: expected positive integers like 1,8, got {batch_sizes!r}")
         deployment = runtime.load(artifact, trust=_trust(public_key, certificate_chain))
+        _say_scope(signed_off_here(deployment, recheck_allowed=False))
         result, data = benchmark_artifact(deployment, data_dir, sizes)
         if out_file:
             artifacts.write_json(out_file, result)
@@ -173,6 +187,7 @@ def bench_command(artifact, data_dir, batch_sizes, out_file, junit_file, as_json
 VERIFY_EXIT_CODES = """\b
 Exit codes:
   0  complete, unaltered, and runnable here as it was checked (and, with --public-key, signed by that key)
+  1  --accuracy: the re-check of the build's gate on this CPU failed
   2  a --public-key or --certificate-chain file missing or not a usable key
   3  incomplete or altered (no manifest, a file missing, changed or not part of it); with --public-key,
      unsigned, signed by another key, or a file changed, added or removed after signing
@@ -182,23 +197,38 @@ Exit codes:
 
 @main.command("verify", epilog=VERIFY_EXIT_CODES)
 @click.argument("artifact", type=click.Path(path_type=Path))
+@click.option("--accuracy", is_flag=True, help="Also re-run the build's accuracy gate here, on the probe set the "
+              "folder carries (seconds): the sign-off's verdict for this CPU's kernels. Exit 1 when it fails.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout.")
 @_trust_options
-def verify_command(artifact, as_json, public_key, certificate_chain):
+def verify_command(artifact, accuracy, as_json, public_key, certificate_chain):
     """Check a built ARTIFACT folder before running it: its signature (with --public-key), manifest, every
-    file's sha256, the environment."""
+    file's sha256, the environment, and which CPU class its sign-off holds for (--accuracy re-checks it here)."""
     from accel_opt import runtime
 
+    recheck = scope = None
     try:
         trust = _trust(public_key, certificate_chain)
         problems = runtime.check(artifact, trust=trust)
+        if not problems:
+            from accel_opt.runtime.probe import recheck as run_recheck
+
+            deployment = runtime.load(artifact, trust=trust)
+            scope = deployment.scope()
+            if accuracy:
+                recheck = run_recheck(deployment)
     except AccelOptError as exc:
         _fail(exc, False, as_json)
         return
     exit_code = 3 if any(p.exit_code == 3 for p in problems) else 4 if problems else 0
+    if recheck is not None and not recheck.passed:
+        exit_code = 1
     if as_json:
-        click.echo(json.dumps({"artifact_dir": str(artifact), "ok": not problems, "exit_code": exit_code,
-                               "signature_checked": trust is not None, "problems": [p.model_dump() for p in problems]}))
+        click.echo(json.dumps({"artifact_dir": str(artifact), "ok": exit_code == 0, "exit_code": exit_code,
+                               "signature_checked": trust is not None, "problems": [p.model_dump() for p in problems],
+                               "cpu_class": scope.model_dump() if scope else None,
+                               "recheck": recheck.model_dump(mode="json", include={"sample_count", "failures", "checks"})
+                               if recheck else None}))
     elif problems:
         for problem in problems:
             click.echo(f"accel-opt: {artifact}: {problem.line}", err=True)
@@ -209,7 +239,12 @@ def verify_command(artifact, as_json, public_key, certificate_chain):
         signature = (f"signed by {trust.describe()}" if trust is not None else
                      f"{SIGNATURE} not checked (give --public-key)" if (artifact / SIGNATURE).is_file() else "unsigned")
         click.echo(f"ok: {artifact}: {signature}; {len(manifest.artifacts)} files match manifest.json; {manifest.backend} "
-                   f"{manifest.precision} runs here as built; {'signed off' if manifest.signed_off else 'NOT signed off'}")
+                   f"{manifest.precision} runs here as built; {'signed off' if manifest.signed_off else 'NOT signed off'}"
+                   f"; {scope.line(artifact)}")
+        if recheck is not None:
+            verdict = "passed" if recheck.passed else "FAILED: " + "; ".join(recheck.failures)
+            click.echo(f"accuracy re-checked here ({scope.here}) on {recheck.sample_count} probe samples, worst cosine "
+                       f"{recheck.worst_cosine:.6f}: {verdict}", err=not recheck.passed)
     sys.exit(exit_code)
 
 
@@ -297,9 +332,12 @@ def compare_command(baseline, candidate, data_dir, reference, max_latency_regres
     try:
         from accel_opt import runtime
         from accel_opt.comparison import comparison_markdown, reference_of, run_comparison
+        from accel_opt.runtime.probe import signed_off_here
 
         trust = _trust(public_key, certificate_chain)  # both folders must carry it
         base, cand = runtime.load(baseline, trust=trust), runtime.load(candidate, trust=trust)
+        for side in (base, cand):
+            _say_scope(signed_off_here(side, recheck_allowed=False))
         result = run_comparison(base, cand, reference_of(cand, reference), data_dir, max_latency_regression, max_accuracy_drop)
     except (AccelOptError, MemoryError, Exception) as exc:  # noqa: BLE001
         if junit_file:

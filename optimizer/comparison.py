@@ -82,7 +82,7 @@ def run_comparison(baseline: Deployment, candidate: Deployment, reference: Path,
 
     reports = [compare(reference_runner(reference, threads), side.runner(_dtypes(own)), samples, recipe.tolerance,
                        recipe.accuracy.task_metrics, names=names, batch_size=side.batch_size, batch_axes=side.batch_axes,
-                       candidate_samples=own)
+                       candidate_samples=own, noise_reference=reference_runner(reference, threads, optimize=True))
                for side, own in zip((baseline, candidate), fed, strict=True)]
     sizes = sorted({baseline.batch_size, candidate.batch_size})
     targets = [baseline.target(_dtypes(fed[0]), label="baseline", samples=fed[0]),

@@ -123,5 +123,17 @@ def write_manifest(ctx: BuildContext, folder: Path, result: BuildResult) -> None
         tools=artifacts.tool_versions(),
         cpu=hardware.cpu_info(),
         command_line=artifacts.command_line(),
+        cpu_class=hardware.kernel_class(ctx.backend.name),
     )
     artifacts.write_json(folder / artifacts.MANIFEST, manifest)
+
+
+def write_probe_set(ctx: BuildContext, folder: Path) -> int:
+    """The folder's probe set: the first evaluation samples as the artifact takes them, the reference's outputs on
+    them and the gate's tolerance, so another CPU can re-check the sign-off (runtime.probe)."""
+    from accel_opt.runtime import probe
+
+    noise = {o.name: o.noise_floor for o in ctx.accuracy.outputs if o.noise_floor}
+    return probe.write_probe(folder, ctx.deploy_samples, ctx.accuracy._reference_outputs, ctx.eval_names,
+                             ctx.recipe.tolerance, ctx.recipe.accuracy.task_metrics, noise,
+                             hardware.kernel_class(ctx.backend.name))

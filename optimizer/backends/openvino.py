@@ -367,22 +367,31 @@ class OpenVinoBackend:
 
 
 def load_compiled(compiled: CompiledModel):
-    """The openvino.CompiledModel in the saved blob, the model that was checked: refused (exit 4), never
-    silently recompiled, when it was built for another OpenVINO version or CPU or was altered."""
+    """The openvino.CompiledModel in the saved blob, the model that was checked. A blob compiled for another CPU
+    (model, ISA flags, or a oneDNN ISA cap here) is not imported: the folder's model.onnx, the graph the blob was
+    compiled from, is compiled here with the recorded config instead, and said so; on another CPU class the
+    runtime re-checks that build on the folder's probe set before it runs (runtime.probe). Another OpenVINO
+    version is refused earlier, by runtime.check."""
     blob = next((p for p in compiled.extra_files if p.suffix == ".blob"), None)
-    if blob is None:
+    model = None
+    if blob is not None:
+        meta_path = blob.with_suffix(blob.suffix + ".json")
+        try:
+            meta = json.loads(meta_path.read_text())
+        except (OSError, ValueError) as exc:
+            raise Unsupported(f"OpenVINO blob {blob.name} cannot run here: its description {meta_path.name} is "
+                              f"unreadable ({exc})") from None
+        if hashlib.sha256(blob.read_bytes()).hexdigest() != meta.get("sha256"):  # altered: what was checked is gone
+            raise Unsupported(f"OpenVINO blob {blob.name} cannot run here: its content does not match its recorded "
+                              "sha256; rebuild the artifact")
+        reason = blob_mismatch(meta)
+        model = load_cached_blob(blob, meta) if reason is None else None
+        if model is None:
+            log.warning("OpenVINO blob %s was compiled for another CPU (%s): compiling %s here with its recorded config",
+                        blob.name, reason or "it does not import as recorded", compiled.path.name)
+    if model is None:
         model = _compile(compiled.path, compiled.settings["compile_config"], compiled.settings["static_shapes"])
         _verify_precision(model, compiled.precision)
-        return model
-    meta_path = blob.with_suffix(blob.suffix + ".json")
-    try:
-        reason = blob_mismatch(json.loads(meta_path.read_text()))
-    except (OSError, ValueError) as exc:
-        reason = f"its description {meta_path.name} is unreadable ({exc})"
-    model = load_cached_blob(blob) if reason is None else None
-    if model is None:
-        raise Unsupported(f"OpenVINO blob {blob.name} cannot run here: {reason or 'it does not import as recorded'}; "
-                          "rebuild the artifact on this machine")
     return model
 
 

@@ -60,7 +60,8 @@ def cleanup(
     after = onnx.load(str(out_path), load_external_data=False)
     counts.update(nodes_after=len(after.graph.node), ops_after=op_histogram(after))
     try:
-        report = compare(reference_runner(model_path, threads), reference_runner(out_path, threads), samples, tolerance)
+        report = compare(reference_runner(model_path, threads), reference_runner(out_path, threads), samples, tolerance,
+                         noise_reference=reference_runner(model_path, threads, optimize=True))
     except AccelOptError as exc:
         reason = f"simplified model does not load ({exc}); original kept"
         return model_path, CleanupReport(applied=False, reason=reason, **counts)

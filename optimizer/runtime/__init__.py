@@ -130,6 +130,14 @@ class Deployment:
     def batch_axes(self) -> dict[str, int | None]:
         return self.config.batch_axes
 
+    def scope(self):
+        """Where the sign-off holds, seen from this machine (runtime.probe.Scope); GPU builds: their own checks."""
+        from accel_opt.runtime.probe import Scope, scope
+
+        if self.config.device != "cpu":
+            return Scope(built_on=self.config.device, here=self.config.device)
+        return scope(self.folder, self.config.backend, read_manifest(self.folder).cpu_class)
+
     def describe(self, folder_name: str | None = None) -> str:
         """What runs, in one line: the folder (by `folder_name` while it is still staged) and its files."""
         files = ", ".join([self.config.model_file, *[f for f in self.config.extra_files if not f.endswith(".json")]])
@@ -226,8 +234,8 @@ def _backend_of(config: ResourceConfig):
 
 def _environment_problems(folder: Path, config: ResourceConfig) -> list[str]:
     """The runtime version that was checked must be the one here (major.minor): another one may pick
-    other kernels, so the sign-off would not describe what runs. An OpenVINO blob must match this
-    OpenVINO version and CPU (model and ISA flags)."""
+    other kernels, so the sign-off would not describe what runs. (Another CPU is not refused here: the sign-off's
+    CPU class is re-checked on the folder's probe set, runtime.probe.)"""
     if config.backend == "onnxruntime":
         import onnxruntime
 
@@ -247,14 +255,7 @@ def _environment_problems(folder: Path, config: ResourceConfig) -> list[str]:
     problems = []
     if recorded and _major_minor(recorded) != _major_minor(here):
         problems.append(f"built and checked with {config.backend} {recorded}, this machine has {here}: rebuild here")
-    for name in config.extra_files:
-        if name.endswith(".blob.json"):
-            from accel_opt.backends.openvino import blob_mismatch
-
-            reason = blob_mismatch(json.loads((folder / name).read_text()))
-            if reason:
-                problems.append(f"{name.removesuffix('.json')}: {reason}: rebuild here")
-    return problems
+    return problems  # an OpenVINO blob of another CPU: its model.onnx is compiled here (backends.openvino.load_compiled)
 
 
 def _major_minor(version: str) -> tuple[str, ...]:
