@@ -114,12 +114,15 @@ def signature_problem(folder: Path, trust: Trust) -> str | None:
 
 def _explain(exc: Exception, trust: Trust) -> str:
     text = str(exc)
-    if changed := re.search(r"Hash mismatch for '([^']+)'", text):
-        return f"{changed.group(1)}: changed after the folder was signed (the signature by {trust.describe()} does not cover it)"
-    if extra := re.search(r"Extra files found in model '[^']*': ([^\"\]]+)", text):
-        return f"{extra.group(1).strip()}: added after the folder was signed (not covered by its signature)"
+    found = []  # model-signing lists every difference; name each file once, on one line
+    if changed := re.findall(r"Hash mismatch for '([^']+)'", text):
+        found.append(f"{', '.join(changed)}: changed after the folder was signed")
     if missing := re.search(r"Missing files in model '[^']*': ([^\"\]]+)", text):
-        return f"{missing.group(1).strip()}: missing (removed after the folder was signed)"
+        found.append(f"{missing.group(1).strip()}: missing (removed after the folder was signed)")
+    if extra := re.search(r"Extra files found in model '[^']*': ([^\"\]]+)", text):
+        found.append(f"{extra.group(1).strip()}: added after the folder was signed (not covered by its signature)")
+    if found:
+        return "; ".join(found)
     if "Key mismatch" in text or isinstance(exc, AttributeError):  # AttributeError: a bundle of the other kind
         return f"{SIGNATURE}: not signed by {trust.describe()}"
     return f"{SIGNATURE}: does not verify against {trust.describe()} ({type(exc).__name__}: {first_line(exc)})"
