@@ -364,7 +364,7 @@ def _fallback_actions(ctx: BuildContext, probes: list[Sample]) -> fallback.Actio
         deployed = {spec.name: spec.dtype for spec in io_specs(onnx.load(str(path), load_external_data=False))[0]}
         runner = casting_inputs(ctx.backend.runner(compiled), runtime.feed_dtypes_of(probes), deployed)
         result = compare(reference_runner(ctx.fp32_path, ctx.threads), runner, probes, *tolerance, batch_size=ctx.deploy_batch,
-                         batch_axes=ctx.shapes.batch_axes)
+                         batch_axes=ctx.shapes.batch_axes, noise_reference=reference_runner(ctx.fp32_path, ctx.threads, optimize=True))
         return fallback.ProbeVerdict(passed=result.passed, worst_cosine=result.worst_cosine, failures=result.failures[:3])
 
     def examine(path: Path) -> Diagnosis:
@@ -459,6 +459,7 @@ def _stage_accuracy(ctx: BuildContext) -> tuple[StageStatus, str]:
         batch_size=deployment.batch_size,
         batch_axes=deployment.batch_axes,
         candidate_samples=ctx.deploy_samples,
+        noise_reference=reference_runner(ctx.model_path, ctx.threads, optimize=True),
     )
     ctx.accuracy.evaluation.deployment = deployment.describe(records.artifact_name(ctx))
     # What the gate found (where each output holds a batch's samples) is part of how the artifact runs.
@@ -596,6 +597,7 @@ def _stage_reports(ctx: BuildContext) -> tuple[StageStatus, str]:
         "environment": {"tools": artifacts.tool_versions(), "cpu": hardware.cpu_info()},
         "files_sha256": {f: ctx.deployed_hashes[f] for f in [config.model_file, *config.extra_files]},
     }
+    records.write_probe_set(ctx, staging)
     artifacts.write_json(staging / "build.json", build_info)
     artifacts.write_text(staging / "signoff.html", htmlreport.render(staging))  # from the JSON reports above only
     return "passed", f"{len(list(staging.iterdir()))} files"

@@ -46,6 +46,19 @@ def _run(path: Path, images: np.ndarray) -> np.ndarray:
     return create_session(path, [CPU_PROVIDER], threads=1).run(None, {"image": images})[0]
 
 
+def _run_exact(path: Path, images: np.ndarray) -> np.ndarray:
+    """ORT's exact x64 int8 path (u8u8, no int16 pair sums): the graph's own error, whatever this CPU's class. The
+    TensorRT preset's signed activations run as u8s8 on ORT's CPU kernels, which saturate on AVX2 (measured
+    there: 0.122 relative error) but not on VNNI/AMX or on a GPU."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 1
+    options.add_session_config_entry("session.x64quantprecision", "1")
+    session = ort.InferenceSession(str(path), options, providers=[CPU_PROVIDER])
+    return session.run(None, {"image": images})[0]
+
+
 def _relative_error(candidate: np.ndarray, reference: np.ndarray) -> float:
     return float(np.linalg.norm(candidate - reference) / np.linalg.norm(reference))
 
@@ -119,7 +132,7 @@ def test_tensorrt_preset_is_symmetric_int8_with_float_bias(model_path, calib, ev
     assert all(not z.any() for z in zero_points)  # symmetric: every zero point is 0
     assert not any(t.data_type == TensorProto.INT32 for t in model.graph.initializer)  # biases stay float
     assert any(n.op_type == "Relu" for n in model.graph.node)  # kept explicit for TensorRT's fusions
-    assert _relative_error(_run(out, evaluation), _run(model_path, evaluation)) < 0.1
+    assert _relative_error(_run_exact(out, evaluation), _run(model_path, evaluation)) < 0.1
 
 
 def test_auto_target_follows_backend():

@@ -1,0 +1,199 @@
+"""A sign-off holds for a CPU class: int8 weights follow the target's kernels, the folder records the class its gate
+ran and carries a probe set, and another class re-checks it. The cross-class test lowers OpenVINO's kernels with
+oneDNN's ISA cap (ONEDNN_MAX_CPU_ISA=AVX2) in a child process: real saturating kernels, on this one machine."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from accel_opt import hardware
+from accel_opt.accuracy import judge
+from accel_opt.precision.int8 import ORT_CPU, TENSORRT, quantize, weight_range
+from accel_opt.recipe import CalibrationConfig, load_recipe
+
+from .conftest import FAST_BENCH, make_model, save
+
+AVX2 = frozenset({"avx", "avx2", "fma"})
+AVX512 = AVX2 | {"avx512f", "avx512bw", "avx512vl"}
+
+
+def test_cpu_classes_from_flags(monkeypatch):
+    assert hardware.cpu_class(AVX2, "x86_64") == "avx2"
+    assert hardware.cpu_class(AVX512, "x86_64") == "avx512"
+    assert hardware.cpu_class(AVX2 | {"avx_vnni"}, "x86_64") == "avx_vnni"
+    assert hardware.cpu_class(AVX512 | {"avx512_vnni"}, "x86_64") == "avx512_vnni"
+    assert hardware.cpu_class(AVX512 | {"avx512_vnni", "amx_int8", "amx_tile"}, "x86_64") == "amx"
+    assert hardware.cpu_class(frozenset({"asimd"}), "aarch64") == "arm64"
+    assert [hardware.saturating_int8(c) for c in ("avx2", "avx512", "avx_vnni", "avx512_vnni", "amx", "arm64")] == \
+        [True, True, False, False, False, False]
+    amx = AVX512 | {"avx512_vnni", "amx_int8"}
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    assert hardware.kernel_class("openvino", amx) == "avx2"  # oneDNN's cap lowers OpenVINO's kernels ...
+    assert hardware.kernel_class("onnxruntime", amx) == "amx"  # ... not ONNX Runtime's
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_AMX")  # a cap above the CPU changes nothing
+    assert hardware.kernel_class("openvino", AVX2) == "avx2"
+
+
+@pytest.mark.parametrize(("target", "seven_bit"), [("avx2", True), ("avx512", True), ("avx512_vnni", False), ("amx", False)])
+def test_int8_weights_follow_the_target_cpu(target, seven_bit):
+    cpu, reduce_range, reason = weight_range(ORT_CPU, CalibrationConfig(target_cpu=target))
+    assert (cpu, reduce_range) == (target, seven_bit) and target in reason
+    assert weight_range(TENSORRT, CalibrationConfig(target_cpu="avx2"))[1] is False  # the GPU's kernels, not the host's
+    assert weight_range(ORT_CPU, CalibrationConfig(target_cpu="avx2", reduce_range=False))[1] is False  # the recipe says
+
+
+def saturating_model(channels: int = 64) -> onnx.ModelProto:
+    """Non-negative inputs near the top of their range into a conv whose weights share one sign at full magnitude:
+    u8 x s8 pair sums reach 2 x 255 x 127 > 32767, past what VPMADDUBSW's int16 holds."""
+    rng = np.random.default_rng(0)
+    sign = np.where(rng.random((32, 1, 1, 1)) < 0.5, -1, 1)
+    w = (sign * (0.5 + 0.5 * rng.random((32, channels, 1, 1))) * np.ones((1, 1, 3, 3))).astype(np.float32)
+    head = (rng.standard_normal((10, 32)) * 0.1).astype(np.float32)
+    return make_model(
+        [helper.make_node("Relu", ["x"], ["xr"], name="relu0"),
+         helper.make_node("Conv", ["xr", "w"], ["c"], name="conv", pads=[1, 1, 1, 1]),
+         helper.make_node("Relu", ["c"], ["r"], name="relu1"),
+         helper.make_node("GlobalAveragePool", ["r"], ["p"], name="gap"),
+         helper.make_node("Flatten", ["p"], ["f"], name="flat"),
+         helper.make_node("Gemm", ["f", "head"], ["y"], name="fc", transB=1)],
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", channels, 16, 16])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 10])],
+        [numpy_helper.from_array(w, "w"), numpy_helper.from_array(head, "head")])
+
+
+def saturating_data(folder: Path, count: int = 80, channels: int = 64) -> Path:
+    rng = np.random.default_rng(1)
+    folder.mkdir(parents=True, exist_ok=True)
+    for i in range(count):
+        x = (0.8 + 0.2 * rng.random((1, channels, 16, 16))).astype(np.float32) * (rng.random((1, channels, 1, 1)) < 0.9)
+        np.savez(folder / f"s{i:03d}.npz", x=x.astype(np.float32))
+    return folder
+
+
+def test_seven_bit_weights_stay_within_their_range(tmp_path):
+    model = save(saturating_model(), tmp_path / "sat.onnx")
+    samples = [dict(np.load(p)) for p in sorted(saturating_data(tmp_path / "data", 8).iterdir())]
+    peaks = {}
+    for target in ("avx2", "amx"):
+        out = tmp_path / f"{target}.onnx"
+        report = quantize(model, samples, CalibrationConfig(samples=8, target_cpu=target), "onnxruntime", out, None)
+        assert report.calibration.target_cpu == target and report.calibration.reduce_range_reason
+        weights = [numpy_helper.to_array(t) for t in onnx.load(str(out)).graph.initializer if t.data_type == TensorProto.INT8
+                   and len(t.dims) == 4]
+        peaks[target] = max(int(np.abs(w.astype(np.int32)).max()) for w in weights)
+    assert peaks == {"avx2": 64, "amx": 127}  # 7-bit: [-64, 63] (ORT's reduce_range), else the full 8 bits
+
+
+def _near_constant(count: int, rng) -> list[dict[str, np.ndarray]]:
+    """A probability map that is almost the same everywhere (PP-OCRv4's on synthetic inputs): std ~1e-7."""
+    return [{"prob": (3e-6 + 1e-7 * rng.random((1, 1, 32, 32))).astype(np.float32)} for _ in range(count)]
+
+
+def test_the_noise_floor_keeps_fp32_reordering_from_failing_a_near_constant_output():
+    rng = np.random.default_rng(0)
+    tol = load_recipe().accuracy.tolerances["fp32"]
+    refs = _near_constant(8, rng)
+    # Another fp32 evaluation: 2% of the output's tiny std off, as float32 reordering leaves such a map.
+    other = [{"prob": r["prob"] + np.float32(2e-9) * rng.standard_normal(r["prob"].shape).astype(np.float32)} for r in refs]
+    noise = {"prob": 2 * max(float(np.abs(o["prob"] - r["prob"]).max()) for o, r in zip(other, refs))}
+    names = [f"s{i}" for i in range(8)]
+    assert not judge(refs, other, names, tol).passed  # judged in units of that std alone: a false reject
+    assert judge(refs, other, names, tol, noise_floor=noise).passed
+    # What the gate exists to catch still fails above the floor: one zeroed sample, a 9% gain.
+    zeroed = [dict(o) for o in other]
+    zeroed[3] = {"prob": np.zeros_like(refs[3]["prob"])}
+    assert not judge(refs, zeroed, names, tol, noise_floor=noise).passed
+    scaled = [{"prob": o["prob"] * np.float32(1.09)} for o in other]
+    assert not judge(refs, scaled, names, tol, noise_floor=noise).passed
+
+
+def test_an_unmodified_fp32_model_with_a_near_constant_output_signs_off(tmp_path, fast_recipe):
+    """Sigmoid of a deep negative logit: values ~1e-5, std tiny; the measured floor keeps the fp32 build signed off."""
+    from accel_opt.pipeline import build
+
+    rng = np.random.default_rng(0)
+    w = (rng.standard_normal((16, 3, 3, 3)) * 0.5).astype(np.float32)
+    w2 = (rng.standard_normal((1, 16, 3, 3)) * 0.05).astype(np.float32)
+    model = save(make_model(
+        [helper.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1], name="conv"),
+         helper.make_node("Relu", ["c"], ["r"], name="relu"),
+         helper.make_node("Conv", ["r", "w2", "bias"], ["logit"], pads=[1, 1, 1, 1], name="head"),
+         helper.make_node("Sigmoid", ["logit"], ["prob"], name="sigmoid")],
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 32, 32])],
+        [helper.make_tensor_value_info("prob", TensorProto.FLOAT, [1, 1, 32, 32])],
+        [numpy_helper.from_array(w, "w"), numpy_helper.from_array(w2, "w2"),
+         numpy_helper.from_array(np.array([-12.0], np.float32), "bias")]), tmp_path / "prob.onnx")
+    result = build(model, fast_recipe, out_dir=tmp_path / "out")
+    assert result.signed_off, result.failures
+    accuracy = json.loads((Path(result.artifact_dir) / "accuracy.json").read_text())
+    assert accuracy["outputs"][0]["noise_floor"] > 0  # measured, and recorded with the verdict
+
+
+def _accel_opt(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "accel_opt.cli", *args], capture_output=True, text=True, env=env,
+                          timeout=300)
+
+
+@pytest.fixture(scope="module")
+def saturating_builds(tmp_path_factory):
+    """OpenVINO int8 builds of the saturating model: 8-bit weights for this CPU, and 7-bit ones for AVX2."""
+    pytest.importorskip("openvino")
+    from accel_opt.pipeline import build
+
+    if hardware.saturating_int8(hardware.cpu_class()):
+        pytest.skip(f"this CPU ({hardware.cpu_class()}) is already the lowest int8 class: no lower one to emulate")
+    root = tmp_path_factory.mktemp("saturating")
+    model, data = save(saturating_model(), root / "sat.onnx"), saturating_data(root / "data")
+    recipe = load_recipe().with_overrides(precision="int8", backend="openvino", benchmark=FAST_BENCH,
+                                          **{"precision_options.fallback.enabled": False})
+    folders = {}
+    for target in ("host", "avx2"):
+        result = build(model, recipe.with_overrides(**{"precision_options.calibration.target_cpu": target}),
+                       data_dir=data, out_dir=root / target)
+        assert result.signed_off, result.failures
+        folders[target] = Path(result.artifact_dir)
+    return folders, data
+
+
+def test_a_folder_records_its_cpu_class_and_carries_a_probe_set(saturating_builds, tmp_path):
+    folder = saturating_builds[0]["host"]
+    manifest = json.loads((folder / "manifest.json").read_text())
+    assert manifest["cpu_class"] == hardware.kernel_class("openvino")
+    assert {"probe.npz", "probe.json"} <= set(manifest["artifacts"])  # hashed like every file
+    assert (folder / "probe.npz").stat().st_size < 4 << 20
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path)}
+    done = _accel_opt("verify", str(folder), "--accuracy", env=env)
+    assert done.returncode == 0, done.stderr
+    assert "signed off on this CPU class" in done.stdout and "passed" in done.stdout
+
+
+def test_another_cpu_class_is_rechecked_and_a_saturating_build_refused(saturating_builds, tmp_path):
+    folders, data = saturating_builds
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache"), "ONEDNN_MAX_CPU_ISA": "AVX2"}
+    inputs = [str(p) for p in sorted(data.iterdir())[:3]]
+
+    done = _accel_opt("verify", str(folders["host"]), env=env)  # without --accuracy: it says so, and runs
+    assert done.returncode == 0 and "this CPU is avx2" in done.stdout and "--accuracy" in done.stdout
+    done = _accel_opt("verify", str(folders["host"]), "--accuracy", env=env)
+    assert done.returncode == 1 and "FAILED" in done.stderr, done.stdout + done.stderr  # saturation, caught
+    done = _accel_opt("run", str(folders["host"]), *inputs, "--out", str(tmp_path / "p.jsonl"), env=env)
+    assert done.returncode == 1 and "re-checked on this CPU class (avx2): FAILED" in done.stderr
+    assert not (tmp_path / "p.jsonl").exists()  # refused before anything was written
+    done = _accel_opt("run", str(folders["host"]), *inputs, "--out", str(tmp_path / "q.jsonl"), "--no-recheck", env=env)
+    assert done.returncode == 0 and "--no-recheck" in done.stderr
+
+    # Built for AVX2 (7-bit weights): the same re-check passes, once, and is remembered outside the folder.
+    before = sorted(p.name for p in folders["avx2"].iterdir())
+    done = _accel_opt("run", str(folders["avx2"]), *inputs, "--out", str(tmp_path / "r.jsonl"), env=env)
+    assert done.returncode == 0 and "re-checked on this CPU class (avx2): passed" in done.stderr, done.stderr
+    assert sorted(p.name for p in folders["avx2"].iterdir()) == before  # the folder itself is never modified
+    assert list((tmp_path / "cache" / "accel-opt" / "rechecks").glob("*-avx2.json"))
