@@ -113,13 +113,13 @@ def signature_problem(folder: Path, trust: Trust) -> str | None:
 
 
 def _explain(exc: Exception, trust: Trust) -> str:
-    text = str(exc)
+    text = str(exc).replace("\\'", "'")  # a list's repr: an item holding quotes escapes them
     found = []  # model-signing lists every difference; name each file once, on one line
     if changed := re.findall(r"Hash mismatch for '([^']+)'", text):
         found.append(f"{', '.join(changed)}: changed after the folder was signed")
-    if missing := re.search(r"Missing files in model '[^']*': ([^\"\]]+)", text):
+    if missing := re.search(r"Missing files in model '[^']*': ([^\"'\]]+)", text):
         found.append(f"{missing.group(1).strip()}: missing (removed after the folder was signed)")
-    if extra := re.search(r"Extra files found in model '[^']*': ([^\"\]]+)", text):
+    if extra := re.search(r"Extra files found in model '[^']*': ([^\"'\]]+)", text):
         found.append(f"{extra.group(1).strip()}: added after the folder was signed (not covered by its signature)")
     if found:
         return "; ".join(found)
