@@ -215,3 +215,31 @@ def _skimage_photos() -> list[np.ndarray]:
             image = np.stack([image] * 3, axis=-1)
         photos.append(np.ascontiguousarray(image[..., :3]).astype(np.uint8))
     return photos
+
+
+def saturating_conv(channels: int = 64, seed: int = 0) -> onnx.ModelProto:
+    """A model whose int8 u8 x s8 pair sums overflow int16: non-negative inputs near the top of their range into a
+    conv whose weights share one sign per output channel at near-full magnitude, so 2 x 255 x 127 > 32767 in the
+    VPMADDUBSW kernels of AVX2 / AVX-512-without-VNNI CPUs. Input x [batch, channels, 16, 16] -> y [batch, 10]."""
+    rng = np.random.default_rng(seed)
+    sign = np.where(rng.random((32, 1, 1, 1)) < 0.5, -1, 1)
+    w = (sign * (0.5 + 0.5 * rng.random((32, channels, 1, 1))) * np.ones((1, 1, 3, 3))).astype(np.float32)
+    head = (rng.standard_normal((10, 32)) * 0.1).astype(np.float32)
+    nodes = [helper.make_node("Relu", ["x"], ["xr"], name="relu0"),
+             helper.make_node("Conv", ["xr", "w"], ["c"], name="conv", pads=[1, 1, 1, 1]),
+             helper.make_node("Relu", ["c"], ["r"], name="relu1"),
+             helper.make_node("GlobalAveragePool", ["r"], ["p"], name="gap"),
+             helper.make_node("Flatten", ["p"], ["f"], name="flat"),
+             helper.make_node("Gemm", ["f", "head"], ["y"], name="fc", transB=1)]
+    graph = helper.make_graph(nodes, "saturating_conv",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", channels, 16, 16])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 10])],
+                              [numpy_helper.from_array(w, "w"), numpy_helper.from_array(head, "head")])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def saturating_inputs(count: int, channels: int = 64, seed: int = 1) -> list[dict[str, np.ndarray]]:
+    """Inputs for saturating_conv: values in [0.8, 1] (uint8 codes near 255), a tenth of the channels off."""
+    rng = np.random.default_rng(seed)
+    return [{"x": ((0.8 + 0.2 * rng.random((1, channels, 16, 16))) * (rng.random((1, channels, 1, 1)) < 0.9))
+             .astype(np.float32)} for _ in range(count)]

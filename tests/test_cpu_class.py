@@ -15,7 +15,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from accel_opt import hardware
+from accel_opt import hardware, zoo
 from accel_opt.accuracy import judge
 from accel_opt.precision.int8 import ORT_CPU, TENSORRT, quantize, weight_range
 from accel_opt.recipe import CalibrationConfig, load_recipe
@@ -51,36 +51,15 @@ def test_int8_weights_follow_the_target_cpu(target, seven_bit):
     assert weight_range(ORT_CPU, CalibrationConfig(target_cpu="avx2", reduce_range=False))[1] is False  # the recipe says
 
 
-def saturating_model(channels: int = 64) -> onnx.ModelProto:
-    """Non-negative inputs near the top of their range into a conv whose weights share one sign at full magnitude:
-    u8 x s8 pair sums reach 2 x 255 x 127 > 32767, past what VPMADDUBSW's int16 holds."""
-    rng = np.random.default_rng(0)
-    sign = np.where(rng.random((32, 1, 1, 1)) < 0.5, -1, 1)
-    w = (sign * (0.5 + 0.5 * rng.random((32, channels, 1, 1))) * np.ones((1, 1, 3, 3))).astype(np.float32)
-    head = (rng.standard_normal((10, 32)) * 0.1).astype(np.float32)
-    return make_model(
-        [helper.make_node("Relu", ["x"], ["xr"], name="relu0"),
-         helper.make_node("Conv", ["xr", "w"], ["c"], name="conv", pads=[1, 1, 1, 1]),
-         helper.make_node("Relu", ["c"], ["r"], name="relu1"),
-         helper.make_node("GlobalAveragePool", ["r"], ["p"], name="gap"),
-         helper.make_node("Flatten", ["p"], ["f"], name="flat"),
-         helper.make_node("Gemm", ["f", "head"], ["y"], name="fc", transB=1)],
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", channels, 16, 16])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 10])],
-        [numpy_helper.from_array(w, "w"), numpy_helper.from_array(head, "head")])
-
-
-def saturating_data(folder: Path, count: int = 80, channels: int = 64) -> Path:
-    rng = np.random.default_rng(1)
+def saturating_data(folder: Path, count: int = 80) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
-    for i in range(count):
-        x = (0.8 + 0.2 * rng.random((1, channels, 16, 16))).astype(np.float32) * (rng.random((1, channels, 1, 1)) < 0.9)
-        np.savez(folder / f"s{i:03d}.npz", x=x.astype(np.float32))
+    for i, sample in enumerate(zoo.saturating_inputs(count)):
+        np.savez(folder / f"s{i:03d}.npz", **sample)
     return folder
 
 
 def test_seven_bit_weights_stay_within_their_range(tmp_path):
-    model = save(saturating_model(), tmp_path / "sat.onnx")
+    model = save(zoo.saturating_conv(), tmp_path / "sat.onnx")
     samples = [dict(np.load(p)) for p in sorted(saturating_data(tmp_path / "data", 8).iterdir())]
     peaks = {}
     for target in ("avx2", "amx"):
@@ -152,7 +131,7 @@ def saturating_builds(tmp_path_factory):
     if hardware.saturating_int8(hardware.cpu_class()):
         pytest.skip(f"this CPU ({hardware.cpu_class()}) is already the lowest int8 class: no lower one to emulate")
     root = tmp_path_factory.mktemp("saturating")
-    model, data = save(saturating_model(), root / "sat.onnx"), saturating_data(root / "data")
+    model, data = save(zoo.saturating_conv(), root / "sat.onnx"), saturating_data(root / "data")
     recipe = load_recipe().with_overrides(precision="int8", backend="openvino", benchmark=FAST_BENCH,
                                           **{"precision_options.fallback.enabled": False})
     folders = {}
