@@ -189,17 +189,25 @@ def to_model_input(crops_hwc: np.ndarray, pre: Preprocessing) -> np.ndarray:
     return pixels if pre.dtype == "float32" else pixels.astype(pre.dtype)
 
 
+SYNTHETIC_INT_HIGH = 100  # integers are drawn in [0, 100) unless the input indexes a smaller table
+
+
 def synthetic_samples(
-    inputs: list[TensorSpec], shapes: dict[str, list[int]], count: int, seed: int
+    inputs: list[TensorSpec], shapes: dict[str, list[int]], count: int, seed: int,
+    int_bounds: dict[str, int] | None = None,
 ) -> tuple[list[Sample], DataSummary]:
-    """Seeded inputs: N(0,1) floats; masks all ones, type ids zeros, other integers in [0, 100)."""
+    """Seeded inputs: N(0,1) floats; masks all ones, type ids zeros, other integers in [0, 100), or in
+    [0, bound) for an input that indexes a table of `int_bounds[name]` rows (graph.inspect.index_bounds):
+    an out-of-range index fails the reference run instead of testing the model."""
     rng = np.random.default_rng(seed)
-    samples = [{spec.name: _random_array(spec, shapes[spec.name], rng) for spec in inputs} for _ in range(count)]
+    bounds = int_bounds or {}
+    samples = [{spec.name: _random_array(spec, shapes[spec.name], rng, bounds.get(spec.name)) for spec in inputs}
+               for _ in range(count)]
     names = [f"synthetic-{i:04d}" for i in range(count)]
     return samples, DataSummary(source="synthetic", path=None, count=count, sha256=None, seed=seed, names=names)
 
 
-def _random_array(spec: TensorSpec, shape: list[int], rng: np.random.Generator) -> np.ndarray:
+def _random_array(spec: TensorSpec, shape: list[int], rng: np.random.Generator, high: int | None = None) -> np.ndarray:
     dtype = np.dtype(spec.dtype) if spec.dtype != "bfloat16" else np.dtype("float32")
     lowered = spec.name.lower()
     if dtype.kind == "f":
@@ -210,7 +218,7 @@ def _random_array(spec: TensorSpec, shape: list[int], rng: np.random.Generator) 
         return np.ones(shape, dtype=dtype)
     if "type" in lowered:
         return np.zeros(shape, dtype=dtype)
-    return rng.integers(0, 100, size=shape).astype(dtype)
+    return rng.integers(0, min(SYNTHETIC_INT_HIGH, high or SYNTHETIC_INT_HIGH), size=shape).astype(dtype)
 
 
 def split_indices(count: int, calibration_count: int, seed: int) -> tuple[list[int], list[int]]:
@@ -274,6 +282,8 @@ def batch_of(samples: list[Sample], batch: int, axes: BatchAxes | None = None) -
     while have < batch:
         sample = samples[index % len(samples)]
         take = min(batch - have, rows_of(sample, axes))
+        if take == 0:  # a sample without rows would loop forever
+            raise ValueError("a sample has 0 rows along its batch axis")
         parts.append({n: (np.take(a, range(take), axis=axes[n]) if axes.get(n) is not None else a) for n, a in sample.items()})
         have += take
         index += 1

@@ -104,6 +104,11 @@ def resolve_shapes(
     axes = batch_axes(inputs, given_batch_axes)
     shapes: dict[str, list[int]] = {}
     notes: list[str] = []
+    for name, axis in list(axes.items()):  # an empty data axis is a length, not a batch: no rows to batch
+        empty = axis is not None and name in (data_shapes or {}) and data_shapes[name][axis] == 0
+        if empty and name not in (given_batch_axes or {}):
+            axes[name] = None
+            notes.append(f"input {name}: dim {axis} is 0 in the data, so it is not batched")
     for spec in inputs:
         if spec.name in given:
             dims = given[spec.name]
@@ -162,3 +167,51 @@ def op_histogram(model: onnx.ModelProto) -> dict[str, int]:
 
 def _fmt(shape: list[Dim]) -> str:
     return "[" + ", ".join(str(d) if d is not None else "?" for d in shape) + "]"
+
+
+# Ops that pass an integer input's values on unchanged (an index may be cast or reshaped before its Gather).
+_VALUE_PRESERVING = {"Cast", "Identity", "Reshape", "Flatten", "Squeeze", "Unsqueeze", "Transpose", "Expand"}
+
+
+def index_bounds(model: onnx.ModelProto) -> dict[str, int]:
+    """For each integer graph input that indexes a table (a Gather's or GatherElements' indices, directly
+    or through value-preserving ops such as Cast or Reshape), the table's size along the gathered axis:
+    valid indices are [0, bound). An input indexing several tables gets the smallest. Tables whose size
+    along the axis is unknown (dynamic) give no bound."""
+    graph = model.graph
+    dims = {t.name: list(t.dims) for t in graph.initializer}
+    for value in [*graph.value_info, *graph.input]:
+        shape = value.type.tensor_type.shape
+        if value.name not in dims and value.type.HasField("tensor_type") and value.type.tensor_type.HasField("shape"):
+            dims[value.name] = [d.dim_value if d.HasField("dim_value") else -1 for d in shape.dim]
+    consumers: dict[str, list[onnx.NodeProto]] = {}
+    for node in graph.node:
+        for name in node.input:
+            consumers.setdefault(name, []).append(node)
+    inputs, _ = io_specs(model)
+    bounds: dict[str, int] = {}
+    for spec in inputs:
+        if spec.dtype == "bfloat16" or np.dtype(spec.dtype).kind not in "iu":
+            continue
+        found = [b for b in _gathered_sizes(spec.name, consumers, dims, set()) if b > 0]
+        if found:
+            bounds[spec.name] = min(found)
+    return bounds
+
+
+def _gathered_sizes(tensor: str, consumers, dims: dict[str, list[int]], seen: set[str]) -> list[int]:
+    """The table sizes `tensor`'s values index, following value-preserving ops forward."""
+    if tensor in seen:
+        return []
+    seen.add(tensor)
+    sizes = []
+    for node in consumers.get(tensor, []):
+        if node.op_type in ("Gather", "GatherElements") and len(node.input) > 1 and node.input[1] == tensor:
+            table = dims.get(node.input[0])
+            axis = next((a.i for a in node.attribute if a.name == "axis"), 0)
+            if table and -len(table) <= axis < len(table):
+                sizes.append(table[axis])
+        elif node.op_type in _VALUE_PRESERVING and node.input[0] == tensor:
+            for out in node.output:
+                sizes += _gathered_sizes(out, consumers, dims, seen)
+    return sizes

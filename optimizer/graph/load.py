@@ -19,7 +19,9 @@ from onnx import external_data_helper
 
 from accel_opt.artifacts import ensure_free_space
 from accel_opt.errors import InputRejected, Unsupported, first_line
-from accel_opt.graph.inspect import opset_of
+from accel_opt.graph.inspect import index_bounds, opset_of
+from accel_opt.graph.lift import lift_if_unimplemented
+from accel_opt.graph.save import save_model
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +42,11 @@ class LoadedModel:
     @property
     def opset(self) -> int:
         return opset_of(self.proto)
+
+    @property
+    def index_bounds(self) -> dict[str, int]:
+        """Integer inputs that index a table -> the table's size: synthetic data must stay below it."""
+        return index_bounds(self.proto)
 
 
 def _check_file(path: Path) -> None:
@@ -182,16 +189,7 @@ def load_model(path: str | Path, workdir: Path) -> LoadedModel:
         onnx.checker.check_model(str(path))
     except onnx.checker.ValidationError as exc:
         raise InputRejected(f"ONNX checker rejected the model: {first_line(exc)}") from None
-    inferred = workdir / "shape_inferred.onnx"
-    try:
-        # By path: works past protobuf's 2 GB limit. Strict: type errors are errors, not warnings.
-        onnx.shape_inference.infer_shapes_path(str(path), str(inferred), check_type=True, strict_mode=True)
-        shaped = onnx.load(str(inferred), load_external_data=False)
-    except Exception as exc:  # InferenceError, or a C++ error surfaced as RuntimeError
-        ensure_free_space(workdir, path.stat().st_size)  # a full disk truncates the output silently
-        raise InputRejected(f"shape inference failed: {first_line(exc)}") from None
-    finally:
-        inferred.unlink(missing_ok=True)
+    shaped = _shape_inferred(path, workdir)
     notes = []
     build_path = path
     unused = unused_domain_imports(proto)
@@ -205,15 +203,36 @@ def load_model(path: str | Path, workdir: Path) -> LoadedModel:
     if renamed:
         notes.append(f"{renamed} unnamed or duplicate-named nodes named <op>_<index> (the per-layer diagnosis, the "
                      "fallback and the quantizer's exclusions refer to nodes by name)")
+    lifted = lift_if_unimplemented(build_path, opset_of(shaped), workdir)
+    if lifted is not None:  # an old opset ONNX Runtime has no kernels for: build from the lifted copy
+        build_path, note = lifted
+        model = onnx.load(str(build_path))
+        if name_nodes(model):  # the converter's new nodes are unnamed
+            save_model(model, build_path)
+        shaped = _shape_inferred(build_path, workdir, error=Unsupported, what="the lifted model's shape inference")
+        notes.append(note)
     loaded = LoadedModel(path=build_path, proto=shaped, external_data_files=external_files, notes=notes)
     log.info("loaded %s: opset %d, %d nodes", path, loaded.opset, len(proto.graph.node))
     return loaded
 
 
+def _shape_inferred(path: Path, workdir: Path, error: type[Exception] = InputRejected,
+                    what: str = "shape inference") -> onnx.ModelProto:
+    """`path`'s structure with inferred shapes (external data not loaded); `error` names a failure."""
+    inferred = workdir / "shape_inferred.onnx"
+    try:
+        # By path: works past protobuf's 2 GB limit. Strict: type errors are errors, not warnings.
+        onnx.shape_inference.infer_shapes_path(str(path), str(inferred), check_type=True, strict_mode=True)
+        return onnx.load(str(inferred), load_external_data=False)
+    except Exception as exc:  # InferenceError, or a C++ error surfaced as RuntimeError
+        ensure_free_space(workdir, path.stat().st_size)  # a full disk truncates the output silently
+        raise error(f"{what} failed: {first_line(exc)}") from None
+    finally:
+        inferred.unlink(missing_ok=True)
+
+
 def _rewritten(path: Path, domains: list[str], workdir: Path) -> Path:
     """The model without the opset imports `domains` and with every node named, saved in `workdir`."""
-    from accel_opt.graph.save import save_model
-
     model = onnx.load(str(path))  # with its (already checked) external data
     _drop_imports(model, domains)
     name_nodes(model)
