@@ -18,7 +18,7 @@ from typing import Any
 
 import onnx
 
-from accel_opt import artifacts, hardware, htmlreport, records, report, runtime
+from accel_opt import artifacts, hardware, htmlreport, preprocess, records, report, runtime
 from accel_opt.accuracy import AccuracyReport, compare
 from accel_opt.backends import Backend, CompiledModel, compile_for, get_backend
 from accel_opt.backends.base import casting_inputs
@@ -231,7 +231,7 @@ def _stage_load(ctx: BuildContext) -> tuple[StageStatus, str]:
     ctx.notes += ctx.loaded.notes
     ctx.model_path = ctx.loaded.path
     ctx.inputs, ctx.outputs = io_specs(ctx.loaded.proto)
-    recipe = ctx.recipe
+    recipe = ctx.recipe = preprocess.fit_preprocessing(ctx.recipe, ctx.inputs, ctx.notes)  # before any image is read
     if _fused(ctx) and (ctx.data_dir is None or any(Path(ctx.data_dir).glob("*.npz"))):
         raise UsageError("preprocessing.fused needs --data with image files: the fused model takes decoded crops")
     if ctx.data_dir is not None:
@@ -239,7 +239,8 @@ def _stage_load(ctx: BuildContext) -> tuple[StageStatus, str]:
         ctx.shapes = resolve_shapes(ctx.inputs, recipe.shapes, shapes_of(samples), recipe.batch_axes)
     else:
         ctx.shapes = resolve_shapes(ctx.inputs, recipe.shapes, given_batch_axes=recipe.batch_axes)
-        samples, ctx.data = synthetic_samples(ctx.inputs, ctx.shapes.shapes, recipe.accuracy.synthetic_samples, recipe.accuracy.seed)
+        samples, ctx.data = synthetic_samples(ctx.inputs, ctx.shapes.shapes, recipe.accuracy.synthetic_samples,
+                                              recipe.accuracy.seed, ctx.loaded.index_bounds)
         ctx.notes.append(f"No --data given: {len(samples)} synthetic samples (seed {recipe.accuracy.seed}) were used for the accuracy check.")
     ctx.notes += ctx.shapes.notes
     if recipe.precision is Precision.int8:
@@ -464,6 +465,7 @@ def _stage_accuracy(ctx: BuildContext) -> tuple[StageStatus, str]:
     ctx.accuracy.evaluation.deployment = deployment.describe(records.artifact_name(ctx))
     # What the gate found (where each output holds a batch's samples) is part of how the artifact runs.
     deployment.config = deployment.config.model_copy(update={"output_batch_axes": ctx.accuracy.evaluation.output_batch_axes})
+    ctx.notes += preprocess.exercise_image_path(deployment, ctx.data.source, ctx.workdir, ctx.recipe.accuracy.seed)
     evaluation = ctx.accuracy.evaluation
     calls = f"{evaluation.calls} calls of batch {evaluation.batch_size}" if evaluation.mode == "batched" else "one per sample"
     summary = f"{ctx.accuracy.sample_count} samples ({calls}), worst cosine {ctx.accuracy.worst_cosine:.6f}"
@@ -528,7 +530,7 @@ def _max_feed(ctx: BuildContext) -> Sample | None:
     batch = max(ctx.recipe.benchmark.batch_sizes) if ctx.shapes.batch_dynamic else ctx.shapes.batch_size
     base = with_batch(ctx.shapes.shapes, batch, ctx.shapes.batch_axes) if ctx.shapes.batch_dynamic else ctx.shapes.shapes
     resolved = resolve_shapes(ctx.inputs, {**base, **given}, given_batch_axes=ctx.recipe.batch_axes)  # checks ranks, fixed dims
-    feed = synthetic_samples(ctx.inputs, resolved.shapes, 1, ctx.recipe.accuracy.seed)[0][0]
+    feed = synthetic_samples(ctx.inputs, resolved.shapes, 1, ctx.recipe.accuracy.seed, ctx.loaded.index_bounds)[0][0]
     return {name: array.astype(ctx.eval_samples[0][name].dtype) for name, array in feed.items()}
 
 
