@@ -16,7 +16,7 @@ def test_workflow_uses_real_commands_and_options():
     calls = re.findall(r"accel-opt (\w+)((?:[^\n]|\\\n)*)", "\n".join(scripts))
     targets = jobs["build"]["strategy"]["matrix"]["target"]
     calls += [("build", target["args"]) for target in targets]  # the matrix's own build flags
-    assert {name for name, _ in calls} >= {"build", "verify", "compare", "doctor"}
+    assert {name for name, _ in calls} >= {"build", "verify", "compare", "doctor", "sign"}
     for name, args in calls:
         command = main.commands[name]
         known = {opt for param in command.params for opt in getattr(param, "opts", [])}
