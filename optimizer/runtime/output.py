@@ -139,7 +139,7 @@ class Outputs:
             if not answered:
                 predictions.write_text("")  # emptied before the sidecar names the new artifact
             self.errors.write_text("")  # this job's rejections; answered inputs are not read again
-            write_json(self.meta, PredictionsMeta(artifact_identity=identity, artifact=str(artifact), started_utc=now_utc()))
+            write_json(self.meta, PredictionsMeta(artifact_identity=identity, artifact=str(artifact.resolve()), started_utc=now_utc()))
         except OSError as exc:
             raise _cannot_write(predictions, exc) from None
         return answered
