@@ -368,6 +368,11 @@ def _fallback_actions(ctx: BuildContext, probes: list[Sample]) -> fallback.Actio
                          batch_axes=ctx.shapes.batch_axes, noise_reference=reference_runner(ctx.fp32_path, ctx.threads, optimize=True))
         return fallback.ProbeVerdict(passed=result.passed, worst_cosine=result.worst_cosine, failures=result.failures[:3])
 
+    def judge_emulated(path: Path) -> fallback.ProbeVerdict:  # Q/DQ in float, graph optimizations off: as diagnosed
+        result = compare(reference_runner(ctx.fp32_path, ctx.threads), reference_runner(path, ctx.threads), probes, *tolerance,
+                         noise_reference=reference_runner(ctx.fp32_path, ctx.threads, optimize=True))
+        return fallback.ProbeVerdict(passed=result.passed, worst_cosine=result.worst_cosine, failures=result.failures[:3])
+
     def examine(path: Path) -> Diagnosis:
         if precision is Precision.bf16:
             (ctx.workdir / "probe").mkdir(parents=True, exist_ok=True)
@@ -386,7 +391,8 @@ def _fallback_actions(ctx: BuildContext, probes: list[Sample]) -> fallback.Actio
     if precision is Precision.int8 and isinstance(ctx.backend, OnnxRuntimeBackend):
         def companions(path: Path) -> list[str]:
             return float_run_quantized_ops(path, ctx.threads)
-    return fallback.Actions(build=build, judge=judge, diagnose=examine, flops_of=flops_of, companions=companions)
+    return fallback.Actions(build=build, judge=judge, diagnose=examine, flops_of=flops_of, companions=companions,
+                            judge_emulated=judge_emulated if precision is Precision.int8 else None)
 
 
 def _stage_compile(ctx: BuildContext) -> tuple[StageStatus, str]:

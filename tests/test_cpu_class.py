@@ -176,3 +176,18 @@ def test_another_cpu_class_is_rechecked_and_a_saturating_build_refused(saturatin
     assert done.returncode == 0 and "re-checked on this CPU class (avx2): passed" in done.stderr, done.stderr
     assert sorted(p.name for p in folders["avx2"].iterdir()) == before  # the folder itself is never modified
     assert list((tmp_path / "cache" / "accel-opt" / "rechecks").glob("*-avx2.json"))
+
+
+def test_a_failure_only_the_deployed_kernels_show_is_not_blamed_on_layers(saturating_builds, tmp_path):
+    """Built for AMX (8-bit) on AVX2 kernels: the gate fails, and the fallback says the kernels saturate instead of
+    keeping layers in fp32 that the float-emulated diagnosis would wrongly blame."""
+    folders, data = saturating_builds
+    model = folders["host"].parent.parent / "sat.onnx"
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache"), "ONEDNN_MAX_CPU_ISA": "AVX2"}
+    done = _accel_opt("build", str(model), "--precision", "int8", "--backend", "openvino", "--data", str(data),
+                      "--target-cpu", "amx", "--out", str(tmp_path / "out"), "--json", env=env)
+    assert done.returncode == 1, done.stderr
+    folder = Path(json.loads(done.stdout)["artifact_dir"])
+    fallback = json.loads((folder / "build.json").read_text())["fallback"]
+    assert fallback["status"] == "kernels" and not fallback["kept"], fallback["reason"]
+    assert "saturate" in fallback["reason"]

@@ -62,7 +62,8 @@ class LayerRow(BaseModel):
 
 
 class FallbackReport(BaseModel):
-    status: Literal["disabled", "not needed", "rescued", "budget exhausted"]
+    # "kernels": the deployed kernels lose what the Q/DQ graph itself keeps (int16 saturation): no layer to blame
+    status: Literal["disabled", "not needed", "rescued", "budget exhausted", "kernels"]
     reason: str
     precision: str
     probe_samples: int
@@ -90,6 +91,10 @@ class Actions:
     # Nodes a build leaves to run in float anyway (ORT fuses a Conv into an integer kernel only with a
     # QuantizeLinear after it, which a consumer kept in fp32 no longer has). None: nothing to check.
     companions: Callable[[Path], list[str]] | None = None
+    # The build judged like `judge`, but with its Q/DQ emulated in float (what `diagnose` sees). None: not checked.
+    # The per-layer diagnosis sees the graph, not the deployed kernels: when only those fail, it would blame layers
+    # that are not at fault.
+    judge_emulated: Callable[[Path], ProbeVerdict] | None = None
     flops: dict[str, int] = field(default_factory=dict)  # flops_of(the naive build), set by run()
 
 
@@ -127,6 +132,12 @@ def run(precision: Precision, config: FallbackConfig, actions: Actions, out_path
     current = naive_path
     if verdict.passed:
         report.status, report.reason = "not needed", "the build passes the recipe's tolerance on the probe samples"
+    elif actions.judge_emulated is not None and (emulated := actions.judge_emulated(naive_path)).passed:
+        report.status, report.reason = "kernels", (
+            f"the deployed kernels fail what the graph itself passes (probe worst cosine {verdict.worst_cosine:.4f} as "
+            f"deployed, {emulated.worst_cosine:.4f} with Q/DQ emulated in float): the per-layer diagnosis cannot see "
+            "it, so no layer is kept in fp32. On a CPU without VNNI the int8 kernels saturate: build with 7-bit "
+            "weights (--target-cpu, or precision_options.calibration.reduce_range: true) or on another backend")
     else:
         naive_diagnosis = diagnosis = diagnosis or actions.diagnose(naive_path)
         diagnosed = naive_path  # the build `diagnosis` describes
