@@ -85,8 +85,8 @@ def sign_folder(folder: Path, private_key: Path, signing_certificate: Path | Non
         config.sign(folder, tmp)
         os.chmod(tmp, 0o644)
         os.replace(tmp, target)
-    except (ValueError, TypeError) as exc:  # a key the signer cannot use (the certificate does not match it, ...)
-        raise UsageError(f"--key {private_key}: cannot sign with it ({first_line(exc)})") from None
+    except (ValueError, TypeError) as exc:  # a certificate that does not match the key, a symlink in the folder, ...
+        raise UsageError(f"cannot sign {folder} with --key {private_key}: {first_line(exc)}") from None
     finally:
         Path(tmp).unlink(missing_ok=True)
     return target
