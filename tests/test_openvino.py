@@ -131,7 +131,9 @@ def test_auto_backend_from_flags():
     backend, reason = auto_backend(AMX, "x86_64", True)
     assert backend is BackendName.openvino and "amx_bf16" in reason
     assert auto_backend(SKYLAKE, "x86_64", True)[0] is BackendName.openvino
-    assert auto_backend(AVX2, "x86_64", True)[0] is BackendName.onnxruntime
+    # AVX2 only: OpenVINO is tried too (it ran a layout detector 1.64x faster than ORT on such a CPU); plan()
+    # adds ONNX Runtime beside it and the runoff's measurement decides.
+    assert auto_backend(AVX2, "x86_64", True)[0] is BackendName.openvino
     assert auto_backend(AMX, "aarch64", True)[0] is BackendName.onnxruntime
     backend, reason = auto_backend(AMX, "x86_64", False)
     assert backend is BackendName.onnxruntime and "pip install" in reason
