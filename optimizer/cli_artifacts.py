@@ -288,17 +288,21 @@ def sign_command(artifact, private_key, signing_certificate, certificate_chain):
 
 @main.command("doctor")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout.")
-def doctor_command(as_json):
-    """What this machine can build and run: CPU features, GPUs, backends, fast precisions, what is missing."""
+@click.option("--no-probe", is_flag=True, help="Say which precisions are faster from CPU flags alone, without timing them.")
+@click.option("--refresh", is_flag=True, help="Time the CPU probe again instead of using its cached result.")
+def doctor_command(as_json, no_probe, refresh):
+    """What this machine can build and run: CPU features and class, GPUs, backends, which precisions are faster
+    than fp32 here (measured once per CPU by a short probe, then cached), what is missing."""
     from accel_opt.doctor import diagnose
 
-    report = diagnose()
+    report = diagnose(probe=not no_probe, refresh=refresh)
     if as_json:
         click.echo(report.model_dump_json())
         sys.exit(0)
     cpu, features = report.cpu, report.cpu_features
     have = ", ".join(f"{name} {'yes' if on else 'no'}" for name, on in features.items())
-    click.echo(f"CPU         {cpu['model']} ({cpu['machine']}), {cpu['available_cpus']} CPUs available; {have}")
+    click.echo(f"CPU         {cpu['model']} ({cpu['machine']}), {cpu['available_cpus']} CPUs available; {have}; "
+               f"class {report.cpu_class}")
     if report.gpus:
         for gpu in report.gpus:
             click.echo(f"GPU         {gpu.name}, compute {gpu.compute_capability}, {gpu.memory_mib} MiB, driver {gpu.driver}")

@@ -14,7 +14,7 @@ from importlib import metadata
 
 from pydantic import BaseModel
 
-from accel_opt.hardware import cpu_flags, cpu_info
+from accel_opt.hardware import cpu_class, cpu_flags, cpu_info
 
 TORCH_INSTALL = "pip install 'accel-opt[torch]' torch==2.13.0"
 INSTALL = {
@@ -46,6 +46,8 @@ class BackendStatus(BaseModel):
 class DoctorReport(BaseModel):
     cpu: dict
     cpu_features: dict[str, bool]
+    cpu_class: str  # the kernel class a sign-off is made for (accel_opt.hardware.cpu_class)
+    measured_speedups: dict[str, dict[str, float]] | None = None  # backend -> precision -> fp32 time / its time
     gpus: list[Gpu]
     gpu_detail: str
     backends: list[BackendStatus]
@@ -62,7 +64,8 @@ def cpu_features(flags: frozenset[str]) -> dict[str, bool]:
 
 
 def cpu_fast_precisions(features: dict[str, bool], backend: str) -> list[str]:
-    """Precisions faster than fp32 on this CPU for `backend`, from its instruction set."""
+    """Precisions the instruction set promises faster than fp32 for `backend` (what `doctor --no-probe` says;
+    the doctor's answer is measured, see cpu_probe)."""
     fast = ["fp32"]
     if features["vnni"] or features["amx_int8"]:
         fast.append("int8")
@@ -107,13 +110,26 @@ def _version(dist: str) -> str | None:
         return None
 
 
-def diagnose() -> DoctorReport:
+def diagnose(probe: bool = True, refresh: bool = False) -> DoctorReport:
+    """This machine's report. `probe`: which CPU precisions are faster than fp32 comes from a short measurement
+    (cpu_probe, cached per CPU; `refresh` measures again); without it, from the instruction set."""
     flags = cpu_flags()
     features = cpu_features(flags)
     gpus, gpu_detail = find_gpus()
     best_cc = max((g.compute_capability for g in gpus if g.compute_capability), default=None)
     backends = [_onnxruntime(features, gpus), _openvino(features), _torch(gpus, best_cc), _tensorrt(gpus, best_cc)]
-    return DoctorReport(cpu=cpu_info(), cpu_features=features, gpus=gpus, gpu_detail=gpu_detail, backends=backends)
+    measured = None
+    if probe:
+        from accel_opt import cpu_probe
+
+        measured = cpu_probe.speedups(refresh)
+        for status in backends:
+            if status.name in measured:
+                ratios = ", ".join(f"{p} {r:.2f}x" for p, r in measured[status.name].items() if p != "fp32")
+                status.fast_precisions = cpu_probe.faster_than_fp32(status.name, measured)
+                status.detail += f"; measured vs its fp32 here: {ratios}"
+    return DoctorReport(cpu=cpu_info(), cpu_features=features, cpu_class=cpu_class(), gpus=gpus, gpu_detail=gpu_detail,
+                        backends=backends, measured_speedups=measured)
 
 
 def _onnxruntime(features: dict[str, bool], gpus: list[Gpu]) -> BackendStatus:

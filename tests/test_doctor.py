@@ -9,7 +9,7 @@ from accel_opt.doctor import cpu_fast_precisions, cpu_features, gpu_fast_precisi
 
 
 def test_doctor_reports_this_machine_and_exits_0_without_a_gpu():
-    result = CliRunner().invoke(main, ["doctor", "--json"])
+    result = CliRunner().invoke(main, ["doctor", "--json", "--no-probe"])
     assert result.exit_code == 0, result.stderr
     report = json.loads(result.stdout)
     assert report["cpu"]["available_cpus"] >= 1 and isinstance(report["gpus"], list)
@@ -18,8 +18,28 @@ def test_doctor_reports_this_machine_and_exits_0_without_a_gpu():
     assert set(by_name) == {"onnxruntime", "openvino", "torch", "tensorrt"}
     if not report["gpus"]:
         assert by_name["tensorrt"]["detail"].startswith("needs an NVIDIA GPU")
-    human = CliRunner().invoke(main, ["doctor"])
+    human = CliRunner().invoke(main, ["doctor", "--no-probe"])
     assert human.exit_code == 0 and human.stdout.startswith("CPU ") and "onnxruntime" in human.stdout
+
+
+def test_faster_precisions_are_measured_and_cached_per_cpu(tmp_path, monkeypatch):
+    """Whatever this CPU is: every precision is timed against its backend's fp32, the verdict follows the ratios,
+    and a second doctor reads the cache instead of timing again."""
+    from accel_opt import cpu_probe
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    result = CliRunner().invoke(main, ["doctor", "--json"])
+    assert result.exit_code == 0, result.stderr
+    report = json.loads(result.stdout)
+    measured = report["measured_speedups"]
+    assert measured["onnxruntime"]["fp32"] == 1.0 and measured["onnxruntime"]["int8"] > 0
+    by_name = {b["name"]: b for b in report["backends"]}
+    for backend, ratios in measured.items():
+        assert by_name[backend]["fast_precisions"] == cpu_probe.faster_than_fp32(backend, measured)
+        assert all(f"{p} {r:.2f}x" in by_name[backend]["detail"] for p, r in ratios.items() if p != "fp32")
+    cached = list((tmp_path / "accel-opt" / "cpu-probe").glob("*.json"))
+    assert len(cached) == 1
+    assert cpu_probe.speedups() == measured  # from the cache
 
 
 def test_fast_precisions_follow_the_instruction_set():
