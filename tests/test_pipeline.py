@@ -15,7 +15,7 @@ from accel_opt.pipeline import build
 from .conftest import image_npz_folder
 
 EXPECTED_FILES = {"model.onnx", "resource_config.json", "accuracy.json", "signoff.md", "signoff.html", "benchmark.json", "benchmark.md",
-                  "build.json", MANIFEST}
+                  "build.json", "probe.json", "probe.npz", MANIFEST}
 
 
 def test_fp32_build_signs_off_with_every_artifact(tiny_cnn_path, fast_recipe, tmp_path):

@@ -153,7 +153,12 @@ class Deployment:
         if config.preprocessing is not None and config.preprocessing.fused:
             raise UsageError(f"{self.folder.name} takes decoded image crops (fused preprocessing): give --data with images")
         shapes = with_batch(config.shapes, 1, config.batch_axes) if config.batch_dynamic else config.shapes
-        return synthetic_samples(config.inputs, shapes, synthetic_count, seed)
+        import onnx
+
+        from accel_opt.graph.inspect import index_bounds
+
+        bounds = index_bounds(onnx.load(str(self.folder / config.model_file), load_external_data=False))
+        return synthetic_samples(config.inputs, shapes, synthetic_count, seed, bounds)
 
     def runner(self, feed_dtypes: dict[str, Any] | None = None) -> BaseRunner:
         """A Polygraphy runner of the deployed model; inputs fed in other dtypes than it deploys
