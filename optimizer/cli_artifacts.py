@@ -14,6 +14,7 @@ from pathlib import Path
 import click
 
 from accel_opt.cli import EXIT_CODES_HELP, _fail, _interrupted, _setup_logging, _write_junit, main
+from accel_opt.cli_ray import RAY_EXIT_CODES, ray_options, refuse_ray_options, run_on_ray
 from accel_opt.errors import AccelOptError, UsageError
 from accel_opt.signing import PUBLIC_KEY_ENV
 
@@ -52,10 +53,11 @@ def _trust(public_key, certificate_chain):
     return trust_of(public_key, certificate_chain)
 
 
-@main.command("run", epilog=RUN_EXIT_CODES)
+@main.command("run", epilog=RUN_EXIT_CODES + "\n\n" + RAY_EXIT_CODES)
 @click.argument("artifact", type=click.Path(path_type=Path))
 @click.argument("inputs", nargs=-1, required=True)
-@click.option("--out", "predictions", type=click.Path(path_type=Path), required=True, help="Predictions, JSON Lines.")
+@click.option("--out", "predictions", type=click.Path(path_type=Path), required=True,
+              help="Predictions, JSON Lines (--engine ray: a folder of part files and _SUMMARY.json).")
 @click.option("--resume", is_flag=True, help="Skip the inputs PREDICTIONS already answers; append the rest.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing PREDICTIONS file.")
 @click.option("--workers", type=click.IntRange(min=1), help="Reader threads decoding and preprocessing inputs (default: CPUs available).")
@@ -63,9 +65,10 @@ def _trust(public_key, certificate_chain):
 @click.option("--no-recheck", is_flag=True, help="On another CPU class than the sign-off's, run without re-checking "
               "the folder's probe set here first (the default re-checks, once, and refuses a failed re-check).")
 @_trust_options
+@ray_options
 @click.option("-v", "--verbose", is_flag=True)
 def run_command(artifact, inputs, predictions, resume, overwrite, workers, as_json, no_recheck, public_key,
-                certificate_chain, verbose):
+                certificate_chain, verbose, engine, **ray_args):
     """Run a built ARTIFACT folder on INPUTS (image files, .npz feed dicts, or folders of them).
 
     Writes one JSON line per input, in input order: {"input": PATH, "top1": ..., "topk": [[class, score], ...]}
@@ -82,7 +85,11 @@ def run_command(artifact, inputs, predictions, resume, overwrite, workers, as_js
 
     _setup_logging(verbose)
     started = time.perf_counter()
+    if engine == "ray":
+        return run_on_ray(artifact, inputs, predictions, resume, overwrite, as_json, no_recheck,
+                          lambda: _trust(public_key, certificate_chain), verbose, workers, started, **ray_args)
     try:
+        refuse_ray_options(**ray_args)
         from accel_opt import runtime
         from accel_opt.runtime.job import run_job
         from accel_opt.runtime.probe import signed_off_here

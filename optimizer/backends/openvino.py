@@ -385,6 +385,9 @@ def load_compiled(compiled: CompiledModel):
             raise Unsupported(f"OpenVINO blob {blob.name} cannot run here: its content does not match its recorded "
                               "sha256; rebuild the artifact")
         reason = blob_mismatch(meta)
+        threads = compiled.settings.get("compile_config", {}).get("INFERENCE_NUM_THREADS")
+        if threads is not None:  # the deployment's thread count (runtime.load may override the build's) wins
+            meta = {**meta, "config": {**(meta.get("config") or {}), "INFERENCE_NUM_THREADS": threads}}
         model = load_cached_blob(blob, meta) if reason is None else None
         if model is None:
             log.warning("OpenVINO blob %s was compiled for another CPU (%s): compiling %s here with its recorded config",

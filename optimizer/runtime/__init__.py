@@ -176,12 +176,15 @@ class Deployment:
                       self.backend.synchronize, samples)
 
 
-def load(folder: str | Path, expected_files: dict[str, str] | None = None, trust: Trust | None = None) -> Deployment:
+def load(folder: str | Path, expected_files: dict[str, str] | None = None, trust: Trust | None = None,
+         threads: int | None = None) -> Deployment:
     """Verify `folder` and return its Deployment. Refuses (one line) an incomplete or changed folder
     (exit 3) and one this machine cannot run as it was checked (exit 4).
 
     `expected_files` (name -> sha256) stands in for the manifest while a build is still staging. With
     `trust`, the folder must also carry a signature by that key (exit 3 when unsigned or forged).
+    `threads` replaces the recorded compute threads (a Ray actor gets the CPUs it was scheduled with:
+    ONNX Runtime's default pool would take every core of the node).
     """
     folder = Path(folder)
     problems = check(folder, expected_files, trust)
@@ -190,9 +193,12 @@ def load(folder: str | Path, expected_files: dict[str, str] | None = None, trust
         first = problems[0]
         raise (InputRejected if first.exit_code == 3 else Unsupported)(f"{folder}: {first.line}{more}")
     config = ResourceConfig.model_validate_json((folder / RESOURCE_CONFIG).read_text())
+    settings = config.settings
+    if threads is not None and "compile_config" in settings:  # OpenVINO compiles (and imports) with its own count
+        settings = {**settings, "compile_config": {**settings["compile_config"], "INFERENCE_NUM_THREADS": str(threads)}}
     compiled = CompiledModel(
         backend=config.backend, path=folder / config.model_file, precision=config.precision, device=config.device,
-        providers=config.providers, threads=config.threads, build_seconds=0.0, settings=config.settings,
+        providers=config.providers, threads=threads or config.threads, build_seconds=0.0, settings=settings,
         extra_files=[folder / name for name in config.extra_files],
     )
     return Deployment(folder=folder, config=config, backend=_backend_of(config), compiled=compiled, staged_files=expected_files)

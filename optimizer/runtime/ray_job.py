@@ -1,0 +1,390 @@
+"""`accel-opt run --engine ray`: the batch job on Ray Data, one node or many, with the local engine's answers.
+
+The driver lists the inputs, skips those the folder already answers (--resume), and streams the rest through
+`accel_opt.distributed.predict` (an actor pool running the local engine's reader and records). It writes the
+part files itself, from the answers as they arrive: each under a temporary name, synced, then published by
+rename, so a published part is whole and a killed job leaves none half-written. Ray runs a batch at least
+once (failed tasks are retried, dead actors restarted), so answers are kept by input key, the first one
+winning; the job ends by reading the published parts back and checking that every listed input is answered
+exactly once (a mismatch fails the job). Order across parts is not promised; `--sorted` writes one file
+in input order.
+
+The folder (`OutFolder`): `part-<run>-<n>.jsonl|.parquet` (records), `rejected-<run>-<n>.jsonl`
+({"input", "error"}), `_SUMMARY.json` (written first, naming the artifact, so --resume refuses another
+artifact's folder even after a kill; rewritten at the end with the counts), `.predictions.run.lock`.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import logging
+import os
+import queue
+import secrets
+import threading
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+from pydantic import BaseModel
+
+from accel_opt.artifacts import now_utc, write_json
+from accel_opt.data import IMAGE_SUFFIXES
+from accel_opt.errors import InputRejected, InternalError, ResourceExhausted, UsageError
+from accel_opt.runtime import Deployment
+from accel_opt.runtime.job import NPZ, unique_inputs
+from accel_opt.runtime.output import SHORT_HASH, Outputs, input_key
+from accel_opt.runtime.ray_cluster import ray_session
+
+log = logging.getLogger(__name__)
+
+SUMMARY = "_SUMMARY.json"
+SORTED = "predictions.sorted.jsonl"
+ROWS_PER_PART = 5000  # a part is published when it holds this many answers...
+SECONDS_PER_PART = 5.0  # ...or this long after its first one: what a killed driver can lose
+ROWS_PER_BLOCK_MAX = 4096
+
+
+class RaySummary(BaseModel):
+    """`_SUMMARY.json`: what answered the folder and how the last run went."""
+
+    format: int = 1
+    status: str  # running | complete (every input answered exactly once) | incomplete
+    artifact: str
+    artifact_identity: str  # the same identity as the local engine's PREDICTIONS.meta.json
+    started_utc: str
+    address: str  # "local", or the cluster's
+    output_format: str  # jsonl | parquet
+    inputs: int = 0  # listed, each distinct path once
+    duplicates: int = 0  # paths listed more than once (answered once)
+    predicted: int = 0  # in the folder, all runs together
+    rejected: int = 0  # by this run (a resumed run tries earlier rejections again, like the local engine)
+    skipped: int = 0  # already answered (--resume)
+    retried_answers_dropped: int = 0  # second answers of one input (a batch Ray ran twice), dropped by key
+    missing: int = 0  # listed but not answered: then the job fails
+    actors: list[int] = []  # [min, max] of the pool
+    cpus_per_actor: int = 1
+    seconds: float = 0.0  # the whole job, artifact loading and Ray's start included
+    ray_start_seconds: float = 0.0  # connecting to (or starting) Ray
+    first_answer_seconds: float = 0.0  # from submitting the job to its first answers: actors starting, models loading
+    inputs_per_s: float = 0.0  # answered by this run / seconds
+    steady_inputs_per_s: float = 0.0  # from the first answers to the last
+    check_seconds: float = 0.0  # reading the parts back and checking exactly-once
+    parts: list[str] = []
+    rejected_parts: list[str] = []
+    sorted: str | None = None
+    exit_code: int = 0
+
+
+def list_inputs(items: Iterable[str | os.PathLike], exclude: Path | None = None) -> list[str]:
+    """Files as given; folders recursively, as their image and .npz files; globs (`**` too) expanded; URIs
+    (file://, s3://, gs://: any file system pyarrow reads) listed through pyarrow. A path that matches
+    nothing stays in the list, to be rejected as not found. Files under `exclude` (the output) are left out."""
+    listed: list[str] = []
+    for item in items:
+        text = str(item)
+        if "://" in text:
+            listed += _list_uri(text)
+        elif glob.has_magic(text):
+            listed += sorted(glob.glob(text, recursive=True)) or [text]
+        elif Path(text).is_dir():
+            listed += [str(p) for p in sorted(Path(text).rglob("*")) if p.is_file() and _is_input(p.name)]
+        else:
+            listed.append(text)
+    if exclude is not None:
+        out = str(exclude.resolve())
+        listed = [p for p in listed if "://" in p or not str(Path(p).resolve()).startswith(out + os.sep)]
+    if not listed:
+        raise UsageError("no inputs: give image files, .npz feed dicts, folders or globs of them")
+    return listed
+
+
+def _is_input(name: str) -> bool:
+    suffix = Path(name).suffix
+    return suffix.lower() in IMAGE_SUFFIXES or suffix == NPZ
+
+
+def _list_uri(uri: str) -> list[str]:
+    import pyarrow.fs
+
+    scheme = uri[: uri.index("://") + 3]
+    fs, root = pyarrow.fs.FileSystem.from_uri(uri)
+    if fs.get_file_info(root).type != pyarrow.fs.FileType.Directory:
+        return [uri]
+    found = fs.get_file_info(pyarrow.fs.FileSelector(root, recursive=True))
+    return sorted(scheme + f.path for f in found if f.type == pyarrow.fs.FileType.File and _is_input(f.base_name))
+
+
+class OutFolder:
+    """The job's output folder: its parts, their publication, and reading them back."""
+
+    def __init__(self, folder: Path, output_format: str = "jsonl"):
+        self.folder, self.output_format = folder, output_format
+        self.run_id = secrets.token_hex(4)  # parts of a resumed run never take an earlier run's names
+        self.parts: list[str] = []
+        self.rejected_parts: list[str] = []
+
+    @property
+    def summary(self) -> Path:
+        return self.folder / SUMMARY
+
+    def refuse_bad_path(self) -> None:
+        if self.folder.exists() and not self.folder.is_dir():
+            raise UsageError(f"--out {self.folder} is a file: with --engine ray, --out names a folder (of part files)")
+
+    def start(self, deployment: Deployment, address: str, resume: bool, overwrite: bool) -> set[str]:
+        """Under the lock: check and clear the folder; record the artifact. Return the answered inputs' keys."""
+        mine = self._files("part-") + self._files("rejected-") + self._files(".tmp-")
+        if resume and overwrite:
+            raise UsageError("--resume keeps the answered inputs and --overwrite drops them: give one")
+        if (mine or self.summary.exists()) and not (resume or overwrite):
+            raise UsageError(f"{self.folder} holds a job's answers: --resume to skip the inputs it answers, or --overwrite")
+        identity = deployment.identity
+        answered: set[str] = set()
+        if resume and (mine or self.summary.exists()):
+            recorded = self._recorded()
+            if recorded is None:
+                raise UsageError(f"--resume: {self.folder} has no {SUMMARY}, so which artifact answered it is unknown: "
+                                 "start over with --overwrite")
+            if recorded.artifact_identity != identity:
+                raise UsageError(f"--resume: {self.folder} holds answers of {recorded.artifact_identity[:SHORT_HASH]} "
+                                 f"({Path(recorded.artifact).name}), not of {identity[:SHORT_HASH]} ({deployment.folder.name}): "
+                                 "start over with --overwrite, or choose another --out")
+            answered = {key for part in self._files("part-") for key in self.read_keys(part)}
+            self.parts = [p.name for p in self._files("part-")]
+            drop = self._files("rejected-") + self._files(".tmp-")  # rejected inputs are tried again
+        else:
+            drop = mine + [p for p in (self.folder / SORTED,) if p.exists()]
+        for path in drop:
+            path.unlink()
+        self.write_summary(RaySummary(status="running", artifact=str(deployment.folder.resolve()), artifact_identity=identity,
+                                      started_utc=now_utc(), address=address, output_format=self.output_format))
+        return answered
+
+    def _recorded(self) -> RaySummary | None:
+        if not self.summary.is_file():
+            return None
+        try:
+            return RaySummary.model_validate_json(self.summary.read_text())
+        except ValueError as exc:
+            raise InputRejected(f"{self.summary}: unreadable ({str(exc).splitlines()[0]}): start over with --overwrite") from None
+
+    def write_summary(self, summary: RaySummary) -> None:
+        write_json(self.summary, summary)
+
+    def _files(self, prefix: str) -> list[Path]:
+        return sorted(p for p in self.folder.glob(f"{prefix}*") if p.is_file())
+
+    def publish(self, records: list[str], rejections: list[str]) -> None:
+        """Write a part under a temporary name, sync it, rename it into place (whole or absent)."""
+        if records:
+            name = f"part-{self.run_id}-{len(self.parts):05d}.{self.output_format}"
+            self._publish(name, records, self.output_format)
+            self.parts.append(name)
+        if rejections:
+            name = f"rejected-{self.run_id}-{len(self.rejected_parts):05d}.jsonl"
+            self._publish(name, rejections, "jsonl")
+            self.rejected_parts.append(name)
+
+    def _publish(self, name: str, lines: list[str], output_format: str) -> None:
+        temporary, final = self.folder / f".tmp-{name}", self.folder / name
+        if output_format == "parquet":
+            import pyarrow as pa
+            import pyarrow.parquet as pq
+
+            pq.write_table(pa.Table.from_pylist([json.loads(line) for line in lines]), temporary)
+        else:
+            temporary.write_text("".join(line + "\n" for line in lines))
+        fd = os.open(temporary, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(temporary, final)
+        dir_fd = os.open(self.folder, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)  # the rename itself survives a crash
+        finally:
+            os.close(dir_fd)
+
+    def read_keys(self, part: Path) -> list[str]:
+        """The input key of every row of a published part file."""
+        if part.suffix == ".parquet":
+            import pyarrow.parquet as pq
+
+            return [input_key(p) for p in pq.read_table(part, columns=["input"]).column("input").to_pylist()]
+        return [input_key(json.loads(line)["input"]) for line in part.read_text().splitlines() if line]
+
+    def check(self, listed: list[str]) -> tuple[int, int, list[str], list[str]]:
+        """Read every published part back: (predicted, rejected, listed inputs not answered, inputs answered twice)."""
+        counts: dict[str, int] = {}
+        predicted = rejected = 0
+        for name in self.parts:
+            keys = self.read_keys(self.folder / name)
+            predicted += len(keys)
+            for key in keys:
+                counts[key] = counts.get(key, 0) + 1
+        for name in self.rejected_parts:
+            keys = self.read_keys(self.folder / name)
+            rejected += len(keys)
+            for key in keys:
+                counts[key] = counts.get(key, 0) + 1
+        missing = [p for p in listed if input_key(p) not in counts]
+        doubled = sorted(k for k, n in counts.items() if n > 1)
+        return predicted, rejected, missing, doubled
+
+    def write_sorted(self, listed: list[str]) -> Path:
+        """Every prediction in one JSONL file, in input order (rejections stay in their parts)."""
+        by_key: dict[str, str] = {}
+        for name in self.parts:
+            path = self.folder / name
+            if path.suffix == ".parquet":
+                import pyarrow.parquet as pq
+
+                lines = [json.dumps(row) for row in pq.read_table(path).to_pylist()]
+            else:
+                lines = path.read_text().splitlines()
+            for line in lines:
+                by_key.setdefault(input_key(json.loads(line)["input"]), line)
+        ordered = [by_key[key] for key in map(input_key, listed) if key in by_key]
+        self._publish(SORTED, ordered, "jsonl")
+        return self.folder / SORTED
+
+
+def run_ray_job(
+    deployment: Deployment,
+    inputs: Iterable[str | os.PathLike],
+    out_dir: str | os.PathLike,
+    address: str | None = None,
+    actors: tuple[int, int] | None = None,
+    cpus_per_actor: int = 1,
+    resume: bool = False,
+    overwrite: bool = False,
+    output_format: str = "jsonl",
+    sort: bool = False,
+    timeout_s: float | None = None,
+    on_progress: Callable[[int, int], None] | None = None,
+    started: float | None = None,
+    verbose: bool = False,
+) -> RaySummary:
+    """Predict every input on Ray and publish the answers in `out_dir`. Exit codes through the errors raised:
+    2 a bad --out or flags, 4 Ray missing or the cluster not answering, 5 past `timeout_s` (the published parts
+    stay: --resume continues), 70 an input lost or answered twice."""
+    started = started or time.perf_counter()
+    folder = OutFolder(Path(out_dir), output_format)
+    folder.refuse_bad_path()
+    given = list_inputs(inputs, exclude=Path(out_dir))
+    todo = unique_inputs(given)
+    if deployment.config.preprocessing is None and any(Path(p).suffix.lower() in IMAGE_SUFFIXES for p in todo):
+        raise UsageError(f"{deployment.folder.name} was built without `preprocessing`: give .npz feed dicts, not images")
+    with Outputs(Path(out_dir) / "predictions.jsonl").exclusive():
+        with ray_session(address, verbose=verbose) as session:
+            answered = folder.start(deployment, session.address, resume, overwrite)
+            remaining = [p for p in todo if input_key(p) not in answered]
+            pool = actors or (1, max(1, session.cpus // cpus_per_actor))
+            run = _stream(deployment, remaining, folder, pool, cpus_per_actor, timeout_s, started, on_progress)
+        summary = _finish(folder, deployment, todo, given, answered, run, pool, cpus_per_actor, session, started, sort)
+    return summary
+
+
+def _stream(deployment, remaining, folder, pool, cpus_per_actor, timeout_s, started, on_progress) -> dict:
+    """Run the pool over `remaining`, publishing parts as answers arrive; the run's timings and counts."""
+    import pyarrow as pa
+    import ray.data
+
+    from accel_opt.distributed import ROWS_PER_CALL, predict
+
+    stats = {"dropped": 0, "answered": 0, "first": None, "last": None, "submitted": time.perf_counter(),
+             "remaining": len(remaining)}
+    if not remaining:
+        return stats
+    per_block = min(ROWS_PER_BLOCK_MAX, max(ROWS_PER_CALL, -(-len(remaining) // (pool[1] * 4))))
+    table = pa.table({"input": remaining})
+    blocks = [table.slice(start, per_block) for start in range(0, len(remaining), per_block)]
+    answers = predict(ray.data.from_arrow(blocks), deployment.folder.resolve(), actors=pool, cpus_per_actor=cpus_per_actor,
+                      outputs_dir=str(folder.folder.resolve()), identity=deployment.identity)
+    batches: queue.Queue = queue.Queue(maxsize=8)
+    finished = object()
+
+    def consume() -> None:  # in a thread, so that a stalled pool cannot outlive the job's timeout
+        try:
+            for batch in answers.iter_batches(batch_size=None, batch_format="pyarrow"):
+                batches.put(batch)
+            batches.put(finished)
+        except BaseException as exc:  # noqa: BLE001 - handed to the driver's thread
+            batches.put(exc)
+
+    threading.Thread(target=consume, name="accel-opt-ray-results", daemon=True).start()
+    seen: set[str] = set()
+    records: list[str] = []
+    rejections: list[str] = []
+    part_started = None
+    deadline = started + timeout_s if timeout_s else None
+    while True:
+        wait = None if deadline is None else max(0.0, deadline - time.perf_counter())
+        try:
+            item = batches.get(timeout=wait)
+        except queue.Empty:
+            folder.publish(records, rejections)
+            raise ResourceExhausted(f"--timeout-s {timeout_s:g} reached with {stats['answered']} of {len(remaining)} inputs "
+                                    f"answered (published in {folder.folder}): --resume continues") from None
+        if item is finished:
+            break
+        if isinstance(item, BaseException):
+            folder.publish(records, rejections)
+            raise item
+        now = time.perf_counter()
+        stats["first"] = stats["first"] or now
+        stats["last"] = now
+        part_started = part_started or now
+        for path, record, error in zip(*(item.column(c).to_pylist() for c in ("input", "record", "error"))):
+            key = input_key(path)
+            if key in seen:  # a batch Ray ran twice: the first answer stands
+                stats["dropped"] += 1
+                continue
+            seen.add(key)
+            if record is not None:
+                records.append(record)
+            else:
+                rejections.append(json.dumps({"input": path, "error": error}))
+        stats["answered"] = len(seen)
+        if len(records) + len(rejections) >= ROWS_PER_PART or now - part_started >= SECONDS_PER_PART:
+            folder.publish(records, rejections)
+            records, rejections, part_started = [], [], None
+        if on_progress:
+            on_progress(len(seen), len(remaining))
+    folder.publish(records, rejections)
+    return stats
+
+
+def _finish(folder, deployment, todo, given, answered, run, pool, cpus_per_actor, session, started, sort) -> RaySummary:
+    """The exactly-once check over the published parts, then the summary (a mismatch: exit 70)."""
+    check_started = time.perf_counter()
+    predicted, rejected, missing, doubled = folder.check(todo)
+    check_seconds = time.perf_counter() - check_started
+    seconds = time.perf_counter() - started
+    first, last = run["first"], run["last"]
+    steady = (run["answered"] / (last - first)) if first and last and last > first else 0.0
+    summary = RaySummary(
+        status="complete" if not missing and not doubled else "incomplete", artifact=str(deployment.folder.resolve()),
+        artifact_identity=deployment.identity, started_utc=folder._recorded().started_utc, address=session.address,
+        output_format=folder.output_format, inputs=len(todo), duplicates=len(given) - len(todo), predicted=predicted,
+        rejected=rejected, skipped=len(todo) - run["remaining"],
+        retried_answers_dropped=run["dropped"], missing=len(missing), actors=list(pool), cpus_per_actor=cpus_per_actor,
+        seconds=round(seconds, 3), ray_start_seconds=round(session.start_seconds, 3),
+        first_answer_seconds=round((first - run["submitted"]) if first else 0.0, 3),
+        inputs_per_s=round(run["answered"] / seconds, 2) if seconds > 0 else 0.0, steady_inputs_per_s=round(steady, 2),
+        check_seconds=round(check_seconds, 4), parts=folder.parts, rejected_parts=folder.rejected_parts,
+        exit_code=3 if rejected else 0,
+    )
+    if missing or doubled:
+        summary.exit_code = InternalError.exit_code
+        folder.write_summary(summary)
+        what = (f"{len(missing)} inputs not answered (first: {missing[0]})" if missing else
+                f"{len(doubled)} inputs answered twice (first: {doubled[0]})")
+        raise InternalError(f"exactly-once check failed in {folder.folder}: {what}; --resume answers the missing ones")
+    if sort:
+        summary.sorted = str(folder.write_sorted(todo))
+    folder.write_summary(summary)
+    return summary
