@@ -19,11 +19,11 @@ from pydantic import BaseModel
 
 from accel_opt import artifacts, hardware, report, runtime
 from accel_opt.backends.select import auto_backend_choice, candidate_precisions
-from accel_opt.bench import run_benchmark
+from accel_opt.bench import deployment_target, run_benchmark
 from accel_opt.data import Sample
 from accel_opt.errors import AccelOptError, UsageError, write_crash_log
 from accel_opt.pipeline import build
-from accel_opt.recipe import BackendName, Precision, Recipe
+from accel_opt.recipe import OBJECTIVES, BackendName, Precision, Recipe
 from accel_opt.results import BuildResult, StageResult
 
 log = logging.getLogger(__name__)
@@ -167,13 +167,6 @@ def _failure_line(exc: BaseException) -> str:
     return f"(internal error, a bug: please report it) {type(exc).__name__}: {exc}; log: {write_crash_log(exc)}"
 
 
-OBJECTIVES = {
-    "latency": "lowest p50 at batch 1",
-    "throughput": "most samples/s at the target batch",
-    "throughput_within_p99": "most samples/s at any benchmarked batch whose p99 meets the budget",
-}
-
-
 def objective_batches(objective: str, recipe: Recipe) -> list[int]:
     return {"latency": [1], "throughput": [recipe.selection.target_batch_size]}.get(
         objective, sorted(set(recipe.benchmark.batch_sizes)))
@@ -246,7 +239,7 @@ def _runoff(candidates: list[Candidate], samples: list[Sample], recipe: Recipe) 
     batches = objective_batches(recipe.selection.objective, recipe)
     if not deployments[0].config.batch_dynamic:
         batches = [deployments[0].batch_size]
-    targets = [d.target(runtime.feed_dtypes_of(samples)) for d in deployments]
+    targets = [deployment_target(d, runtime.feed_dtypes_of(samples)) for d in deployments]
     bench = run_benchmark(targets, samples, batches, recipe.benchmark, threads, deployments[0].batch_axes)
     for c, timed in zip(candidates, bench.models, strict=True):
         c.points = [RunoffPoint(batch_size=b.batch_size, p50_ms=b.latency.p50_ms, p99_ms=b.latency.p99_ms,

@@ -17,7 +17,7 @@ from pydantic import BaseModel
 from accel_opt import artifacts
 from accel_opt.accuracy import AccuracyReport, Check, compare
 from accel_opt.backends.onnxruntime import reference_runner
-from accel_opt.bench import run_benchmark
+from accel_opt.bench import deployment_target, run_benchmark
 from accel_opt.data import DataSummary, load_samples
 from accel_opt.errors import InputRejected, UsageError
 from accel_opt.graph.inspect import io_specs
@@ -85,8 +85,8 @@ def run_comparison(baseline: Deployment, candidate: Deployment, reference: Path,
                        candidate_samples=own, noise_reference=reference_runner(reference, threads, optimize=True))
                for side, own in zip((baseline, candidate), fed, strict=True)]
     sizes = sorted({baseline.batch_size, candidate.batch_size})
-    targets = [baseline.target(_dtypes(fed[0]), label="baseline", samples=fed[0]),
-               candidate.target(_dtypes(fed[1]), label="candidate", samples=fed[1])]
+    targets = [deployment_target(baseline, _dtypes(fed[0]), label="baseline", samples=fed[0]),
+               deployment_target(candidate, _dtypes(fed[1]), label="candidate", samples=fed[1])]
     bench = run_benchmark(targets, samples, sizes, recipe.benchmark, threads, config.batch_axes)
     metric = _quality_metric(reports[1])
     sides = []

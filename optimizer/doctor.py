@@ -8,30 +8,13 @@ was found, since its runtime objects can crash a process on a machine without on
 from __future__ import annotations
 
 import importlib.util
-import shutil
-import subprocess
 from importlib import metadata
 
 from pydantic import BaseModel
 
+from accel_opt.backends.base import INSTALL, TORCH_INSTALL
+from accel_opt.backends.cuda_device import GPU_PRECISION_MIN_CC, Gpu, find_gpus
 from accel_opt.hardware import cpu_class, cpu_flags, cpu_info
-
-TORCH_INSTALL = "pip install 'accel-opt[torch]' torch==2.13.0"
-INSTALL = {
-    "openvino": "pip install 'accel-opt[openvino]'",
-    "torch": TORCH_INSTALL,
-    "onnxruntime-gpu": "pip uninstall -y onnxruntime && pip install 'accel-opt[gpu]'",
-    "tensorrt": "pip install 'accel-opt[tensorrt]' (TensorRT's libraries come from NVIDIA's own package index)",
-}
-# Compute capability from which a precision runs on tensor cores (NVIDIA's architecture tables).
-GPU_PRECISION_MIN_CC = {"fp16": (7, 0), "int8": (7, 5), "bf16": (8, 0), "fp8": (8, 9)}
-
-
-class Gpu(BaseModel):
-    name: str
-    compute_capability: str | None
-    memory_mib: int | None
-    driver: str | None
 
 
 class BackendStatus(BaseModel):
@@ -80,27 +63,6 @@ def gpu_fast_precisions(compute_capability: str | None) -> list[str]:
     except ValueError:
         return ["fp32"]
     return ["fp32"] + [p for p, need in GPU_PRECISION_MIN_CC.items() if (major, minor) >= need]
-
-
-def find_gpus() -> tuple[list[Gpu], str]:
-    """NVIDIA GPUs from `nvidia-smi`, and a line saying how they were looked for."""
-    smi = shutil.which("nvidia-smi")
-    if smi is None:
-        return [], "no NVIDIA driver found (nvidia-smi is not on PATH)"
-    query = "name,compute_cap,memory.total,driver_version"
-    try:
-        done = subprocess.run([smi, f"--query-gpu={query}", "--format=csv,noheader,nounits"], capture_output=True,
-                              text=True, timeout=20)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        return [], f"nvidia-smi failed: {exc}"
-    if done.returncode != 0:
-        return [], f"nvidia-smi failed: {(done.stderr or done.stdout).strip().splitlines()[:1]}"
-    gpus = []
-    for row in done.stdout.strip().splitlines():
-        name, cc, memory, driver = (part.strip() for part in row.split(",")[:4])
-        gpus.append(Gpu(name=name, compute_capability=cc or None, memory_mib=int(memory) if memory.isdigit() else None,
-                        driver=driver or None))
-    return gpus, f"{len(gpus)} NVIDIA GPU(s) from nvidia-smi"
 
 
 def _version(dist: str) -> str | None:

@@ -24,7 +24,7 @@ from accel_opt.backends import Backend, CompiledModel, compile_for, get_backend
 from accel_opt.backends.base import casting_inputs
 from accel_opt.backends.gpu_timing import last_stage_ms, median_stage_ms
 from accel_opt.backends.onnxruntime import OnnxRuntimeBackend, float_run_quantized_ops, reference_runner
-from accel_opt.bench import BenchmarkReport, Target, application, run_benchmark
+from accel_opt.bench import BenchmarkReport, Target, application, deployment_target, run_benchmark
 from accel_opt.bench.efficiency import efficiency, node_flops
 from accel_opt.bench.sweep import capacity, recommend, sweep, sweep_checks
 from accel_opt.data import (
@@ -481,7 +481,7 @@ def _stage_accuracy(ctx: BuildContext) -> tuple[StageStatus, str]:
 
 
 def _stage_benchmark(ctx: BuildContext) -> tuple[StageStatus, str]:
-    targets = [ctx.deployment.target(runtime.feed_dtypes_of(ctx.deploy_samples), samples=ctx.deploy_samples)]
+    targets = [deployment_target(ctx.deployment, runtime.feed_dtypes_of(ctx.deploy_samples), samples=ctx.deploy_samples)]
     if ctx.recipe.precision is not Precision.fp32:
         baseline = compile_for(ctx.backend, ctx.fp32_path, Precision.fp32, ctx.recipe, ctx.workdir / "baseline",
                                _deploy_shapes(ctx, fused=False))

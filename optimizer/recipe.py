@@ -283,6 +283,14 @@ class PrecisionConfig(_Strict):
     fallback: FallbackConfig = Field(default_factory=FallbackConfig)
 
 
+# What each `selection.objective` counts (the selection report says it).
+OBJECTIVES = {
+    "latency": "lowest p50 at batch 1",
+    "throughput": "most samples/s at the target batch",
+    "throughput_within_p99": "most samples/s at any benchmarked batch whose p99 meets the budget",
+}
+
+
 class SelectionConfig(_Strict):
     """How `--backend auto` / `--precision auto` pick among signed-off candidates."""
 

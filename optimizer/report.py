@@ -9,6 +9,7 @@ from accel_opt.bench import BenchmarkReport
 from accel_opt.data import DataSummary
 from accel_opt.precision import PrecisionReport
 from accel_opt.precision.fallback import FallbackReport
+from accel_opt.recipe import OBJECTIVES
 
 if TYPE_CHECKING:
     from accel_opt.auto import AutoSelection
@@ -253,8 +254,6 @@ def benchmark_markdown(model_name: str, bench: BenchmarkReport) -> str:
 
 
 def selection_markdown(name: str, selection: AutoSelection) -> str:
-    from accel_opt.auto import OBJECTIVES
-
     budget = f"p99 <= {selection.latency_budget_ms} ms" if selection.latency_budget_ms else "none"
     out = [
         f"# Automatic choice: {name}",

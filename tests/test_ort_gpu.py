@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from accel_opt.backends import get_backend, ort_gpu
+from accel_opt.backends import cuda_device, get_backend, ort_gpu
 from accel_opt.backends.base import CastInputsRunner, CompiledModel
 from accel_opt.backends.cuda_device import CudaDevice, CudaProbe
 from accel_opt.backends.gpu_timing import STAGE_KEYS, StageClock, last_stage_ms, median_stage_ms
@@ -148,7 +148,9 @@ def test_unknown_providers_are_named():
 def test_precision_support_per_provider(monkeypatch):
     assert not OnnxRuntimeBackend().supports(Precision.bf16)
     assert "int8" in OnnxRuntimeBackend([CUDA_PROVIDER]).supports(Precision.int8).reason
-    monkeypatch.setattr(ort_gpu, "cuda_devices", lambda: CudaProbe((CudaDevice(0, "Tesla T4", "7.5", 15360),), "12.8"))
+    t4 = CudaProbe((CudaDevice(0, "Tesla T4", "7.5", 15360),), "12.8")
+    monkeypatch.setattr(ort_gpu, "cuda_devices", lambda: t4)
+    monkeypatch.setattr(cuda_device, "cuda_devices", lambda: t4)  # the precision check both GPU backends share
     trt = OnnxRuntimeBackend([TENSORRT_PROVIDER])
     assert trt.supports(Precision.int8) and trt.supports(Precision.fp16)
     assert "no bf16 tensor cores" in trt.supports(Precision.bf16).reason

@@ -245,7 +245,7 @@ def test_get_backend_refuses_tensorrt_in_one_line_without_importing_it():
 
 def test_availability_reasons_follow_the_probe(monkeypatch):
     """The decision order, with the device probe's answer injected (no GPU is faked into a result)."""
-    from accel_opt.backends import ort_gpu
+    from accel_opt.backends import cuda_device
 
     monkeypatch.setattr(trt_backend, "cuda_devices", lambda: CudaProbe((), None, "no NVIDIA driver library"))
     reason = trt_backend.TensorRtBackend().available().reason
@@ -253,12 +253,12 @@ def test_availability_reasons_follow_the_probe(monkeypatch):
     if trt_backend.importlib.util.find_spec("tensorrt") is None:
         gpu = CudaProbe((CudaDevice(0, "NVIDIA L4", "8.9", 23034),), "12.8")
         monkeypatch.setattr(trt_backend, "cuda_devices", lambda: gpu)
-        monkeypatch.setattr(ort_gpu, "cuda_devices", lambda: gpu)
+        monkeypatch.setattr(cuda_device, "cuda_devices", lambda: gpu)
         assert trt_backend.TensorRtBackend().available().reason.startswith("tensorrt is not installed: pip install")
         assert trt_backend.TensorRtBackend().supports(Precision.bf16)  # L4 (8.9) has bf16 tensor cores
         old = CudaProbe((CudaDevice(0, "Tesla T4", "7.5", 15360),), "12.8")
         monkeypatch.setattr(trt_backend, "cuda_devices", lambda: old)
-        monkeypatch.setattr(ort_gpu, "cuda_devices", lambda: old)  # the precision check both GPU backends share
+        monkeypatch.setattr(cuda_device, "cuda_devices", lambda: old)  # the precision check both GPU backends share
         assert "no bf16 tensor cores" in trt_backend.TensorRtBackend().supports(Precision.bf16).reason
 
 

@@ -13,6 +13,15 @@ from polygraphy.datatype import DataType
 
 from accel_opt.recipe import Precision, Recipe
 
+# The command that adds each optional backend (doctor and the backends' 'not installed' errors say it).
+TORCH_INSTALL = "pip install 'accel-opt[torch]' torch==2.13.0"
+INSTALL = {
+    "openvino": "pip install 'accel-opt[openvino]'",
+    "torch": TORCH_INSTALL,
+    "onnxruntime-gpu": "pip uninstall -y onnxruntime && pip install 'accel-opt[gpu]'",
+    "tensorrt": "pip install 'accel-opt[tensorrt]' (TensorRT's libraries come from NVIDIA's own package index)",
+}
+
 
 @dataclass(frozen=True)
 class Availability:

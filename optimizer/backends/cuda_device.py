@@ -11,8 +11,14 @@ from __future__ import annotations
 import ctypes
 import glob
 import shutil
+import subprocess
 from dataclasses import dataclass
 from functools import lru_cache
+
+from pydantic import BaseModel
+
+from accel_opt.backends.base import Availability
+from accel_opt.recipe import Precision
 
 LIBCUDA = ("libcuda.so.1", "libcuda.so")
 # CUdevice_attribute values (cuda.h): the compute capability's major and minor number.
@@ -89,3 +95,49 @@ def probe_devices() -> CudaProbe:
 def cuda_devices() -> CudaProbe:
     """probe_devices(), once per process (the devices do not change while it runs)."""
     return probe_devices()
+
+
+# Compute capability from which a precision runs on tensor cores (NVIDIA's architecture tables).
+GPU_PRECISION_MIN_CC = {"fp16": (7, 0), "int8": (7, 5), "bf16": (8, 0), "fp8": (8, 9)}
+
+
+class Gpu(BaseModel):
+    name: str
+    compute_capability: str | None
+    memory_mib: int | None
+    driver: str | None
+
+
+def find_gpus() -> tuple[list[Gpu], str]:
+    """NVIDIA GPUs from `nvidia-smi`, and a line saying how they were looked for."""
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return [], "no NVIDIA driver found (nvidia-smi is not on PATH)"
+    query = "name,compute_cap,memory.total,driver_version"
+    try:
+        done = subprocess.run([smi, f"--query-gpu={query}", "--format=csv,noheader,nounits"], capture_output=True,
+                              text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return [], f"nvidia-smi failed: {exc}"
+    if done.returncode != 0:
+        return [], f"nvidia-smi failed: {(done.stderr or done.stdout).strip().splitlines()[:1]}"
+    gpus = []
+    for row in done.stdout.strip().splitlines():
+        name, cc, memory, driver = (part.strip() for part in row.split(",")[:4])
+        gpus.append(Gpu(name=name, compute_capability=cc or None, memory_mib=int(memory) if memory.isdigit() else None,
+                        driver=driver or None))
+    return gpus, f"{len(gpus)} NVIDIA GPU(s) from nvidia-smi"
+
+
+def gpu_precision_support(precision: Precision) -> Availability:
+    """Whether CUDA device 0 has tensor cores for `precision` (both GPU backends ask)."""
+    from accel_opt.backends.trt_plan import version_tuple
+
+    need, probe = GPU_PRECISION_MIN_CC.get(precision.value), cuda_devices()
+    if need is None or not probe:
+        return Availability(True)
+    device = probe.devices[0]
+    if version_tuple(device.compute_capability, 2) < need:
+        return Availability(False, f"{device.name} (compute capability {device.compute_capability}) has no "
+                                   f"{precision.value} tensor cores; {need[0]}.{need[1]} or newer is needed")
+    return Availability(True)

@@ -19,6 +19,7 @@ from polygraphy.backend.base import BaseRunner
 from polygraphy.backend.onnxrt import OnnxrtRunner
 
 from accel_opt.backends.base import Availability, CompiledModel
+from accel_opt.backends.cuda_device import gpu_precision_support
 from accel_opt.backends.ort_gpu import (
     CPU_PROVIDER,
     CUDA_PROVIDER,
@@ -30,7 +31,6 @@ from accel_opt.backends.ort_gpu import (
     TENSORRT_PROVIDER,
     TrtEpCache,
     gpu_facts,
-    gpu_precision_support,
     is_gpu_provider,
     nodes_by_provider,
     ops_by_provider,

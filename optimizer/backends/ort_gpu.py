@@ -29,9 +29,12 @@ from typing import Any
 
 import numpy as np
 
-from accel_opt.backends.base import Availability
-from accel_opt.backends.cuda_device import CudaProbe, cuda_devices
-from accel_opt.doctor import GPU_PRECISION_MIN_CC, INSTALL
+from accel_opt.backends.base import INSTALL, Availability
+from accel_opt.backends.cuda_device import (
+    CudaProbe,
+    cuda_devices,
+    gpu_precision_support,  # noqa: F401 - onnxruntime.py takes it from here
+)
 from accel_opt.recipe import Precision, Recipe
 
 log = logging.getLogger(__name__)
@@ -184,19 +187,6 @@ class TrtEpCache:
     @property
     def files(self) -> list[Path]:
         return [*self.engine_files, *self.timing_files]
-
-
-def gpu_precision_support(precision: Precision) -> Availability:
-    from accel_opt.backends.trt_plan import version_tuple
-
-    need, probe = GPU_PRECISION_MIN_CC.get(precision.value), cuda_devices()
-    if need is None or not probe:
-        return Availability(True)
-    device = probe.devices[0]
-    if version_tuple(device.compute_capability, 2) < need:
-        return Availability(False, f"{device.name} (compute capability {device.compute_capability}) has no "
-                                   f"{precision.value} tensor cores; {need[0]}.{need[1]} or newer is needed")
-    return Availability(True)
 
 
 def gpu_facts() -> dict[str, Any]:

@@ -34,9 +34,8 @@ import onnx
 from polygraphy.backend.base import BaseRunner
 
 from accel_opt.artifacts import copy_file, sha256_file, write_json, write_text
-from accel_opt.backends.base import Availability, CompiledModel
-from accel_opt.backends.cuda_device import cuda_devices
-from accel_opt.backends.ort_gpu import gpu_precision_support
+from accel_opt.backends.base import INSTALL, Availability, CompiledModel
+from accel_opt.backends.cuda_device import cuda_devices, gpu_precision_support
 from accel_opt.backends.trt_build_config import ShapeRange, derive_profiles, profile_bounds, trtexec_command
 from accel_opt.backends.trt_inspect import graph_tensor_dtypes, precision_counts, wider_layers
 from accel_opt.backends.trt_plan import (
@@ -47,7 +46,6 @@ from accel_opt.backends.trt_plan import (
     timing_cache_name,
     version_tuple,
 )
-from accel_opt.doctor import INSTALL
 from accel_opt.errors import GateFailed, InputRejected, InternalError, ResourceExhausted, Unsupported, first_line
 from accel_opt.graph.inspect import io_specs
 from accel_opt.recipe import Precision, Recipe
@@ -84,7 +82,7 @@ def options_from(recipe: Recipe) -> TensorRtOptions:
 
 @lru_cache(maxsize=1)
 def _driver_version() -> str | None:
-    from accel_opt.doctor import find_gpus
+    from accel_opt.backends.cuda_device import find_gpus
 
     gpus, _ = find_gpus()
     return gpus[0].driver if gpus else None

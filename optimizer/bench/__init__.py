@@ -93,6 +93,15 @@ class Target:
     samples: list[Sample] | None = None  # this target's own inputs (fused preprocessing), else the run's
 
 
+def deployment_target(deployment, feed_dtypes: dict[str, Any] | None = None, label: str | None = None,
+                      samples: list[Sample] | None = None) -> Target:
+    """A benchmark target of a runtime.Deployment (labels must differ between the targets of one run), fed
+    `samples` if given."""
+    config = deployment.config
+    return Target(label or f"{config.backend}-{config.precision.value}", deployment.runner(feed_dtypes),
+                  deployment.backend.synchronize, samples)
+
+
 def latency_stats(seconds: list[float]) -> LatencyStats:
     ms = np.asarray(seconds) * 1e3
     p50, p90, p99 = np.percentile(ms, [50, 90, 99])

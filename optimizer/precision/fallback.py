@@ -26,8 +26,8 @@ from onnx import numpy_helper
 from pydantic import BaseModel
 
 from accel_opt.errors import Unsupported, first_line
-from accel_opt.precision import KeptNode, PrecisionReport
 from accel_opt.precision.diagnose import Diagnosis, LayerError
+from accel_opt.precision.report import KeptNode, PrecisionReport
 from accel_opt.recipe import CosineMetric, DetectionMetric, FallbackConfig, Precision, TaskMetric, Tolerance, TopKMetric
 
 FP16_MAX = 65504.0

@@ -20,7 +20,7 @@ from onnx import TensorProto, external_data_helper, numpy_helper
 from accel_opt.errors import InputRejected, Unsupported, first_line
 from accel_opt.graph.inspect import opset_of
 from accel_opt.graph.save import save_model, upgrade_opset
-from accel_opt.precision import KeptNode, PrecisionReport
+from accel_opt.precision.report import KeptNode, PrecisionReport
 from accel_opt.recipe import Precision, PrecisionConfig
 
 log = logging.getLogger(__name__)

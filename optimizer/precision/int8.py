@@ -31,8 +31,8 @@ from accel_opt.data import Sample
 from accel_opt.errors import InputRejected, Unsupported
 from accel_opt.graph.inspect import opset_of
 from accel_opt.graph.save import EXTERNAL_DATA_ABOVE_BYTES, upgrade_opset
-from accel_opt.precision import CalibrationReport, KeptNode, PrecisionReport
 from accel_opt.precision.fp16 import validate
+from accel_opt.precision.report import CalibrationReport, KeptNode, PrecisionReport
 from accel_opt.recipe import CalibrationConfig, CalibrationMethod, Precision, QuantTarget
 
 log = logging.getLogger(__name__)

@@ -27,8 +27,7 @@ from accel_opt.errors import InputRejected, Unsupported, UsageError, first_line
 from accel_opt.graph.inspect import TensorSpec, with_batch
 from accel_opt.recipe import Postprocess, Precision, Preprocessing
 
-if TYPE_CHECKING:  # the benchmark (and the accuracy code it pulls in) is not needed to run an artifact
-    from accel_opt.bench import Target
+if TYPE_CHECKING:  # signing (model-signing) is imported only where a trusted key is given
     from accel_opt.signing import Trust
 
 RESOURCE_CONFIG = "resource_config.json"
@@ -167,13 +166,6 @@ class Deployment:
         deployed = {i.name: i.dtype for i in self.config.inputs}
         return casting_inputs(runner, feed_dtypes or deployed, deployed)
 
-    def target(self, feed_dtypes: dict[str, Any] | None = None, label: str | None = None,
-               samples: list[Sample] | None = None) -> Target:
-        """A benchmark target (labels must differ between the targets of one run), fed `samples` if given."""
-        from accel_opt.bench import Target
-
-        return Target(label or f"{self.config.backend}-{self.config.precision.value}", self.runner(feed_dtypes),
-                      self.backend.synchronize, samples)
 
 
 def load(folder: str | Path, expected_files: dict[str, str] | None = None, trust: Trust | None = None,

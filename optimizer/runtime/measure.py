@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from accel_opt.bench import BenchmarkReport, run_benchmark
+from accel_opt.bench import BenchmarkReport, deployment_target, run_benchmark
 from accel_opt.data import DataSummary
 from accel_opt.errors import UsageError
 from accel_opt.hardware import available_cpus
@@ -33,5 +33,5 @@ def benchmark_artifact(
     elif not resource.batch_dynamic and batch_sizes != [resource.batch_size]:
         raise UsageError(f"{deployment.folder.name} runs at batch {resource.batch_size} only (its model fixes the batch)")
     threads = resource.threads or available_cpus()
-    target = deployment.target({name: array.dtype for name, array in samples[0].items()})
+    target = deployment_target(deployment, {name: array.dtype for name, array in samples[0].items()})
     return run_benchmark([target], samples, batch_sizes, config, threads, resource.batch_axes), data

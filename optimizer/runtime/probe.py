@@ -122,10 +122,9 @@ def recheck(deployment):
     """Run `deployment` (a verified runtime.Deployment) on its probe set here and judge it with the build's gate;
     the verdict is remembered for this folder and CPU class. Returns the AccuracyReport."""
     from accel_opt.accuracy import judge, run_candidate
-    from accel_opt.runtime import feed_dtypes_of
 
     probe, inputs, refs = read_probe(deployment.folder)
-    runner = deployment.runner(feed_dtypes_of(inputs))
+    runner = deployment.runner({name: array.dtype for name, array in inputs[0].items()})
     with runner:
         outs, evaluation = run_candidate(runner, inputs, refs, deployment.batch_size, deployment.batch_axes)
     here = hardware.kernel_class(deployment.config.backend)
