@@ -1,0 +1,129 @@
+"""Running the reference and the candidate for the gate: the reference per sample, the candidate as deployed
+(batches of the deployed size, cut back into samples), and the float32 noise floor from a second fp32 run."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import numpy as np
+from polygraphy.backend.base import BaseRunner
+
+from accel_opt.accuracy.judge import judge, quiet_polygraphy
+from accel_opt.accuracy.models import FP32_NOISE_ULPS, NOISE_FLOOR_MARGIN, NOISE_SAMPLES, AccuracyReport, Evaluation
+from accel_opt.data import (
+    UNBATCHED,
+    BatchAxes,
+    Sample,
+    concat_samples,
+    leading_axes,
+    output_batch_axis,
+    pack_batches,
+    rows_of,
+    split_output,
+)
+from accel_opt.errors import AccelOptError, InputRejected, first_line
+from accel_opt.recipe import TaskMetric, Tolerance
+
+log = logging.getLogger(__name__)
+
+
+
+def compare(
+    reference: BaseRunner,
+    candidate: BaseRunner,
+    samples: list[Sample],
+    tolerance: Tolerance,
+    task_metrics: Sequence[TaskMetric] = (),
+    names: list[str] | None = None,
+    batch_size: int = 1,
+    batch_axes: BatchAxes | None = None,
+    candidate_samples: list[Sample] | None = None,
+    noise_reference: BaseRunner | None = None,
+    noise_floor: dict[str, float] | None = None,
+) -> AccuracyReport:
+    """Run the reference per sample and the candidate in batches of `batch_size` rows (along
+    `batch_axes`; default: axis 0 of every input that has one), then judge every output of every sample.
+    `candidate_samples`: the same samples as the candidate takes them (a model with fused preprocessing
+    takes the host's uint8 crops), one per sample. `noise_reference`: the same fp32 model through other
+    kernels (graph optimizations on); its distance to the reference on the first samples is the float32
+    noise floor below which no error counts (see fp32_noise_floor), unless `noise_floor` gives it."""
+    names = names or [f"sample-{i:04d}" for i in range(len(samples))]
+    with quiet_polygraphy(), reference:
+        ref_outs = [_infer(reference, s, name) for s, name in zip(samples, names)]
+    if noise_floor is None and noise_reference is not None:
+        noise_floor = fp32_noise_floor(noise_reference, samples, ref_outs)
+    fed = candidate_samples if candidate_samples is not None else samples
+    axes = batch_axes if batch_axes is not None else leading_axes(fed[0])
+    with quiet_polygraphy(), candidate:
+        cand_outs, evaluation = run_candidate(candidate, fed, ref_outs, batch_size, axes)
+    report = judge(ref_outs, cand_outs, names, tolerance, task_metrics, reference.name, candidate.name, evaluation,
+                   noise_floor)
+    report._reference_outputs = ref_outs
+    return report
+
+
+def fp32_noise_floor(other_fp32: BaseRunner, samples: list[Sample],
+                     ref_outs: list[dict[str, np.ndarray]]) -> dict[str, float]:
+    """Per float output, how far two valid float32 evaluations of the model lie apart: NOISE_FLOOR_MARGIN x the
+    largest |other - reference| over the first NOISE_SAMPLES samples, and at least FP32_NOISE_ULPS float32 ulps
+    of the output's peak. A nearly constant output (PP-OCRv4's probability map on synthetic inputs: std 2.3e-4)
+    made 4e-6 of reordering noise read as 1.8% of its scale; errors below this floor are not errors."""
+    diffs: dict[str, float] = {}
+    peaks: dict[str, float] = {}
+    with quiet_polygraphy(), other_fp32:
+        for sample, ref in list(zip(samples, ref_outs))[:NOISE_SAMPLES]:
+            other = _infer(other_fp32, sample, "a noise probe")
+            for name, r in ref.items():
+                r = np.asarray(r)
+                if r.dtype.kind != "f" or name not in other or np.shape(other[name]) != r.shape:
+                    continue
+                finite = np.isfinite(r) & np.isfinite(other[name])
+                delta = np.abs(np.asarray(other[name], np.float64) - r)[finite]
+                diffs[name] = max(diffs.get(name, 0.0), float(delta.max()) if delta.size else 0.0)
+                peaks[name] = max(peaks.get(name, 0.0), float(np.abs(r[finite]).max()) if finite.any() else 0.0)
+    eps = float(np.finfo(np.float32).eps)
+    return {name: max(NOISE_FLOOR_MARGIN * diffs[name], FP32_NOISE_ULPS * eps * peaks[name]) for name in diffs}
+
+
+def _infer(runner: BaseRunner, feed: Sample, name: str) -> dict[str, np.ndarray]:
+    """One inference; a model that fails on an evaluation input is an input problem (exit 3), not a crash."""
+    try:
+        return dict(runner.infer(feed, check_inputs=False))
+    except AccelOptError:
+        raise
+    except Exception as exc:  # the runtimes' own error types
+        raise InputRejected(f"{runner.name} failed on {name}: {first_line(exc)}") from None
+
+
+def run_candidate(runner: BaseRunner, samples: list[Sample], ref_outs: list[dict[str, np.ndarray]], batch_size: int,
+                   axes: BatchAxes) -> tuple[list[dict[str, np.ndarray]], Evaluation]:
+    note = None
+    groups = pack_batches(samples, batch_size, axes) if batch_size > 1 else None
+    if batch_size > 1 and groups is None:
+        note = f"the samples cannot be packed into batches of exactly {batch_size} rows: run one sample per call"
+    if groups is not None:
+        outs: list[dict[str, np.ndarray] | None] = [None] * len(samples)
+        output_axes: dict[str, int] = {}
+        for group in groups:
+            batch_out = runner.infer(concat_samples([samples[i] for i in group], axes), check_inputs=False)
+            for name, array in batch_out.items():
+                shapes = [ref_outs[i][name].shape for i in group if name in ref_outs[i]]
+                axis = output_batch_axis(np.shape(array), shapes) if len(shapes) == len(group) else None
+                if axis is None:
+                    note = f"output {name} cannot be cut back into samples: run one sample per call"
+                    break
+                output_axes[name] = axis
+                parts = split_output(np.asarray(array), axis, [s[axis] if axis != UNBATCHED else 1 for s in shapes])
+                for index, part in zip(group, parts):
+                    outs[index] = outs[index] or {}
+                    outs[index].setdefault(name, part)  # a padded repeat keeps its first result
+            if note:
+                break
+        if note is None:
+            return outs, Evaluation(mode="batched", batch_size=batch_size, calls=len(groups), output_batch_axes=output_axes)
+    outs = [_infer(runner, s, f"sample {i}") for i, s in enumerate(samples)]
+    rows = min(rows_of(s, axes) for s in samples)
+    return outs, Evaluation(mode="per-sample", batch_size=rows, calls=len(samples), note=note)
+
+
