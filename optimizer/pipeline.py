@@ -12,21 +12,16 @@ import logging
 import shutil
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import onnx
 
-from accel_opt import artifacts, hardware, htmlreport, preprocess, records, report, runtime
-from accel_opt.accuracy import AccuracyReport, compare
-from accel_opt.backends import Backend, CompiledModel, compile_for, get_backend
-from accel_opt.backends.base import casting_inputs
-from accel_opt.backends.gpu_timing import last_stage_ms, median_stage_ms
-from accel_opt.backends.onnxruntime import OnnxRuntimeBackend, float_run_quantized_ops, reference_runner
-from accel_opt.bench import BenchmarkReport, Target, application, deployment_target, run_benchmark
-from accel_opt.bench.efficiency import efficiency, node_flops
-from accel_opt.bench.sweep import capacity, recommend, sweep, sweep_checks
+from accel_opt import artifacts, hardware, preprocess, records, runtime
+from accel_opt.accuracy import compare
+from accel_opt.backends import compile_for, get_backend
+from accel_opt.backends.onnxruntime import reference_runner
+from accel_opt.bench.build_stage import benchmark_build, max_feed
+from accel_opt.build_context import BuildContext
 from accel_opt.data import (
     DataSummary,
     Sample,
@@ -39,63 +34,20 @@ from accel_opt.data import (
     to_model_input,
 )
 from accel_opt.errors import AccelOptError, Unsupported, UsageError, first_line, no_space_error
-from accel_opt.graph.cleanup import CleanupReport, cleanup
+from accel_opt.graph.cleanup import cleanup
 from accel_opt.graph.fuse import fuse_normalize, fused_shape
-from accel_opt.graph.inspect import ResolvedShapes, TensorSpec, io_specs, resolve_shapes, with_batch
-from accel_opt.graph.load import LoadedModel, load_model
+from accel_opt.graph.inspect import TensorSpec, io_specs, resolve_shapes, with_batch
+from accel_opt.graph.load import load_model
 from accel_opt.graph.save import save_model
-from accel_opt.precision import PrecisionReport, fallback, transform
-from accel_opt.precision.diagnose import Diagnosis, diagnose, emulate_bfloat16
+from accel_opt.precision import fallback
+from accel_opt.precision.fallback_actions import fallback_actions
 from accel_opt.recipe import Precision, Recipe, load_recipe
 from accel_opt.results import BuildResult, StageResult, StageStatus, fill_headline
-from accel_opt.runtime import DeployedInput, Deployment, ResourceConfig
+from accel_opt.runtime import DeployedInput, ResourceConfig
 
 log = logging.getLogger(__name__)
 
 CLEANUP_VERIFY_SAMPLES = 4
-
-
-@dataclass
-class BuildContext:
-    model_path: Path
-    recipe: Recipe
-    data_dir: Path | None
-    workdir: Path
-    staging: Path
-    cache_dir: Path | None
-    backend: Backend
-    threads: int
-    notes: list[str] = field(default_factory=list)
-    factory: Any = None  # a torch ModuleFactory when the input is FILE.py:FACTORY
-    torch_module: Any = None  # the exported module: the accuracy reference and a baseline row
-    export: dict[str, Any] | None = None  # export + verification reports
-    loaded: LoadedModel | None = None
-    source_path: Path | None = None  # the ONNX file given (or exported); model_path may become a cleaned copy
-    model_sha256: str = ""
-    external_data_sha256: dict[str, str] = field(default_factory=dict)
-    inputs: list[TensorSpec] = field(default_factory=list)
-    outputs: list[TensorSpec] = field(default_factory=list)
-    shapes: ResolvedShapes | None = None
-    deploy_batch: int = 1  # rows per call of the shipped model: what the gate evaluates and `run` uses
-    data: DataSummary | None = None
-    calibration_samples: list[Sample] = field(default_factory=list)
-    eval_samples: list[Sample] = field(default_factory=list)
-    eval_names: list[str] = field(default_factory=list)
-    deploy_samples: list[Sample] = field(default_factory=list)  # the eval samples as the artifact takes them (fused: uint8 crops)
-    host_crops: list[Sample] = field(default_factory=list)  # fused preprocessing: every --data image as uint8 HWC crops
-    draft_samples: list[Sample] = field(default_factory=list)  # draft_decode: every --data image as the artifact takes it
-    max_feed: Sample | None = None  # a feed at --max-shapes, for the capacity check
-    cleanup: CleanupReport | None = None
-    fp32_path: Path | None = None  # after cleanup: the baseline every precision is compared with
-    precision: PrecisionReport | None = None
-    fallback: fallback.FallbackReport | None = None
-    candidate_path: Path | None = None
-    compiled: CompiledModel | None = None  # the compile in the workdir (its settings go to the resource config)
-    resource_config: ResourceConfig | None = None
-    deployment: Deployment | None = None  # the staged artifact, loaded as a user would: what is checked and timed
-    deployed_hashes: dict[str, str] = field(default_factory=dict)  # its files' sha256 when it was loaded
-    accuracy: AccuracyReport | None = None
-    bench: BenchmarkReport | None = None
 
 
 class _Skip(Exception):
@@ -257,7 +209,7 @@ def _stage_load(ctx: BuildContext) -> tuple[StageStatus, str]:
     elif ctx.draft_samples:
         ctx.deploy_samples = [ctx.draft_samples[i] for i in evaluation]
     ctx.deploy_batch = recipe.selection.target_batch_size if ctx.shapes.batch_dynamic else ctx.shapes.batch_size
-    ctx.max_feed = _max_feed(ctx)  # checked now: a wrong --max-shapes is a usage error before any work
+    ctx.max_feed = max_feed(ctx, _fused(ctx))  # checked now: a wrong --max-shapes is a usage error before any work
     shapes = ", ".join(f"{k}:{'x'.join(map(str, v)) or 'scalar'}" for k, v in ctx.shapes.shapes.items())
     return "passed", (
         f"opset {ctx.loaded.opset}, {len(ctx.loaded.proto.graph.node)} nodes, inputs {shapes}; "
@@ -335,7 +287,7 @@ def _stage_precision(ctx: BuildContext) -> tuple[StageStatus, str]:
     source = "calibration samples" if precision is Precision.int8 else "the first evaluation samples"
     fixed = fallback.wide_weight_consumers(ctx.fp32_path) if precision is Precision.fp16 else []
     ctx.precision, ctx.fallback, ctx.candidate_path = fallback.run(
-        precision, config, _fallback_actions(ctx, probes), ctx.workdir / f"{precision.value}.onnx", len(probes), source, fixed)
+        precision, config, fallback_actions(ctx, probes, _deploy_shapes(ctx, fused=False)), ctx.workdir / f"{precision.value}.onnx", len(probes), source, fixed)
     ctx.fallback.probe_slack = fallback.PROBE_MARGIN if precision is Precision.int8 else 1.0
     ctx.precision.notes.append(f"Fallback: {ctx.fallback.status}, {ctx.fallback.reason}.")
     kept = len(ctx.precision.kept_in_higher_precision)
@@ -343,56 +295,6 @@ def _stage_precision(ctx: BuildContext) -> tuple[StageStatus, str]:
     if ctx.fallback.rounds:
         detail += f" ({len(ctx.fallback.rounds)} rounds, {ctx.fallback.fp32_flops_fraction:.1%} of FLOPs in fp32)"
     return "passed", detail
-
-
-def _fallback_actions(ctx: BuildContext, probes: list[Sample]) -> fallback.Actions:
-    """The fallback's build / judge / diagnose: the recipe's transform, the gate's tolerance on the probes
-    run on the build's backend, and the per-layer diagnosis on ONNX Runtime (bf16 emulated)."""
-    precision, recipe = ctx.recipe.precision, ctx.recipe
-    calibration_cache = ctx.cache_dir / "calibration" if ctx.cache_dir else None
-
-    tolerance = (recipe.tolerance, recipe.accuracy.task_metrics)
-    if precision is Precision.int8:  # in-sample probes: judged with half the slack
-        tolerance = fallback.stricter(*tolerance)
-
-    def build(keep: list[str], out: Path) -> PrecisionReport:
-        return transform(ctx.fp32_path, precision, recipe, ctx.backend.name, ctx.calibration_samples, out,
-                         calibration_cache, keep_float=keep)
-
-    def judge(path: Path) -> fallback.ProbeVerdict:
-        compiled = compile_for(ctx.backend, path, precision, recipe, ctx.workdir / "probe" / path.stem,
-                               _deploy_shapes(ctx, fused=False))
-        deployed = {spec.name: spec.dtype for spec in io_specs(onnx.load(str(path), load_external_data=False))[0]}
-        runner = casting_inputs(ctx.backend.runner(compiled), runtime.feed_dtypes_of(probes), deployed)
-        result = compare(reference_runner(ctx.fp32_path, ctx.threads), runner, probes, *tolerance, batch_size=ctx.deploy_batch,
-                         batch_axes=ctx.shapes.batch_axes, noise_reference=reference_runner(ctx.fp32_path, ctx.threads, optimize=True))
-        return fallback.ProbeVerdict(passed=result.passed, worst_cosine=result.worst_cosine, failures=result.failures[:3])
-
-    def judge_emulated(path: Path) -> fallback.ProbeVerdict:  # Q/DQ in float, graph optimizations off: as diagnosed
-        result = compare(reference_runner(ctx.fp32_path, ctx.threads), reference_runner(path, ctx.threads), probes, *tolerance,
-                         noise_reference=reference_runner(ctx.fp32_path, ctx.threads, optimize=True))
-        return fallback.ProbeVerdict(passed=result.passed, worst_cosine=result.worst_cosine, failures=result.failures[:3])
-
-    def examine(path: Path) -> Diagnosis:
-        if precision is Precision.bf16:
-            (ctx.workdir / "probe").mkdir(parents=True, exist_ok=True)
-            path = emulate_bfloat16(path, ctx.workdir / "probe" / f"emulated-{path.name}")
-        return diagnose(ctx.fp32_path, path, probes[: recipe.precision_options.fallback.diagnosis_samples], ctx.threads)
-
-    batch1 = with_batch(ctx.shapes.shapes, 1, ctx.shapes.batch_axes) if ctx.shapes.batch_dynamic else ctx.shapes.shapes
-
-    def flops_of(path: Path) -> dict[str, int]:
-        try:
-            return node_flops(path, batch1)
-        except (ValueError, RuntimeError, onnx.shape_inference.InferenceError) as exc:  # > 2 GB protos, odd graphs
-            log.warning("no FLOP counts for the fallback budget: %s", first_line(exc))
-            return {}
-    companions = None
-    if precision is Precision.int8 and isinstance(ctx.backend, OnnxRuntimeBackend):
-        def companions(path: Path) -> list[str]:
-            return float_run_quantized_ops(path, ctx.threads)
-    return fallback.Actions(build=build, judge=judge, diagnose=examine, flops_of=flops_of, companions=companions,
-                            judge_emulated=judge_emulated if precision is Precision.int8 else None)
 
 
 def _stage_compile(ctx: BuildContext) -> tuple[StageStatus, str]:
@@ -481,134 +383,11 @@ def _stage_accuracy(ctx: BuildContext) -> tuple[StageStatus, str]:
 
 
 def _stage_benchmark(ctx: BuildContext) -> tuple[StageStatus, str]:
-    targets = [deployment_target(ctx.deployment, runtime.feed_dtypes_of(ctx.deploy_samples), samples=ctx.deploy_samples)]
-    if ctx.recipe.precision is not Precision.fp32:
-        baseline = compile_for(ctx.backend, ctx.fp32_path, Precision.fp32, ctx.recipe, ctx.workdir / "baseline",
-                               _deploy_shapes(ctx, fused=False))
-        targets.append(Target(f"{ctx.backend.name}-fp32", ctx.backend.runner(baseline), ctx.backend.synchronize))
-    if ctx.fallback is not None and ctx.fallback.kept:  # the fallback's speed cost, in the same interleaved run
-        naive = compile_for(ctx.backend, ctx.workdir / ctx.fallback.naive_model, ctx.recipe.precision, ctx.recipe,
-                            ctx.workdir / "naive-build", _deploy_shapes(ctx, fused=False))
-        targets.append(Target(f"{ctx.backend.name}-{ctx.recipe.precision.value}-naive", ctx.backend.runner(naive),
-                              ctx.backend.synchronize))
-    if ctx.torch_module is not None:
-        from accel_opt.backends.torch import torch_runner
-
-        targets.append(Target("pytorch-eager", torch_runner(ctx.torch_module, ctx.model_path, ctx.threads)))
-    batch_sizes = ctx.recipe.benchmark.batch_sizes if ctx.shapes.batch_dynamic else [ctx.shapes.batch_size]
-    axes = ctx.shapes.batch_axes
-    ctx.bench = run_benchmark(targets, ctx.eval_samples, batch_sizes, ctx.recipe.benchmark, ctx.threads, axes)
-    streams = getattr(ctx.backend, "concurrency_sweep", None)
-    if streams is not None:  # streams x async requests: the concurrency a server would run
-        feed = batch_of(ctx.deploy_samples, ctx.deploy_batch, axes)
-        ctx.bench.concurrency = streams(ctx.deployment.compiled, feed, seconds=max(0.2, ctx.recipe.benchmark.min_seconds / 2))
-    config, dtypes = ctx.recipe.benchmark, runtime.feed_dtypes_of(ctx.deploy_samples)
-    ctx.bench.sweep = sweep(lambda: ctx.deployment.runner(dtypes), ctx.deploy_samples, batch_sizes, config, axes,
-                            ctx.backend.synchronize)
-    ctx.bench.recommended, ctx.bench.recommendation = recommend(ctx.bench.sweep, config)
-    ctx.bench.capacity = capacity(ctx.bench.sweep, config, lambda: ctx.deployment.runner(dtypes), ctx.max_feed,
-                                  ctx.backend.synchronize)
-    ctx.bench.checks = sweep_checks(ctx.bench.recommended, ctx.bench.recommendation, ctx.bench.capacity, config)
-    _application_times(ctx, batch_sizes)
-    batch1 = with_batch(ctx.shapes.shapes, 1, axes) if ctx.shapes.batch_dynamic else ctx.shapes.shapes
-    try:
-        ctx.bench.efficiency = efficiency(ctx.fp32_path, batch1, {b.batch_size: b.latency.p50_ms for b in
-                                                                  ctx.bench.models[0].batches}, ctx.recipe.precision.value)
-    except (ValueError, RuntimeError, onnx.shape_inference.InferenceError) as exc:  # > 2 GB protos, odd graphs
-        log.warning("no efficiency figures: %s", first_line(exc))
-    first = ctx.bench.models[0].batches[0]
-    detail = f"batch {first.batch_size}: p50 {first.latency.p50_ms:.2f} ms over {first.latency.iterations} iterations"
-    detail += f"; sweep of {len(ctx.bench.sweep)} points: " + (ctx.bench.recommendation if ctx.bench.recommended is None else
-              f"best batch {ctx.bench.recommended.batch_size} x {ctx.bench.recommended.concurrency} concurrent, "
-              f"{ctx.bench.recommended.throughput_per_s:.1f} samples/s")
-    if ctx.bench.failures:
-        return "failed", detail + "; " + "; ".join(ctx.bench.failures)
-    return "passed", detail
-
-
-def _max_feed(ctx: BuildContext) -> Sample | None:
-    """A seeded feed at --max-shapes (inputs not named there keep the largest benchmarked batch)."""
-    given = ctx.recipe.benchmark.max_shapes
-    if not given:
-        return None
-    if _fused(ctx):
-        raise UsageError("--max-shapes with fused preprocessing is not supported yet: the image input changes layout")
-    batch = max(ctx.recipe.benchmark.batch_sizes) if ctx.shapes.batch_dynamic else ctx.shapes.batch_size
-    base = with_batch(ctx.shapes.shapes, batch, ctx.shapes.batch_axes) if ctx.shapes.batch_dynamic else ctx.shapes.shapes
-    resolved = resolve_shapes(ctx.inputs, {**base, **given}, given_batch_axes=ctx.recipe.batch_axes)  # checks ranks, fixed dims
-    feed = synthetic_samples(ctx.inputs, resolved.shapes, 1, ctx.recipe.accuracy.seed, ctx.loaded.index_bounds)[0][0]
-    return {name: array.astype(ctx.eval_samples[0][name].dtype) for name, array in feed.items()}
-
-
-def _application_times(ctx: BuildContext, batch_sizes: list[int]) -> None:
-    """Where a batch's time goes and the whole job, naive against accel-opt's, on the --data files."""
-    if ctx.data_dir is None:
-        ctx.bench.stage_note = "no --data: the application's stages and the job need real input files"
-        return
-    files, config = application.data_files(ctx.data_dir), ctx.resource_config
-    host = application.host_stage_ms(files, ctx.recipe.preprocessing.host_part() if ctx.recipe.preprocessing else None)
-    candidate = ctx.bench.models[0]
-    outputs, device = {}, {}
-    with ctx.deployment.runner(runtime.feed_dtypes_of(ctx.deploy_samples)) as runner:
-        for b in batch_sizes:  # GPU runners time h2d / compute / d2h apart, each ended by a synchronization
-            feed = batch_of(ctx.deploy_samples, b, ctx.shapes.batch_axes)
-            outputs[b] = runner.infer(feed, check_inputs=False)
-            calls = [last_stage_ms(runner)]
-            if calls[0]:
-                for _ in range(application.DEVICE_STAGE_CALLS - 1):
-                    runner.infer(feed, check_inputs=False)
-                    calls.append(last_stage_ms(runner))
-            device[b] = median_stage_ms(calls) if calls[0] else None
-    ctx.bench.stages_ms = [
-        application.stage_times(host, candidate.at(b).latency.p50_ms,
-                                application.postprocess_ms(outputs[b], config.postprocess, config.outputs[0].name, b), b,
-                                device_ms=device[b])
-        for b in batch_sizes]
-    note = application.CPU_NOTE if ctx.compiled.device == "cpu" else application.DEVICE_NOTE
-    ctx.bench.stage_note = f"host stages timed per input on {min(len(files), application.STAGE_FILES)} files (one core, median), x batch; {note}"
-    pre, job_files = ctx.recipe.preprocessing, files[: application.JOB_FILES]
-    ctx.bench.jobs = [application.accel_opt_job(job_files, ctx.deployment)]
-    try:  # the naive job runs the fp32 model on ONNX Runtime, the portable default
-        ort = OnnxRuntimeBackend()
-        naive_runner = ort.runner(ort.compile(ctx.fp32_path, Precision.fp32, ctx.recipe, ctx.workdir / "naive"))
-        ctx.bench.jobs.insert(0, application.naive_job(job_files, naive_runner, pre, _image_input(ctx)))
-    except AccelOptError as exc:
-        ctx.bench.stage_note += f"; no naive job: {exc}"
+    return benchmark_build(ctx, _deploy_shapes(ctx, fused=False), _image_input(ctx))
 
 
 def _stage_reports(ctx: BuildContext) -> tuple[StageStatus, str]:
-    staging, name = ctx.staging, ctx.model_path.stem
-    signed_off = ctx.accuracy.passed and not ctx.bench.failures
-    artifacts.write_json(staging / "accuracy.json", ctx.accuracy)
-    artifacts.write_text(
-        staging / "signoff.md",
-        report.signoff_markdown(name, signed_off, ctx.accuracy, ctx.precision, ctx.data, len(ctx.calibration_samples),
-                                ctx.notes + (ctx.precision.notes if ctx.precision else [])
-                                + [f"Benchmark gate failed: {line}" for line in ctx.bench.failures],
-                                fallback=ctx.fallback, bench=ctx.bench),
-    )
-    if ctx.fallback is not None and ctx.fallback.naive_profile:
-        (staging / "layer_error.png").write_bytes(htmlreport.layer_error_png(ctx.fallback.model_dump(mode="json")))
-    artifacts.write_json(staging / "benchmark.json", ctx.bench)
-    artifacts.write_text(staging / "benchmark.md", report.benchmark_markdown(name, ctx.bench))
-    artifacts.write_json(staging / runtime.RESOURCE_CONFIG, records.measured_config(ctx))
-    config = ctx.resource_config
-    build_info = {
-        "model_name": name,
-        "created_utc": artifacts.now_utc(),
-        "cleanup": ctx.cleanup.model_dump(mode="json") if ctx.cleanup else None,
-        "precision": ctx.precision.model_dump(mode="json") if ctx.precision else None,
-        "fallback": ctx.fallback.model_dump(mode="json") if ctx.fallback else None,
-        "data": ctx.data.model_dump(mode="json"),
-        "export": ctx.export,
-        "notes": ctx.notes,
-        "environment": {"tools": artifacts.tool_versions(), "cpu": hardware.cpu_info()},
-        "files_sha256": {f: ctx.deployed_hashes[f] for f in [config.model_file, *config.extra_files]},
-    }
-    records.write_probe_set(ctx, staging)
-    artifacts.write_json(staging / "build.json", build_info)
-    artifacts.write_text(staging / "signoff.html", htmlreport.render(staging))  # from the JSON reports above only
-    return "passed", f"{len(list(staging.iterdir()))} files"
+    return "passed", records.write_reports(ctx)
 
 
 STAGES: list[tuple[str, Callable[[BuildContext], tuple[StageStatus, str]]]] = [

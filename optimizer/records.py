@@ -9,7 +9,7 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from accel_opt import artifacts, hardware, runtime
+from accel_opt import artifacts, hardware, htmlreport, report, runtime
 from accel_opt.accuracy import AccuracyReport
 from accel_opt.backends import CompiledModel
 from accel_opt.bench import BenchmarkReport
@@ -18,7 +18,7 @@ from accel_opt.results import BuildResult, DataRecord, StageResult, fill_headlin
 from accel_opt.runtime import ResourceConfig
 
 if TYPE_CHECKING:
-    from accel_opt.pipeline import BuildContext
+    from accel_opt.build_context import BuildContext
 
 log = logging.getLogger(__name__)
 
@@ -137,3 +137,40 @@ def write_probe_set(ctx: BuildContext, folder: Path) -> int:
     return probe.write_probe(folder, ctx.deploy_samples, ctx.accuracy._reference_outputs, ctx.eval_names,
                              ctx.recipe.tolerance, ctx.recipe.accuracy.task_metrics, noise,
                              hardware.kernel_class(ctx.backend.name))
+
+
+def write_reports(ctx: BuildContext) -> str:
+    """Every report of the staged folder, JSON first and the rest rendered from it, the probe set and build.json
+    (the manifest comes after, in write_manifest); returns the stage's one-line detail."""
+    staging, name = ctx.staging, ctx.model_path.stem
+    signed_off = ctx.accuracy.passed and not ctx.bench.failures
+    artifacts.write_json(staging / "accuracy.json", ctx.accuracy)
+    artifacts.write_text(
+        staging / "signoff.md",
+        report.signoff_markdown(name, signed_off, ctx.accuracy, ctx.precision, ctx.data, len(ctx.calibration_samples),
+                                ctx.notes + (ctx.precision.notes if ctx.precision else [])
+                                + [f"Benchmark gate failed: {line}" for line in ctx.bench.failures],
+                                fallback=ctx.fallback, bench=ctx.bench),
+    )
+    if ctx.fallback is not None and ctx.fallback.naive_profile:
+        (staging / "layer_error.png").write_bytes(htmlreport.layer_error_png(ctx.fallback.model_dump(mode="json")))
+    artifacts.write_json(staging / "benchmark.json", ctx.bench)
+    artifacts.write_text(staging / "benchmark.md", report.benchmark_markdown(name, ctx.bench))
+    artifacts.write_json(staging / runtime.RESOURCE_CONFIG, measured_config(ctx))
+    config = ctx.resource_config
+    build_info = {
+        "model_name": name,
+        "created_utc": artifacts.now_utc(),
+        "cleanup": ctx.cleanup.model_dump(mode="json") if ctx.cleanup else None,
+        "precision": ctx.precision.model_dump(mode="json") if ctx.precision else None,
+        "fallback": ctx.fallback.model_dump(mode="json") if ctx.fallback else None,
+        "data": ctx.data.model_dump(mode="json"),
+        "export": ctx.export,
+        "notes": ctx.notes,
+        "environment": {"tools": artifacts.tool_versions(), "cpu": hardware.cpu_info()},
+        "files_sha256": {f: ctx.deployed_hashes[f] for f in [config.model_file, *config.extra_files]},
+    }
+    write_probe_set(ctx, staging)
+    artifacts.write_json(staging / "build.json", build_info)
+    artifacts.write_text(staging / "signoff.html", htmlreport.render(staging))  # from the JSON reports above only
+    return f"{len(list(staging.iterdir()))} files"

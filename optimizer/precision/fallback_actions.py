@@ -1,0 +1,79 @@
+"""The fallback's actions for one build: how it builds a variant (the recipe's transform), judges it (the gate's
+tolerance on the probes, on the build's backend and, for int8, with Q/DQ emulated in float), diagnoses it layer by
+layer and counts its FLOPs. fallback.py decides what to keep; this wires those decisions to the build's context."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import onnx
+
+from accel_opt import runtime
+from accel_opt.accuracy import compare
+from accel_opt.backends import compile_for
+from accel_opt.backends.base import casting_inputs
+from accel_opt.backends.onnxruntime import OnnxRuntimeBackend, float_run_quantized_ops, reference_runner
+from accel_opt.bench.efficiency import node_flops
+from accel_opt.data import Sample
+from accel_opt.errors import first_line
+from accel_opt.graph.inspect import io_specs, with_batch
+from accel_opt.precision import fallback, transform
+from accel_opt.precision.diagnose import Diagnosis, diagnose, emulate_bfloat16
+from accel_opt.precision.report import PrecisionReport
+from accel_opt.recipe import Precision
+
+if TYPE_CHECKING:
+    from accel_opt.build_context import BuildContext
+
+log = logging.getLogger(__name__)
+
+
+def fallback_actions(ctx: BuildContext, probes: list[Sample], shapes: dict[str, list[int]]) -> fallback.Actions:
+    """The fallback's build / judge / diagnose: the recipe's transform, the gate's tolerance on the probes
+    run on the build's backend (compiled for `shapes`), and the per-layer diagnosis on ONNX Runtime (bf16 emulated)."""
+    precision, recipe = ctx.recipe.precision, ctx.recipe
+    calibration_cache = ctx.cache_dir / "calibration" if ctx.cache_dir else None
+
+    tolerance = (recipe.tolerance, recipe.accuracy.task_metrics)
+    if precision is Precision.int8:  # in-sample probes: judged with half the slack
+        tolerance = fallback.stricter(*tolerance)
+
+    def build(keep: list[str], out: Path) -> PrecisionReport:
+        return transform(ctx.fp32_path, precision, recipe, ctx.backend.name, ctx.calibration_samples, out,
+                         calibration_cache, keep_float=keep)
+
+    def judge(path: Path) -> fallback.ProbeVerdict:
+        compiled = compile_for(ctx.backend, path, precision, recipe, ctx.workdir / "probe" / path.stem, shapes)
+        deployed = {spec.name: spec.dtype for spec in io_specs(onnx.load(str(path), load_external_data=False))[0]}
+        runner = casting_inputs(ctx.backend.runner(compiled), runtime.feed_dtypes_of(probes), deployed)
+        result = compare(reference_runner(ctx.fp32_path, ctx.threads), runner, probes, *tolerance, batch_size=ctx.deploy_batch,
+                         batch_axes=ctx.shapes.batch_axes, noise_reference=reference_runner(ctx.fp32_path, ctx.threads, optimize=True))
+        return fallback.ProbeVerdict(passed=result.passed, worst_cosine=result.worst_cosine, failures=result.failures[:3])
+
+    def judge_emulated(path: Path) -> fallback.ProbeVerdict:  # Q/DQ in float, graph optimizations off: as diagnosed
+        result = compare(reference_runner(ctx.fp32_path, ctx.threads), reference_runner(path, ctx.threads), probes, *tolerance,
+                         noise_reference=reference_runner(ctx.fp32_path, ctx.threads, optimize=True))
+        return fallback.ProbeVerdict(passed=result.passed, worst_cosine=result.worst_cosine, failures=result.failures[:3])
+
+    def examine(path: Path) -> Diagnosis:
+        if precision is Precision.bf16:
+            (ctx.workdir / "probe").mkdir(parents=True, exist_ok=True)
+            path = emulate_bfloat16(path, ctx.workdir / "probe" / f"emulated-{path.name}")
+        return diagnose(ctx.fp32_path, path, probes[: recipe.precision_options.fallback.diagnosis_samples], ctx.threads)
+
+    batch1 = with_batch(ctx.shapes.shapes, 1, ctx.shapes.batch_axes) if ctx.shapes.batch_dynamic else ctx.shapes.shapes
+
+    def flops_of(path: Path) -> dict[str, int]:
+        try:
+            return node_flops(path, batch1)
+        except (ValueError, RuntimeError, onnx.shape_inference.InferenceError) as exc:  # > 2 GB protos, odd graphs
+            log.warning("no FLOP counts for the fallback budget: %s", first_line(exc))
+            return {}
+    companions = None
+    if precision is Precision.int8 and isinstance(ctx.backend, OnnxRuntimeBackend):
+        def companions(path: Path) -> list[str]:
+            return float_run_quantized_ops(path, ctx.threads)
+    return fallback.Actions(build=build, judge=judge, diagnose=examine, flops_of=flops_of, companions=companions,
+                            judge_emulated=judge_emulated if precision is Precision.int8 else None)
