@@ -5,6 +5,7 @@ Light at import (click only): `accel-opt --help` never imports Ray.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from pathlib import Path
 
@@ -74,7 +75,9 @@ def run_on_ray(artifact, inputs, out_dir, resume, overwrite, as_json, no_recheck
         pool = parse_actors(actors)
         deployment = runtime.load(artifact, trust=trust_of())
         _say_scope(signed_off_here(deployment, recheck_allowed=not no_recheck))
-        with _progress(not as_json and sys.stderr.isatty()) as on_progress:
+        # Ray prints the cluster's error messages (a node marked dead...) on stdout: they go to stderr, so
+        # stdout holds only the summary.
+        with _progress(not as_json and sys.stderr.isatty()) as on_progress, contextlib.redirect_stdout(sys.stderr):
             try:
                 summary = run_ray_job(deployment, inputs, out_dir, address=address, actors=pool, cpus_per_actor=cpus_per_actor or 1,
                                       resume=resume, overwrite=overwrite, output_format=output_format or "jsonl",

@@ -62,10 +62,9 @@ def refuse_silent_address(address: str) -> None:
 def pin_loopback() -> None:
     """Keep Ray on 127.0.0.1 (see the module's note); must run before `ray` is first imported."""
     os.environ.update(LOOPBACK_ENV)
-    if "ray" in sys.modules:  # imported already (a Python API user): the constant was read at import
-        from ray._private import ray_constants
-
-        ray_constants.ENABLE_RAY_CLUSTER = False
+    constants = sys.modules.get("ray._private.ray_constants")
+    if constants is not None:  # imported already (a Python API user): the constant was read at import
+        constants.ENABLE_RAY_CLUSTER = False
 
 
 @contextmanager
@@ -145,4 +144,13 @@ def as_accel_opt_error(exc: BaseException) -> BaseException:
     if wrapped is not None:
         ours = next(c for c in type(wrapped).__mro__ if issubclass(c, AccelOptError) and c.__module__.startswith("accel_opt"))
         return ours(first_line(wrapped, limit=600))
+    # An actor whose constructor raised keeps only the text of the traceback (ActorDiedError): its last line
+    # "accel_opt.errors.InputRejected: on node ...: ..." names our error.
+    import accel_opt.errors as errors
+
+    for line in reversed(str(exc).splitlines()):
+        name, _, message = line.strip().partition(": ")
+        error_class = getattr(errors, name.removeprefix("accel_opt.errors."), None) if name.startswith("accel_opt.errors.") else None
+        if isinstance(error_class, type) and issubclass(error_class, AccelOptError):
+            return error_class(message)
     return exc

@@ -42,7 +42,7 @@ log = logging.getLogger(__name__)
 SUMMARY = "_SUMMARY.json"
 SORTED = "predictions.sorted.jsonl"
 ROWS_PER_PART = 5000  # a part is published when it holds this many answers...
-SECONDS_PER_PART = 5.0  # ...or this long after its first one: what a killed driver can lose
+SECONDS_PER_PART = 2.0  # ...or this long after its first one: about what a killed driver can lose
 ROWS_PER_BLOCK_MAX = 4096
 
 
@@ -279,9 +279,9 @@ def run_ray_job(
     if deployment.config.preprocessing is None and any(Path(p).suffix.lower() in IMAGE_SUFFIXES for p in todo):
         raise UsageError(f"{deployment.folder.name} was built without `preprocessing`: give .npz feed dicts, not images")
     with Outputs(Path(out_dir) / "predictions.jsonl").exclusive():
+        answered = folder.start(deployment, address or "local", resume, overwrite)  # refusals before Ray starts
+        remaining = [p for p in todo if input_key(p) not in answered]
         with ray_session(address, verbose=verbose) as session:
-            answered = folder.start(deployment, session.address, resume, overwrite)
-            remaining = [p for p in todo if input_key(p) not in answered]
             pool = actors or (1, max(1, session.cpus // cpus_per_actor))
             run = _stream(deployment, remaining, folder, pool, cpus_per_actor, timeout_s, started, on_progress)
         summary = _finish(folder, deployment, todo, given, answered, run, pool, cpus_per_actor, session, started, sort)
