@@ -17,7 +17,8 @@ from onnx import TensorProto, helper, numpy_helper
 
 from accel_opt import hardware, zoo
 from accel_opt.accuracy import judge
-from accel_opt.precision.int8 import ORT_CPU, TENSORRT, quantize, weight_range
+from accel_opt.precision.int8 import quantize
+from accel_opt.precision.int8_presets import ORT_CPU, TENSORRT, weight_range
 from accel_opt.recipe import CalibrationConfig, load_recipe
 
 from .conftest import FAST_BENCH, make_model, save

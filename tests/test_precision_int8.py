@@ -13,7 +13,8 @@ from accel_opt import zoo
 from accel_opt.backends.onnxruntime import CPU_PROVIDER, create_session
 from accel_opt.errors import Unsupported
 from accel_opt.precision import transform
-from accel_opt.precision.int8 import OPENVINO, ORT_CPU, TENSORRT, quantize, resolve_preset
+from accel_opt.precision.int8 import quantize
+from accel_opt.precision.int8_presets import OPENVINO, ORT_CPU, TENSORRT, resolve_preset
 from accel_opt.recipe import CalibrationConfig, CalibrationMethod, Precision, QuantTarget, Recipe
 
 SIZE = 32
