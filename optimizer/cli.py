@@ -6,76 +6,25 @@ import json
 import logging
 import signal
 import sys
-import traceback
 from pathlib import Path
 
 import click
 
 from accel_opt import __version__
+from accel_opt.cli_common import EXIT_CODES_HELP, fail, interrupted, setup_logging, terminate, write_junit
 from accel_opt.errors import (
     AccelOptError,
-    InternalError,
-    ResourceExhausted,
-    Terminated,
     UsageError,
-    no_space_error,
-    write_crash_log,
 )
 
 log = logging.getLogger("accel_opt")
-
-EXIT_CODES_HELP = """\b
-Exit codes:
-  0  built and signed off
-  1  built, but a gate failed (reports written, not signed off)
-  2  usage or recipe error
-  3  input rejected (model or data invalid or unsafe)
-  4  unsupported here (backend, device, precision or op)
-  5  resource exhausted (memory, disk, time)
-  70 internal error (a bug; the log path is printed)"""
-
-
-def _setup_logging(verbose: bool) -> None:
-    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    from polygraphy.logger import G_LOGGER
-
-    G_LOGGER.module_severity = G_LOGGER.INFO if verbose else G_LOGGER.CRITICAL
-    G_LOGGER.colors = False  # else Polygraphy prints a hint about the `colored` module on stdout
-
-
-def _fail(exc: BaseException, verbose: bool, as_json: bool) -> None:
-    """Print one line on stderr (a traceback only with --verbose) and exit with the mapped code."""
-    if isinstance(exc, MemoryError):
-        exc = ResourceExhausted("out of memory")
-    exc = no_space_error(exc) or exc
-    if not isinstance(exc, AccelOptError):
-        exc = InternalError(f"internal error (a bug, please report it): {type(exc).__name__}: {exc}; "
-                            f"log: {write_crash_log(exc)}")
-    if verbose:
-        traceback.print_exception(exc.__cause__ or exc, file=sys.stderr)
-    click.echo(f"accel-opt: error: {exc}", err=True)
-    if as_json:
-        click.echo(json.dumps({"exit_code": exc.exit_code, "signed_off": False, "error": str(exc), "artifact_dir": None}))
-    sys.exit(exc.exit_code)
-
-
-def _terminate(signum, _frame) -> None:
-    raise Terminated(signum)
-
-
-def _interrupted(exc: KeyboardInterrupt, what: str = "no artifact was written") -> None:
-    """Ctrl-C (exit 130) or SIGTERM (exit 143): the cleanup has run; say so and exit."""
-    signum = getattr(exc, "signum", signal.SIGINT)
-    click.echo(f"accel-opt: {'terminated' if signum == signal.SIGTERM else 'interrupted'}; {what}", err=True)
-    sys.exit(128 + signum)
-
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
 @click.version_option(__version__, prog_name="accel-opt")
 def main() -> None:
     """accel-opt: build a model into a deployable, signed-off artifact (precision, backend, accuracy, benchmark)."""
     # SIGTERM (a CI job cancelled, a container stopped) cleans up like Ctrl-C: staging removed, exit 143.
-    signal.signal(signal.SIGTERM, _terminate)
+    signal.signal(signal.SIGTERM, terminate)
 
 
 @main.command(epilog=EXIT_CODES_HELP)
@@ -105,7 +54,7 @@ def main() -> None:
 def build(model, precision, backend, recipe_path, data_dir, shapes, batch_axes, max_shapes, require_data, keep_io_types,
           providers, calibration, target_cpu, no_fallback, threads, out_dir, force, junit_file, as_json, verbose):
     """Build MODEL (.onnx) through cleanup, precision, compile, accuracy gate and benchmark."""
-    _setup_logging(verbose)
+    setup_logging(verbose)
     try:
         from accel_opt.pipeline import build as run_build
         from accel_opt.recipe import load_recipe, parse_batch_axes, parse_shapes
@@ -142,13 +91,13 @@ def build(model, precision, backend, recipe_path, data_dir, shapes, batch_axes, 
             result = run_build(model, recipe, data_dir=data_dir, out_dir=out_dir, on_stage=on_stage, force=force)
     except (AccelOptError, MemoryError, Exception) as exc:  # noqa: BLE001 - every error maps to an exit code
         if junit_file:
-            _write_junit(junit_file, [(Path(str(model)).stem, [], f"build failed: {exc}")])
-        _fail(exc, verbose, as_json)
+            write_junit(junit_file, [(Path(str(model)).stem, [], f"build failed: {exc}")])
+        fail(exc, verbose, as_json)
         return
     except KeyboardInterrupt as exc:
-        _interrupted(exc)
+        interrupted(exc)
     if junit_file:
-        _write_junit(junit_file, _junit_suites(model, result, selection))
+        write_junit(junit_file, _junit_suites(model, result, selection))
     exit_code = result.exit_code if result else 1
     no_winner = None
     if result is None and selection is not None:
@@ -192,14 +141,6 @@ def _junit_suites(model, result, selection) -> list:
              None if c.artifact_dir else c.verdict) for c in selection.candidates]
 
 
-def _write_junit(path: Path, suites: list) -> None:
-    from accel_opt import artifacts
-    from accel_opt.report import junit_xml
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    artifacts.write_text(path, junit_xml(suites))
-
-
 def _print_candidate(candidate) -> None:
     click.echo(f"candidate {candidate.backend} {candidate.precision}: {candidate.verdict or 'built'}", err=True)
 
@@ -219,7 +160,7 @@ def export_command(factory, shapes, output, dynamic, opset, as_json, verbose):
     dynamic; verification runs ONNX Runtime against PyTorch on fresh inputs at two batch sizes,
     and a mismatch beyond tolerance exits 1.
     """
-    _setup_logging(verbose)
+    setup_logging(verbose)
     try:
         from accel_opt.export import export, load_factory, verify
         from accel_opt.recipe import parse_shapes
@@ -234,7 +175,7 @@ def export_command(factory, shapes, output, dynamic, opset, as_json, verbose):
         exported = export(module, example_shapes, out, opset=opset, **hints)
         verification = verify(module, out, example_shapes)
     except (AccelOptError, MemoryError, Exception) as exc:  # noqa: BLE001
-        _fail(exc, verbose, as_json)
+        fail(exc, verbose, as_json)
         return
     if as_json:
         click.echo(json.dumps({"exit_code": 0, "export": exported.model_dump(mode="json"),
@@ -287,7 +228,10 @@ def _print_result(result) -> None:
     console.print(f"artifacts: {result.artifact_dir}" + (" (reused: an identical build verified; --force rebuilds)" if result.reused else ""))
 
 
-from accel_opt import cli_artifacts  # noqa: E402,F401 - registers run, bench, verify, compare, doctor on `main`
+from accel_opt.cli_artifacts import COMMANDS  # noqa: E402 - run, bench, verify, sign, doctor, compare
+
+for command in COMMANDS:
+    main.add_command(command)
 
 if __name__ == "__main__":  # pragma: no cover - `python -m accel_opt.cli`: the importable module's group, all commands on it
     from accel_opt.cli import main as accel_opt

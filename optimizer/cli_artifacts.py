@@ -1,19 +1,18 @@
-"""`accel-opt run | bench | verify | compare | doctor`: the commands that work on built artifact folders.
+"""`accel-opt run | bench | verify | sign | compare | doctor`: the commands that work on built artifact folders.
 
-Registered on the `accel-opt` group of cli.py, which imports this module; thin like it: parse, call the
-API, render, map errors to exit codes.
+Plain click commands, listed in COMMANDS, which cli.py adds to the `accel-opt` group (this module does not import
+cli.py); thin like it: parse, call the API, render, map errors to exit codes.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import sys
 from pathlib import Path
 
 import click
 
-from accel_opt.cli import EXIT_CODES_HELP, _fail, _interrupted, _setup_logging, _write_junit, main
+from accel_opt.cli_common import EXIT_CODES_HELP, fail, interrupted, progress, say_scope, setup_logging, write_junit
 from accel_opt.cli_ray import RAY_EXIT_CODES, ray_options, refuse_ray_options, run_on_ray
 from accel_opt.errors import AccelOptError, UsageError
 from accel_opt.signing import PUBLIC_KEY_ENV
@@ -41,19 +40,13 @@ def _trust_options(command):
                              "anything in the folder is read.")(command)
 
 
-def _say_scope(line: str | None) -> None:
-    """Where a folder's sign-off holds, when it is not this CPU class: one line on stderr."""
-    if line:
-        click.echo(f"accel-opt: {line}", err=True)
-
-
 def _trust(public_key, certificate_chain):
     from accel_opt.signing import trust_of
 
     return trust_of(public_key, certificate_chain)
 
 
-@main.command("run", epilog=RUN_EXIT_CODES + "\n\n" + RAY_EXIT_CODES)
+@click.command("run", epilog=RUN_EXIT_CODES + "\n\n" + RAY_EXIT_CODES)
 @click.argument("artifact", type=click.Path(path_type=Path))
 @click.argument("inputs", nargs=-1, required=True)
 @click.option("--out", "predictions", type=click.Path(path_type=Path), required=True,
@@ -83,7 +76,7 @@ def run_command(artifact, inputs, predictions, resume, overwrite, workers, as_js
     """
     import time
 
-    _setup_logging(verbose)
+    setup_logging(verbose)
     started = time.perf_counter()
     if engine == "ray":
         return run_on_ray(artifact, inputs, predictions, resume, overwrite, as_json, no_recheck,
@@ -95,16 +88,16 @@ def run_command(artifact, inputs, predictions, resume, overwrite, workers, as_js
         from accel_opt.runtime.probe import signed_off_here
 
         deployment = runtime.load(artifact, trust=_trust(public_key, certificate_chain))
-        _say_scope(signed_off_here(deployment, recheck_allowed=not no_recheck))
+        say_scope(signed_off_here(deployment, recheck_allowed=not no_recheck))
         show_progress = not as_json and sys.stderr.isatty()
-        with _progress(show_progress) as on_progress:
+        with progress(show_progress) as on_progress:
             summary = run_job(deployment, inputs, predictions, resume=resume, overwrite=overwrite, workers=workers,
                               on_progress=on_progress, started=started)
     except (AccelOptError, MemoryError, Exception) as exc:  # noqa: BLE001 - every error maps to an exit code
-        _fail(exc, verbose, as_json)
+        fail(exc, verbose, as_json)
         return
     except KeyboardInterrupt as exc:
-        _interrupted(exc, what="the predictions written so far are whole lines; --resume continues")
+        interrupted(exc, what="the predictions written so far are whole lines; --resume continues")
     if as_json:
         click.echo(summary.model_dump_json())
     else:
@@ -116,30 +109,7 @@ def run_command(artifact, inputs, predictions, resume, overwrite, workers, as_js
     sys.exit(summary.exit_code)
 
 
-@contextlib.contextmanager
-def _progress(enabled: bool):
-    """A progress callback: a bar with inputs/s on a terminal, nothing in CI logs."""
-    if not enabled:
-        yield None
-        return
-    import time
-
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-    with Progress(TextColumn("run"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[rate]}"),
-                  TimeRemainingColumn(), console=Console(stderr=True), transient=True) as bar:
-        task = bar.add_task("run", total=None, rate="")
-        start = time.perf_counter()
-
-        def update(done: int, total: int) -> None:
-            rate = done / max(time.perf_counter() - start, 1e-9)
-            bar.update(task, completed=done, total=total, rate=f"{rate:.1f} inputs/s")
-
-        yield update
-
-
-@main.command("bench", epilog=EXIT_CODES_HELP)
+@click.command("bench", epilog=EXIT_CODES_HELP)
 @click.argument("artifact", type=click.Path(path_type=Path))
 @click.option("--data", "data_dir", type=click.Path(path_type=Path), help="Folder of .npz feeds or images (default: synthetic).")
 @click.option("--batch-sizes", help="Comma-separated batch sizes (default: the build's).")
@@ -150,7 +120,7 @@ def _progress(enabled: bool):
 @click.option("-v", "--verbose", is_flag=True)
 def bench_command(artifact, data_dir, batch_sizes, out_file, junit_file, as_json, public_key, certificate_chain, verbose):
     """Benchmark a built ARTIFACT folder again, loaded and run as deployed, without rebuilding it."""
-    _setup_logging(verbose)
+    setup_logging(verbose)
     try:
         from accel_opt import artifacts, report, runtime
         from accel_opt.runtime.measure import benchmark_artifact
@@ -165,24 +135,24 @@ def bench_command(artifact, data_dir, batch_sizes, out_file, junit_file, as_json
             if not sizes or min(sizes) < 1:
                 raise UsageError(f"--batch-sizes: expected positive integers like 1,8, got {batch_sizes!r}")
         deployment = runtime.load(artifact, trust=_trust(public_key, certificate_chain))
-        _say_scope(signed_off_here(deployment, recheck_allowed=False))
+        say_scope(signed_off_here(deployment, recheck_allowed=False))
         result, data = benchmark_artifact(deployment, data_dir, sizes)
         if out_file:
             artifacts.write_json(out_file, result)
     except (AccelOptError, MemoryError, Exception) as exc:  # noqa: BLE001
         if junit_file:
-            _write_junit(junit_file, [(f"bench {Path(artifact).name}", [], f"bench failed: {exc}")])
-        _fail(exc, verbose, as_json)
+            write_junit(junit_file, [(f"bench {Path(artifact).name}", [], f"bench failed: {exc}")])
+        fail(exc, verbose, as_json)
         return
     except KeyboardInterrupt as exc:
-        _interrupted(exc, what="nothing was written")
+        interrupted(exc, what="nothing was written")
     if junit_file:
         from accel_opt.accuracy import Check
 
         measured = [Check(name=f"batch {b.batch_size}", passed=True,
                           line=f"p50 {b.latency.p50_ms:.2f} ms, p99 {b.latency.p99_ms:.2f} ms, {b.throughput_per_s:.1f} samples/s")
                     for b in result.models[0].batches]
-        _write_junit(junit_file, [(f"bench {Path(artifact).name}", measured, None)])
+        write_junit(junit_file, [(f"bench {Path(artifact).name}", measured, None)])
     if as_json:
         click.echo(json.dumps({"exit_code": 0, "artifact_dir": str(artifact), "data": data.model_dump(mode="json", exclude={"names"}),
                                "benchmark": result.model_dump(mode="json")}))
@@ -202,7 +172,7 @@ Exit codes:
      --public-key without model-signing installed (pip install 'accel-opt[sign]')"""
 
 
-@main.command("verify", epilog=VERIFY_EXIT_CODES)
+@click.command("verify", epilog=VERIFY_EXIT_CODES)
 @click.argument("artifact", type=click.Path(path_type=Path))
 @click.option("--accuracy", is_flag=True, help="Also re-run the build's accuracy gate here, on the probe set the "
               "folder carries (seconds): the sign-off's verdict for this CPU's kernels. Exit 1 when it fails.")
@@ -225,7 +195,7 @@ def verify_command(artifact, accuracy, as_json, public_key, certificate_chain):
             if accuracy:
                 recheck = run_recheck(deployment)
     except AccelOptError as exc:
-        _fail(exc, False, as_json)
+        fail(exc, False, as_json)
         return
     exit_code = 3 if any(p.exit_code == 3 for p in problems) else 4 if problems else 0
     if recheck is not None and not recheck.passed:
@@ -263,7 +233,7 @@ Exit codes:
   4  model-signing is not installed (pip install 'accel-opt[sign]')"""
 
 
-@main.command("sign", epilog=SIGN_EXIT_CODES)
+@click.command("sign", epilog=SIGN_EXIT_CODES)
 @click.argument("artifact", type=click.Path(path_type=Path))
 @click.option("--key", "private_key", type=click.Path(path_type=Path), required=True, help="Elliptic-curve private key (PEM).")
 @click.option("--signing-certificate", type=click.Path(path_type=Path),
@@ -285,7 +255,7 @@ def sign_command(artifact, private_key, signing_certificate, certificate_chain):
         signature = sign_folder(artifact, private_key, signing_certificate, certificate_chain)
         manifest = runtime.read_manifest(artifact)
     except (AccelOptError, Exception) as exc:  # noqa: BLE001 - every error maps to an exit code
-        _fail(exc, False, False)
+        fail(exc, False, False)
         return
     by = f"the certificate {signing_certificate.name}" if signing_certificate else f"the key {private_key.name}"
     click.echo(f"signed: {signature}: {len(manifest.artifacts) + 1} files (manifest.json included) signed with {by}; "
@@ -293,7 +263,7 @@ def sign_command(artifact, private_key, signing_certificate, certificate_chain):
     sys.exit(0)
 
 
-@main.command("doctor")
+@click.command("doctor")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout.")
 @click.option("--no-probe", is_flag=True, help="Say which precisions are faster from CPU flags alone, without timing them.")
 @click.option("--refresh", is_flag=True, help="Time the CPU probe again instead of using its cached result.")
@@ -324,7 +294,7 @@ def doctor_command(as_json, no_probe, refresh):
     sys.exit(0)
 
 
-@main.command("compare", epilog=EXIT_CODES_HELP)
+@click.command("compare", epilog=EXIT_CODES_HELP)
 @click.argument("baseline", type=click.Path(path_type=Path))
 @click.argument("candidate", type=click.Path(path_type=Path))
 @click.option("--data", "data_dir", type=click.Path(path_type=Path), help="Folder of .npz feeds or images (default: synthetic).")
@@ -339,7 +309,7 @@ def compare_command(baseline, candidate, data_dir, reference, max_latency_regres
                     public_key, certificate_chain, verbose):
     """Compare two built artifacts of one model family (the deployed build and a new one): speed interleaved
     in one run, accuracy of each against the same reference, and regression gates."""
-    _setup_logging(verbose)
+    setup_logging(verbose)
     try:
         from accel_opt import runtime
         from accel_opt.comparison import comparison_markdown, reference_of, run_comparison
@@ -348,20 +318,23 @@ def compare_command(baseline, candidate, data_dir, reference, max_latency_regres
         trust = _trust(public_key, certificate_chain)  # both folders must carry it
         base, cand = runtime.load(baseline, trust=trust), runtime.load(candidate, trust=trust)
         for side in (base, cand):
-            _say_scope(signed_off_here(side, recheck_allowed=False))
+            say_scope(signed_off_here(side, recheck_allowed=False))
         result = run_comparison(base, cand, reference_of(cand, reference), data_dir, max_latency_regression, max_accuracy_drop)
     except (AccelOptError, MemoryError, Exception) as exc:  # noqa: BLE001
         if junit_file:
-            _write_junit(junit_file, [("compare", [], f"compare failed: {exc}")])
-        _fail(exc, verbose, as_json)
+            write_junit(junit_file, [("compare", [], f"compare failed: {exc}")])
+        fail(exc, verbose, as_json)
         return
     except KeyboardInterrupt as exc:
-        _interrupted(exc, what="nothing was written")
+        interrupted(exc, what="nothing was written")
     exit_code = 0 if result.passed else 1
     if junit_file:
-        _write_junit(junit_file, [(f"compare {baseline.name} vs {candidate.name}", result.checks, None)])
+        write_junit(junit_file, [(f"compare {baseline.name} vs {candidate.name}", result.checks, None)])
     if as_json:
         click.echo(json.dumps({"exit_code": exit_code, **result.model_dump(mode="json")}))
     else:
         click.echo(comparison_markdown(result))
     sys.exit(exit_code)
+
+
+COMMANDS = [run_command, bench_command, verify_command, sign_command, doctor_command, compare_command]  # registered on `accel-opt` by cli.py

@@ -61,8 +61,7 @@ def ray_options(command):
 def run_on_ray(artifact, inputs, out_dir, resume, overwrite, as_json, no_recheck, trust_of, verbose, workers, started,
                address, actors, cpus_per_actor, output_format, sort, timeout_s) -> None:
     """The run command with --engine ray: exits with the job's code."""
-    from accel_opt.cli import _fail, _interrupted
-    from accel_opt.cli_artifacts import _progress, _say_scope
+    from accel_opt.cli_common import fail, interrupted, progress, say_scope
 
     try:
         if workers is not None:
@@ -74,10 +73,10 @@ def run_on_ray(artifact, inputs, out_dir, resume, overwrite, as_json, no_recheck
 
         pool = parse_actors(actors)
         deployment = runtime.load(artifact, trust=trust_of())
-        _say_scope(signed_off_here(deployment, recheck_allowed=not no_recheck))
+        say_scope(signed_off_here(deployment, recheck_allowed=not no_recheck))
         # Ray prints the cluster's error messages (a node marked dead...) on stdout: they go to stderr, so
         # stdout holds only the summary.
-        with _progress(not as_json and sys.stderr.isatty()) as on_progress, contextlib.redirect_stdout(sys.stderr):
+        with progress(not as_json and sys.stderr.isatty()) as on_progress, contextlib.redirect_stdout(sys.stderr):
             try:
                 summary = run_ray_job(deployment, inputs, out_dir, address=address, actors=pool, cpus_per_actor=cpus_per_actor or 1,
                                       resume=resume, overwrite=overwrite, output_format=output_format or "jsonl",
@@ -88,10 +87,10 @@ def run_on_ray(artifact, inputs, out_dir, resume, overwrite, as_json, no_recheck
             except Exception as exc:  # noqa: BLE001 - Ray's wrappers around our own errors
                 raise as_accel_opt_error(exc) from exc
     except (AccelOptError, MemoryError, Exception) as exc:  # noqa: BLE001 - every error maps to an exit code
-        _fail(exc, verbose, as_json)
+        fail(exc, verbose, as_json)
         return
     except KeyboardInterrupt as exc:
-        _interrupted(exc, what="the published part files are whole; --resume continues")
+        interrupted(exc, what="the published part files are whole; --resume continues")
     if as_json:
         click.echo(summary.model_dump_json())
     else:

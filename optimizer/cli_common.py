@@ -1,0 +1,108 @@
+"""What every `accel-opt` subcommand shares: logging set-up, the one-line failure and its exit code, interruption,
+JUnit output, progress bars and the sign-off-scope line. Its own module so the command modules import it, not
+each other."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import signal
+import sys
+import traceback
+from pathlib import Path
+
+import click
+
+from accel_opt.errors import (
+    AccelOptError,
+    InternalError,
+    ResourceExhausted,
+    Terminated,
+    no_space_error,
+    write_crash_log,
+)
+
+log = logging.getLogger("accel_opt")
+
+EXIT_CODES_HELP = """\b
+Exit codes:
+  0  built and signed off
+  1  built, but a gate failed (reports written, not signed off)
+  2  usage or recipe error
+  3  input rejected (model or data invalid or unsafe)
+  4  unsupported here (backend, device, precision or op)
+  5  resource exhausted (memory, disk, time)
+  70 internal error (a bug; the log path is printed)"""
+
+
+def setup_logging(verbose: bool) -> None:
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    from polygraphy.logger import G_LOGGER
+
+    G_LOGGER.module_severity = G_LOGGER.INFO if verbose else G_LOGGER.CRITICAL
+    G_LOGGER.colors = False  # else Polygraphy prints a hint about the `colored` module on stdout
+
+
+def fail(exc: BaseException, verbose: bool, as_json: bool) -> None:
+    """Print one line on stderr (a traceback only with --verbose) and exit with the mapped code."""
+    if isinstance(exc, MemoryError):
+        exc = ResourceExhausted("out of memory")
+    exc = no_space_error(exc) or exc
+    if not isinstance(exc, AccelOptError):
+        exc = InternalError(f"internal error (a bug, please report it): {type(exc).__name__}: {exc}; "
+                            f"log: {write_crash_log(exc)}")
+    if verbose:
+        traceback.print_exception(exc.__cause__ or exc, file=sys.stderr)
+    click.echo(f"accel-opt: error: {exc}", err=True)
+    if as_json:
+        click.echo(json.dumps({"exit_code": exc.exit_code, "signed_off": False, "error": str(exc), "artifact_dir": None}))
+    sys.exit(exc.exit_code)
+
+
+def terminate(signum, _frame) -> None:
+    raise Terminated(signum)
+
+
+def interrupted(exc: KeyboardInterrupt, what: str = "no artifact was written") -> None:
+    """Ctrl-C (exit 130) or SIGTERM (exit 143): the cleanup has run; say so and exit."""
+    signum = getattr(exc, "signum", signal.SIGINT)
+    click.echo(f"accel-opt: {'terminated' if signum == signal.SIGTERM else 'interrupted'}; {what}", err=True)
+    sys.exit(128 + signum)
+
+
+def write_junit(path: Path, suites: list) -> None:
+    from accel_opt import artifacts
+    from accel_opt.report import junit_xml
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    artifacts.write_text(path, junit_xml(suites))
+
+
+def say_scope(line: str | None) -> None:
+    """Where a folder's sign-off holds, when it is not this CPU class: one line on stderr."""
+    if line:
+        click.echo(f"accel-opt: {line}", err=True)
+
+
+@contextlib.contextmanager
+def progress(enabled: bool):
+    """A progress callback: a bar with inputs/s on a terminal, nothing in CI logs."""
+    if not enabled:
+        yield None
+        return
+    import time
+
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    with Progress(TextColumn("run"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[rate]}"),
+                  TimeRemainingColumn(), console=Console(stderr=True), transient=True) as bar:
+        task = bar.add_task("run", total=None, rate="")
+        start = time.perf_counter()
+
+        def update(done: int, total: int) -> None:
+            rate = done / max(time.perf_counter() - start, 1e-9)
+            bar.update(task, completed=done, total=total, rate=f"{rate:.1f} inputs/s")
+
+        yield update
