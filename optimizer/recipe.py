@@ -2,6 +2,9 @@
 
 A recipe is YAML validated by pydantic (unknown keys rejected, safe loading). CLI flags the user
 actually gave override recipe values; nothing else does.
+
+One module: it is the reference of every recipe key, its default and why, in the order of recipes/default.yaml;
+split, a user reading what a key means would have to chase it through several files.
 """
 
 from __future__ import annotations

@@ -1,0 +1,112 @@
+"""The house rules a reader relies on: no runtime import circle inside the package, and no module past ~400 lines
+unless its docstring says why it must be one."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+SOURCES = Path(__file__).resolve().parent.parent / "optimizer"  # the import package `accel_opt`
+MAX_LINES = 420  # "~400": past it a module is probably two
+ONE_MODULE_REASON = "One module:"  # how a docstring says why a longer module stays whole
+
+
+def _module_name(path: Path) -> str:
+    parts = ["accel_opt", *path.relative_to(SOURCES).with_suffix("").parts]
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {_module_name(p): p for p in SOURCES.rglob("*.py")}
+
+
+def _resolve(name: str) -> str | None:
+    while name and name not in MODULES:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def _imports(path: Path) -> set[str]:
+    """Modules of the package that `path` imports when it runs: at module level and inside functions alike, but
+    not under `if TYPE_CHECKING:` (annotations only)."""
+    found: set[str] = set()
+
+    class Visitor(ast.NodeVisitor):
+        def visit_If(self, node: ast.If) -> None:
+            test = node.test
+            if (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+                    isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"):
+                for child in node.orelse:
+                    self.visit(child)
+                return
+            self.generic_visit(node)
+
+        def visit_Import(self, node: ast.Import) -> None:
+            found.update(r for a in node.names if a.name.startswith("accel_opt") and (r := _resolve(a.name)))
+
+        def visit_ImportFrom(self, node: ast.ImportFrom) -> None:
+            if node.level or not (node.module or "").startswith("accel_opt"):
+                return
+            for alias in node.names:  # `from accel_opt.x import y` names module x.y when there is one
+                target = f"{node.module}.{alias.name}"
+                resolved = target if target in MODULES else _resolve(node.module)
+                if resolved:
+                    found.add(resolved)
+
+    Visitor().visit(ast.parse(path.read_text()))
+    found.discard(_module_name(path))
+    return found
+
+
+def _circles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    circles: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for other in sorted(edges[node]):
+            if other not in index:
+                visit(other)
+                low[node] = min(low[node], low[other])
+            elif other in on_stack:
+                low[node] = min(low[node], index[other])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    for node in sorted(edges):
+        if node not in index:
+            visit(node)
+    return circles
+
+
+def test_no_runtime_import_circle():
+    edges = {name: _imports(path) & set(MODULES) for name, path in MODULES.items()}
+    circles = _circles(edges)
+    described = ["; ".join(f"{m} -> {sorted(edges[m] & set(c))}" for m in c) for c in circles]
+    assert not circles, "import circles: " + " | ".join(described)
+
+
+def test_the_circle_check_can_fail():
+    assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _circles({"a": {"b"}, "b": set()}) == []
+
+
+def test_long_modules_say_why_they_are_one():
+    long = {name: len(path.read_text().splitlines()) for name, path in MODULES.items()
+            if len(path.read_text().splitlines()) > MAX_LINES}
+    unexplained = [f"{name} ({lines} lines)" for name, lines in sorted(long.items())
+                   if ONE_MODULE_REASON not in (ast.get_docstring(ast.parse(MODULES[name].read_text())) or "")]
+    assert not unexplained, f"over {MAX_LINES} lines without '{ONE_MODULE_REASON}' in the docstring: {unexplained}"
