@@ -153,6 +153,8 @@ def test_predictor_in_a_users_own_ray_pipeline(classifier, photos, tmp_path):
         assert sorted(r["input"] for r in rows) == sorted(paths)
         assert {r["input"]: r["top1"] for r in rows} == reference
         assert all(json.loads(r["record"])["top1"] == r["top1"] and r["error"] is None for r in rows)
+        as_bytes = predict(ray.data.read_binary_files(paths, include_paths=True), classifier, actors=(1, 1)).take_all()
+        assert {r["input"]: r["top1"] for r in as_bytes} == reference  # read by Ray, decoded by the actor alike
         with pytest.raises(Exception) as failed:
             predict(ds, tmp_path / "not-on-this-node", actors=(1, 1)).take_all()
         error = as_accel_opt_error(failed.value)
@@ -263,3 +265,17 @@ def test_read_only_out_folder_is_a_usage_error(classifier, photos, tmp_path):
     finally:
         subprocess.run(["umount", "-l", str(point)], check=False)
     assert done.exit_code == 2 and "cannot write there" in done.stderr and done.stderr.count("\n") == 1
+
+
+def test_a_job_past_its_timeout_ends_with_exit_5_not_a_hang(classifier, big_inputs, tmp_path):
+    out = tmp_path / "preds"
+    started = time.monotonic()
+    done = subprocess.run(_cli(classifier, big_inputs / "inputs", "--engine", "ray", "--actors", "1", "--out", out,
+                               "--timeout-s", 12), capture_output=True, text=True, env=_env(), timeout=90)
+    assert done.returncode == 5, done.stderr[-2000:]
+    assert "--timeout-s 12 reached" in done.stderr and "--resume continues" in done.stderr
+    assert time.monotonic() - started < 60
+    summary = json.loads((out / SUMMARY).read_text())
+    assert summary["status"] == "incomplete"
+    records, _ = _answers(out)
+    assert len({r["input"] for r in records}) == len(records) < 480  # what was published is whole and once

@@ -69,7 +69,7 @@ class RaySummary(BaseModel):
     ray_start_seconds: float = 0.0  # connecting to (or starting) Ray
     first_answer_seconds: float = 0.0  # from submitting the job to its first answers: actors starting, models loading
     inputs_per_s: float = 0.0  # answered by this run / seconds
-    steady_inputs_per_s: float = 0.0  # from the first answers to the last
+    steady_inputs_per_s: float = 0.0  # answers after the first batch / time from the first answers to the last
     check_seconds: float = 0.0  # reading the parts back and checking exactly-once
     parts: list[str] = []
     rejected_parts: list[str] = []
@@ -281,9 +281,14 @@ def run_ray_job(
     with Outputs(Path(out_dir) / "predictions.jsonl").exclusive():
         answered = folder.start(deployment, address or "local", resume, overwrite)  # refusals before Ray starts
         remaining = [p for p in todo if input_key(p) not in answered]
-        with ray_session(address, verbose=verbose) as session:
-            pool = actors or (1, max(1, session.cpus // cpus_per_actor))
-            run = _stream(deployment, remaining, folder, pool, cpus_per_actor, timeout_s, started, on_progress)
+        try:
+            with ray_session(address, verbose=verbose) as session:
+                pool = actors or (1, max(1, session.cpus // cpus_per_actor))
+                run = _stream(deployment, remaining, folder, pool, cpus_per_actor, timeout_s, started, on_progress)
+        except BaseException:  # the folder says the job did not finish (a SIGKILL leaves "running")
+            folder.write_summary(folder._recorded().model_copy(update={"status": "incomplete", "parts": folder.parts,
+                                                                       "rejected_parts": folder.rejected_parts}))
+            raise
         summary = _finish(folder, deployment, todo, given, answered, run, pool, cpus_per_actor, session, started, sort)
     return summary
 
@@ -295,7 +300,7 @@ def _stream(deployment, remaining, folder, pool, cpus_per_actor, timeout_s, star
 
     from accel_opt.distributed import ROWS_PER_CALL, predict
 
-    stats = {"dropped": 0, "answered": 0, "first": None, "last": None, "submitted": time.perf_counter(),
+    stats = {"dropped": 0, "answered": 0, "first": None, "first_rows": 0, "last": None, "submitted": time.perf_counter(),
              "remaining": len(remaining)}
     if not remaining:
         return stats
@@ -335,7 +340,8 @@ def _stream(deployment, remaining, folder, pool, cpus_per_actor, timeout_s, star
             folder.publish(records, rejections)
             raise item
         now = time.perf_counter()
-        stats["first"] = stats["first"] or now
+        if stats["first"] is None:  # the steady rate counts what arrives after the first answers
+            stats["first"], stats["first_rows"] = now, item.num_rows
         stats["last"] = now
         part_started = part_started or now
         for path, record, error in zip(*(item.column(c).to_pylist() for c in ("input", "record", "error"))):
@@ -365,7 +371,7 @@ def _finish(folder, deployment, todo, given, answered, run, pool, cpus_per_actor
     check_seconds = time.perf_counter() - check_started
     seconds = time.perf_counter() - started
     first, last = run["first"], run["last"]
-    steady = (run["answered"] / (last - first)) if first and last and last > first else 0.0
+    steady = ((run["answered"] - run["first_rows"]) / (last - first)) if first and last and last > first else 0.0
     summary = RaySummary(
         status="complete" if not missing and not doubled else "incomplete", artifact=str(deployment.folder.resolve()),
         artifact_identity=deployment.identity, started_utc=folder._recorded().started_utc, address=session.address,
