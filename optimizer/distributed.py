@@ -170,6 +170,7 @@ class Predictor:
 
         try:
             outputs = _infer(self.runner, self.deployment, batch, self.batch_size)
+            # The local engine's own record (top-k, or the outputs' .npz), not a second format.
             return [self.writer._record(path, out) for (path, _), out in zip(batch, outputs)]
         except Exception as exc:  # noqa: BLE001
             if len(batch) == 1:
@@ -192,6 +193,11 @@ def predict(dataset, artifact: str | os.PathLike, actors: tuple[int, int] = (1, 
     """`dataset` (rows with `input`, or `path` and `bytes`) answered by `artifact`: a Dataset of `record_schema()`
     rows, one per input row, in no promised order."""
     require_ray()
+    from ray.data import DataContext
+
+    if DataContext.get_current().max_errored_blocks != 0:  # Ray would drop whole blocks of answers without a word
+        log.warning("DataContext.max_errored_blocks is %d: failed blocks' inputs will be missing from the answers",
+                    DataContext.get_current().max_errored_blocks)
     return dataset.map_batches(
         Predictor, fn_constructor_kwargs={"artifact": str(artifact), "threads": cpus_per_actor, "recheck": recheck,
                                           "outputs_dir": outputs_dir, "identity": identity},
