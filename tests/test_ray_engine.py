@@ -155,6 +155,16 @@ def test_predictor_in_a_users_own_ray_pipeline(classifier, photos, tmp_path):
         assert all(json.loads(r["record"])["top1"] == r["top1"] and r["error"] is None for r in rows)
         as_bytes = predict(ray.data.read_binary_files(paths, include_paths=True), classifier, actors=(1, 1)).take_all()
         assert {r["input"]: r["top1"] for r in as_bytes} == reference  # read by Ray, decoded by the actor alike
+        # A second answer of one input (what a batch Ray runs twice yields) is dropped by key before publishing,
+        # and the check over the published parts catches an input answered twice or not at all.
+        from accel_opt.runtime.ray_job import _stream
+
+        folder = OutFolder(tmp_path / "dedup")
+        folder.folder.mkdir()
+        run = _stream(runtime.load(classifier), [paths[0], paths[1], paths[0]], folder, (1, 1), 1, None, time.perf_counter(), None)
+        assert run["dropped"] == 1 and folder.check(paths[:2]) == (2, 0, [], [])
+        folder.publish([json.dumps({"input": paths[1], "top1": 0, "topk": []})], [])
+        assert folder.check(paths[:3]) == (3, 0, [paths[2]], [paths[1]])
         with pytest.raises(Exception) as failed:
             predict(ds, tmp_path / "not-on-this-node", actors=(1, 1)).take_all()
         error = as_accel_opt_error(failed.value)
