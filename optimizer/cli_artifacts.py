@@ -188,12 +188,11 @@ def verify_command(artifact, accuracy, as_json, public_key, certificate_chain):
         trust = _trust(public_key, certificate_chain)
         problems = runtime.check(artifact, trust=trust)
         if not problems:
-            from accel_opt.runtime.probe import recheck as run_recheck
-
-            deployment = runtime.load(artifact, trust=trust)
-            scope = deployment.scope()
+            scope = runtime.sign_off_scope(artifact)
             if accuracy:
-                recheck = run_recheck(deployment)
+                from accel_opt.runtime.probe import recheck as run_recheck
+
+                recheck = run_recheck(runtime.load(artifact, trust=trust))
     except AccelOptError as exc:
         fail(exc, False, as_json)
         return

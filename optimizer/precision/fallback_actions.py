@@ -44,18 +44,22 @@ def fallback_actions(ctx: BuildContext, probes: list[Sample], shapes: dict[str, 
         return transform(ctx.fp32_path, precision, recipe, ctx.backend.name, ctx.calibration_samples, out,
                          calibration_cache, keep_float=keep)
 
+    noise_floor: dict[str, float] = {}  # the fp32 model's float32 noise on the probes: measured once, every round reuses it
+
+    def verdict(candidate) -> fallback.ProbeVerdict:
+        result = compare(reference_runner(ctx.fp32_path, ctx.threads), candidate, probes, *tolerance, batch_size=ctx.deploy_batch,
+                         batch_axes=ctx.shapes.batch_axes, noise_floor=noise_floor or None,
+                         noise_reference=None if noise_floor else reference_runner(ctx.fp32_path, ctx.threads, optimize=True))
+        noise_floor.update({o.name: o.noise_floor for o in result.outputs})
+        return fallback.ProbeVerdict(passed=result.passed, worst_cosine=result.worst_cosine, failures=result.failures[:3])
+
     def judge(path: Path) -> fallback.ProbeVerdict:
         compiled = compile_for(ctx.backend, path, precision, recipe, ctx.workdir / "probe" / path.stem, shapes)
         deployed = {spec.name: spec.dtype for spec in io_specs(onnx.load(str(path), load_external_data=False))[0]}
-        runner = casting_inputs(ctx.backend.runner(compiled), runtime.feed_dtypes_of(probes), deployed)
-        result = compare(reference_runner(ctx.fp32_path, ctx.threads), runner, probes, *tolerance, batch_size=ctx.deploy_batch,
-                         batch_axes=ctx.shapes.batch_axes, noise_reference=reference_runner(ctx.fp32_path, ctx.threads, optimize=True))
-        return fallback.ProbeVerdict(passed=result.passed, worst_cosine=result.worst_cosine, failures=result.failures[:3])
+        return verdict(casting_inputs(ctx.backend.runner(compiled), runtime.feed_dtypes_of(probes), deployed))
 
     def judge_emulated(path: Path) -> fallback.ProbeVerdict:  # Q/DQ in float, graph optimizations off: as diagnosed
-        result = compare(reference_runner(ctx.fp32_path, ctx.threads), reference_runner(path, ctx.threads), probes, *tolerance,
-                         noise_reference=reference_runner(ctx.fp32_path, ctx.threads, optimize=True))
-        return fallback.ProbeVerdict(passed=result.passed, worst_cosine=result.worst_cosine, failures=result.failures[:3])
+        return verdict(reference_runner(path, ctx.threads))
 
     def examine(path: Path) -> Diagnosis:
         if precision is Precision.bf16:

@@ -130,12 +130,8 @@ class Deployment:
         return self.config.batch_axes
 
     def scope(self):
-        """Where the sign-off holds, seen from this machine (runtime.probe.Scope); GPU builds: their own checks."""
-        from accel_opt.runtime.probe import Scope, scope
-
-        if self.config.device != "cpu":
-            return Scope(built_on=self.config.device, here=self.config.device)
-        return scope(self.folder, self.config.backend, read_manifest(self.folder).cpu_class)
+        """Where the sign-off holds, seen from this machine (runtime.probe.Scope)."""
+        return sign_off_scope(self.folder, self.config)
 
     def describe(self, folder_name: str | None = None) -> str:
         """What runs, in one line: the folder (by `folder_name` while it is still staged) and its files."""
@@ -194,6 +190,17 @@ def load(folder: str | Path, expected_files: dict[str, str] | None = None, trust
         extra_files=[folder / name for name in config.extra_files],
     )
     return Deployment(folder=folder, config=config, backend=_backend_of(config), compiled=compiled, staged_files=expected_files)
+
+
+def sign_off_scope(folder: Path, config: ResourceConfig | None = None):
+    """Where the sign-off of a verified `folder` holds, seen from this machine (runtime.probe.Scope): the CPU class
+    its gate ran against this CPU's; GPU builds are tied to their GPU by their own checks."""
+    from accel_opt.runtime.probe import Scope, scope
+
+    config = config or ResourceConfig.model_validate_json((Path(folder) / RESOURCE_CONFIG).read_text())
+    if config.device != "cpu":
+        return Scope(built_on=config.device, here=config.device)
+    return scope(Path(folder), config.backend, read_manifest(Path(folder)).cpu_class)
 
 
 class Problem(BaseModel):
