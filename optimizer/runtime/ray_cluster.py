@@ -77,6 +77,8 @@ def ray_session(address: str | None, verbose: bool = False, num_cpus: int | None
         refuse_silent_address(address)
     if local or split_address(address)[0] in LOOPBACK_HOSTS:
         pin_loopback()
+    if sys.modules.get("ray") is None:  # read at import: a straggling Ray call (the results thread of a job past
+        os.environ.setdefault("RAY_ENABLE_AUTO_CONNECT", "0")  # --timeout-s) must not start a new Ray at exit
     ray = require_ray()
     if ray.is_initialized():  # the caller's own session (Python API): used as it is, left running
         yield RaySession(address=ray.get_runtime_context().gcs_address, cpus=int(ray.cluster_resources().get("CPU", 0)),
