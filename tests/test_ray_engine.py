@@ -174,12 +174,16 @@ def test_predictor_in_a_users_own_ray_pipeline(classifier, photos, tmp_path):
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 
-def test_a_node_removed_mid_job_leaves_every_input_answered_once(classifier, big_inputs, tmp_path):
+def test_a_node_removed_mid_job_leaves_every_input_answered_once(classifier, big_inputs, tmp_path, monkeypatch):
     """Head of 0 CPUs and two 1-CPU workers; one worker is killed while the job runs: the pool (1-2 actors)
     goes on with the other, retried batches are answered once, and the top-1s are the local engine's."""
     from ray.cluster_utils import Cluster
 
     temp_dir = tempfile.mkdtemp(prefix="aocl-", dir="/tmp")
+    # Cluster writes `ray_current_cluster` to $RAY_TMPDIR/ray (default /tmp/ray) whatever the head's temp_dir:
+    # left there, it would make a later plain ray.init() join this dead cluster.
+    monkeypatch.setenv("RAY_TMPDIR", temp_dir)
+    (Path(temp_dir) / "ray").mkdir()  # Ray does not create it
     cluster = Cluster(initialize_head=True, connect=False,
                       head_node_args={"num_cpus": 0, "include_dashboard": False, "temp_dir": temp_dir,
                                       "_system_config": FAST_NODE_DEATH, **NODE})
