@@ -148,26 +148,35 @@ class Outputs:
         data = self.predictions.read_bytes()
         whole = data[: data.rfind(b"\n") + 1]
         answered = _answered_inputs(self.predictions, whole)
-        recorded = self._recorded()
-        if recorded is None and answered:
-            raise UsageError(f"--resume: {self.predictions} has no {self.meta.name}, so which artifact answered it is unknown "
-                             "(written by an older accel-opt?): start over with --overwrite")
-        if recorded is not None and recorded.artifact_identity != identity and answered:
-            raise UsageError(f"--resume: {self.predictions} holds answers of {recorded.artifact_identity[:SHORT_HASH]} "
-                             f"({Path(recorded.artifact).name}), not of {identity[:SHORT_HASH]} ({artifact.name}): "
-                             "start over with --overwrite, or choose another --out")
+        if answered:
+            refuse_other_artifact(self.predictions, self.meta, read_record(self.meta, PredictionsMeta), identity, artifact)
         if len(whole) != len(data):  # only once the file is known to be ours and this artifact's
             with open(self.predictions, "r+b") as f:
                 f.truncate(len(whole))
         return answered
 
-    def _recorded(self) -> PredictionsMeta | None:
-        if not self.meta.is_file():
-            return None
-        try:
-            return PredictionsMeta.model_validate_json(self.meta.read_text())
-        except (ValidationError, ValueError) as exc:
-            raise InputRejected(f"{self.meta}: unreadable ({str(exc).splitlines()[0]}): start over with --overwrite") from None
+
+
+def read_record(path: Path, model: type[BaseModel]):
+    """The record of which artifact answered (a sidecar or a summary), None when there is none; unreadable: exit 3."""
+    if not path.is_file():
+        return None
+    try:
+        return model.model_validate_json(path.read_text())
+    except (ValidationError, ValueError) as exc:
+        raise InputRejected(f"{path}: unreadable ({str(exc).splitlines()[0]}): start over with --overwrite") from None
+
+
+def refuse_other_artifact(answers: Path, record_path: Path, recorded, identity: str, artifact: Path) -> None:
+    """The one resume rule of both engines: answers resume only under the artifact that wrote them (exit 2 otherwise,
+    naming both), and answers with no record of their artifact do not resume at all."""
+    if recorded is None:
+        raise UsageError(f"--resume: {answers} has no {record_path.name}, so which artifact answered it is unknown "
+                         "(written by an older accel-opt?): start over with --overwrite")
+    if recorded.artifact_identity != identity:
+        raise UsageError(f"--resume: {answers} holds answers of {recorded.artifact_identity[:SHORT_HASH]} "
+                         f"({Path(recorded.artifact).name}), not of {identity[:SHORT_HASH]} ({artifact.name}): "
+                         "start over with --overwrite, or choose another --out")
 
 
 def _answered_inputs(predictions: Path, whole: bytes) -> set[str]:

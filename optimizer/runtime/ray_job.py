@@ -31,10 +31,10 @@ from pydantic import BaseModel
 
 from accel_opt.artifacts import now_utc, write_json
 from accel_opt.data import IMAGE_SUFFIXES
-from accel_opt.errors import InputRejected, InternalError, ResourceExhausted, UsageError
+from accel_opt.errors import InternalError, ResourceExhausted, UsageError
 from accel_opt.runtime import Deployment
 from accel_opt.runtime.job import NPZ, unique_inputs
-from accel_opt.runtime.output import SHORT_HASH, Outputs, input_key
+from accel_opt.runtime.output import Outputs, input_key, read_record, refuse_other_artifact
 from accel_opt.runtime.ray_cluster import ray_session
 
 log = logging.getLogger(__name__)
@@ -143,14 +143,7 @@ class OutFolder:
         identity = deployment.identity
         answered: set[str] = set()
         if resume and (mine or self.summary.exists()):
-            recorded = self._recorded()
-            if recorded is None:
-                raise UsageError(f"--resume: {self.folder} has no {SUMMARY}, so which artifact answered it is unknown: "
-                                 "start over with --overwrite")
-            if recorded.artifact_identity != identity:
-                raise UsageError(f"--resume: {self.folder} holds answers of {recorded.artifact_identity[:SHORT_HASH]} "
-                                 f"({Path(recorded.artifact).name}), not of {identity[:SHORT_HASH]} ({deployment.folder.name}): "
-                                 "start over with --overwrite, or choose another --out")
+            refuse_other_artifact(self.folder, self.summary, self._recorded(), identity, deployment.folder)
             answered = {key for part in self._files("part-") for key in self.read_keys(part)}
             self.parts = [p.name for p in self._files("part-")]
             drop = self._files("rejected-") + self._files(".tmp-")  # rejected inputs are tried again
@@ -163,12 +156,7 @@ class OutFolder:
         return answered
 
     def _recorded(self) -> RaySummary | None:
-        if not self.summary.is_file():
-            return None
-        try:
-            return RaySummary.model_validate_json(self.summary.read_text())
-        except ValueError as exc:
-            raise InputRejected(f"{self.summary}: unreadable ({str(exc).splitlines()[0]}): start over with --overwrite") from None
+        return read_record(self.summary, RaySummary)
 
     def write_summary(self, summary: RaySummary) -> None:
         write_json(self.summary, summary)
