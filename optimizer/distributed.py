@@ -83,7 +83,7 @@ class Predictor:
     def __init__(self, artifact: str | os.PathLike, threads: int | None = None, recheck: bool = True,
                  outputs_dir: str | None = None, identity: str | None = None):
         from accel_opt import runtime
-        from accel_opt.runtime.job import _Reader
+        from accel_opt.runtime.job import Reader
         from accel_opt.runtime.output import Outputs, Writer
         from accel_opt.runtime.probe import signed_off_here
 
@@ -99,7 +99,7 @@ class Predictor:
             log.warning("on node %s: %s", where, line)
         config = self.deployment.config
         self.threads = threads or config.threads
-        self.reader = _Reader(self.deployment)
+        self.reader = Reader(self.deployment)
         self.batch_size = config.batch_size if config.output_batch_axes else 1
         # Records exactly as the local engine writes them; an artifact without a postprocess saves each input's
         # arrays as .npz in `outputs_dir`/predictions.outputs (a folder every node must share).
@@ -166,12 +166,12 @@ class Predictor:
 
     def _infer(self, batch: list[tuple[str, dict]]) -> list[dict[str, Any] | str]:
         """Each input's record, or the reason it failed; a failed batch is retried input by input."""
-        from accel_opt.runtime.job import _infer
+        from accel_opt.runtime.job import infer_batch
 
         try:
-            outputs = _infer(self.runner, self.deployment, batch, self.batch_size)
+            outputs = infer_batch(self.runner, self.deployment, batch, self.batch_size)
             # The local engine's own record (top-k, or the outputs' .npz), not a second format.
-            return [self.writer._record(path, out) for (path, _), out in zip(batch, outputs)]
+            return [self.writer.record(path, out) for (path, _), out in zip(batch, outputs)]
         except Exception as exc:  # noqa: BLE001
             if len(batch) == 1:
                 return [f"inference failed ({first_line(exc)})"]

@@ -242,7 +242,7 @@ def _read_data(ctx: BuildContext) -> tuple[list[Sample], DataSummary]:
 
 def _image_input(ctx: BuildContext) -> str:
     pre = ctx.recipe.preprocessing
-    return pre.input if pre and pre.input else ctx.inputs[0].name
+    return preprocess.image_input(pre, ctx.inputs).name if pre else ctx.inputs[0].name
 
 
 def _fused(ctx: BuildContext) -> bool:

@@ -134,7 +134,7 @@ def _predict(deployment: Deployment, remaining: list[str], outputs: Outputs, wor
              on_progress: Callable[[int, int], None] | None) -> tuple[tuple[int, int], dict[str, float], int, int]:
     """The pipeline over `remaining`: ((predicted, rejected), stage seconds, reader threads, batch size)."""
     config = deployment.config
-    reader = _Reader(deployment)
+    reader = Reader(deployment)
     writer = Writer(outputs, config.postprocess, config.outputs[0].name)
     batch_size = config.batch_size if config.output_batch_axes else 1
     workers = workers or max(1, available_cpus())
@@ -167,7 +167,7 @@ def _predict(deployment: Deployment, remaining: list[str], outputs: Outputs, wor
                 waited += clock() - start
                 if len(batch) == batch_size or (not pending and batch):
                     start = clock()
-                    results = _infer(runner, deployment, batch, batch_size)
+                    results = infer_batch(runner, deployment, batch, batch_size)
                     done = clock()
                     predicted += writer.predict([p for p, _ in batch], results)
                     computed, written = computed + done - start, written + clock() - done
@@ -178,7 +178,7 @@ def _predict(deployment: Deployment, remaining: list[str], outputs: Outputs, wor
     return (predicted, rejected), stages, workers, batch_size
 
 
-class _Reader:
+class Reader:
     """Turns one input path into a feed dict the deployment takes (one batch row), or rejects it."""
 
     def __init__(self, deployment: Deployment):
@@ -221,7 +221,7 @@ class _Reader:
         return {spec.name: preprocess_image(read_image(file, pre), pre.host_part())}
 
 
-def _infer(runner, deployment: Deployment, batch: list[tuple[str, Sample]], batch_size: int) -> list[dict[str, np.ndarray]]:
+def infer_batch(runner, deployment: Deployment, batch: list[tuple[str, Sample]], batch_size: int) -> list[dict[str, np.ndarray]]:
     """Per-input outputs of one batch: padded to the deployed batch (static compiles take exactly that
     many rows), run once, cut back along the output axes the build's gate found."""
     config = deployment.config

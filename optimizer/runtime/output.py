@@ -273,11 +273,11 @@ class Writer:
         self._err.append(json.dumps({"input": path, "error": reason}) + "\n")
 
     def predict(self, paths: list[str], outputs: list[dict[str, np.ndarray]]) -> int:
-        lines = [json.dumps({"input": path, **self._record(path, out)}) + "\n" for path, out in zip(paths, outputs)]
+        lines = [json.dumps({"input": path, **self.record(path, out)}) + "\n" for path, out in zip(paths, outputs)]
         self._out.append("".join(lines))  # one write per batch, each line whole
         return len(lines)
 
-    def _record(self, path: str, outputs: dict[str, np.ndarray]) -> dict[str, Any]:
+    def record(self, path: str, outputs: dict[str, np.ndarray]) -> dict[str, Any]:
         if self.post is not None:
             return topk_record(self.post, outputs, self.first_output)
         # Every output, saved beside the predictions (before the line naming it): one .npz per input.
