@@ -107,6 +107,11 @@ class Manifest(BaseModel):
     cpu_class: str | None = None
 
 
+def user_cache_dir(*parts: str) -> Path:
+    """accel-opt's folder in the user's cache ($XDG_CACHE_HOME, else ~/.cache): what is remembered outside artifacts."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache", "accel-opt", *parts)
+
+
 def now_utc() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import statistics
 import tempfile
 import time
@@ -33,8 +32,7 @@ PROBE_SIZE = 112  # pixels: convolutions large enough that the kernels, not the 
 def _cache_path() -> Path:
     identity = json.dumps({"cpu": hardware.cpu_info(), "tools": artifacts.tool_versions(), "format": PROBE_FORMAT},
                           sort_keys=True)
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "accel-opt" / "cpu-probe"
-    return cache / f"{hashlib.sha256(identity.encode()).hexdigest()[:24]}.json"
+    return artifacts.user_cache_dir("cpu-probe") / f"{hashlib.sha256(identity.encode()).hexdigest()[:24]}.json"
 
 
 def speedups(refresh: bool = False) -> dict[str, dict[str, float]]:

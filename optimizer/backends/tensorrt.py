@@ -33,7 +33,7 @@ from typing import Any
 import onnx
 from polygraphy.backend.base import BaseRunner
 
-from accel_opt.artifacts import copy_file, sha256_file, write_json, write_text
+from accel_opt.artifacts import copy_file, sha256_file, user_cache_dir, write_json, write_text
 from accel_opt.backends.base import INSTALL, Availability, CompiledModel
 from accel_opt.backends.cuda_device import cuda_devices, gpu_precision_support
 from accel_opt.backends.trt_build_config import ShapeRange, derive_profiles, profile_bounds, trtexec_command
@@ -286,8 +286,7 @@ def _run_build(request: dict, out: Path, options: TensorRtOptions, profile: dict
 
 
 def _cache_dir(options: TensorRtOptions) -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(options.timing_cache_dir or Path(base) / "accel-opt" / "tensorrt")
+    return Path(options.timing_cache_dir) if options.timing_cache_dir else user_cache_dir("tensorrt")
 
 
 def _timing_cache_seed(here: dict[str, Any], options: TensorRtOptions) -> tuple[Path | None, str]:

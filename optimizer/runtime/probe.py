@@ -14,7 +14,6 @@ from __future__ import annotations
 import io
 import json
 import logging
-import os
 from pathlib import Path
 
 import numpy as np
@@ -136,8 +135,7 @@ def recheck(deployment):
 
 
 def _record_path(folder: Path, cpu: str) -> Path:
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "accel-opt" / "rechecks"
-    return cache / f"{artifacts.sha256_file(folder / artifacts.MANIFEST)[:32]}-{cpu}.json"
+    return artifacts.user_cache_dir("rechecks") / f"{artifacts.sha256_file(folder / artifacts.MANIFEST)[:32]}-{cpu}.json"
 
 
 def _remember(folder: Path, cpu: str, passed: bool) -> None:
