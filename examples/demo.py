@@ -1,6 +1,6 @@
 """`make demo`: build the bundled example classifier at fp32, fp16 and int8 and show them side by side.
 
-Everything is generated here, offline: a ResNet-layout classifier (optimizer/zoo.py) and real
+Everything is generated here, offline: a ResNet-layout classifier (optimizer/accel_opt/zoo.py) and real
 photos shipped with scikit-image, preprocessed into .npz feed dicts for --data. Each build is the
 same call `accel-opt build` makes; the table shows what each precision bought, measured.
 """

@@ -6,7 +6,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-SOURCES = Path(__file__).resolve().parent.parent / "optimizer"  # the import package `accel_opt`
+SOURCES = Path(__file__).resolve().parents[1] / "optimizer" / "accel_opt"  # the import package
 MAX_LINES = 420  # "~400": past it a module is probably two
 ONE_MODULE_REASON = "One module:"  # how a docstring says why a longer module stays whole
 

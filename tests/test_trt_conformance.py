@@ -29,7 +29,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 NAMES_DIR = ROOT / "tests" / "data" / "trt_names"
-SOURCES = [ROOT / "optimizer" / "backends" / "tensorrt.py", ROOT / "optimizer" / "backends" / "tensorrt_build.py"]
+BACKENDS = ROOT / "optimizer" / "accel_opt" / "backends"
+SOURCES = [BACKENDS / "tensorrt.py", BACKENDS / "tensorrt_build.py"]
 MODULE_ALIASES = {"trt", "tensorrt"}  # `import tensorrt as trt`, `import tensorrt`, or a parameter named trt
 PY_CLASSES = {"Builder": "IBuilder", "Runtime": "IRuntime", "OnnxParser": "IParser", "Logger": "ILogger",
               "ILogger": "ILogger", "EngineInspector": "IEngineInspector"}

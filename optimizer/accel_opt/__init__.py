@@ -3,9 +3,9 @@
 Public API: `build(model, recipe, data_dir=..., out_dir=...) -> BuildResult`, `load_recipe`,
 `Recipe`, `Precision`. Heavy modules load on first use so `accel-opt --help` stays fast.
 
-This folder, `optimizer/`, is the import package `accel_opt` (pyproject's package-dir maps one to the other):
-`accel_opt.runtime.probe` is `optimizer/runtime/probe.py`. The import name is not `optimizer` because ONNX
-Runtime's quantization package puts a folder holding an `optimizer.py` on sys.path, which would shadow it.
+`optimizer/` is the source root and this folder, `optimizer/accel_opt/`, the package: `accel_opt.runtime.probe` is
+`optimizer/accel_opt/runtime/probe.py`. The import name is not `optimizer` because ONNX Runtime's quantization
+package puts a folder holding an `optimizer.py` on sys.path, which would shadow it.
 """
 
 from __future__ import annotations
