@@ -23,7 +23,7 @@ import time
 import numpy as np
 from PIL import Image
 
-from accel_opt.data import decode_image, preprocess_image
+from accel_opt.preprocess.images import decode_image, preprocess_image
 from accel_opt.recipe import Preprocessing
 from accel_opt.zoo import _skimage_photos
 from benchmarks._common import wait_for_idle
@@ -50,7 +50,7 @@ def _prepare(data: bytes, pre: Preprocessing) -> tuple[float, np.ndarray]:
 
 def _after_decode(rounds: int = 20) -> None:
     """ms per image of each step after decoding, one core, interleaved; pixel differences vs Pillow's."""
-    from accel_opt.data import to_model_input
+    from accel_opt.preprocess.images import to_model_input
 
     pre = Preprocessing(dtype="uint8", layout="NHWC")
     floats = Preprocessing()

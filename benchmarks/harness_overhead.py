@@ -19,7 +19,7 @@ import onnxruntime as ort
 from accel_opt import zoo
 from accel_opt.backends.onnxruntime import OnnxRuntimeBackend
 from accel_opt.bench import Target, infer_and_sync, latency_stats, timed_calls
-from accel_opt.hardware import available_cpus
+from accel_opt.machine.cpu import available_cpus
 from accel_opt.recipe import Precision, load_recipe
 from benchmarks._common import wait_for_idle
 

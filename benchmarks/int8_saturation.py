@@ -26,7 +26,8 @@ from pathlib import Path
 
 import numpy as np
 
-from accel_opt import hardware, zoo
+from accel_opt import zoo
+from accel_opt.machine.cpu import available_cpus, cpu_class, cpu_info
 from accel_opt.precision.int8 import quantize
 from accel_opt.recipe import CalibrationConfig
 
@@ -38,7 +39,7 @@ def _ort(path: Path, exact: bool = False):
     import onnxruntime as ort
 
     options = ort.SessionOptions()
-    options.intra_op_num_threads = hardware.available_cpus()
+    options.intra_op_num_threads = available_cpus()
     if exact:
         options.add_session_config_entry("session.x64quantprecision", "1")
     session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
@@ -100,7 +101,7 @@ def main() -> None:
         print(json.dumps(measure({k: Path(v) for k, v in job["models"].items()}, job["kernels"], held_out)))
         return
 
-    print(f"CPU: {hardware.cpu_info()['model']}, class {hardware.cpu_class()}, {hardware.available_cpus()} CPUs")
+    print(f"CPU: {cpu_info()['model']}, class {cpu_class()}, {available_cpus()} CPUs")
     cases = {"saturating conv (zoo.saturating_conv)": (zoo.saturating_conv(), zoo.saturating_inputs(64))}
     if args.ppocr:
         from benchmarks.real_models import document_page, ppocr_input

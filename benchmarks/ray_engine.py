@@ -26,7 +26,7 @@ from pathlib import Path
 import psutil
 
 from accel_opt import zoo
-from accel_opt.hardware import available_cpus, cpu_info
+from accel_opt.machine.cpu import available_cpus, cpu_info
 from accel_opt.recipe import load_recipe
 from benchmarks._common import cpu_busy_fraction, wait_for_idle
 from benchmarks.e2e_job import make_jpegs

@@ -24,8 +24,8 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 
-from accel_opt import hardware
 from accel_opt.errors import AccelOptError
+from accel_opt.machine.cpu import cpu_info
 from accel_opt.pipeline import build
 from accel_opt.recipe import load_recipe
 
@@ -123,7 +123,7 @@ def main() -> None:
     parser.add_argument("--pages", type=int, default=56)
     parser.add_argument("--only-fallback", action="store_true", help="skip the --no-fallback builds")
     args = parser.parse_args()
-    print(json.dumps({"host": hardware.cpu_info()}), flush=True)
+    print(json.dumps({"host": cpu_info()}), flush=True)
     variants = (True,) if args.only_fallback else (False, True)
     with tempfile.TemporaryDirectory(prefix="accel-opt-real-") as tmp:
         tmp = Path(tmp)

@@ -9,7 +9,7 @@ from accel_opt.accuracy import compare, judge
 from accel_opt.backends.onnxruntime import reference_runner
 from accel_opt.data import DataSummary
 from accel_opt.recipe import CosineMetric, DetectionMetric, Precision, Tolerance, TopKMetric, load_recipe
-from accel_opt.report import signoff_markdown
+from accel_opt.report.markdown import signoff_markdown
 
 from .conftest import matmul_model, save
 

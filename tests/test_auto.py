@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from accel_opt import auto
-from accel_opt.artifacts import MANIFEST
+from accel_opt.artifact.folder import MANIFEST
 from accel_opt.auto import AutoSelection, build_auto, plan
 from accel_opt.backends.select import auto_backend, candidate_precisions
 from accel_opt.errors import InputRejected, Unsupported

@@ -15,8 +15,9 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from accel_opt import hardware, zoo
+from accel_opt import zoo
 from accel_opt.accuracy import judge
+from accel_opt.machine.cpu import cpu_class, kernel_class, saturating_int8
 from accel_opt.precision.int8 import quantize
 from accel_opt.precision.int8_presets import ORT_CPU, TENSORRT, weight_range
 from accel_opt.recipe import CalibrationConfig, load_recipe
@@ -28,20 +29,20 @@ AVX512 = AVX2 | {"avx512f", "avx512bw", "avx512vl"}
 
 
 def test_cpu_classes_from_flags(monkeypatch):
-    assert hardware.cpu_class(AVX2, "x86_64") == "avx2"
-    assert hardware.cpu_class(AVX512, "x86_64") == "avx512"
-    assert hardware.cpu_class(AVX2 | {"avx_vnni"}, "x86_64") == "avx_vnni"
-    assert hardware.cpu_class(AVX512 | {"avx512_vnni"}, "x86_64") == "avx512_vnni"
-    assert hardware.cpu_class(AVX512 | {"avx512_vnni", "amx_int8", "amx_tile"}, "x86_64") == "amx"
-    assert hardware.cpu_class(frozenset({"asimd"}), "aarch64") == "arm64"
-    assert [hardware.saturating_int8(c) for c in ("avx2", "avx512", "avx_vnni", "avx512_vnni", "amx", "arm64")] == \
+    assert cpu_class(AVX2, "x86_64") == "avx2"
+    assert cpu_class(AVX512, "x86_64") == "avx512"
+    assert cpu_class(AVX2 | {"avx_vnni"}, "x86_64") == "avx_vnni"
+    assert cpu_class(AVX512 | {"avx512_vnni"}, "x86_64") == "avx512_vnni"
+    assert cpu_class(AVX512 | {"avx512_vnni", "amx_int8", "amx_tile"}, "x86_64") == "amx"
+    assert cpu_class(frozenset({"asimd"}), "aarch64") == "arm64"
+    assert [saturating_int8(c) for c in ("avx2", "avx512", "avx_vnni", "avx512_vnni", "amx", "arm64")] == \
         [True, True, False, False, False, False]
     amx = AVX512 | {"avx512_vnni", "amx_int8"}
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
-    assert hardware.kernel_class("openvino", amx) == "avx2"  # oneDNN's cap lowers OpenVINO's kernels ...
-    assert hardware.kernel_class("onnxruntime", amx) == "amx"  # ... not ONNX Runtime's
+    assert kernel_class("openvino", amx) == "avx2"  # oneDNN's cap lowers OpenVINO's kernels ...
+    assert kernel_class("onnxruntime", amx) == "amx"  # ... not ONNX Runtime's
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_AMX")  # a cap above the CPU changes nothing
-    assert hardware.kernel_class("openvino", AVX2) == "avx2"
+    assert kernel_class("openvino", AVX2) == "avx2"
 
 
 @pytest.mark.parametrize(("target", "seven_bit"), [("avx2", True), ("avx512", True), ("avx512_vnni", False), ("amx", False)])
@@ -129,8 +130,8 @@ def saturating_builds(tmp_path_factory):
     pytest.importorskip("openvino")
     from accel_opt.pipeline import build
 
-    if hardware.saturating_int8(hardware.cpu_class()):
-        pytest.skip(f"this CPU ({hardware.cpu_class()}) is already the lowest int8 class: no lower one to emulate")
+    if saturating_int8(cpu_class()):
+        pytest.skip(f"this CPU ({cpu_class()}) is already the lowest int8 class: no lower one to emulate")
     root = tmp_path_factory.mktemp("saturating")
     model, data = save(zoo.saturating_conv(), root / "sat.onnx"), saturating_data(root / "data")
     recipe = load_recipe().with_overrides(precision="int8", backend="openvino", benchmark=FAST_BENCH,
@@ -147,7 +148,7 @@ def saturating_builds(tmp_path_factory):
 def test_a_folder_records_its_cpu_class_and_carries_a_probe_set(saturating_builds, tmp_path):
     folder = saturating_builds[0]["host"]
     manifest = json.loads((folder / "manifest.json").read_text())
-    assert manifest["cpu_class"] == hardware.kernel_class("openvino")
+    assert manifest["cpu_class"] == kernel_class("openvino")
     assert {"probe.npz", "probe.json"} <= set(manifest["artifacts"])  # hashed like every file
     assert (folder / "probe.npz").stat().st_size < 4 << 20
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path)}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from accel_opt.detection import (
+from accel_opt.accuracy.detection import (
     Detections,
     MatchCounts,
     decode_predictions,

@@ -5,7 +5,7 @@ import json
 from click.testing import CliRunner
 
 from accel_opt.cli import main
-from accel_opt.doctor import cpu_fast_precisions, cpu_features, gpu_fast_precisions
+from accel_opt.machine.doctor import cpu_fast_precisions, cpu_features, gpu_fast_precisions
 
 
 def test_doctor_reports_this_machine_and_exits_0_without_a_gpu():
@@ -25,7 +25,7 @@ def test_doctor_reports_this_machine_and_exits_0_without_a_gpu():
 def test_faster_precisions_are_measured_and_cached_per_cpu(tmp_path, monkeypatch):
     """Whatever this CPU is: every precision is timed against its backend's fp32, the verdict follows the ratios,
     and a second doctor reads the cache instead of timing again."""
-    from accel_opt import cpu_probe
+    from accel_opt.machine.cpu_probe import faster_than_fp32, speedups
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     result = CliRunner().invoke(main, ["doctor", "--json"])
@@ -35,11 +35,11 @@ def test_faster_precisions_are_measured_and_cached_per_cpu(tmp_path, monkeypatch
     assert measured["onnxruntime"]["fp32"] == 1.0 and measured["onnxruntime"]["int8"] > 0
     by_name = {b["name"]: b for b in report["backends"]}
     for backend, ratios in measured.items():
-        assert by_name[backend]["fast_precisions"] == cpu_probe.faster_than_fp32(backend, measured)
+        assert by_name[backend]["fast_precisions"] == faster_than_fp32(backend, measured)
         assert all(f"{p} {r:.2f}x" in by_name[backend]["detail"] for p, r in ratios.items() if p != "fp32")
     cached = list((tmp_path / "accel-opt" / "cpu-probe").glob("*.json"))
     assert len(cached) == 1
-    assert cpu_probe.speedups() == measured  # from the cache
+    assert speedups() == measured  # from the cache
 
 
 def test_fast_precisions_follow_the_instruction_set():

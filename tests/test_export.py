@@ -13,10 +13,10 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("onnxscript")
 
-from accel_opt import export as exp  # noqa: E402
 from accel_opt.backends.onnxruntime import CPU_PROVIDER, create_session  # noqa: E402
 from accel_opt.backends.torch import TorchRunner, torch_runner  # noqa: E402
 from accel_opt.errors import GateFailed, InputRejected, Unsupported, UsageError  # noqa: E402
+from accel_opt.graph import export as exp  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "examples" / "tiny_models.py"
@@ -250,7 +250,7 @@ def test_torch_runner_keys_outputs_by_onnx_names_and_restores_threads(tmp_path: 
 
 
 def test_torch_is_optional(monkeypatch) -> None:
-    code = "import sys, accel_opt.export, accel_opt.backends.torch; assert 'torch' not in sys.modules, 'torch imported'"
+    code = "import sys, accel_opt.graph.export, accel_opt.backends.torch; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
     monkeypatch.setitem(sys.modules, "torch", None)  # `import torch` now raises ImportError
     with pytest.raises(Unsupported, match=r"pip install 'accel-opt\[torch\]' torch==2.13.0") as caught:

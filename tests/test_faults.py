@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from accel_opt.artifacts import MANIFEST, sha256_file
+from accel_opt.artifact.folder import MANIFEST, sha256_file
 from accel_opt.errors import ResourceExhausted, UsageError
 from accel_opt.pipeline import build
 

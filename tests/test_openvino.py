@@ -25,7 +25,7 @@ from accel_opt.backends.openvino import (
 )
 from accel_opt.backends.select import auto_backend, candidate_precisions
 from accel_opt.errors import InputRejected, Unsupported
-from accel_opt.hardware import cpu_flags
+from accel_opt.machine.cpu import cpu_flags
 from accel_opt.pipeline import build
 from accel_opt.recipe import BackendName, Precision, Recipe
 

@@ -17,9 +17,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from accel_opt.backends import cuda_device, get_backend, ort_gpu
+from accel_opt.backends import get_backend, ort_gpu
 from accel_opt.backends.base import CastInputsRunner, CompiledModel
-from accel_opt.backends.cuda_device import CudaDevice, CudaProbe
 from accel_opt.backends.gpu_timing import STAGE_KEYS, StageClock, last_stage_ms, median_stage_ms
 from accel_opt.backends.onnxruntime import OnnxRuntimeBackend, create_session, open_session
 from accel_opt.backends.ort_gpu import (
@@ -35,6 +34,8 @@ from accel_opt.backends.ort_gpu import (
 from accel_opt.backends.ort_iobinding import OrtIoBindingRunner, SessionFactory
 from accel_opt.backends.trt_build_config import ShapeRange
 from accel_opt.errors import Unsupported
+from accel_opt.machine import gpu as cuda_device
+from accel_opt.machine.gpu import CudaDevice, CudaProbe
 from accel_opt.recipe import Precision, Recipe
 
 from .conftest import matmul_model, save

@@ -7,10 +7,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from accel_opt import htmlreport
-from accel_opt.artifacts import MANIFEST, sha256_file
+from accel_opt.artifact.folder import MANIFEST, sha256_file
 from accel_opt.errors import Unsupported, UsageError
 from accel_opt.pipeline import build
+from accel_opt.report.html import render
 
 from .conftest import image_npz_folder
 
@@ -46,14 +46,14 @@ def test_fp32_build_signs_off_with_every_artifact(tiny_cnn_path, fast_recipe, tm
     signoff = (folder / "signoff.md").read_text()
     assert "SIGNED OFF" in signoff and "Synthetic data was used" in signoff and "batch defaulted to 1" in signoff
     page = (folder / "signoff.html").read_text()
-    assert htmlreport.render(folder) == page  # rendered from the JSON reports alone
+    assert render(folder) == page  # rendered from the JSON reports alone
     assert "SIGNED OFF" in page and "NOT SIGNED OFF" not in page and "Synthetic data was used" in page
     assert not re.search(r"(src|href)=[\"'](?!data:)|https?://|@import", page)  # self-contained: nothing fetched
     assert page.count("data:image/png;base64,") == 1
     accuracy = json.loads((folder / "accuracy.json").read_text())
     accuracy["outputs"][0]["gain"] = None  # an infinite gain (a zero reference) is null in the JSON
     (folder / "accuracy.json").write_text(json.dumps(accuracy))
-    assert "not finite" in htmlreport.render(folder)
+    assert "not finite" in render(folder)
     assert not list(tmp_path.glob(".*staging*"))
 
 

@@ -137,7 +137,7 @@ def test_predictor_in_a_users_own_ray_pipeline(classifier, photos, tmp_path):
     naming that node (exit code 3's error), not a hang or a silent retry."""
     from ray.data import ActorPoolStrategy
 
-    from accel_opt.distributed import Predictor, predict
+    from accel_opt.runtime.distributed import Predictor, predict
     from accel_opt.runtime.ray_cluster import as_accel_opt_error
 
     temp_dir = tempfile.mkdtemp(prefix="aoray-", dir="/tmp")

@@ -12,9 +12,10 @@ from PIL import Image
 
 from accel_opt import runtime
 from accel_opt.cli import main
-from accel_opt.data import load_samples, preprocess_image
+from accel_opt.data import load_samples
 from accel_opt.errors import InputRejected, UsageError
 from accel_opt.pipeline import build
+from accel_opt.preprocess.images import preprocess_image
 from accel_opt.recipe import Postprocess, Preprocessing
 from accel_opt.runtime.job import errors_path, run_job
 
@@ -247,7 +248,7 @@ def test_fused_preprocessing_on_openvino_int8_keeps_its_fp32_baseline_unfused(ti
 def test_draft_decoding_is_checked_by_the_gate_against_full_decodes(tiny_cnn_path, photos, tmp_path):
     """draft_decode: JPEGs decode at a reduced DCT scale (less work), and the gate runs the candidate on
     those inputs against the reference on full decodes: the pixels differ, so the gate's error is not 0."""
-    from accel_opt.data import decode_image
+    from accel_opt.preprocess.images import decode_image
     from accel_opt.recipe import Preprocessing, load_recipe
 
     from .conftest import FAST_BENCH

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from accel_opt import runtime
-from accel_opt.artifacts import MANIFEST, file_hashes
+from accel_opt.artifact.folder import MANIFEST, file_hashes
 from accel_opt.errors import InputRejected, Unsupported
 from accel_opt.pipeline import build
 

@@ -133,7 +133,7 @@ def test_batch_of_cycles_samples():
 @pytest.mark.parametrize("layout,dtype", [("NCHW", "float32"), ("NHWC", "float32"), ("NCHW", "float16"), ("NHWC", "uint8")])
 def test_model_input_matches_the_textbook_normalization(layout, dtype):
     """The fast in-place normalization computes (x / 255 - mean) / std, laid out and typed as asked."""
-    from accel_opt.data import to_model_input
+    from accel_opt.preprocess.images import to_model_input
     from accel_opt.recipe import Preprocessing
 
     pre = Preprocessing(layout=layout, dtype=dtype)
@@ -152,7 +152,7 @@ def test_crop_region_resize_matches_resizing_the_whole_image():
     """Resampling only the crop's box gives the pixels of resize-then-crop (within rounding)."""
     from PIL import Image
 
-    from accel_opt.data import preprocess_image
+    from accel_opt.preprocess.images import preprocess_image
     from accel_opt.recipe import Preprocessing
 
     pre = Preprocessing(resize=64, crop=56, dtype="uint8", layout="NHWC")

@@ -16,7 +16,7 @@ from click.testing import CliRunner
 from onnx import numpy_helper
 
 from accel_opt import runtime
-from accel_opt.artifacts import MANIFEST, SIGNATURE, file_hashes
+from accel_opt.artifact.folder import MANIFEST, SIGNATURE, file_hashes
 from accel_opt.cli import main
 
 pytest.importorskip("model_signing", reason="the sign extra is not installed (pip install 'accel-opt[sign]')")
@@ -129,7 +129,7 @@ def test_another_key_or_no_signature_is_refused(classifier, tmp_path, keys):
     refused = _cli("verify", theirs, "--public-key", keys / "ours.pub")
     assert refused.exit_code == 3 and f"{SIGNATURE}: not signed by the key in ours.pub" in refused.stderr
     with pytest.raises(Exception, match="not signed by the key in ours.pub"):
-        from accel_opt.signing import trust_of
+        from accel_opt.artifact.signing import trust_of
 
         runtime.load(theirs, trust=trust_of(keys / "ours.pub"))
     unsigned = _cli("verify", classifier, "--public-key", keys / "ours.pub")

@@ -23,7 +23,6 @@ import pytest
 from onnx import TensorProto, helper
 
 from accel_opt.backends import tensorrt as trt_backend
-from accel_opt.backends.cuda_device import CudaDevice, CudaProbe
 from accel_opt.backends.select import AcceleratorFacts, auto_backend_choice
 from accel_opt.backends.trt_build_config import ShapeRange, derive_profiles, profile_bounds, trtexec_command
 from accel_opt.backends.trt_inspect import engine_layers, graph_tensor_dtypes, tensor_dtype, wider_layers
@@ -37,6 +36,7 @@ from accel_opt.backends.trt_plan import (
 )
 from accel_opt.errors import InputRejected, InternalError, ResourceExhausted, UsageError
 from accel_opt.graph.inspect import TensorSpec
+from accel_opt.machine.gpu import CudaDevice, CudaProbe
 from accel_opt.recipe import BackendName, Precision, Recipe
 
 DATA = Path(__file__).parent / "data" / "trt_inspector"
@@ -245,7 +245,7 @@ def test_get_backend_refuses_tensorrt_in_one_line_without_importing_it():
 
 def test_availability_reasons_follow_the_probe(monkeypatch):
     """The decision order, with the device probe's answer injected (no GPU is faked into a result)."""
-    from accel_opt.backends import cuda_device
+    from accel_opt.machine import gpu as cuda_device
 
     monkeypatch.setattr(trt_backend, "cuda_devices", lambda: CudaProbe((), None, "no NVIDIA driver library"))
     reason = trt_backend.TensorRtBackend().available().reason

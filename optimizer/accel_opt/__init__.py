@@ -18,7 +18,7 @@ __all__ = ["BuildResult", "Precision", "Recipe", "__version__", "build", "load_r
 if TYPE_CHECKING:
     from accel_opt.pipeline import build
     from accel_opt.recipe import Precision, Recipe, load_recipe
-    from accel_opt.results import BuildResult
+    from accel_opt.report.results import BuildResult
 
 
 def __getattr__(name: str) -> Any:
@@ -27,7 +27,7 @@ def __getattr__(name: str) -> Any:
 
         return build
     if name == "BuildResult":
-        from accel_opt.results import BuildResult
+        from accel_opt.report.results import BuildResult
 
         return BuildResult
     if name in ("Recipe", "Precision", "load_recipe"):

@@ -17,14 +17,17 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from accel_opt import artifacts, hardware, report, runtime
+from accel_opt import runtime
+from accel_opt.artifact.folder import write_json, write_text
 from accel_opt.backends.select import auto_backend_choice, candidate_precisions
 from accel_opt.bench import deployment_target, run_benchmark
 from accel_opt.data import Sample
 from accel_opt.errors import AccelOptError, UsageError, write_crash_log
+from accel_opt.machine.cpu import available_cpus
 from accel_opt.pipeline import build
 from accel_opt.recipe import OBJECTIVES, BackendName, Precision, Recipe
-from accel_opt.results import BuildResult, StageResult
+from accel_opt.report.markdown import selection_markdown
+from accel_opt.report.results import BuildResult, StageResult
 
 log = logging.getLogger(__name__)
 AUTO = "auto"
@@ -153,8 +156,8 @@ def build_auto(
     selection = AutoSelection(objective=recipe.selection.objective, target_batch_size=target, latency_budget_ms=budget,
                               backend_reason=backend_reason, timing=timing, winner=winner, candidates=candidates)
     Path(out_dir).mkdir(parents=True, exist_ok=True)
-    artifacts.write_json(selection_report_path(out_dir, model, ".json"), selection)
-    artifacts.write_text(selection_report_path(out_dir, model), report.selection_markdown(Path(model).stem, selection))
+    write_json(selection_report_path(out_dir, model, ".json"), selection)
+    write_text(selection_report_path(out_dir, model), selection_markdown(Path(model).stem, selection))
     if not results and errors:  # nothing built at all: the (first) error is the answer, with its exit code
         raise errors[0]
     return (results[(winner.backend, winner.precision)] if winner else None), selection
@@ -234,7 +237,7 @@ def choose(candidates: list[Candidate], objective: str, budget_ms: float | None,
 def _runoff(candidates: list[Candidate], samples: list[Sample], recipe: Recipe) -> str:
     """Time the candidates' published builds, loaded through the runtime as deployed, against each other in
     interleaved rounds at the objective's batch sizes (the same samples every build timed)."""
-    threads = recipe.benchmark.threads or hardware.available_cpus()
+    threads = recipe.benchmark.threads or available_cpus()
     deployments = [runtime.load(c.artifact_dir) for c in candidates]
     batches = objective_batches(recipe.selection.objective, recipe)
     if not deployments[0].config.batch_dynamic:

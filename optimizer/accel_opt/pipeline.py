@@ -16,8 +16,10 @@ from pathlib import Path
 
 import onnx
 
-from accel_opt import artifacts, hardware, preprocess, records, runtime
+from accel_opt import runtime
 from accel_opt.accuracy import compare
+from accel_opt.artifact.folder import build_folder, ensure_free_space, file_hashes, publish, sha256_file, write_json
+from accel_opt.artifact.records import artifact_name, data_record, reuse, write_manifest, write_reports
 from accel_opt.backends import compile_for, get_backend
 from accel_opt.backends.onnxruntime import reference_runner
 from accel_opt.bench.build_stage import benchmark_build, max_feed
@@ -31,18 +33,20 @@ from accel_opt.data import (
     shapes_of,
     split_indices,
     synthetic_samples,
-    to_model_input,
 )
 from accel_opt.errors import AccelOptError, Unsupported, UsageError, first_line, no_space_error
 from accel_opt.graph.cleanup import cleanup
-from accel_opt.graph.fuse import fuse_normalize, fused_shape
 from accel_opt.graph.inspect import TensorSpec, io_specs, resolve_shapes, with_batch
 from accel_opt.graph.load import load_model
 from accel_opt.graph.save import save_model
+from accel_opt.machine.cpu import available_cpus
 from accel_opt.precision import fallback
 from accel_opt.precision.fallback_actions import fallback_actions
+from accel_opt.preprocess.fit import exercise_image_path, fit_preprocessing, image_input
+from accel_opt.preprocess.fuse import fuse_normalize, fused_shape
+from accel_opt.preprocess.images import to_model_input
 from accel_opt.recipe import Precision, Recipe, load_recipe
-from accel_opt.results import BuildResult, StageResult, StageStatus, fill_headline
+from accel_opt.report.results import BuildResult, StageResult, StageStatus, fill_headline
 from accel_opt.runtime import DeployedInput, ResourceConfig
 
 log = logging.getLogger(__name__)
@@ -83,33 +87,33 @@ def build(
         raise UsageError("--precision int8 needs --data: calibrating on random inputs would set meaningless scales")
     stages: list[StageResult] = []
     try:
-        with artifacts.build_folder(out_dir, model_path.stem) as (staging, work):
+        with build_folder(out_dir, model_path.stem) as (staging, work):
             ctx = BuildContext(
                 model_path=model_path, recipe=recipe, data_dir=Path(data_dir) if data_dir else None, workdir=work,
                 staging=staging, cache_dir=Path(cache_dir) if cache_dir else out_dir / ".cache", backend=backend,
-                threads=recipe.benchmark.threads or hardware.available_cpus(), factory=factory,
+                threads=recipe.benchmark.threads or available_cpus(), factory=factory,
             )
             if model_path.is_file():  # the staged artifact holds at least a copy of the model
-                artifacts.ensure_free_space(work, model_path.stat().st_size)
+                ensure_free_space(work, model_path.stat().st_size)
             for name, stage in STAGES:
                 _run_stage(ctx, name, stage, stages, on_stage)
                 if name == "load" and not force:
-                    reused = records.reuse(ctx, out_dir / records.artifact_name(ctx), str(model), stages, on_stage)
+                    reused = reuse(ctx, out_dir / artifact_name(ctx), str(model), stages, on_stage)
                     if reused is not None:
                         return reused
 
             failures = ctx.accuracy.failures + ctx.bench.failures
             signed_off = not failures
-            final = out_dir / records.artifact_name(ctx)
+            final = out_dir / artifact_name(ctx)
             result = BuildResult(
                 model=str(model), precision=recipe.precision.value, backend=backend.name, signed_off=signed_off,
                 exit_code=0 if signed_off else 1, artifact_dir=str(final), failures=failures, stages=stages,
-                worst_cosine=ctx.accuracy.worst_cosine, data=records.data_record(ctx), evaluated=ctx.accuracy.evaluation.deployment,
+                worst_cosine=ctx.accuracy.worst_cosine, data=data_record(ctx), evaluated=ctx.accuracy.evaluation.deployment,
             )
             fill_headline(result, ctx.bench)
             result._eval_samples = ctx.deploy_samples
-            records.write_manifest(ctx, staging, result)  # last file: the folder is complete when it is renamed into place
-            artifacts.publish(staging, final)
+            write_manifest(ctx, staging, result)  # last file: the folder is complete when it is renamed into place
+            publish(staging, final)
     except Exception as exc:
         full = no_space_error(exc, out_dir)
         if full is None:
@@ -142,7 +146,7 @@ def _run_stage(ctx: BuildContext, name: str, stage, stages: list[StageResult], o
 def _stage_export(ctx: BuildContext) -> tuple[StageStatus, str]:
     if ctx.factory is None:
         raise _Skip("the input is an ONNX model")
-    from accel_opt.export import export, verify
+    from accel_opt.graph.export import export, verify
 
     if not ctx.recipe.shapes:
         raise UsageError(f"{ctx.factory.spec}: a PyTorch factory needs --shapes to build its example inputs")
@@ -178,12 +182,12 @@ def _reference(ctx: BuildContext):
 def _stage_load(ctx: BuildContext) -> tuple[StageStatus, str]:
     ctx.source_path = ctx.model_path
     ctx.loaded = load_model(ctx.model_path, ctx.workdir)
-    ctx.model_sha256 = artifacts.sha256_file(ctx.source_path)
-    ctx.external_data_sha256 = {p.name: artifacts.sha256_file(p) for p in ctx.loaded.external_data_files}
+    ctx.model_sha256 = sha256_file(ctx.source_path)
+    ctx.external_data_sha256 = {p.name: sha256_file(p) for p in ctx.loaded.external_data_files}
     ctx.notes += ctx.loaded.notes
     ctx.model_path = ctx.loaded.path
     ctx.inputs, ctx.outputs = io_specs(ctx.loaded.proto)
-    recipe = ctx.recipe = preprocess.fit_preprocessing(ctx.recipe, ctx.inputs, ctx.notes)  # before any image is read
+    recipe = ctx.recipe = fit_preprocessing(ctx.recipe, ctx.inputs, ctx.notes)  # before any image is read
     if _fused(ctx) and (ctx.data_dir is None or any(Path(ctx.data_dir).glob("*.npz"))):
         raise UsageError("preprocessing.fused needs --data with image files: the fused model takes decoded crops")
     if ctx.data_dir is not None:
@@ -242,7 +246,7 @@ def _read_data(ctx: BuildContext) -> tuple[list[Sample], DataSummary]:
 
 def _image_input(ctx: BuildContext) -> str:
     pre = ctx.recipe.preprocessing
-    return preprocess.image_input(pre, ctx.inputs).name if pre else ctx.inputs[0].name
+    return image_input(pre, ctx.inputs).name if pre else ctx.inputs[0].name
 
 
 def _fused(ctx: BuildContext) -> bool:
@@ -335,8 +339,8 @@ def _stage_deployment(ctx: BuildContext, shapes: dict[str, list[int]]) -> None:
         outputs=deployed_outputs, batch_size=ctx.deploy_batch, batch_dynamic=ctx.shapes.batch_dynamic,
         preprocessing=ctx.recipe.preprocessing, postprocess=ctx.recipe.postprocess,
     )
-    artifacts.write_json(ctx.staging / runtime.RESOURCE_CONFIG, ctx.resource_config)
-    ctx.deployed_hashes = artifacts.file_hashes(ctx.staging)  # hashed once: build.json reuses them
+    write_json(ctx.staging / runtime.RESOURCE_CONFIG, ctx.resource_config)
+    ctx.deployed_hashes = file_hashes(ctx.staging)  # hashed once: build.json reuses them
     ctx.deployment = runtime.load(ctx.staging, expected_files=ctx.deployed_hashes)
 
 
@@ -370,10 +374,10 @@ def _stage_accuracy(ctx: BuildContext) -> tuple[StageStatus, str]:
         candidate_samples=ctx.deploy_samples,
         noise_reference=reference_runner(ctx.model_path, ctx.threads, optimize=True),
     )
-    ctx.accuracy.evaluation.deployment = deployment.describe(records.artifact_name(ctx))
+    ctx.accuracy.evaluation.deployment = deployment.describe(artifact_name(ctx))
     # What the gate found (where each output holds a batch's samples) is part of how the artifact runs.
     deployment.config = deployment.config.model_copy(update={"output_batch_axes": ctx.accuracy.evaluation.output_batch_axes})
-    ctx.notes += preprocess.exercise_image_path(deployment, ctx.data.source, ctx.workdir, ctx.recipe.accuracy.seed)
+    ctx.notes += exercise_image_path(deployment, ctx.data.source, ctx.workdir, ctx.recipe.accuracy.seed)
     evaluation = ctx.accuracy.evaluation
     calls = f"{evaluation.calls} calls of batch {evaluation.batch_size}" if evaluation.mode == "batched" else "one per sample"
     summary = f"{ctx.accuracy.sample_count} samples ({calls}), worst cosine {ctx.accuracy.worst_cosine:.6f}"
@@ -387,7 +391,7 @@ def _stage_benchmark(ctx: BuildContext) -> tuple[StageStatus, str]:
 
 
 def _stage_reports(ctx: BuildContext) -> tuple[StageStatus, str]:
-    return "passed", records.write_reports(ctx)
+    return "passed", write_reports(ctx)
 
 
 STAGES: list[tuple[str, Callable[[BuildContext], tuple[StageStatus, str]]]] = [

@@ -57,7 +57,7 @@ class _Strict(BaseModel):
 
 
 ErrorStat = Literal["mean", "median", "max"]
-# CPU kernel classes (accel_opt.hardware.CPU_CLASSES plus the non-x86 ones), or "host": this machine's.
+# CPU kernel classes (accel_opt.machine.cpu.CPU_CLASSES plus the non-x86 ones), or "host": this machine's.
 TargetCpu = Literal["host", "avx2", "avx512", "avx_vnni", "avx512_vnni", "amx", "arm64", "other"]
 
 

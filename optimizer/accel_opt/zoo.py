@@ -171,7 +171,7 @@ def photo_dataset(size: int = 224, per_photo: int = 48, seed: int = 0) -> tuple[
     (batch 1). The label is the photo a crop came from. Shuffled, deterministic for a seed."""
     from PIL import Image
 
-    from accel_opt.data import preprocess_image
+    from accel_opt.preprocess.images import preprocess_image
     from accel_opt.recipe import Preprocessing
 
     rng = np.random.default_rng(seed)

@@ -52,21 +52,21 @@ def task_metric(metric: TaskMetric, ref_outs, cand_outs, names: list[str]) -> Ta
 
 
 def _detection_metric(metric: DetectionMetric, name: str, ref_outs, cand_outs, names: list[str]) -> TaskMetricResult:
-    from accel_opt import detection
+    from accel_opt.accuracy.detection import Detections, decode_predictions, match, nms, sum_counts
 
-    def detections(array: np.ndarray) -> detection.Detections:
+    def detections(array: np.ndarray) -> Detections:
         if metric.decoded:
             rows = np.asarray(array, dtype=np.float64).reshape(-1, 6)
             rows = rows[rows[:, 4] >= metric.score_threshold]
-            return detection.Detections(rows[:, :4], rows[:, 4], rows[:, 5].astype(np.int64))
-        raw = detection.decode_predictions(np.asarray(array), box_format=metric.box_format, layout=metric.layout,
+            return Detections(rows[:, :4], rows[:, 4], rows[:, 5].astype(np.int64))
+        raw = decode_predictions(np.asarray(array), box_format=metric.box_format, layout=metric.layout,
                                            has_objectness=metric.has_objectness, score_threshold=metric.score_threshold)
-        return detection.nms(raw, metric.nms_iou)
+        return nms(raw, metric.nms_iou)
 
     counts = []
     for ref, cand in zip(ref_outs, cand_outs):
-        counts.append(detection.match(detections(ref[name]), detections(cand[name]), metric.match_iou))
-    pooled = detection.sum_counts(counts)
+        counts.append(match(detections(ref[name]), detections(cand[name]), metric.match_iou))
+    pooled = sum_counts(counts)
     values = {"precision": pooled.precision, "recall": pooled.recall}
     thresholds = {"precision": metric.min_precision, "recall": metric.min_recall}
     order = sorted(range(len(counts)), key=lambda i: min(counts[i].precision, counts[i].recall))

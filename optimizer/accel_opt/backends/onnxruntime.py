@@ -19,7 +19,6 @@ from polygraphy.backend.base import BaseRunner
 from polygraphy.backend.onnxrt import OnnxrtRunner
 
 from accel_opt.backends.base import Availability, CompiledModel
-from accel_opt.backends.cuda_device import gpu_precision_support
 from accel_opt.backends.ort_gpu import (
     CPU_PROVIDER,
     CUDA_PROVIDER,
@@ -42,7 +41,8 @@ from accel_opt.backends.ort_gpu import (
 )
 from accel_opt.backends.ort_iobinding import OrtIoBindingRunner, SessionFactory
 from accel_opt.errors import InputRejected, Unsupported, first_line
-from accel_opt.hardware import available_cpus
+from accel_opt.machine.cpu import available_cpus
+from accel_opt.machine.gpu import gpu_precision_support
 from accel_opt.recipe import Precision, Recipe
 
 log = logging.getLogger(__name__)

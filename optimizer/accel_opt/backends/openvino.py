@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from accel_opt.artifacts import sha256_file
+from accel_opt.artifact.folder import sha256_file
 from accel_opt.backends.base import Availability, CompiledModel
 from accel_opt.backends.openvino_blob import _save_blob, blob_mismatch, environment, load_cached_blob, load_compiled
 from accel_opt.backends.openvino_compile import (
@@ -40,7 +40,7 @@ from accel_opt.backends.openvino_compile import (
 )
 from accel_opt.backends.openvino_runner import OpenVinoRunner, throughput
 from accel_opt.errors import Unsupported
-from accel_opt.hardware import available_cpus, cpu_flags
+from accel_opt.machine.cpu import available_cpus, cpu_flags
 from accel_opt.recipe import Precision, Recipe
 
 __all__ = ["HINTS", "OpenVinoBackend", "OpenVinoRunner", "StaticCompiler", "blob_mismatch", "capabilities", "environment",

@@ -10,7 +10,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from accel_opt.artifacts import write_bytes, write_json
+from accel_opt.artifact.folder import write_bytes, write_json
 from accel_opt.backends.base import CompiledModel
 from accel_opt.backends.openvino_compile import (
     DEVICE,
@@ -21,7 +21,7 @@ from accel_opt.backends.openvino_compile import (
     isa_flags,
 )
 from accel_opt.errors import Unsupported, first_line
-from accel_opt.hardware import cpu_flags
+from accel_opt.machine.cpu import cpu_flags
 
 log = logging.getLogger(__name__)
 

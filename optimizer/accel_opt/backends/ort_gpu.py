@@ -3,7 +3,7 @@ EP's caches, and an I/O-binding runner that times host-to-device, compute and de
 
 Strictness. onnxruntime-gpu lists the CUDA and TensorRT EPs even on a machine without a GPU or CUDA
 libraries, and then runs the model on the CPU EP with only a log line (ORT #17394). So: a CUDA device
-is looked for first (cuda_device.py, libcuda through ctypes), then the EP must be in this onnxruntime's
+is looked for first (machine/gpu.py, libcuda through ctypes), then the EP must be in this onnxruntime's
 build, then the session is created with `session.disable_cpu_ep_fallback=1` (ORT then refuses a session
 that would put any node on the CPU EP; the CPU EP must not be listed beside it, or ORT rejects the
 configuration), and `session.get_providers()[0]` must be the requested EP. Where ORT's graph assignment
@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from accel_opt.backends.base import INSTALL, Availability
-from accel_opt.backends.cuda_device import (
+from accel_opt.machine.gpu import (
     CudaProbe,
     cuda_devices,
     gpu_precision_support,  # noqa: F401 - onnxruntime.py takes it from here

@@ -14,7 +14,7 @@ import platform
 from dataclasses import dataclass
 
 from accel_opt.backends.openvino import precision_support
-from accel_opt.hardware import cpu_flags
+from accel_opt.machine.cpu import cpu_flags
 from accel_opt.recipe import BackendName, Precision
 
 X86 = ("x86_64", "amd64", "i686", "i386")
@@ -96,7 +96,7 @@ class BackendChoice:
 
 def accelerator_facts() -> AcceleratorFacts:
     """This machine's facts. TensorRT is imported only where libcuda reports a device."""
-    from accel_opt.backends.cuda_device import cuda_devices
+    from accel_opt.machine.gpu import cuda_devices
 
     try:
         import onnxruntime

@@ -5,7 +5,7 @@ no precision BuilderFlag is set (TensorRT 11 removed them) and TF32 is cleared, 
 fp32. After the build, the engine inspector's per-layer types are compared with the graph's and a
 layer running wider than asked fails the build (GateFailed, exit 1).
 
-Safety: TensorRT is imported only after a CUDA device was found (cuda_device.py, no TensorRT
+Safety: TensorRT is imported only after a CUDA device was found (machine/gpu.py, no TensorRT
 needed), and the build runs in a child process (tensorrt_build.py), so a native crash is an
 internal error (exit 70) with the child's log kept, not a dead CLI. A plan is deserialized only
 from a verified artifact (the runtime checks its sha256 first) and only when the recorded TensorRT
@@ -33,9 +33,8 @@ from typing import Any
 import onnx
 from polygraphy.backend.base import BaseRunner
 
-from accel_opt.artifacts import copy_file, sha256_file, user_cache_dir, write_json, write_text
+from accel_opt.artifact.folder import copy_file, sha256_file, user_cache_dir, write_json, write_text
 from accel_opt.backends.base import INSTALL, Availability, CompiledModel
-from accel_opt.backends.cuda_device import cuda_devices, gpu_precision_support
 from accel_opt.backends.trt_build_config import ShapeRange, derive_profiles, profile_bounds, trtexec_command
 from accel_opt.backends.trt_inspect import graph_tensor_dtypes, precision_counts, wider_layers
 from accel_opt.backends.trt_plan import (
@@ -48,6 +47,7 @@ from accel_opt.backends.trt_plan import (
 )
 from accel_opt.errors import GateFailed, InputRejected, InternalError, ResourceExhausted, Unsupported, first_line
 from accel_opt.graph.inspect import io_specs
+from accel_opt.machine.gpu import cuda_devices, gpu_precision_support
 from accel_opt.recipe import Precision, Recipe
 
 log = logging.getLogger(__name__)
@@ -82,7 +82,7 @@ def options_from(recipe: Recipe) -> TensorRtOptions:
 
 @lru_cache(maxsize=1)
 def _driver_version() -> str | None:
-    from accel_opt.backends.cuda_device import find_gpus
+    from accel_opt.machine.gpu import find_gpus
 
     gpus, _ = find_gpus()
     return gpus[0].driver if gpus else None

@@ -184,7 +184,7 @@ def verify(
 
     require_torch()
     from accel_opt.backends.onnxruntime import CPU_PROVIDER, create_session
-    from accel_opt.hardware import available_cpus
+    from accel_opt.machine.cpu import available_cpus
 
     threads = threads or available_cpus()
     inputs, outputs = io_specs(onnx.load(str(onnx_path), load_external_data=False))

@@ -49,14 +49,14 @@ TORCH_CUDA_HINT = ("install a CUDA build of torch on a machine with an NVIDIA GP
 
 def require_cuda(torch: Any, device: str = "cuda") -> None:
     """Unsupported (exit 4) naming what is missing when torch cannot run on `device`: a CPU-only torch
-    build, no GPU or driver (cuda_device.py's probe says which), or a device index beyond those visible."""
+    build, no GPU or driver (machine/gpu.py's probe says which), or a device index beyond those visible."""
     if torch.cuda.is_available():
         index = torch.device(device).index or 0
         if index >= torch.cuda.device_count():
             raise Unsupported(f"PyTorch sees {torch.cuda.device_count()} CUDA device(s); {device} is not one of them "
                               "(check CUDA_VISIBLE_DEVICES)")
         return
-    from accel_opt.backends.cuda_device import cuda_devices
+    from accel_opt.machine.gpu import cuda_devices
 
     build = "a CPU-only build" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}"
     probe = cuda_devices()

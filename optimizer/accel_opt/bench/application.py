@@ -20,7 +20,7 @@ import numpy as np
 from polygraphy.backend.base import BaseRunner
 from pydantic import BaseModel
 
-from accel_opt.data import IMAGE_SUFFIXES, decode_image, preprocess_image
+from accel_opt.preprocess.images import IMAGE_SUFFIXES, decode_image, preprocess_image
 from accel_opt.recipe import Postprocess, Preprocessing
 
 STAGE_FILES = 32  # files the host stages are timed on

@@ -19,7 +19,7 @@ from accel_opt.data import Sample, batch_of, synthetic_samples
 from accel_opt.errors import AccelOptError, UsageError, first_line
 from accel_opt.graph.inspect import resolve_shapes, with_batch
 from accel_opt.recipe import Precision
-from accel_opt.results import StageStatus
+from accel_opt.report.results import StageStatus
 
 if TYPE_CHECKING:
     from accel_opt.build_context import BuildContext

@@ -25,7 +25,7 @@ import numpy as np
 import onnx
 from onnx import external_data_helper
 
-from accel_opt import artifacts
+from accel_opt.artifact.folder import copy_file, sha256_file
 from accel_opt.data import Sample
 from accel_opt.errors import InputRejected, Unsupported
 from accel_opt.graph.inspect import opset_of
@@ -108,7 +108,7 @@ def quantize(
             for produced in staged.parent.iterdir():
                 shutil.move(str(produced), str(out_path.parent / produced.name))
             if cached is not None and not large:
-                artifacts.copy_file(out_path, cached)
+                copy_file(out_path, cached)
             elif cached is not None:
                 notes.append("not cached: the quantized model keeps its weights in an external data file")
     calib_seconds = time.perf_counter() - calib_start
@@ -152,7 +152,7 @@ def calibration_key(model_path: Path, samples: list[Sample], settings: QuantSett
 
     digest = hashlib.sha256()
     for path in [model_path, *_external_files(model_path)]:
-        digest.update(f"{path.name}|{artifacts.sha256_file(path)}".encode())
+        digest.update(f"{path.name}|{sha256_file(path)}".encode())
     for sample in samples:
         for name in sorted(sample):
             array = sample[name]
@@ -192,8 +192,8 @@ def _prepared_and_ranges(model_path: Path, samples: list[Sample], settings: Quan
     if entry is None or large:
         return prepared, ranges, large
     entry.mkdir(parents=True, exist_ok=True)
-    artifacts.copy_file(prepared, entry / "prepared.onnx")
-    artifacts.copy_file(ranges, entry / "ranges.json")
+    copy_file(prepared, entry / "prepared.onnx")
+    copy_file(ranges, entry / "ranges.json")
     return entry / "prepared.onnx", entry / "ranges.json", large
 
 

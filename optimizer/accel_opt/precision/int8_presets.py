@@ -7,8 +7,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
-from accel_opt import hardware
 from accel_opt.errors import Unsupported
+from accel_opt.machine.cpu import cpu_class, saturating_int8
 from accel_opt.recipe import CalibrationConfig, QuantTarget
 
 
@@ -87,12 +87,12 @@ def weight_range(preset: QuantPreset, config: CalibrationConfig) -> tuple[str, b
     quantization guide and NNCF's overflow_fix answer it with 7-bit weights (255 * 63 * 2 = 32130). VNNI and AMX
     accumulate in int32: full 8-bit weights there. Measured on an AVX2 CPU, EfficientNet-Lite0 int8 (per-channel,
     64 photos) kept top-1 on 52% of 300 held-out photos with 8-bit weights, 66% with 7-bit ones."""
-    target = hardware.cpu_class() if config.target_cpu == "host" else config.target_cpu
+    target = cpu_class() if config.target_cpu == "host" else config.target_cpu
     if preset.name == TENSORRT.name:
         return target, bool(config.reduce_range), "TensorRT runs int8 on the GPU: the host CPU's kernels do not apply"
     if config.reduce_range is not None:
         return target, config.reduce_range, f"set by the recipe (precision_options.calibration.reduce_range: {config.reduce_range})"
-    if hardware.saturating_int8(target):
+    if saturating_int8(target):
         return target, True, (f"{target} CPU: its u8 x s8 kernels sum pairs in int16 (VPMADDUBSW) and saturate with "
                               "8-bit weights; 7-bit weights keep the pair sums in range")
     return target, False, f"{target} CPU: its int8 kernels accumulate in int32 (VNNI/AMX or non-x86): full 8-bit weights"

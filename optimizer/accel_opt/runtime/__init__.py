@@ -19,7 +19,7 @@ import numpy as np
 from polygraphy.backend.base import BaseRunner
 from pydantic import BaseModel, ValidationError
 
-from accel_opt.artifacts import MANIFEST, SIGNATURE, Manifest, sha256_file
+from accel_opt.artifact.folder import MANIFEST, SIGNATURE, Manifest, sha256_file
 from accel_opt.backends import Backend, CompiledModel, get_backend
 from accel_opt.backends.base import casting_inputs
 from accel_opt.data import DataSummary, Sample, load_samples, synthetic_samples
@@ -28,7 +28,7 @@ from accel_opt.graph.inspect import TensorSpec, with_batch
 from accel_opt.recipe import Postprocess, Precision, Preprocessing
 
 if TYPE_CHECKING:  # signing (model-signing) is imported only where a trusted key is given
-    from accel_opt.signing import Trust
+    from accel_opt.artifact.signing import Trust
 
 RESOURCE_CONFIG = "resource_config.json"
 
@@ -214,7 +214,7 @@ def check(folder: Path, expected_files: dict[str, str] | None = None, trust: Tru
     if not folder.is_dir():
         return [Problem(line=f"artifact folder not found: {folder}", exit_code=3)]
     if trust is not None:  # first: the signature covers the manifest, which is read next
-        from accel_opt.signing import signature_problem
+        from accel_opt.artifact.signing import signature_problem
 
         if line := signature_problem(folder, trust):
             return [Problem(line=f"signature check failed: {line}", exit_code=3)]

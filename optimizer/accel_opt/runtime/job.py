@@ -21,18 +21,10 @@ from pathlib import Path
 import numpy as np
 from pydantic import BaseModel
 
-from accel_opt.data import (
-    IMAGE_SUFFIXES,
-    Sample,
-    check_sample,
-    concat_samples,
-    preprocess_image,
-    read_image,
-    read_npz,
-    split_output,
-)
+from accel_opt.data import Sample, check_sample, concat_samples, read_npz, split_output
 from accel_opt.errors import InputRejected, UsageError
-from accel_opt.hardware import available_cpus
+from accel_opt.machine.cpu import available_cpus
+from accel_opt.preprocess.images import IMAGE_SUFFIXES, preprocess_image, read_image
 from accel_opt.runtime import Deployment
 from accel_opt.runtime.output import Outputs, Writer, input_key, topk_record
 

@@ -12,7 +12,7 @@ from pathlib import Path
 from accel_opt.bench import BenchmarkReport, deployment_target, run_benchmark
 from accel_opt.data import DataSummary
 from accel_opt.errors import UsageError
-from accel_opt.hardware import available_cpus
+from accel_opt.machine.cpu import available_cpus
 from accel_opt.recipe import BenchmarkConfig, Recipe
 from accel_opt.runtime import Deployment, read_manifest
 

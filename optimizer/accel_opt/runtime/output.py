@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 from pydantic import BaseModel, ValidationError
 
-from accel_opt.artifacts import now_utc, write_bytes, write_json
+from accel_opt.artifact.folder import now_utc, write_bytes, write_json
 from accel_opt.errors import InputRejected, UsageError, no_space_error
 from accel_opt.recipe import Postprocess
 

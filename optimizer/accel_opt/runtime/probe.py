@@ -19,8 +19,9 @@ from pathlib import Path
 import numpy as np
 from pydantic import BaseModel, ValidationError
 
-from accel_opt import artifacts, hardware
+from accel_opt.artifact.folder import MANIFEST, now_utc, sha256_file, user_cache_dir, write_bytes, write_json
 from accel_opt.errors import InputRejected, first_line
+from accel_opt.machine.cpu import kernel_class
 from accel_opt.recipe import TaskMetric, Tolerance
 
 log = logging.getLogger(__name__)
@@ -41,7 +42,7 @@ class ProbeSet(BaseModel):
     tolerance: Tolerance
     task_metrics: list[TaskMetric] = []
     noise_floor: dict[str, float] = {}  # the gate's float32 noise floor per output, as measured at build
-    cpu_class: str  # the CPU class whose kernels the build's gate ran (hardware.kernel_class)
+    cpu_class: str  # the CPU class whose kernels the build's gate ran (kernel_class)
 
 
 class Scope(BaseModel):
@@ -83,8 +84,8 @@ def write_probe(folder: Path, inputs: list[dict[str, np.ndarray]], references: l
         taken, total_bytes = taken + 1, total_bytes + size
     buffer = io.BytesIO()
     np.savez(buffer, **arrays)
-    artifacts.write_bytes(folder / PROBE_NPZ, buffer.getvalue())
-    artifacts.write_json(folder / PROBE_JSON, ProbeSet(
+    write_bytes(folder / PROBE_NPZ, buffer.getvalue())
+    write_json(folder / PROBE_JSON, ProbeSet(
         samples=names[:taken], inputs=input_names, outputs=output_names, tolerance=tolerance,
         task_metrics=task_metrics, noise_floor=noise_floor, cpu_class=cpu_class))
     return taken
@@ -110,7 +111,7 @@ def read_probe(folder: Path) -> tuple[ProbeSet, list[dict[str, np.ndarray]], lis
 
 def scope(folder: Path, backend: str, built_on: str | None) -> Scope:
     """This folder's sign-off seen from here, with a remembered re-check verdict when there is one."""
-    here = hardware.kernel_class(backend)
+    here = kernel_class(backend)
     result = Scope(built_on=built_on, here=here)
     if not result.same_class:
         result.remembered = _remembered(folder, here)
@@ -126,7 +127,7 @@ def recheck(deployment):
     runner = deployment.runner({name: array.dtype for name, array in inputs[0].items()})
     with runner:
         outs, evaluation = run_candidate(runner, inputs, refs, deployment.batch_size, deployment.batch_axes)
-    here = hardware.kernel_class(deployment.config.backend)
+    here = kernel_class(deployment.config.backend)
     report = judge(refs, outs, probe.samples, probe.tolerance, probe.task_metrics,
                    f"reference-fp32 (recorded on {probe.cpu_class})", f"{runner.name} on {here}", evaluation,
                    probe.noise_floor)
@@ -135,15 +136,15 @@ def recheck(deployment):
 
 
 def _record_path(folder: Path, cpu: str) -> Path:
-    return artifacts.user_cache_dir("rechecks") / f"{artifacts.sha256_file(folder / artifacts.MANIFEST)[:32]}-{cpu}.json"
+    return user_cache_dir("rechecks") / f"{sha256_file(folder / MANIFEST)[:32]}-{cpu}.json"
 
 
 def _remember(folder: Path, cpu: str, passed: bool) -> None:
     try:
         path = _record_path(folder, cpu)
         path.parent.mkdir(parents=True, exist_ok=True)
-        artifacts.write_json(path, {"folder": str(folder), "cpu_class": cpu, "passed": passed,
-                                    "checked_utc": artifacts.now_utc()})
+        write_json(path, {"folder": str(folder), "cpu_class": cpu, "passed": passed,
+                                    "checked_utc": now_utc()})
     except OSError as exc:  # a read-only home: the re-check still answered, it is just not remembered
         log.warning("could not remember the re-check of %s: %s", folder, exc)
 

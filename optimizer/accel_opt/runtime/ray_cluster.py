@@ -25,7 +25,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from accel_opt.errors import ResourceExhausted, Unsupported, UsageError, first_line
-from accel_opt.hardware import available_cpus
+from accel_opt.machine.cpu import available_cpus
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +70,7 @@ def pin_loopback() -> None:
 @contextmanager
 def ray_session(address: str | None, verbose: bool = False, num_cpus: int | None = None) -> Iterator[RaySession]:
     """Connected to Ray for the block: `address` None (or "local") starts a local instance, shut down after."""
-    from accel_opt.distributed import require_ray
+    from accel_opt.runtime.distributed import require_ray
 
     local = address in (None, "local")
     if not local:

@@ -1,7 +1,7 @@
 """`accel-opt run --engine ray`: the batch job on Ray Data, one node or many, with the local engine's answers.
 
 The driver lists the inputs, skips those the folder already answers (--resume), and streams the rest through
-`accel_opt.distributed.predict` (an actor pool running the local engine's reader and records). It writes the
+`accel_opt.runtime.distributed.predict` (an actor pool running the local engine's reader and records). It writes the
 part files itself, from the answers as they arrive: each under a temporary name, synced, then published by
 rename, so a published part is whole and a killed job leaves none half-written. Ray runs a batch at least
 once (failed tasks are retried, dead actors restarted), so answers are kept by input key, the first one
@@ -29,9 +29,9 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from accel_opt.artifacts import now_utc, write_json
-from accel_opt.data import IMAGE_SUFFIXES
+from accel_opt.artifact.folder import now_utc, write_json
 from accel_opt.errors import InternalError, ResourceExhausted, UsageError
+from accel_opt.preprocess.images import IMAGE_SUFFIXES
 from accel_opt.runtime import Deployment
 from accel_opt.runtime.job import NPZ, unique_inputs
 from accel_opt.runtime.output import Outputs, input_key, read_record, refuse_other_artifact
@@ -286,7 +286,7 @@ def _stream(deployment, remaining, folder, pool, cpus_per_actor, timeout_s, star
     import pyarrow as pa
     import ray.data
 
-    from accel_opt.distributed import ROWS_PER_CALL, predict
+    from accel_opt.runtime.distributed import ROWS_PER_CALL, predict
 
     stats = {"dropped": 0, "answered": 0, "first": None, "first_rows": 0, "last": None, "submitted": time.perf_counter(),
              "remaining": len(remaining)}

@@ -1,33 +1,21 @@
-"""`accel-opt` command line: parse, call the API, render, map errors to exit codes. Thin on purpose."""
+"""`accel-opt build` and `accel-opt export`: a model in, a signed-off artifact folder (or an ONNX file) out."""
 
 from __future__ import annotations
 
 import json
-import logging
-import signal
 import sys
 from pathlib import Path
 
 import click
 
-from accel_opt import __version__
-from accel_opt.cli_common import EXIT_CODES_HELP, fail, interrupted, setup_logging, terminate, write_junit
+from accel_opt.cli.common import EXIT_CODES_HELP, fail, interrupted, setup_logging, write_junit
 from accel_opt.errors import (
     AccelOptError,
     UsageError,
 )
 
-log = logging.getLogger("accel_opt")
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
-@click.version_option(__version__, prog_name="accel-opt")
-def main() -> None:
-    """accel-opt: build a model into a deployable, signed-off artifact (precision, backend, accuracy, benchmark)."""
-    # SIGTERM (a CI job cancelled, a container stopped) cleans up like Ctrl-C: staging removed, exit 143.
-    signal.signal(signal.SIGTERM, terminate)
-
-
-@main.command(epilog=EXIT_CODES_HELP)
+@click.command(epilog=EXIT_CODES_HELP)
 @click.argument("model", type=click.Path(path_type=Path, dir_okay=True, exists=False))
 @click.option("--precision", type=click.Choice(["fp32", "fp16", "bf16", "int8", "auto"]),
               help="Target precision (recipe default: fp32). auto: build the precisions that make sense here, keep the fastest that signs off.")
@@ -113,7 +101,7 @@ def build(model, precision, backend, recipe_path, data_dir, shapes, batch_axes, 
         click.echo(json.dumps(payload))
     else:
         if selection is not None:
-            from accel_opt.report import selection_markdown
+            from accel_opt.report.markdown import selection_markdown
 
             click.echo(selection_markdown(Path(model).stem, selection))
         if result:
@@ -145,7 +133,7 @@ def _print_candidate(candidate) -> None:
     click.echo(f"candidate {candidate.backend} {candidate.precision}: {candidate.verdict or 'built'}", err=True)
 
 
-@main.command("export", epilog="Loading a factory imports and runs its Python file: only export code you trust.\n\n" + EXIT_CODES_HELP)
+@click.command("export", epilog="Loading a factory imports and runs its Python file: only export code you trust.\n\n" + EXIT_CODES_HELP)
 @click.argument("factory")
 @click.option("--shapes", required=True, help="Example input shapes, in forward()'s argument order: x:2x3x224x224[,NAME:...].")
 @click.option("-o", "--output", type=click.Path(path_type=Path), help="Output .onnx (default: FACTORY.onnx).")
@@ -162,7 +150,7 @@ def export_command(factory, shapes, output, dynamic, opset, as_json, verbose):
     """
     setup_logging(verbose)
     try:
-        from accel_opt.export import export, load_factory, verify
+        from accel_opt.graph.export import export, load_factory, verify
         from accel_opt.recipe import parse_shapes
 
         example_shapes = parse_shapes(shapes)
@@ -226,14 +214,3 @@ def _print_result(result) -> None:
     for failure in result.failures:
         console.print(f"  - {failure}")
     console.print(f"artifacts: {result.artifact_dir}" + (" (reused: an identical build verified; --force rebuilds)" if result.reused else ""))
-
-
-from accel_opt.cli_artifacts import COMMANDS  # noqa: E402 - run, bench, verify, sign, doctor, compare
-
-for command in COMMANDS:
-    main.add_command(command)
-
-if __name__ == "__main__":  # pragma: no cover - `python -m accel_opt.cli`: the importable module's group, all commands on it
-    from accel_opt.cli import main as accel_opt
-
-    accel_opt()

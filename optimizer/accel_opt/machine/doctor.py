@@ -13,8 +13,8 @@ from importlib import metadata
 from pydantic import BaseModel
 
 from accel_opt.backends.base import INSTALL, TORCH_INSTALL
-from accel_opt.backends.cuda_device import GPU_PRECISION_MIN_CC, Gpu, find_gpus
-from accel_opt.hardware import cpu_class, cpu_flags, cpu_info
+from accel_opt.machine.cpu import cpu_class, cpu_flags, cpu_info
+from accel_opt.machine.gpu import GPU_PRECISION_MIN_CC, Gpu, find_gpus
 
 
 class BackendStatus(BaseModel):
@@ -29,7 +29,7 @@ class BackendStatus(BaseModel):
 class DoctorReport(BaseModel):
     cpu: dict
     cpu_features: dict[str, bool]
-    cpu_class: str  # the kernel class a sign-off is made for (accel_opt.hardware.cpu_class)
+    cpu_class: str  # the kernel class a sign-off is made for (accel_opt.machine.cpu.cpu_class)
     measured_speedups: dict[str, dict[str, float]] | None = None  # backend -> precision -> fp32 time / its time
     gpus: list[Gpu]
     gpu_detail: str
@@ -82,13 +82,13 @@ def diagnose(probe: bool = True, refresh: bool = False) -> DoctorReport:
     backends = [_onnxruntime(features, gpus), _openvino(features), _torch(gpus, best_cc), _tensorrt(gpus, best_cc)]
     measured = None
     if probe:
-        from accel_opt import cpu_probe
+        from accel_opt.machine.cpu_probe import faster_than_fp32, speedups
 
-        measured = cpu_probe.speedups(refresh)
+        measured = speedups(refresh)
         for status in backends:
             if status.name in measured:
                 ratios = ", ".join(f"{p} {r:.2f}x" for p, r in measured[status.name].items() if p != "fp32")
-                status.fast_precisions = cpu_probe.faster_than_fp32(status.name, measured)
+                status.fast_precisions = faster_than_fp32(status.name, measured)
                 status.detail += f"; measured vs its fp32 here: {ratios}"
     return DoctorReport(cpu=cpu_info(), cpu_features=features, cpu_class=cpu_class(), gpus=gpus, gpu_detail=gpu_detail,
                         backends=backends, measured_speedups=measured)

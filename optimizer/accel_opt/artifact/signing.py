@@ -20,7 +20,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from accel_opt.artifacts import SIGNATURE
+from accel_opt.artifact.folder import SIGNATURE
 from accel_opt.errors import Unsupported, UsageError, first_line
 
 PUBLIC_KEY_ENV = "ACCEL_OPT_PUBLIC_KEY"  # a trusted public key for run/bench/verify/compare when --public-key is not given

@@ -14,14 +14,14 @@ from pathlib import Path
 import onnx
 from pydantic import BaseModel
 
-from accel_opt import artifacts
 from accel_opt.accuracy import AccuracyReport, Check, compare
+from accel_opt.artifact.folder import sha256_file
 from accel_opt.backends.onnxruntime import reference_runner
 from accel_opt.bench import deployment_target, run_benchmark
 from accel_opt.data import DataSummary, load_samples
 from accel_opt.errors import InputRejected, UsageError
 from accel_opt.graph.inspect import io_specs
-from accel_opt.hardware import available_cpus
+from accel_opt.machine.cpu import available_cpus
 from accel_opt.recipe import Recipe
 from accel_opt.runtime import Deployment, read_manifest
 
@@ -62,7 +62,7 @@ def reference_of(candidate: Deployment, given: str | Path | None) -> Path:
     path = Path(given) if given else Path(record.get("path") or "")
     if not path.is_file():
         raise UsageError(f"the candidate's reference model {path} is not there: give --reference MODEL.onnx")
-    if given is None and record.get("sha256") and artifacts.sha256_file(path) != record["sha256"]:
+    if given is None and record.get("sha256") and sha256_file(path) != record["sha256"]:
         raise InputRejected(f"{path} has changed since {candidate.folder.name} was built (sha256): give --reference")
     return path
 

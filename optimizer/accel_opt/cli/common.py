@@ -14,6 +14,7 @@ from pathlib import Path
 
 import click
 
+from accel_opt.artifact.signing import PUBLIC_KEY_ENV
 from accel_opt.errors import (
     AccelOptError,
     InternalError,
@@ -72,11 +73,11 @@ def interrupted(exc: KeyboardInterrupt, what: str = "no artifact was written") -
 
 
 def write_junit(path: Path, suites: list) -> None:
-    from accel_opt import artifacts
-    from accel_opt.report import junit_xml
+    from accel_opt.artifact.folder import write_text
+    from accel_opt.report.markdown import junit_xml
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    artifacts.write_text(path, junit_xml(suites))
+    write_text(path, junit_xml(suites))
 
 
 def say_scope(line: str | None) -> None:
@@ -106,3 +107,19 @@ def progress(enabled: bool):
             bar.update(task, completed=done, total=total, rate=f"{rate:.1f} inputs/s")
 
         yield update
+
+
+def trust_options(command):
+    """--public-key / --certificate-chain: require a signature by that key or CA before the folder is read."""
+    command = click.option("--certificate-chain", "certificate_chain", multiple=True, type=click.Path(path_type=Path),
+                           help="Require a signature whose signing certificate chains to these CA certificates (PEM).")(command)
+    return click.option("--public-key", type=click.Path(path_type=Path), envvar=PUBLIC_KEY_ENV, show_envvar=True,
+                        help="Require a signature (model.sig) by this elliptic-curve public key (PEM), checked before "
+                             "anything in the folder is read.")(command)
+
+
+def trust_from(public_key, certificate_chain):
+    """The Trust the user asked for (None without a key or chain); model-signing is imported only then."""
+    from accel_opt.artifact.signing import trust_of
+
+    return trust_of(public_key, certificate_chain)

@@ -1,4 +1,4 @@
-"""`accel-opt run --engine ray`: the options and the rendering of the Ray Data engine for cli_artifacts' run.
+"""`accel-opt run --engine ray`: the options and the rendering of the Ray Data engine for `accel-opt run` (cli/run.py).
 
 Light at import (click only): `accel-opt --help` never imports Ray.
 """
@@ -61,7 +61,7 @@ def ray_options(command):
 def run_on_ray(artifact, inputs, out_dir, resume, overwrite, as_json, no_recheck, trust_of, verbose, workers, started,
                address, actors, cpus_per_actor, output_format, sort, timeout_s) -> None:
     """The run command with --engine ray: exits with the job's code."""
-    from accel_opt.cli_common import fail, interrupted, progress, say_scope
+    from accel_opt.cli.common import fail, interrupted, progress, say_scope
 
     try:
         if workers is not None:

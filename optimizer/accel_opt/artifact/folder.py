@@ -102,7 +102,7 @@ class Manifest(BaseModel):
     tools: dict[str, str]
     cpu: dict[str, Any]
     command_line: list[str]
-    # The CPU class whose kernels the gate ran (accel_opt.hardware.kernel_class): where the sign-off holds.
+    # The CPU class whose kernels the gate ran (accel_opt.machine.cpu.kernel_class): where the sign-off holds.
     # None: a folder from before classes were recorded.
     cpu_class: str | None = None
 

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
-from accel_opt import artifacts, hardware
+from accel_opt.artifact.folder import now_utc, tool_versions, user_cache_dir, write_json
+from accel_opt.machine.cpu import available_cpus, cpu_class, cpu_info
 
 log = logging.getLogger(__name__)
 
@@ -30,9 +31,9 @@ PROBE_SIZE = 112  # pixels: convolutions large enough that the kernels, not the 
 
 
 def _cache_path() -> Path:
-    identity = json.dumps({"cpu": hardware.cpu_info(), "tools": artifacts.tool_versions(), "format": PROBE_FORMAT},
+    identity = json.dumps({"cpu": cpu_info(), "tools": tool_versions(), "format": PROBE_FORMAT},
                           sort_keys=True)
-    return artifacts.user_cache_dir("cpu-probe") / f"{hashlib.sha256(identity.encode()).hexdigest()[:24]}.json"
+    return user_cache_dir("cpu-probe") / f"{hashlib.sha256(identity.encode()).hexdigest()[:24]}.json"
 
 
 def speedups(refresh: bool = False) -> dict[str, dict[str, float]]:
@@ -46,7 +47,7 @@ def speedups(refresh: bool = False) -> dict[str, dict[str, float]]:
     measured = _measure()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        artifacts.write_json(path, {"cpu_class": hardware.cpu_class(), "measured_utc": artifacts.now_utc(),
+        write_json(path, {"cpu_class": cpu_class(), "measured_utc": now_utc(),
                                     "speedups": measured})
     except OSError as exc:  # a read-only home: measured, not remembered
         log.warning("could not cache the CPU probe: %s", exc)
@@ -66,7 +67,7 @@ def _measure() -> dict[str, dict[str, float]]:
     from accel_opt.precision.int8 import quantize
     from accel_opt.recipe import CalibrationConfig
 
-    threads = hardware.available_cpus()
+    threads = available_cpus()
     rng = np.random.default_rng(0)
     feed = {"image": rng.standard_normal((BATCH, 3, PROBE_SIZE, PROBE_SIZE), dtype=np.float32)}
     calibration = [{"image": rng.standard_normal((1, 3, PROBE_SIZE, PROBE_SIZE), dtype=np.float32)} for _ in range(8)]

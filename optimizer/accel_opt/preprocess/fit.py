@@ -114,7 +114,7 @@ def exercise_image_path(deployment, data_source: str, workdir: Path, seed: int =
     the artifact takes images (`preprocessing`) but the build's data were not images (.npz feed dicts
     or synthetic); returns the build note ([] when not needed). Raises UsageError, in one line, when
     the recorded preprocessing does not make what the artifact takes."""
-    from accel_opt.data import preprocess_image, read_image
+    from accel_opt.preprocess.images import preprocess_image, read_image
     from accel_opt.runtime.job import errors_path, run_job
 
     pre = deployment.config.preprocessing

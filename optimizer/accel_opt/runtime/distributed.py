@@ -3,7 +3,7 @@
 For users who already have a Ray pipeline:
 
     from ray.data import ActorPoolStrategy
-    from accel_opt.distributed import Predictor
+    from accel_opt.runtime.distributed import Predictor
     ds = ray.data.from_items([{"input": path} for path in paths])
     answers = ds.map_batches(Predictor, fn_constructor_kwargs={"artifact": "/models/resnet-int8"},
                              compute=ActorPoolStrategy(min_size=1, max_size=8), num_cpus=1, batch_size=64)

@@ -9,12 +9,26 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from accel_opt import artifacts, hardware, htmlreport, report, runtime
+from accel_opt import runtime
 from accel_opt.accuracy import AccuracyReport
+from accel_opt.artifact.folder import (
+    MANIFEST,
+    Manifest,
+    command_line,
+    file_hashes,
+    now_utc,
+    sha256_file,
+    tool_versions,
+    write_json,
+    write_text,
+)
 from accel_opt.backends import CompiledModel
 from accel_opt.bench import BenchmarkReport
+from accel_opt.machine.cpu import cpu_info, kernel_class
 from accel_opt.recipe import BenchmarkConfig
-from accel_opt.results import BuildResult, DataRecord, StageResult, fill_headline
+from accel_opt.report.html import layer_error_png, render
+from accel_opt.report.markdown import benchmark_markdown, signoff_markdown
+from accel_opt.report.results import BuildResult, DataRecord, StageResult, fill_headline
 from accel_opt.runtime import ResourceConfig
 
 if TYPE_CHECKING:
@@ -84,10 +98,10 @@ def recommended(compiled: CompiledModel, bench: BenchmarkReport, config: Benchma
 
 
 def artifact_name(ctx: BuildContext) -> str:
-    cpu = hardware.cpu_info()
+    cpu = cpu_info()
     identity = json.dumps(
         {"model": ctx.model_sha256, "external_data": ctx.external_data_sha256, "recipe": ctx.recipe.fingerprint(), "data": ctx.data.sha256,
-         "tools": artifacts.tool_versions(), "hardware": {k: cpu[k] for k in ("model", "machine", "flags", "available_cpus")}},
+         "tools": tool_versions(), "hardware": {k: cpu[k] for k in ("model", "machine", "flags", "available_cpus")}},
         sort_keys=True,
     )
     digest = hashlib.sha256(identity.encode()).hexdigest()[:10]
@@ -99,7 +113,7 @@ def input_record(ctx: BuildContext) -> dict[str, Any]:
     if ctx.factory is not None:
         source = Path(ctx.factory.spec.rpartition(":")[0])
         record = {"factory": ctx.factory.spec, "exported_onnx_sha256": ctx.model_sha256,
-                  "source_sha256": artifacts.sha256_file(source) if source.is_file() else None}
+                  "source_sha256": sha256_file(source) if source.is_file() else None}
     return record
 
 
@@ -109,8 +123,8 @@ def data_record(ctx: BuildContext) -> DataRecord:
 
 
 def write_manifest(ctx: BuildContext, folder: Path, result: BuildResult) -> None:
-    manifest = artifacts.Manifest(
-        created_utc=artifacts.now_utc(),
+    manifest = Manifest(
+        created_utc=now_utc(),
         signed_off=result.signed_off,
         exit_code=result.exit_code,
         precision=ctx.recipe.precision.value,
@@ -118,14 +132,14 @@ def write_manifest(ctx: BuildContext, folder: Path, result: BuildResult) -> None
         input_model=input_record(ctx),
         recipe={"name": ctx.recipe.name, "fingerprint": ctx.recipe.fingerprint(), "resolved": ctx.recipe.model_dump(mode="json")},
         data={**ctx.data.model_dump(mode="json", exclude={"names"}), **result.data.model_dump(mode="json")},
-        artifacts=artifacts.file_hashes(folder),
+        artifacts=file_hashes(folder),
         stages=[s.model_dump() for s in result.stages],
-        tools=artifacts.tool_versions(),
-        cpu=hardware.cpu_info(),
-        command_line=artifacts.command_line(),
-        cpu_class=hardware.kernel_class(ctx.backend.name),
+        tools=tool_versions(),
+        cpu=cpu_info(),
+        command_line=command_line(),
+        cpu_class=kernel_class(ctx.backend.name),
     )
-    artifacts.write_json(folder / artifacts.MANIFEST, manifest)
+    write_json(folder / MANIFEST, manifest)
 
 
 def write_probe_set(ctx: BuildContext, folder: Path) -> int:
@@ -136,7 +150,7 @@ def write_probe_set(ctx: BuildContext, folder: Path) -> int:
     noise = {o.name: o.noise_floor for o in ctx.accuracy.outputs if o.noise_floor}
     return probe.write_probe(folder, ctx.deploy_samples, ctx.accuracy._reference_outputs, ctx.eval_names,
                              ctx.recipe.tolerance, ctx.recipe.accuracy.task_metrics, noise,
-                             hardware.kernel_class(ctx.backend.name))
+                             kernel_class(ctx.backend.name))
 
 
 def write_reports(ctx: BuildContext) -> str:
@@ -144,33 +158,33 @@ def write_reports(ctx: BuildContext) -> str:
     (the manifest comes after, in write_manifest); returns the stage's one-line detail."""
     staging, name = ctx.staging, ctx.model_path.stem
     signed_off = ctx.accuracy.passed and not ctx.bench.failures
-    artifacts.write_json(staging / "accuracy.json", ctx.accuracy)
-    artifacts.write_text(
+    write_json(staging / "accuracy.json", ctx.accuracy)
+    write_text(
         staging / "signoff.md",
-        report.signoff_markdown(name, signed_off, ctx.accuracy, ctx.precision, ctx.data, len(ctx.calibration_samples),
+        signoff_markdown(name, signed_off, ctx.accuracy, ctx.precision, ctx.data, len(ctx.calibration_samples),
                                 ctx.notes + (ctx.precision.notes if ctx.precision else [])
                                 + [f"Benchmark gate failed: {line}" for line in ctx.bench.failures],
                                 fallback=ctx.fallback, bench=ctx.bench),
     )
     if ctx.fallback is not None and ctx.fallback.naive_profile:
-        (staging / "layer_error.png").write_bytes(htmlreport.layer_error_png(ctx.fallback.model_dump(mode="json")))
-    artifacts.write_json(staging / "benchmark.json", ctx.bench)
-    artifacts.write_text(staging / "benchmark.md", report.benchmark_markdown(name, ctx.bench))
-    artifacts.write_json(staging / runtime.RESOURCE_CONFIG, measured_config(ctx))
+        (staging / "layer_error.png").write_bytes(layer_error_png(ctx.fallback.model_dump(mode="json")))
+    write_json(staging / "benchmark.json", ctx.bench)
+    write_text(staging / "benchmark.md", benchmark_markdown(name, ctx.bench))
+    write_json(staging / runtime.RESOURCE_CONFIG, measured_config(ctx))
     config = ctx.resource_config
     build_info = {
         "model_name": name,
-        "created_utc": artifacts.now_utc(),
+        "created_utc": now_utc(),
         "cleanup": ctx.cleanup.model_dump(mode="json") if ctx.cleanup else None,
         "precision": ctx.precision.model_dump(mode="json") if ctx.precision else None,
         "fallback": ctx.fallback.model_dump(mode="json") if ctx.fallback else None,
         "data": ctx.data.model_dump(mode="json"),
         "export": ctx.export,
         "notes": ctx.notes,
-        "environment": {"tools": artifacts.tool_versions(), "cpu": hardware.cpu_info()},
+        "environment": {"tools": tool_versions(), "cpu": cpu_info()},
         "files_sha256": {f: ctx.deployed_hashes[f] for f in [config.model_file, *config.extra_files]},
     }
     write_probe_set(ctx, staging)
-    artifacts.write_json(staging / "build.json", build_info)
-    artifacts.write_text(staging / "signoff.html", htmlreport.render(staging))  # from the JSON reports above only
+    write_json(staging / "build.json", build_info)
+    write_text(staging / "signoff.html", render(staging))  # from the JSON reports above only
     return f"{len(list(staging.iterdir()))} files"

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from accel_opt.report import number_cell, output_cells, output_columns
+from accel_opt.report.markdown import number_cell, output_cells, output_columns
 
 REPORTS = ("accuracy.json", "benchmark.json", "resource_config.json", "build.json")
 STYLE = """

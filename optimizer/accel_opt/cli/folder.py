@@ -1,0 +1,112 @@
+"""`accel-opt verify` and `accel-opt sign`: whether a built folder is whole, runs here as checked, and who made it."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+
+from accel_opt.cli.common import fail, trust_from, trust_options
+from accel_opt.errors import AccelOptError
+
+VERIFY_EXIT_CODES = """\b
+Exit codes:
+  0  complete, unaltered, and runnable here as it was checked (and, with --public-key, signed by that key)
+  1  --accuracy: the re-check of the build's gate on this CPU failed
+  2  a --public-key or --certificate-chain file missing or not a usable key
+  3  incomplete or altered (no manifest, a file missing, changed or not part of it); with --public-key,
+     unsigned, signed by another key, or a file changed, added or removed after signing
+  4  this machine cannot run it as it was checked (backend missing, another runtime version or CPU);
+     --public-key without model-signing installed (pip install 'accel-opt[sign]')"""
+
+
+@click.command("verify", epilog=VERIFY_EXIT_CODES)
+@click.argument("artifact", type=click.Path(path_type=Path))
+@click.option("--accuracy", is_flag=True, help="Also re-run the build's accuracy gate here, on the probe set the "
+              "folder carries (seconds): the sign-off's verdict for this CPU's kernels. Exit 1 when it fails.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout.")
+@trust_options
+def verify_command(artifact, accuracy, as_json, public_key, certificate_chain):
+    """Check a built ARTIFACT folder before running it: its signature (with --public-key), manifest, every
+    file's sha256, the environment, and which CPU class its sign-off holds for (--accuracy re-checks it here)."""
+    from accel_opt import runtime
+
+    recheck = scope = None
+    try:
+        trust = trust_from(public_key, certificate_chain)
+        problems = runtime.check(artifact, trust=trust)
+        if not problems:
+            scope = runtime.sign_off_scope(artifact)
+            if accuracy:
+                from accel_opt.runtime.probe import recheck as run_recheck
+
+                recheck = run_recheck(runtime.load(artifact, trust=trust))
+    except AccelOptError as exc:
+        fail(exc, False, as_json)
+        return
+    exit_code = 3 if any(p.exit_code == 3 for p in problems) else 4 if problems else 0
+    if recheck is not None and not recheck.passed:
+        exit_code = 1
+    if as_json:
+        click.echo(json.dumps({"artifact_dir": str(artifact), "ok": exit_code == 0, "exit_code": exit_code,
+                               "signature_checked": trust is not None, "problems": [p.model_dump() for p in problems],
+                               "cpu_class": scope.model_dump() if scope else None,
+                               "recheck": recheck.model_dump(mode="json", include={"sample_count", "failures", "checks"})
+                               if recheck else None}))
+    elif problems:
+        for problem in problems:
+            click.echo(f"accel-opt: {artifact}: {problem.line}", err=True)
+    else:
+        from accel_opt.artifact.folder import SIGNATURE
+
+        manifest = runtime.read_manifest(artifact)
+        signature = (f"signed by {trust.describe()}" if trust is not None else
+                     f"{SIGNATURE} not checked (give --public-key)" if (artifact / SIGNATURE).is_file() else "unsigned")
+        click.echo(f"ok: {artifact}: {signature}; {len(manifest.artifacts)} files match manifest.json; {manifest.backend} "
+                   f"{manifest.precision} runs here as built; {'signed off' if manifest.signed_off else 'NOT signed off'}"
+                   f"; {scope.line(artifact)}")
+        if recheck is not None:
+            verdict = "passed" if recheck.passed else "FAILED: " + "; ".join(recheck.failures)
+            click.echo(f"accuracy re-checked here ({scope.here}) on {recheck.sample_count} probe samples, worst cosine "
+                       f"{recheck.worst_cosine:.6f}: {verdict}", err=not recheck.passed)
+    sys.exit(exit_code)
+
+
+SIGN_EXIT_CODES = """\b
+Exit codes:
+  0  signed: ARTIFACT/model.sig covers every file of the folder, manifest.json included
+  2  a key or certificate file missing or unusable
+  3  the folder is incomplete or altered (it is verified before it is signed)
+  4  model-signing is not installed (pip install 'accel-opt[sign]')"""
+
+
+@click.command("sign", epilog=SIGN_EXIT_CODES)
+@click.argument("artifact", type=click.Path(path_type=Path))
+@click.option("--key", "private_key", type=click.Path(path_type=Path), required=True, help="Elliptic-curve private key (PEM).")
+@click.option("--signing-certificate", type=click.Path(path_type=Path),
+              help="The certificate of --key: the signature carries it, and verifiers trust its CA instead of one key.")
+@click.option("--certificate-chain", "certificate_chain", multiple=True, type=click.Path(path_type=Path),
+              help="Certificates from the signing certificate up to the CA (PEM; repeatable).")
+def sign_command(artifact, private_key, signing_certificate, certificate_chain):
+    """Sign a built ARTIFACT folder: model.sig, written inside it, proves who built it (the manifest's hashes only
+    prove it intact). The folder is verified first. Check it with `accel-opt verify ARTIFACT --public-key PUB.pem`,
+    or give --public-key to run, bench and compare."""
+    try:
+        from accel_opt import runtime
+        from accel_opt.artifact.signing import sign_folder
+        from accel_opt.errors import InputRejected
+
+        altered = [p for p in runtime.check(artifact) if p.exit_code == 3]
+        if altered:
+            raise InputRejected(f"{artifact}: not signed: {altered[0].line}")
+        signature = sign_folder(artifact, private_key, signing_certificate, certificate_chain)
+        manifest = runtime.read_manifest(artifact)
+    except (AccelOptError, Exception) as exc:  # noqa: BLE001 - every error maps to an exit code
+        fail(exc, False, False)
+        return
+    by = f"the certificate {signing_certificate.name}" if signing_certificate else f"the key {private_key.name}"
+    click.echo(f"signed: {signature}: {len(manifest.artifacts) + 1} files (manifest.json included) signed with {by}; "
+               f"{'signed off' if manifest.signed_off else 'NOT signed off'}")
+    sys.exit(0)
