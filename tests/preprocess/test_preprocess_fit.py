@@ -21,7 +21,7 @@ from accel_opt.pipeline import build
 from accel_opt.preprocess.fit import fit_preprocessing
 from accel_opt.recipe import load_recipe
 
-from .conftest import FAST_BENCH, image_npz_folder, make_model, save
+from ..conftest import FAST_BENCH, image_npz_folder, make_model, save
 
 CLASSIFIER = load_recipe("image-classifier").with_overrides(precision="fp32", benchmark=FAST_BENCH)
 
@@ -136,7 +136,7 @@ def test_the_demo_builds_folders_that_run_takes_images(tmp_path):
     """`make demo`'s own model and data (examples/demo.py): the fp32 folder takes JPEGs and PNGs."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("demo", Path(__file__).parents[1] / "examples" / "demo.py")
+    spec = importlib.util.spec_from_file_location("demo", Path(__file__).parents[2] / "examples" / "demo.py")
     demo = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(demo)
     model_path, data_dir = demo.prepare(tmp_path / "demo")

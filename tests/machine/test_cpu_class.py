@@ -22,7 +22,7 @@ from accel_opt.precision.int8 import quantize
 from accel_opt.precision.int8_presets import ORT_CPU, TENSORRT, weight_range
 from accel_opt.recipe import CalibrationConfig, load_recipe
 
-from .conftest import FAST_BENCH, make_model, save
+from ..conftest import FAST_BENCH, make_model, save
 
 AVX2 = frozenset({"avx", "avx2", "fma"})
 AVX512 = AVX2 | {"avx512f", "avx512bw", "avx512vl"}

@@ -14,7 +14,7 @@ from accel_opt.artifact.folder import MANIFEST, file_hashes
 from accel_opt.errors import InputRejected, Unsupported
 from accel_opt.pipeline import build
 
-from .conftest import image_npz_folder
+from ..conftest import image_npz_folder
 
 needs_openvino = pytest.mark.skipif(importlib.util.find_spec("openvino") is None, reason="openvino is not installed")
 
@@ -23,7 +23,7 @@ needs_openvino = pytest.mark.skipif(importlib.util.find_spec("openvino") is None
 def published(tiny_cnn_path, tmp_path_factory):
     from accel_opt.recipe import load_recipe
 
-    from .conftest import FAST_BENCH
+    from ..conftest import FAST_BENCH
 
     recipe = load_recipe().with_overrides(benchmark=FAST_BENCH, **{"accuracy.synthetic_samples": 4})
     result = build(tiny_cnn_path, recipe, out_dir=tmp_path_factory.mktemp("out"))

@@ -8,7 +8,7 @@ from click.testing import CliRunner
 
 from accel_opt.cli import main
 
-from .conftest import FAST_BENCH, matmul_model, save
+from ..conftest import FAST_BENCH, matmul_model, save
 
 
 @pytest.fixture()

@@ -12,7 +12,7 @@ from accel_opt.bench.sweep import SweepPoint, capacity, recommend, sweep
 from accel_opt.pipeline import build
 from accel_opt.recipe import BenchmarkConfig
 
-from .conftest import FAST_BENCH, matmul_model, save
+from ..conftest import FAST_BENCH, matmul_model, save
 
 QUICK = BenchmarkConfig(concurrency=[1, 2], window_seconds=0.02, max_windows=6)
 
@@ -79,7 +79,7 @@ def test_a_worker_that_fails_stops_the_point_with_its_error(tmp_path):
 def test_capacity_runs_at_the_max_shapes(tmp_path, fast_recipe):
     from onnx import TensorProto, helper
 
-    from .conftest import make_model
+    from ..conftest import make_model
 
     # y = x * 2 on [batch, n]: memory grows with both dims; n is dynamic, so only --max-shapes reaches its peak.
     model = save(make_model([helper.make_node("Add", ["x", "x"], ["y"])],

@@ -10,7 +10,7 @@ from accel_opt.cli import main
 from accel_opt.pipeline import build
 
 pytest.importorskip("torch")
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 CNN = f"{EXAMPLES / 'tiny_models.py'}:cnn"
 
 

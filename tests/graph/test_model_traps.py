@@ -15,7 +15,7 @@ from onnx import TensorProto, helper, numpy_helper
 from accel_opt.errors import UsageError
 from accel_opt.pipeline import build
 
-from .conftest import make_model, matmul_model, save
+from ..conftest import make_model, matmul_model, save
 
 needs_openvino = pytest.mark.skipif(importlib.util.find_spec("openvino") is None, reason="openvino is not installed")
 
@@ -158,7 +158,7 @@ def detector_model(size: int = 64, classes: int = 3) -> onnx.ModelProto:
 def test_detector_recipe_gates_on_matched_boxes(tmp_path):
     from accel_opt.recipe import load_recipe
 
-    from .conftest import FAST_BENCH
+    from ..conftest import FAST_BENCH
 
     model = save(detector_model(), tmp_path / "det.onnx")
     data = tmp_path / "data"

@@ -18,7 +18,7 @@ from accel_opt.precision.fp16 import convert_float
 from accel_opt.precision.int8 import quantize
 from accel_opt.recipe import CalibrationConfig, Precision, Recipe
 
-from .conftest import image_npz_folder, lonely_qdq_conv, make_model, save, spiky_cnn
+from ..conftest import image_npz_folder, lonely_qdq_conv, make_model, save, spiky_cnn
 
 
 @pytest.fixture(scope="module")

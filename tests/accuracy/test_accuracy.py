@@ -11,7 +11,7 @@ from accel_opt.data import DataSummary
 from accel_opt.recipe import CosineMetric, DetectionMetric, Precision, Tolerance, TopKMetric, load_recipe
 from accel_opt.report.markdown import signoff_markdown
 
-from .conftest import matmul_model, save
+from ..conftest import matmul_model, save
 
 TOL = Tolerance(max_error=1e-3, max_sample_error=1e-3, min_cosine=0.9999, min_sample_cosine=0.999, max_gain_error=1e-3,
                 error_stat="max")

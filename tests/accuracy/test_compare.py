@@ -18,7 +18,7 @@ def fast_and_slow(tiny_cnn_path, tmp_path_factory):
     """The tiny CNN and a 16x wider one with the same input: one model family, two speeds."""
     from accel_opt.recipe import load_recipe
 
-    from .conftest import FAST_BENCH
+    from ..conftest import FAST_BENCH
 
     out = tmp_path_factory.mktemp("out")
     wide = zoo.save(zoo.resnet(layout=(1, 1), width=32, num_classes=10, image_size=32, seed=1),

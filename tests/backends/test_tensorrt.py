@@ -39,7 +39,7 @@ from accel_opt.graph.inspect import TensorSpec
 from accel_opt.machine.gpu import CudaDevice, CudaProbe
 from accel_opt.recipe import BackendName, Precision, Recipe
 
-DATA = Path(__file__).parent / "data" / "trt_inspector"
+DATA = Path(__file__).parents[1] / "data" / "trt_inspector"
 IMAGE = TensorSpec(name="image", dtype="float32", shape=["batch", 3, 224, 224])
 MASK = TensorSpec(name="mask", dtype="int64", shape=["batch", "seq"])
 TABLE = TensorSpec(name="table", dtype="float32", shape=[16, 4])

@@ -17,7 +17,7 @@ from accel_opt.graph.lift import LIFT_TO_OPSET, lift_if_unimplemented, missing_k
 from accel_opt.graph.load import load_model
 from accel_opt.pipeline import build
 
-from .conftest import make_model, save
+from ..conftest import make_model, save
 
 value = helper.make_tensor_value_info
 

@@ -10,7 +10,7 @@ from onnx import TensorProto, helper, numpy_helper
 from accel_opt.errors import InputRejected, Unsupported
 from accel_opt.graph.load import load_model
 
-from .conftest import make_model, matmul_model, save
+from ..conftest import make_model, matmul_model, save
 
 
 def _rejects(path, tmp_path, match, error=InputRejected):

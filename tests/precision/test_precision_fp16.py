@@ -17,7 +17,7 @@ from accel_opt.graph.inspect import opset_of
 from accel_opt.precision.fp16 import convert_float
 from accel_opt.recipe import Precision, PrecisionConfig
 
-from .conftest import save
+from ..conftest import save
 
 
 def _cosine(a: np.ndarray, b: np.ndarray) -> float:

@@ -4,7 +4,7 @@ from accel_opt.backends.onnxruntime import reference_runner
 from accel_opt.bench import Target, latency_stats, run_benchmark, timed_calls
 from accel_opt.recipe import BenchmarkConfig
 
-from .conftest import matmul_model, save
+from ..conftest import matmul_model, save
 
 
 def test_latency_stats_percentiles():

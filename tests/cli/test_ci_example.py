@@ -7,7 +7,7 @@ import yaml
 
 from accel_opt.cli import main
 
-WORKFLOW = Path(__file__).resolve().parent.parent / "examples" / "ci" / "accel-opt.yml"
+WORKFLOW = Path(__file__).resolve().parents[2] / "examples" / "ci" / "accel-opt.yml"
 
 
 def test_workflow_uses_real_commands_and_options():

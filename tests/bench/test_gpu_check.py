@@ -10,7 +10,7 @@ import pytest
 
 from benchmarks import gpu_check
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _cuda() -> bool:

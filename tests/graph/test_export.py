@@ -18,7 +18,7 @@ from accel_opt.backends.torch import TorchRunner, torch_runner  # noqa: E402
 from accel_opt.errors import GateFailed, InputRejected, Unsupported, UsageError  # noqa: E402
 from accel_opt.graph import export as exp  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "examples" / "tiny_models.py"
 SHAPES = {
     "cnn": {"image": [2, 3, 32, 32]},
