@@ -19,8 +19,11 @@ from accel_opt.errors import AccelOptError
 IMAGE_SIZE = 128  # the demo model's input: small enough to build three precisions in about a minute
 
 
+PHOTOS = 4  # JPEGs for `accel-opt run` in the README's tour
+
+
 def prepare(workdir: Path) -> tuple[Path, Path]:
-    """Write the demo model and its photo data set (idempotent, deterministic)."""
+    """Write the demo model, its photo data set and a few JPEGs to run the builds on (idempotent, deterministic)."""
     data_dir = workdir / "data"
     model_path = workdir / "demo_classifier.onnx"
     samples, labels = zoo.photo_dataset(IMAGE_SIZE)
@@ -32,6 +35,13 @@ def prepare(workdir: Path) -> tuple[Path, Path]:
         data_dir.mkdir(parents=True)
         for i, sample in enumerate(samples):
             np.savez(data_dir / f"photo_{i:03d}.npz", **sample)
+    photos_dir = workdir / "photos"
+    if not photos_dir.exists():
+        from PIL import Image
+
+        photos_dir.mkdir(parents=True)
+        for name, photo in zip(("astronaut", "coffee", "chelsea", "rocket"), zoo._skimage_photos()[:PHOTOS]):
+            Image.fromarray(photo).save(photos_dir / f"{name}.jpg", quality=90)
     return model_path, data_dir
 
 
