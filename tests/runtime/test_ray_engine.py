@@ -16,6 +16,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 from click.testing import CliRunner
 
@@ -113,6 +114,7 @@ def test_local_ray_gives_the_local_engines_answers_and_rejects_bad_inputs(classi
     done = subprocess.run(_cli(classifier, *inputs, "--engine", "ray", "--out", out, "--actors", "2", "--json",
                                "--timeout-s", JOB_TIMEOUT_S), capture_output=True, text=True, env=_env(), timeout=240)
     assert done.returncode == 3, done.stderr  # some inputs rejected
+    assert all(line.startswith("accel-opt") for line in done.stderr.splitlines()), done.stderr  # no Ray C++ chatter
     summary = json.loads(done.stdout)
     assert summary == json.loads((out / SUMMARY).read_text())
     listed = [*map(str, sorted(nested.iterdir())), *sorted(str(p) for p in photos.glob("0[1-3]_*.jpg")), uri, str(broken),
@@ -123,12 +125,16 @@ def test_local_ray_gives_the_local_engines_answers_and_rejects_bad_inputs(classi
     _, rejections = _answers(out)
     reasons = {r["input"]: r["error"] for r in rejections}
     assert "not a readable image" in reasons[str(broken)] and reasons[str(tmp_path / "missing.png")] == "not found"
-    # The same artifact identity as the local engine's sidecar, and the same top-1 for every input.
-    local_inputs = [Path(p) for p in listed[:-3]] + [Path(uri.removeprefix("file://"))]
-    reference = _local_top1(classifier, local_inputs, tmp_path)
+    # The local engine, given the very same arguments, lists the same inputs (folders recursively, the glob, the
+    # file:// URI), answers them with the same top-1, rejects the same two, under the same artifact identity.
+    local = run_job(runtime.load(classifier), inputs, tmp_path / "local.jsonl", workers=2)
+    assert (local.inputs, local.predicted, local.rejected) == (13, 11, 2)
+    reference = {line["input"]: line["top1"] for line in map(json.loads, (tmp_path / "local.jsonl").read_text().splitlines())}
+    local_rejected = {json.loads(line)["input"] for line in (tmp_path / "local.errors.jsonl").read_text().splitlines()}
+    assert set(reference) == {r["input"] for r in records} and local_rejected == set(reasons)
     assert summary["artifact_identity"] == json.loads(Outputs(tmp_path / "local.jsonl").meta.read_text())["artifact_identity"]
     for record in records:
-        assert record["top1"] == reference[record["input"].removeprefix("file://")], record
+        assert record["top1"] == reference[record["input"]], record
         assert len(record["topk"]) == 3 and set(record) == {"input", "top1", "topk"}
 
 
@@ -174,9 +180,27 @@ def test_predictor_in_a_users_own_ray_pipeline(classifier, photos, tmp_path):
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 
-def test_a_node_removed_mid_job_leaves_every_input_answered_once(classifier, big_inputs, tmp_path, monkeypatch):
+@pytest.fixture(scope="module")
+def raw_outputs(tiny_cnn_path, photos, tmp_path_factory) -> Path:
+    """The `classifier` without a postprocess: every answer is an .npz of the outputs, not a JSON top-k."""
+    from accel_opt.pipeline import build
+    from accel_opt.recipe import load_recipe
+
+    from ..conftest import CLASSIFIER_PRE, FAST_BENCH
+
+    recipe = load_recipe().with_overrides(benchmark=FAST_BENCH, preprocessing=CLASSIFIER_PRE,
+                                          **{"selection.target_batch_size": 4})
+    result = build(tiny_cnn_path, recipe, data_dir=photos, out_dir=tmp_path_factory.mktemp("raw"))
+    assert result.signed_off, result.failures
+    return Path(result.artifact_dir)
+
+
+def test_a_node_removed_mid_job_leaves_every_input_answered_once(classifier, raw_outputs, big_inputs, tmp_path,
+                                                                 monkeypatch):
     """Head of 0 CPUs and two 1-CPU workers; one worker is killed while the job runs: the pool (1-2 actors)
-    goes on with the other, retried batches are answered once, and the top-1s are the local engine's."""
+    goes on with the other, retried batches are answered once, and the top-1s are the local engine's. The artifact
+    has no postprocess, so every answer is an .npz of its outputs: each is in the job's folder, named by one record
+    (written by the driver from the bytes the actors return: a removed node takes none with it)."""
     from ray.cluster_utils import Cluster
 
     temp_dir = tempfile.mkdtemp(prefix="aocl-", dir="/tmp")
@@ -191,7 +215,7 @@ def test_a_node_removed_mid_job_leaves_every_input_answered_once(classifier, big
         cluster.add_node(num_cpus=1, **NODE)
         doomed = cluster.add_node(num_cpus=1, **NODE)
         out = tmp_path / "preds"
-        job = subprocess.Popen(_cli(classifier, big_inputs / "inputs", "--engine", "ray", "--address", cluster.address,
+        job = subprocess.Popen(_cli(raw_outputs, big_inputs / "inputs", "--engine", "ray", "--address", cluster.address,
                                     "--actors", "1-2", "--format", "parquet", "--out", out, "--json", "--timeout-s",
                                     JOB_TIMEOUT_S), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
         _wait_for_part(out, job)
@@ -207,9 +231,12 @@ def test_a_node_removed_mid_job_leaves_every_input_answered_once(classifier, big
     listed = [str(p) for p in sorted((big_inputs / "inputs").rglob("*.jpg"))]
     records = _exactly_once(out, listed)
     reference = _local_top1(classifier, sorted(big_inputs.glob("src*.jpg")), tmp_path)
-    for record in records:
+    named = [Path(record["outputs"]) for record in records]
+    assert len(set(named)) == 480 and sorted(named) == sorted((out / "predictions.outputs").iterdir())
+    for record, file in zip(records, named):
         source = str(big_inputs / f"{record['input'].rsplit('_', 1)[1]}")
-        assert record["top1"] == reference[source], record
+        with np.load(file, allow_pickle=False) as arrays:
+            assert int(np.argmax(arrays["logits"])) == reference[source], record
 
 
 def test_driver_killed_then_resume_answers_each_input_once(classifier, big_inputs, tmp_path):

@@ -43,7 +43,9 @@ Exit codes:
 @click.option("-v", "--verbose", is_flag=True)
 def run_command(artifact, inputs, predictions, resume, overwrite, workers, as_json, no_recheck, public_key,
                 certificate_chain, verbose, engine, **ray_args):
-    """Run a built ARTIFACT folder on INPUTS (image files, .npz feed dicts, or folders of them).
+    """Run a built ARTIFACT folder on INPUTS: image files, .npz feed dicts, folders of them (read recursively),
+    globs ('photos/**/*.jpg') and URIs (file://; s3:// and gs:// with --engine ray). Both engines list INPUTS by
+    this one rule.
 
     Writes one JSON line per input, in input order: {"input": PATH, "top1": ..., "topk": [[class, score], ...]}
     for classifier recipes (postprocess: topk), else {"input": PATH, "outputs": NPZ}. The artifact is verified

@@ -15,9 +15,11 @@ recompile), with the backend's threads set to the actor's CPUs: Ray's `num_cpus`
 and ONNX Runtime's default pool takes every core of the node. Sessions are built in the actor, never pickled.
 
 Rows in: `input` (a path or URI), or `path` and `bytes` (`ray.data.read_binary_files(include_paths=True)`).
-Rows out (`RECORD_SCHEMA`): `input`; `top1` (classifier artifacts); `record`, the JSON line the local engine
-writes for that input; `error`, the reason an input was rejected (then `record` is null). A bad input is a row
-with its reason, never an exception that fails the block.
+Rows out (`record_schema()`): `input`; `top1` (classifier artifacts); `record`, the JSON line the local engine
+writes for that input; `outputs_npz`, for artifacts without a postprocess, the bytes of the .npz file `record`
+names (nothing is written on the worker: `accel-opt run --engine ray` writes them on the driver, so every
+output ends up where the summary says, with or without a shared file system); `error`, the reason an input was
+rejected (then `record` is null). A bad input is a row with its reason, never an exception that fails the block.
 """
 
 from __future__ import annotations
@@ -34,12 +36,12 @@ from typing import Any
 import numpy as np
 
 from accel_opt.errors import AccelOptError, InputRejected, Unsupported, first_line
+from accel_opt.runtime.job import local_path
 
 log = logging.getLogger(__name__)
 
 RAY_INSTALL = "pip install 'accel-opt[ray]'"
 ROWS_PER_CALL = 64  # inputs per actor call: amortizes Ray's per-task overhead (a few ms) over many inferences
-LOCAL_SCHEMES = ("file://",)
 
 
 def require_ray():
@@ -55,7 +57,8 @@ def require_ray():
 def record_schema():
     import pyarrow as pa
 
-    return pa.schema([("input", pa.string()), ("top1", pa.int64()), ("record", pa.string()), ("error", pa.string())])
+    return pa.schema([("input", pa.string()), ("top1", pa.int64()), ("record", pa.string()), ("outputs_npz", pa.binary()),
+                      ("error", pa.string())])
 
 
 def node_name() -> str:
@@ -68,13 +71,6 @@ def node_name() -> str:
     except Exception:  # noqa: BLE001 - outside Ray: the host alone
         node_id, ip = "-", "-"
     return f"{ip} ({socket.gethostname()}, node {node_id})"
-
-
-def local_path(uri: str) -> str | None:
-    """The local path of a plain path or a file:// URI; None for another file system (s3://, gs://)."""
-    if uri.startswith(LOCAL_SCHEMES):
-        return uri[len("file://"):]
-    return None if "://" in uri else uri
 
 
 class Predictor:
@@ -101,8 +97,8 @@ class Predictor:
         self.threads = threads or config.threads
         self.reader = Reader(self.deployment)
         self.batch_size = config.batch_size if config.output_batch_axes else 1
-        # Records exactly as the local engine writes them; an artifact without a postprocess saves each input's
-        # arrays as .npz in `outputs_dir`/predictions.outputs (a folder every node must share).
+        # Records exactly as the local engine writes them; for an artifact without a postprocess the record names
+        # `outputs_dir`/predictions.outputs/<id>.npz, whose bytes travel back in the row for the driver to write.
         outputs_of = Path(outputs_dir or Path(tempfile.gettempdir()) / "accel-opt-outputs") / "predictions.jsonl"
         self.writer = Writer(Outputs(outputs_of), config.postprocess, config.outputs[0].name)
         self.pool = ThreadPoolExecutor(max(1, self.threads), thread_name_prefix="accel-opt-read")
@@ -119,8 +115,7 @@ class Predictor:
         else:  # read_binary_files(include_paths=True)
             paths, blobs = [str(p) for p in batch["path"]], list(batch["bytes"])
         reads = list(self.pool.map(self._read, paths, blobs or [None] * len(paths)))
-        rows: dict[str, list[Any]] = {"input": paths, "top1": [None] * len(paths), "record": [None] * len(paths),
-                                      "error": [None] * len(paths)}
+        rows: dict[str, list[Any]] = {"input": paths, **{c: [None] * len(paths) for c in ("top1", "record", "outputs_npz", "error")}}
         good = [(i, sample) for i, (sample, error) in enumerate(reads) if error is None]
         for i, (_, error) in enumerate(reads):
             rows["error"][i] = error
@@ -130,8 +125,9 @@ class Predictor:
                 if isinstance(answer, str):
                     rows["error"][i] = answer
                 else:
-                    rows["record"][i] = json.dumps({"input": paths[i], **answer})
-                    rows["top1"][i] = answer.get("top1")
+                    record, rows["outputs_npz"][i] = answer
+                    rows["record"][i] = json.dumps({"input": paths[i], **record})
+                    rows["top1"][i] = record.get("top1")
         return pa.table(rows, schema=record_schema())
 
     def _read(self, path: str, blob: bytes | None) -> tuple[Any, str | None]:
@@ -164,14 +160,14 @@ class Predictor:
             f.write(blob)
         return f.name
 
-    def _infer(self, batch: list[tuple[str, dict]]) -> list[dict[str, Any] | str]:
-        """Each input's record, or the reason it failed; a failed batch is retried input by input."""
+    def _infer(self, batch: list[tuple[str, dict]]) -> list[tuple[dict[str, Any], bytes | None] | str]:
+        """Each input's (record, .npz bytes or None), or the reason it failed; a failed batch is retried input by input."""
         from accel_opt.runtime.job import infer_batch
 
         try:
             outputs = infer_batch(self.runner, self.deployment, batch, self.batch_size)
             # The local engine's own record (top-k, or the outputs' .npz), not a second format.
-            return [self.writer.record(path, out) for (path, _), out in zip(batch, outputs)]
+            return [self.writer.answer(path, out) for (path, _), out in zip(batch, outputs)]
         except Exception as exc:  # noqa: BLE001
             if len(batch) == 1:
                 return [f"inference failed ({first_line(exc)})"]

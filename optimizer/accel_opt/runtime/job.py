@@ -5,6 +5,7 @@ decodes and resizes) -> batches of the deployed size -> inference -> a writer th
 line per input, in input order. At most `window` inputs are in flight, whatever their number, so
 memory stays bounded. An unreadable or wrong-shaped input goes to `<out>.errors.jsonl` with its
 reason and the others are still predicted. An input given twice is answered once, at its first place.
+Inputs are listed by one rule for both engines (`list_inputs`: folders recursively, globs, URIs).
 Every line is written whole and flushed per batch; a run that is killed leaves at most a partial last
 line without its newline, which `--resume` drops before it skips the inputs already answered. What the
 job promises about its files (one writer, one artifact per file, whole lines) is in `output.py`.
@@ -12,6 +13,8 @@ job promises about its files (one writer, one artifact per file, whole lines) is
 
 from __future__ import annotations
 
+import glob
+import os
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -28,9 +31,10 @@ from accel_opt.preprocess.images import IMAGE_SUFFIXES, preprocess_image, read_i
 from accel_opt.runtime import Deployment
 from accel_opt.runtime.output import Outputs, Writer, input_key, topk_record
 
-__all__ = ["JobSummary", "errors_path", "expand_inputs", "run_job", "topk_record", "unique_inputs"]
+__all__ = ["JobSummary", "errors_path", "list_inputs", "run_job", "topk_record", "unique_inputs"]
 
 NPZ = ".npz"
+FILE_SCHEME = "file://"
 
 
 class JobSummary(BaseModel):
@@ -53,20 +57,56 @@ class JobSummary(BaseModel):
     exit_code: int  # 0: every input predicted; 3: some rejected
 
 
-def expand_inputs(inputs: Iterable[str | Path]) -> list[str]:
-    """Files as given; folders as their image and .npz files, sorted by name. A missing path stays in the
-    list (it is reported as rejected, not dropped)."""
-    expanded: list[str] = []
-    for item in inputs:
-        path = Path(item)
-        if path.is_dir():
-            expanded += [str(path / p.name) for p in sorted(path.iterdir())
-                         if p.is_file() and (p.suffix.lower() in IMAGE_SUFFIXES or p.suffix == NPZ)]
+def list_inputs(items: Iterable[str | os.PathLike], exclude: Path | None = None, remote: bool = True) -> list[str]:
+    """The one input-listing rule of both engines (`accel-opt run` and `--engine ray`): files as given; folders
+    recursively, as their image and .npz files, sorted by path; globs (`**` too) expanded; URIs (file://, s3://,
+    gs://: any file system pyarrow reads) listed through pyarrow. A path that matches nothing stays in the list,
+    to be rejected as not found. Files under `exclude` (an output folder) are left out. Without `remote`, a URI
+    of another file system than file:// is a usage error (the local engine reads files on this machine only)."""
+    listed: list[str] = []
+    for item in items:
+        text = str(item)
+        if not remote and local_path(text) is None:
+            raise UsageError(f"{text}: this engine reads files on this machine; --engine ray reads other file systems")
+        if "://" in text:
+            listed += _list_uri(text)
+        elif glob.has_magic(text):
+            listed += sorted(glob.glob(text, recursive=True)) or [text]
+        elif Path(text).is_dir():
+            listed += [str(p) for p in sorted(Path(text).rglob("*")) if p.is_file() and _is_input(p.name)]
         else:
-            expanded.append(str(item))
-    if not expanded:
-        raise UsageError("no inputs: give image files, .npz feed dicts or folders holding them")
-    return expanded
+            listed.append(text)
+    if exclude is not None:
+        out = str(exclude.resolve())
+        listed = [p for p in listed if "://" in p or not str(Path(p).resolve()).startswith(out + os.sep)]
+    if not listed:
+        raise UsageError("no inputs: give image files, .npz feed dicts, folders or globs of them")
+    return listed
+
+
+def _is_input(name: str) -> bool:
+    suffix = Path(name).suffix
+    return suffix.lower() in IMAGE_SUFFIXES or suffix == NPZ
+
+
+def _list_uri(uri: str) -> list[str]:
+    try:
+        import pyarrow.fs
+    except ImportError:
+        raise UsageError(f"{uri}: URIs are listed through pyarrow: pip install pyarrow (or 'accel-opt[ray]')") from None
+    scheme = uri[: uri.index("://") + 3]
+    fs, root = pyarrow.fs.FileSystem.from_uri(uri)
+    if fs.get_file_info(root).type != pyarrow.fs.FileType.Directory:
+        return [uri]
+    found = fs.get_file_info(pyarrow.fs.FileSelector(root, recursive=True))
+    return sorted(scheme + f.path for f in found if f.type == pyarrow.fs.FileType.File and _is_input(f.base_name))
+
+
+def local_path(uri: str) -> str | None:
+    """The local path of a plain path or a file:// URI; None for another file system (s3://, gs://)."""
+    if uri.startswith(FILE_SCHEME):
+        return uri[len(FILE_SCHEME):]
+    return None if "://" in uri else uri
 
 
 def unique_inputs(paths: list[str]) -> list[str]:
@@ -100,7 +140,7 @@ def run_job(
     started = started or time.perf_counter()
     inputs = list(inputs)
     outputs = Outputs(Path(predictions))
-    given = expand_inputs(inputs)
+    given = list_inputs(inputs, remote=False)
     todo = unique_inputs(given)
     config = deployment.config
     if config.preprocessing is None and any(Path(p).suffix.lower() in IMAGE_SUFFIXES for p in todo):
@@ -186,7 +226,7 @@ class Reader:
             self.seconds.append(time.perf_counter() - start)
 
     def _read(self, path: str) -> Sample:
-        file = Path(path)
+        file = Path(local_path(path) or path)
         if not file.is_file():
             raise InputRejected("not found" if not file.exists() else "not a regular file")
         sample = self._npz(file) if file.suffix == NPZ else self._image(file)

@@ -19,6 +19,7 @@ import io
 import json
 import logging
 import os
+import shutil
 import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -82,7 +83,7 @@ class Outputs:
 
     def refuse_bad_paths(self, inputs: Iterable[str | Path], resume: bool, overwrite: bool) -> None:
         """UsageError for a predictions path that is a folder, for contradictory flags, and when a file the
-        job writes is an input, or in an input folder (whose files are read), or when an input lies in the
+        job writes is an input, or anywhere below an input folder (read recursively), or when an input lies in the
         outputs folder. Checked before anything is created or truncated."""
         if self.predictions.is_dir() or self.errors.is_dir():
             raise UsageError(f"--out {self.predictions} is a folder: give the predictions file, such as "
@@ -96,7 +97,7 @@ class Outputs:
             given = Path(item)
             source = given.resolve()
             for path, target in resolved.items():
-                if given.is_dir() and (target.parent == source or target == source):
+                if given.is_dir() and target.is_relative_to(source):  # folders are read recursively
                     where = f"inside the input folder {item}" if target != source else f"the input folder {item}"
                     raise UsageError(f"--out {self.predictions}: the job would write {path} {where}: put the predictions outside the inputs")
                 if target == source or (given.exists() and path.exists() and os.path.samefile(given, path)):
@@ -138,6 +139,7 @@ class Outputs:
             answered = self._resume(artifact, identity) if resume and predictions.exists() else set()
             if not answered:
                 predictions.write_text("")  # emptied before the sidecar names the new artifact
+                shutil.rmtree(self.outputs_dir, ignore_errors=True)  # an earlier job's .npz files go with its lines
             self.errors.write_text("")  # this job's rejections; answered inputs are not read again
             write_json(self.meta, PredictionsMeta(artifact_identity=identity, artifact=str(artifact.resolve()), started_utc=now_utc()))
         except OSError as exc:
@@ -278,13 +280,20 @@ class Writer:
         return len(lines)
 
     def record(self, path: str, outputs: dict[str, np.ndarray]) -> dict[str, Any]:
+        """The answer's JSON fields, its outputs' .npz written first (before the line naming it) where it has one."""
+        record, npz = self.answer(path, outputs)
+        if npz is not None:
+            self.outputs.outputs_dir.mkdir(exist_ok=True)
+            write_bytes(Path(record["outputs"]), npz)
+        return record
+
+    def answer(self, path: str, outputs: dict[str, np.ndarray]) -> tuple[dict[str, Any], bytes | None]:
+        """(the answer's JSON fields, None) for a postprocess; else ({"outputs": the .npz file's path}, its bytes):
+        every output saved beside the predictions, one .npz per input, named after the input. Nothing is written
+        here, so a Ray actor can hand the bytes to the driver, which writes them where the record says."""
         if self.post is not None:
-            return topk_record(self.post, outputs, self.first_output)
-        # Every output, saved beside the predictions (before the line naming it): one .npz per input.
-        folder = self.outputs.outputs_dir
-        folder.mkdir(exist_ok=True)
+            return topk_record(self.post, outputs, self.first_output), None
         buffer = io.BytesIO()
         np.savez(buffer, **outputs)
-        target = folder / f"{hashlib.sha256(path.encode()).hexdigest()[:12]}-{Path(path).stem}.npz"
-        write_bytes(target, buffer.getvalue())
-        return {"outputs": str(target)}
+        target = self.outputs.outputs_dir / f"{hashlib.sha256(path.encode()).hexdigest()[:12]}-{Path(path).stem}.npz"
+        return {"outputs": str(target)}, buffer.getvalue()

@@ -77,8 +77,10 @@ def ray_session(address: str | None, verbose: bool = False, num_cpus: int | None
         refuse_silent_address(address)
     if local or split_address(address)[0] in LOOPBACK_HOSTS:
         pin_loopback()
-    if sys.modules.get("ray") is None:  # read at import: a straggling Ray call (the results thread of a job past
-        os.environ.setdefault("RAY_ENABLE_AUTO_CONNECT", "0")  # --timeout-s) must not start a new Ray at exit
+    if sys.modules.get("ray") is None:  # read at import: a straggling Ray call must not start a new Ray at exit
+        os.environ.setdefault("RAY_ENABLE_AUTO_CONNECT", "0")
+    if not verbose:  # Ray's C++ core worker logs warnings to the driver's stderr, above the job's own summary line
+        os.environ.setdefault("RAY_BACKEND_LOG_LEVEL", "fatal")
     ray = require_ray()
     if ray.is_initialized():  # the caller's own session (Python API): used as it is, left running
         yield RaySession(address=ray.get_runtime_context().gcs_address, cpus=int(ray.cluster_resources().get("CPU", 0)),
@@ -93,7 +95,8 @@ def ray_session(address: str | None, verbose: bool = False, num_cpus: int | None
         options.update(address=address)
     started = time.perf_counter()
     try:
-        ray.init(**options)
+        with _stderr_kept_back(not verbose):
+            ray.init(**options)
     except (ConnectionError, RuntimeError, ValueError) as exc:
         if temp_dir:
             shutil.rmtree(temp_dir, ignore_errors=True)
@@ -110,6 +113,29 @@ def ray_session(address: str | None, verbose: bool = False, num_cpus: int | None
         ray.shutdown()
         if temp_dir:
             shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+@contextmanager
+def _stderr_kept_back(enabled: bool) -> Iterator[None]:
+    """Ray's C++ layer writes to file descriptor 2 at start-up ("Set ray log level from environment variable ...",
+    whatever the level), above the job's own lines. Kept back while Ray starts, and replayed if the start fails."""
+    if not enabled:
+        yield
+        return
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)
+        try:
+            yield
+        except BaseException:
+            os.dup2(saved, 2)
+            held.seek(0)
+            sys.stderr.write(held.read().decode(errors="replace"))
+            raise
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
 
 
 def _configure_data(verbose: bool) -> None:

@@ -10,30 +10,34 @@ exactly once (a mismatch fails the job). Order across parts is not promised; `--
 in input order.
 
 The folder (`OutFolder`): `part-<run>-<n>.jsonl|.parquet` (records), `rejected-<run>-<n>.jsonl`
-({"input", "error"}), `_SUMMARY.json` (written first, naming the artifact, so --resume refuses another
-artifact's folder even after a kill; rewritten at the end with the counts), `.predictions.run.lock`.
+({"input", "error"}), `predictions.outputs/` (artifacts without a postprocess: each input's arrays as .npz, sent
+back by the actors in the answer rows and written here by the driver before the part naming them is published, so
+they are where the summary says on any cluster, shared file system or not; the exactly-once check counts an
+answer whose file is missing as not answered), `_SUMMARY.json` (written first, naming the artifact, so --resume
+refuses another artifact's folder even after a kill; rewritten at the end with the counts), `.predictions.run.lock`.
 """
 
 from __future__ import annotations
 
-import glob
 import json
 import logging
 import os
-import queue
 import secrets
+import shutil
+import signal
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from pydantic import BaseModel
 
-from accel_opt.artifact.folder import now_utc, write_json
+from accel_opt.artifact.folder import now_utc, write_bytes, write_json
 from accel_opt.errors import InternalError, ResourceExhausted, UsageError
 from accel_opt.preprocess.images import IMAGE_SUFFIXES
 from accel_opt.runtime import Deployment
-from accel_opt.runtime.job import NPZ, unique_inputs
+from accel_opt.runtime.job import list_inputs, unique_inputs
 from accel_opt.runtime.output import Outputs, input_key, read_record, refuse_other_artifact
 from accel_opt.runtime.ray_cluster import ray_session
 
@@ -77,45 +81,6 @@ class RaySummary(BaseModel):
     exit_code: int = 0
 
 
-def list_inputs(items: Iterable[str | os.PathLike], exclude: Path | None = None) -> list[str]:
-    """Files as given; folders recursively, as their image and .npz files; globs (`**` too) expanded; URIs
-    (file://, s3://, gs://: any file system pyarrow reads) listed through pyarrow. A path that matches
-    nothing stays in the list, to be rejected as not found. Files under `exclude` (the output) are left out."""
-    listed: list[str] = []
-    for item in items:
-        text = str(item)
-        if "://" in text:
-            listed += _list_uri(text)
-        elif glob.has_magic(text):
-            listed += sorted(glob.glob(text, recursive=True)) or [text]
-        elif Path(text).is_dir():
-            listed += [str(p) for p in sorted(Path(text).rglob("*")) if p.is_file() and _is_input(p.name)]
-        else:
-            listed.append(text)
-    if exclude is not None:
-        out = str(exclude.resolve())
-        listed = [p for p in listed if "://" in p or not str(Path(p).resolve()).startswith(out + os.sep)]
-    if not listed:
-        raise UsageError("no inputs: give image files, .npz feed dicts, folders or globs of them")
-    return listed
-
-
-def _is_input(name: str) -> bool:
-    suffix = Path(name).suffix
-    return suffix.lower() in IMAGE_SUFFIXES or suffix == NPZ
-
-
-def _list_uri(uri: str) -> list[str]:
-    import pyarrow.fs
-
-    scheme = uri[: uri.index("://") + 3]
-    fs, root = pyarrow.fs.FileSystem.from_uri(uri)
-    if fs.get_file_info(root).type != pyarrow.fs.FileType.Directory:
-        return [uri]
-    found = fs.get_file_info(pyarrow.fs.FileSelector(root, recursive=True))
-    return sorted(scheme + f.path for f in found if f.type == pyarrow.fs.FileType.File and _is_input(f.base_name))
-
-
 class OutFolder:
     """The job's output folder: its parts, their publication, and reading them back."""
 
@@ -128,6 +93,18 @@ class OutFolder:
     @property
     def summary(self) -> Path:
         return self.folder / SUMMARY
+
+    @property
+    def outputs_dir(self) -> Path:
+        """Where records of artifacts without a postprocess point: the actors send the bytes, the driver writes them."""
+        return Outputs(self.folder / "predictions.jsonl").outputs_dir
+
+    def write_outputs(self, named: str, npz: bytes) -> None:
+        target = Path(named)
+        if target.parent.resolve() != self.outputs_dir.resolve():  # the actors were told this folder
+            raise InternalError(f"an actor named outputs outside {self.outputs_dir}: {named}")
+        self.outputs_dir.mkdir(exist_ok=True)
+        write_bytes(target, npz)
 
     def refuse_bad_path(self) -> None:
         if self.folder.exists() and not self.folder.is_dir():
@@ -144,11 +121,13 @@ class OutFolder:
         answered: set[str] = set()
         if resume and (mine or self.summary.exists()):
             refuse_other_artifact(self.folder, self.summary, self._recorded(), identity, deployment.folder)
-            answered = {key for part in self._files("part-") for key in self.read_keys(part)}
+            answered = {input_key(path) for part in self._files("part-") for path, named in self.read_rows(part)
+                        if named is None or Path(named).is_file()}  # an answer whose arrays are gone is redone
             self.parts = [p.name for p in self._files("part-")]
             drop = self._files("rejected-") + self._files(".tmp-")  # rejected inputs are tried again
         else:
             drop = mine + [p for p in (self.folder / SORTED,) if p.exists()]
+            shutil.rmtree(self.outputs_dir, ignore_errors=True)  # an earlier job's .npz files go with its parts
         for path in drop:
             path.unlink()
         self.write_summary(RaySummary(status="running", artifact=str(deployment.folder.resolve()), artifact_identity=identity,
@@ -198,21 +177,30 @@ class OutFolder:
 
     def read_keys(self, part: Path) -> list[str]:
         """The input key of every row of a published part file."""
+        return [input_key(path) for path, _ in self.read_rows(part)]
+
+    def read_rows(self, part: Path) -> list[tuple[str, str | None]]:
+        """(input, the outputs file it names or None) for every row of a published part file."""
         if part.suffix == ".parquet":
             import pyarrow.parquet as pq
 
-            return [input_key(p) for p in pq.read_table(part, columns=["input"]).column("input").to_pylist()]
-        return [input_key(json.loads(line)["input"]) for line in part.read_text().splitlines() if line]
+            table = pq.read_table(part)
+            outputs = table.column("outputs").to_pylist() if "outputs" in table.column_names else [None] * table.num_rows
+            return list(zip(table.column("input").to_pylist(), outputs))
+        rows = [json.loads(line) for line in part.read_text().splitlines() if line]
+        return [(row["input"], row.get("outputs")) for row in rows]
 
     def check(self, listed: list[str]) -> tuple[int, int, list[str], list[str]]:
-        """Read every published part back: (predicted, rejected, listed inputs not answered, inputs answered twice)."""
+        """Read every published part back: (predicted, rejected, listed inputs not answered, inputs answered twice).
+        An answer whose outputs file is missing counts as not answered."""
         counts: dict[str, int] = {}
         predicted = rejected = 0
         for name in self.parts:
-            keys = self.read_keys(self.folder / name)
-            predicted += len(keys)
-            for key in keys:
-                counts[key] = counts.get(key, 0) + 1
+            for path, named in self.read_rows(self.folder / name):
+                if named is not None and not Path(named).is_file():
+                    continue  # its arrays are not where the record says: the input is not answered
+                predicted += 1
+                counts[input_key(path)] = counts.get(input_key(path), 0) + 1
         for name in self.rejected_parts:
             keys = self.read_keys(self.folder / name)
             rejected += len(keys)
@@ -297,59 +285,98 @@ def _stream(deployment, remaining, folder, pool, cpus_per_actor, timeout_s, star
     blocks = [table.slice(start, per_block) for start in range(0, len(remaining), per_block)]
     answers = predict(ray.data.from_arrow(blocks), deployment.folder.resolve(), actors=pool, cpus_per_actor=cpus_per_actor,
                       outputs_dir=str(folder.folder.resolve()), identity=deployment.identity)
-    batches: queue.Queue = queue.Queue(maxsize=8)
-    finished = object()
-
-    def consume() -> None:  # in a thread, so that a stalled pool cannot outlive the job's timeout
-        try:
-            for batch in answers.iter_batches(batch_size=None, batch_format="pyarrow"):
-                batches.put(batch)
-            batches.put(finished)
-        except BaseException as exc:  # noqa: BLE001 - handed to the driver's thread
-            batches.put(exc)
-
-    threading.Thread(target=consume, name="accel-opt-ray-results", daemon=True).start()
     seen: set[str] = set()
     records: list[str] = []
     rejections: list[str] = []
     part_started = None
-    deadline = started + timeout_s if timeout_s else None
-    while True:
-        wait = None if deadline is None else max(0.0, deadline - time.perf_counter())
-        try:
-            item = batches.get(timeout=wait)
-        except queue.Empty:
-            folder.publish(records, rejections)
-            raise ResourceExhausted(f"--timeout-s {timeout_s:g} reached with {stats['answered']} of {len(remaining)} inputs "
-                                    f"answered (published in {folder.folder}): --resume continues") from None
-        if item is finished:
-            break
-        if isinstance(item, BaseException):
-            folder.publish(records, rejections)
-            raise item
-        now = time.perf_counter()
-        if stats["first"] is None:  # the steady rate counts what arrives after the first answers
-            stats["first"], stats["first_rows"] = now, item.num_rows
-        stats["last"] = now
-        part_started = part_started or now
-        for path, record, error in zip(*(item.column(c).to_pylist() for c in ("input", "record", "error"))):
-            key = input_key(path)
-            if key in seen:  # a batch Ray ran twice: the first answer stands
-                stats["dropped"] += 1
-                continue
-            seen.add(key)
-            if record is not None:
-                records.append(record)
-            else:
-                rejections.append(json.dumps({"input": path, "error": error}))
-        stats["answered"] = len(seen)
-        if len(records) + len(rejections) >= ROWS_PER_PART or now - part_started >= SECONDS_PER_PART:
-            folder.publish(records, rejections)
-            records, rejections, part_started = [], [], None
-        if on_progress:
-            on_progress(len(seen), len(remaining))
+    iterator = iter(answers.iter_batches(batch_size=None, batch_format="pyarrow"))
+    try:
+        with _Deadline(started + timeout_s - time.perf_counter() if timeout_s else None) as deadline:
+            for item in iterator:
+                with deadline.busy():  # an answer is taken whole: the deadline waits for the batch in hand
+                    now = time.perf_counter()
+                    if stats["first"] is None:  # the steady rate counts what arrives after the first answers
+                        stats["first"], stats["first_rows"] = now, item.num_rows
+                    stats["last"] = now
+                    part_started = part_started or now
+                    columns = (item.column(c).to_pylist() for c in ("input", "record", "outputs_npz", "error"))
+                    for path, record, npz, error in zip(*columns):
+                        key = input_key(path)
+                        if key in seen:  # a batch Ray ran twice: the first answer stands
+                            stats["dropped"] += 1
+                            continue
+                        seen.add(key)
+                        if record is not None:
+                            if npz is not None:  # written here, on the driver, before the part naming it is published
+                                folder.write_outputs(json.loads(record)["outputs"], npz)
+                            records.append(record)
+                        else:
+                            rejections.append(json.dumps({"input": path, "error": error}))
+                    stats["answered"] = len(seen)
+                    if len(records) + len(rejections) >= ROWS_PER_PART or now - part_started >= SECONDS_PER_PART:
+                        folder.publish(records, rejections)
+                        records, rejections, part_started = [], [], None
+                    if on_progress:
+                        on_progress(len(seen), len(remaining))
+    except _TimedOut:
+        folder.publish(records, rejections)
+        raise ResourceExhausted(f"--timeout-s {timeout_s:g} reached with {stats['answered']} of {len(remaining)} inputs "
+                                f"answered (published in {folder.folder}): --resume continues") from None
+    except BaseException:
+        folder.publish(records, rejections)
+        raise
+    finally:
+        # Ray Data's iterator stopped here, in this thread, while Ray is still up: a reader left running past
+        # ray.shutdown() makes Ray's core worker end the whole process with exit code 1, whatever ours was.
+        close = getattr(iterator, "close", None)
+        if close is not None:
+            close()
     folder.publish(records, rejections)
     return stats
+
+
+class _TimedOut(Exception):
+    pass
+
+
+class _Deadline:
+    """--timeout-s, enforced by SIGALRM in the driver's main thread, where Ray Data's iterator waits: the wait is
+    interrupted, never left running in another thread. `busy()` defers the deadline while an answer is handled, so
+    every answer taken is published whole. Off the main thread (a Python API caller's thread) no alarm is set."""
+
+    def __init__(self, seconds: float | None):
+        self.seconds = None if seconds is None else max(seconds, 0.001)
+        self.expired = self._busy = False
+        self._previous = None
+
+    def __enter__(self) -> _Deadline:
+        if self.seconds is not None:
+            if threading.current_thread() is threading.main_thread():
+                self._previous = signal.signal(signal.SIGALRM, self._fire)
+                signal.setitimer(signal.ITIMER_REAL, self.seconds)
+            else:
+                log.warning("--timeout-s is enforced in the main thread only: not here")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._previous is not None:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, self._previous)
+
+    def _fire(self, *_) -> None:
+        self.expired = True
+        if not self._busy:
+            raise _TimedOut
+
+    @contextmanager
+    def busy(self) -> Iterator[None]:
+        self._busy = True
+        try:
+            yield
+        finally:
+            self._busy = False
+        if self.expired:
+            raise _TimedOut
 
 
 def _finish(folder, deployment, todo, given, answered, run, pool, cpus_per_actor, session, started, sort) -> RaySummary:
