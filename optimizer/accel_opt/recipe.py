@@ -165,6 +165,9 @@ class AccuracyConfig(_Strict):
     max_samples: int = Field(default=32, ge=1)  # evaluation samples taken from --data
     synthetic_samples: int = Field(default=8, ge=1)  # generated when no --data is given
     seed: int = 0
+    # Evaluation samples the folder's probe set keeps for re-checks on another machine class (all of them when the
+    # gate judged fewer): a per-sample gate needs enough samples for one broken sample to show.
+    probe_samples: int = Field(default=16, ge=1)
 
     @model_validator(mode="before")
     @classmethod

@@ -90,6 +90,18 @@ def test_unknown_domain_is_unsupported(tmp_path):
     assert _rejects(save(custom, tmp_path / "u.onnx"), tmp_path, "unknown domain 'com.example'", Unsupported).exit_code == 4
 
 
+def test_a_training_only_op_is_unsupported_not_rejected(tmp_path):
+    """ONNX's Gradient (ai.onnx.preview.training) is valid ONNX that no inference runtime runs: exit 4, not 3."""
+    training = make_model(
+        [helper.make_node("Gradient", ["x"], ["dx"], domain="ai.onnx.preview.training", xs=["x"], y="x")],
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
+        [helper.make_tensor_value_info("dx", TensorProto.FLOAT, [1])],
+        domains=["ai.onnx.preview.training"],
+    )
+    error = _rejects(save(training, tmp_path / "g.onnx"), tmp_path, "'Gradient' .* is training-only", Unsupported)
+    assert error.exit_code == 4
+
+
 def test_embedded_engine_is_refused(tmp_path):
     model = make_model(
         [helper.make_node("EPContext", ["x"], ["y"], domain="com.microsoft", name="ctx")],

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -18,10 +19,15 @@ from accel_opt.pipeline import build
 from accel_opt.preprocess.images import preprocess_image
 from accel_opt.recipe import Postprocess, Preprocessing
 from accel_opt.runtime.job import errors_path, run_job
+from accel_opt.runtime.output import Outputs
 
 from ..conftest import CLASSIFIER_PRE, image_npz_folder
 
 PRE = CLASSIFIER_PRE
+
+
+WIDE_TOLERANCE = {"max_error": 10.0, "max_sample_error": 10.0, "min_cosine": 0.0, "min_sample_cosine": 0.0,
+                  "max_gain_error": 10.0}  # for tests of what a build does, not of how accurate it is
 
 
 def _lines(path: Path) -> list[dict]:
@@ -47,6 +53,25 @@ def test_predictions_in_input_order_match_the_model(classifier, photos, tmp_path
         assert line["top1"] == int(np.argmax(logits))
         assert len(line["topk"]) == 3 and line["topk"][0][0] == line["top1"]
         assert sum(score for _, score in line["topk"]) <= 1.0 + 1e-6
+
+
+def test_folders_are_read_recursively_and_globs_and_file_uris_listed(classifier, photos, tmp_path):
+    """The listing rule both engines share: sub-folders are inputs too (they were not, for this engine only)."""
+    files = sorted(photos.iterdir())
+    deep = tmp_path / "in" / "a" / "b"
+    deep.mkdir(parents=True)
+    shutil.copy(files[0], tmp_path / "in" / "top.jpg")
+    shutil.copy(files[1], deep / "deep.jpg")
+    (deep / "notes.txt").write_text("not an input")
+    out = tmp_path / "preds.jsonl"
+    summary = run_job(runtime.load(classifier), [tmp_path / "in", f"{photos}/0[45]_0.jpg", f"file://{files[2]}"], out)
+    assert summary.exit_code == 0
+    assert [line["input"] for line in _lines(out)] == [str(deep / "deep.jpg"), str(tmp_path / "in" / "top.jpg"),
+                                                       str(photos / "04_0.jpg"), str(photos / "05_0.jpg"), f"file://{files[2]}"]
+    remote = CliRunner().invoke(main, ["run", str(classifier), "s3://bucket/photos", "--out", str(tmp_path / "s3.jsonl")])
+    assert remote.exit_code == 2 and "--engine ray reads other file systems" in remote.stderr
+    nested_out = CliRunner().invoke(main, ["run", str(classifier), str(tmp_path / "in"), "--out", str(deep / "p.jsonl")])
+    assert nested_out.exit_code == 2 and "inside the input folder" in nested_out.stderr  # it would read its own output
 
 
 def test_bad_inputs_are_listed_and_the_others_predicted(classifier, photos, tmp_path):
@@ -140,6 +165,10 @@ def test_feeds_without_postprocess_get_an_npz_each(tiny_cnn_path, tmp_path):
         with np.load(line["outputs"]) as saved, np.load(feed) as given:
             assert saved["logits"].shape == (1, 10)
             assert line["input"] == str(feed) and given["image"].shape == (1, 3, 32, 32)
+    # --overwrite starts over: the earlier job's .npz files go with its lines, none is left unnamed.
+    first_two = sorted(feeds.iterdir())[:2]
+    assert run_job(runtime.load(result.artifact_dir), first_two, out, overwrite=True).predicted == 2
+    assert sorted(Path(line["outputs"]) for line in _lines(out)) == sorted(Outputs(out).outputs_dir.iterdir())
 
 
 def test_images_need_recorded_preprocessing(tiny_cnn_path, photos, tmp_path):
@@ -160,8 +189,15 @@ def test_bench_times_the_artifact_again_as_deployed(classifier, photos, tmp_path
     result = CliRunner().invoke(main, ["bench", str(classifier), "--batch-sizes", "1,4", "--json", "--out", str(tmp_path / "b.json"),
                                        "--junit", str(junit)])
     assert result.exit_code == 0, result.stderr
-    assert junit.read_text().count("<testcase") == 2
     payload = json.loads(result.stdout)
+    # The JUnit file carries the real checks: the folder verified, its sign-off holding on this machine class.
+    assert [c["name"] for c in payload["checks"]] == ["verified", "signed off here"] and all(c["passed"] for c in payload["checks"])
+    assert junit.read_text().count("<testcase") == 2 and "<failure" not in junit.read_text()
+    # A limit it misses fails the bench (exit 1) and its JUnit case, with the numbers.
+    limited = CliRunner().invoke(main, ["bench", str(classifier), "--batch-sizes", "1", "--max-p99-ms", "0.0001",
+                                        "--min-throughput", "1", "--junit", str(junit)])
+    assert limited.exit_code == 1 and "p99 at batch 1 FAILED: p99" in limited.stderr
+    assert junit.read_text().count("<testcase") == 4 and junit.read_text().count("<failure") == 1
     (model,) = payload["benchmark"]["models"]
     assert model["label"] == "onnxruntime-fp32" and [b["batch_size"] for b in model["batches"]] == [1, 4]
     assert payload["data"]["source"] == "synthetic" and (tmp_path / "b.json").is_file()
@@ -237,10 +273,12 @@ def test_fused_preprocessing_on_openvino_int8_keeps_its_fp32_baseline_unfused(ti
 
     from ..conftest import FAST_BENCH
 
+    # What is checked here is the baseline's shape, not the quantizer: a wide int8 tolerance keeps the build signed off.
     recipe = load_recipe().with_overrides(benchmark=FAST_BENCH, preprocessing={**PRE, "fused": True}, backend="openvino",
-                                          precision="int8", **{"selection.target_batch_size": 4})
+                                          precision="int8", **{"selection.target_batch_size": 4,
+                                                               "accuracy.tolerances": {"int8": WIDE_TOLERANCE}})
     result = build(tiny_cnn_path, recipe, data_dir=photos, out_dir=tmp_path / "out")
-    assert result.exit_code in (0, 1) and result.headline[0].speedup_vs_fp32 is not None
+    assert result.exit_code == 0 and result.headline[0].speedup_vs_fp32 is not None
     config = json.loads((Path(result.artifact_dir) / "resource_config.json").read_text())
     assert config["settings"]["static_shapes"] == {"image": [4, 32, 32, 3]}
 

@@ -103,8 +103,10 @@ class Manifest(BaseModel):
     cpu: dict[str, Any]
     command_line: list[str]
     # The CPU class whose kernels the gate ran (accel_opt.machine.cpu.kernel_class): where the sign-off holds.
-    # None: a folder from before classes were recorded.
+    # None: a folder from before classes were recorded (runtime.probe.recorded_class derives it from `cpu`).
     cpu_class: str | None = None
+    # GPU builds: the GPU model and compute capability the gate ran on (accel_opt.machine.gpu.gpu_class).
+    gpu: str | None = None
 
 
 def user_cache_dir(*parts: str) -> Path:

@@ -25,6 +25,7 @@ from accel_opt.artifact.folder import (
 from accel_opt.backends import CompiledModel
 from accel_opt.bench import BenchmarkReport
 from accel_opt.machine.cpu import cpu_info, kernel_class
+from accel_opt.machine.gpu import gpu_class
 from accel_opt.recipe import BenchmarkConfig
 from accel_opt.report.html import layer_error_png, render
 from accel_opt.report.markdown import benchmark_markdown, signoff_markdown
@@ -138,6 +139,7 @@ def write_manifest(ctx: BuildContext, folder: Path, result: BuildResult) -> None
         cpu=cpu_info(),
         command_line=command_line(),
         cpu_class=kernel_class(ctx.backend.name),
+        gpu=gpu_class(ctx.compiled.device) if ctx.compiled.device.startswith("cuda") else None,
     )
     write_json(folder / MANIFEST, manifest)
 
@@ -148,9 +150,11 @@ def write_probe_set(ctx: BuildContext, folder: Path) -> int:
     from accel_opt.runtime import probe
 
     noise = {o.name: o.noise_floor for o in ctx.accuracy.outputs if o.noise_floor}
-    return probe.write_probe(folder, ctx.deploy_samples, ctx.accuracy._reference_outputs, ctx.eval_names,
+    count = probe.probe_count(len(ctx.eval_names), ctx.recipe.accuracy.probe_samples)
+    preprocessing = ctx.resource_config.preprocessing
+    return probe.write_probe(folder, ctx.deploy_samples, ctx.accuracy._reference_outputs, ctx.eval_names, count,
                              ctx.recipe.tolerance, ctx.recipe.accuracy.task_metrics, noise,
-                             kernel_class(ctx.backend.name))
+                             runtime.machine_class(ctx.resource_config), preprocessing.host_part() if preprocessing else None)
 
 
 def write_reports(ctx: BuildContext) -> str:

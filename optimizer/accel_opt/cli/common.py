@@ -20,6 +20,7 @@ from accel_opt.errors import (
     InternalError,
     ResourceExhausted,
     Terminated,
+    first_line,
     no_space_error,
     write_crash_log,
 )
@@ -51,13 +52,15 @@ def fail(exc: BaseException, verbose: bool, as_json: bool) -> None:
         exc = ResourceExhausted("out of memory")
     exc = no_space_error(exc) or exc
     if not isinstance(exc, AccelOptError):
-        exc = InternalError(f"internal error (a bug, please report it): {type(exc).__name__}: {exc}; "
-                            f"log: {write_crash_log(exc)}")
+        exc = InternalError(f"internal error (a bug, please report it): {type(exc).__name__}: {first_line(exc)}; "
+                            f"log: {write_crash_log(exc)}")  # one line: the whole message and traceback are in the log
     if verbose:
         traceback.print_exception(exc.__cause__ or exc, file=sys.stderr)
-    click.echo(f"accel-opt: error: {exc}", err=True)
+    # One line, even where a runtime's message we pass on spans several (OpenVINO's shape-inference errors).
+    line = " ".join(part.strip() for part in str(exc).splitlines() if part.strip())
+    click.echo(f"accel-opt: error: {line}", err=True)
     if as_json:
-        click.echo(json.dumps({"exit_code": exc.exit_code, "signed_off": False, "error": str(exc), "artifact_dir": None}))
+        click.echo(json.dumps({"exit_code": exc.exit_code, "signed_off": False, "error": line, "artifact_dir": None}))
     sys.exit(exc.exit_code)
 
 

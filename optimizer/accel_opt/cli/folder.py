@@ -14,12 +14,13 @@ from accel_opt.errors import AccelOptError
 VERIFY_EXIT_CODES = """\b
 Exit codes:
   0  complete, unaltered, and runnable here as it was checked (and, with --public-key, signed by that key)
-  1  --accuracy: the re-check of the build's gate on this CPU failed
+  1  --accuracy: the re-check of the build's gate on this machine failed
   2  a --public-key or --certificate-chain file missing or not a usable key
   3  incomplete or altered (no manifest, a file missing, changed or not part of it); with --public-key,
      unsigned, signed by another key, or a file changed, added or removed after signing
   4  this machine cannot run it as it was checked (backend missing, another runtime version or CPU);
-     --public-key without model-signing installed (pip install 'accel-opt[sign]')"""
+     --public-key without model-signing installed (pip install 'accel-opt[sign]')
+  70 internal error (a bug; the log path is printed)"""
 
 
 @click.command("verify", epilog=VERIFY_EXIT_CODES)
@@ -33,28 +34,36 @@ def verify_command(artifact, accuracy, as_json, public_key, certificate_chain):
     file's sha256, the environment, and which CPU class its sign-off holds for (--accuracy re-checks it here)."""
     from accel_opt import runtime
 
-    recheck = scope = None
+    recheck = scope = trust = None
     try:
         trust = trust_from(public_key, certificate_chain)
         problems = runtime.check(artifact, trust=trust)
         if not problems:
-            scope = runtime.sign_off_scope(artifact)
-            if accuracy:
+            if accuracy:  # before the scope, so its line states the verdict of this re-check
                 from accel_opt.runtime.probe import recheck as run_recheck
 
                 recheck = run_recheck(runtime.load(artifact, trust=trust))
-    except AccelOptError as exc:
+            scope = runtime.sign_off_scope(artifact)
+            if recheck is not None and not scope.same_class:
+                scope.remembered = recheck.passed
+    except (AccelOptError, MemoryError, Exception) as exc:  # noqa: BLE001 - a bug is exit 70 with one line
         fail(exc, False, as_json)
         return
     exit_code = 3 if any(p.exit_code == 3 for p in problems) else 4 if problems else 0
     if recheck is not None and not recheck.passed:
         exit_code = 1
+    judged = None
+    if recheck is not None:
+        from accel_opt.runtime.probe import probe_evaluated
+
+        evaluated = probe_evaluated(artifact)
+        judged = f"{recheck.sample_count} probe samples" + (f" of the {evaluated} the build judged" if evaluated else "")
     if as_json:
         click.echo(json.dumps({"artifact_dir": str(artifact), "ok": exit_code == 0, "exit_code": exit_code,
                                "signature_checked": trust is not None, "problems": [p.model_dump() for p in problems],
                                "cpu_class": scope.model_dump() if scope else None,
-                               "recheck": recheck.model_dump(mode="json", include={"sample_count", "failures", "checks"})
-                               if recheck else None}))
+                               "recheck": {**recheck.model_dump(mode="json", include={"sample_count", "failures", "checks"}),
+                                           "passed": recheck.passed, "judged": judged} if recheck else None}))
     elif problems:
         for problem in problems:
             click.echo(f"accel-opt: {artifact}: {problem.line}", err=True)
@@ -64,12 +73,12 @@ def verify_command(artifact, accuracy, as_json, public_key, certificate_chain):
         manifest = runtime.read_manifest(artifact)
         signature = (f"signed by {trust.describe()}" if trust is not None else
                      f"{SIGNATURE} not checked (give --public-key)" if (artifact / SIGNATURE).is_file() else "unsigned")
-        click.echo(f"ok: {artifact}: {signature}; {len(manifest.artifacts)} files match manifest.json; {manifest.backend} "
+        click.echo(f"{'ok' if exit_code == 0 else 'not ok'}: {artifact}: {signature}; {len(manifest.artifacts)} files match manifest.json; {manifest.backend} "
                    f"{manifest.precision} runs here as built; {'signed off' if manifest.signed_off else 'NOT signed off'}"
                    f"; {scope.line(artifact)}")
         if recheck is not None:
             verdict = "passed" if recheck.passed else "FAILED: " + "; ".join(recheck.failures)
-            click.echo(f"accuracy re-checked here ({scope.here}) on {recheck.sample_count} probe samples, worst cosine "
+            click.echo(f"accuracy re-checked here ({scope.here}) on {judged}, worst cosine "
                        f"{recheck.worst_cosine:.6f}: {verdict}", err=not recheck.passed)
     sys.exit(exit_code)
 

@@ -20,25 +20,41 @@ from accel_opt.cli.common import (
 )
 from accel_opt.errors import AccelOptError, UsageError
 
+BENCH_EXIT_CODES = """\b
+Exit codes:
+  0  measured, and every check passed (verified; signed off for this machine; --max-p99-ms / --min-throughput)
+  1  a check failed: the re-check on this machine class, or a limit (the report and --junit say which)
+  2  usage error (bad --batch-sizes, a key file missing)
+  3  the folder is altered or incomplete; with --public-key, unsigned or not signed by that key
+  4  this machine cannot run it as it was checked (backend missing, another runtime version)
+  5  out of memory
+  70 internal error (a bug; the log path is printed)"""
 
-@click.command("bench", epilog=EXIT_CODES_HELP)
+
+@click.command("bench", epilog=BENCH_EXIT_CODES)
 @click.argument("artifact", type=click.Path(path_type=Path))
 @click.option("--data", "data_dir", type=click.Path(path_type=Path), help="Folder of .npz feeds or images (default: synthetic).")
 @click.option("--batch-sizes", help="Comma-separated batch sizes (default: the build's).")
+@click.option("--max-p99-ms", type=click.FloatRange(min=0, min_open=True), help="Fail (exit 1) when p99 latency at any measured batch size exceeds this.")
+@click.option("--min-throughput", type=click.FloatRange(min=0, min_open=True), help="Fail (exit 1) when the best samples/s is below this.")
+@click.option("--no-recheck", is_flag=True, help="On another CPU class or GPU than the sign-off's, time without re-checking "
+              "the probe set first (the sign-off check then fails: what is timed was not checked here).")
 @click.option("--out", "out_file", type=click.Path(path_type=Path), help="Also write the report as JSON here.")
-@click.option("--junit", "junit_file", type=click.Path(path_type=Path), help="Write one JUnit test case per batch size measured.")
+@click.option("--junit", "junit_file", type=click.Path(path_type=Path), help="Write the checks as JUnit XML (one case per check).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as one JSON object on stdout.")
 @trust_options
 @click.option("-v", "--verbose", is_flag=True)
-def bench_command(artifact, data_dir, batch_sizes, out_file, junit_file, as_json, public_key, certificate_chain, verbose):
-    """Benchmark a built ARTIFACT folder again, loaded and run as deployed, without rebuilding it."""
+def bench_command(artifact, data_dir, batch_sizes, max_p99_ms, min_throughput, no_recheck, out_file, junit_file, as_json,
+                  public_key, certificate_chain, verbose):
+    """Benchmark a built ARTIFACT folder again, loaded and run as deployed, without rebuilding it. The folder is
+    verified and its sign-off re-checked on this machine class first (as `run` does), and limits can be given."""
     setup_logging(verbose)
+    suite = f"bench {Path(artifact).name}"
     try:
         from accel_opt import runtime
         from accel_opt.artifact.folder import write_json
         from accel_opt.report.markdown import benchmark_markdown
-        from accel_opt.runtime.measure import benchmark_artifact
-        from accel_opt.runtime.probe import signed_off_here
+        from accel_opt.runtime.measure import benchmark_artifact, limit_checks, sign_off_check, verified_check
 
         sizes = None
         if batch_sizes:
@@ -49,30 +65,37 @@ def bench_command(artifact, data_dir, batch_sizes, out_file, junit_file, as_json
             if not sizes or min(sizes) < 1:
                 raise UsageError(f"--batch-sizes: expected positive integers like 1,8, got {batch_sizes!r}")
         deployment = runtime.load(artifact, trust=trust_from(public_key, certificate_chain))
-        say_scope(signed_off_here(deployment, recheck_allowed=False))
-        result, data = benchmark_artifact(deployment, data_dir, sizes)
-        if out_file:
-            write_json(out_file, result)
+        checks = [verified_check(deployment), sign_off_check(deployment, recheck_allowed=not no_recheck)]
+        say_scope(checks[-1].line if checks[-1].passed and "re-checked" in checks[-1].line else None)
+        result = data = None
+        if checks[-1].passed or no_recheck:  # a failed re-check: nothing worth timing (run refuses it too)
+            result, data = benchmark_artifact(deployment, data_dir, sizes)
+            result.checks = checks + limit_checks(result, max_p99_ms, min_throughput)
+            checks = result.checks
+            if out_file:
+                write_json(out_file, result)
     except (AccelOptError, MemoryError, Exception) as exc:  # noqa: BLE001
         if junit_file:
-            write_junit(junit_file, [(f"bench {Path(artifact).name}", [], f"bench failed: {exc}")])
+            write_junit(junit_file, [(suite, [], f"bench failed: {exc}")])
         fail(exc, verbose, as_json)
         return
     except KeyboardInterrupt as exc:
         interrupted(exc, what="nothing was written")
+    failed = [c for c in checks if not c.passed]
+    exit_code = 1 if failed else 0
     if junit_file:
-        from accel_opt.accuracy import Check
-
-        measured = [Check(name=f"batch {b.batch_size}", passed=True,
-                          line=f"p50 {b.latency.p50_ms:.2f} ms, p99 {b.latency.p99_ms:.2f} ms, {b.throughput_per_s:.1f} samples/s")
-                    for b in result.models[0].batches]
-        write_junit(junit_file, [(f"bench {Path(artifact).name}", measured, None)])
+        write_junit(junit_file, [(suite, checks, None)])
     if as_json:
-        click.echo(json.dumps({"exit_code": 0, "artifact_dir": str(artifact), "data": data.model_dump(mode="json", exclude={"names"}),
-                               "benchmark": result.model_dump(mode="json")}))
+        click.echo(json.dumps({"exit_code": exit_code, "artifact_dir": str(artifact),
+                               "checks": [c.model_dump() for c in checks],
+                               "data": data.model_dump(mode="json", exclude={"names"}) if data else None,
+                               "benchmark": result.model_dump(mode="json") if result else None}))
     else:
-        click.echo(benchmark_markdown(Path(artifact).name, result))
-    sys.exit(0)
+        if result is not None:
+            click.echo(benchmark_markdown(Path(artifact).name, result))
+        for check in failed:
+            click.echo(f"accel-opt: {check.name} FAILED: {check.line}", err=True)
+    sys.exit(exit_code)
 
 
 @click.command("compare", epilog=EXIT_CODES_HELP)

@@ -26,7 +26,9 @@ from accel_opt.graph.save import save_model
 log = logging.getLogger(__name__)
 
 # Domains that ONNX Runtime (and the other backends' ONNX parsers) implement.
-KNOWN_DOMAINS = {"", "ai.onnx", "ai.onnx.ml", "com.microsoft", "ai.onnx.preview.training"}
+KNOWN_DOMAINS = {"", "ai.onnx", "ai.onnx.ml", "com.microsoft"}
+# ONNX's training domain (Gradient, Momentum, Adagrad, Adam): no inference runtime has kernels for it.
+TRAINING_DOMAIN = "ai.onnx.preview.training"
 # Nodes that embed or point at a compiled engine: executable, never trusted from an input model.
 UNSAFE_OP_TYPES = {("com.microsoft", "EPContext")}
 _TEXT_SNIFF_BYTES = 512
@@ -131,6 +133,9 @@ def _check_ops(proto: onnx.ModelProto) -> None:
                 raise InputRejected(
                     f"node {node.name!r} ({node.domain}::{node.op_type}) embeds a compiled engine; refusing untrusted engines"
                 )
+            if node.domain == TRAINING_DOMAIN:
+                raise Unsupported(f"op {node.op_type!r} (node {node.name!r}) is training-only ({TRAINING_DOMAIN}): "
+                                  "inference runtimes have no kernel for it; export the inference graph")
             if node.domain not in KNOWN_DOMAINS:
                 raise Unsupported(
                     f"op {node.op_type!r} from unknown domain {node.domain!r} (node {node.name!r}) has no kernel on any backend"
@@ -175,6 +180,15 @@ def _all_graphs(graph: onnx.GraphProto):
             elif attr.type == onnx.AttributeProto.GRAPHS:
                 for sub in attr.graphs:
                     yield from _all_graphs(sub)
+
+
+def check_model_file(path: Path) -> None:
+    """The checks of `load_model` that read no tensor data: the file, its protobuf, its external-data locations and
+    its ops. A published folder's model is checked by them before anything runs it (runtime.check)."""
+    _check_file(path)
+    proto = _parse(path)
+    _check_external_data(proto, path.parent)
+    _check_ops(proto)
 
 
 def load_model(path: str | Path, workdir: Path) -> LoadedModel:

@@ -97,6 +97,17 @@ def cuda_devices() -> CudaProbe:
     return probe_devices()
 
 
+def gpu_class(device: str = "cuda") -> str | None:
+    """What a GPU sign-off holds for: the model and compute capability of `device` ("cuda[:N]"), as "NVIDIA H200
+    (compute 9.0)"; None when there is no such device. Kernels (cuDNN's, Triton's, TensorRT's tactics) are chosen per
+    model and capability, so a folder checked on one is re-checked on another."""
+    index = int(device.partition(":")[2] or 0)
+    devices = {d.index: d for d in cuda_devices().devices}
+    if index not in devices:
+        return None
+    return f"{devices[index].name} (compute {devices[index].compute_capability})"
+
+
 # Compute capability from which a precision runs on tensor cores (NVIDIA's architecture tables).
 GPU_PRECISION_MIN_CC = {"fp16": (7, 0), "int8": (7, 5), "bf16": (8, 0), "fp8": (8, 9)}
 

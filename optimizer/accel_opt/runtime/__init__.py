@@ -192,15 +192,28 @@ def load(folder: str | Path, expected_files: dict[str, str] | None = None, trust
     return Deployment(folder=folder, config=config, backend=_backend_of(config), compiled=compiled, staged_files=expected_files)
 
 
+def machine_class(config: ResourceConfig) -> str:
+    """The class of this machine whose kernels `config`'s folder runs on: the CPU's kernel class for the backend, or
+    for a GPU build the GPU's model and compute capability ("no GPU" without one)."""
+    if config.device != "cpu":
+        from accel_opt.machine.gpu import gpu_class
+
+        return gpu_class(config.device) or "no GPU"
+    from accel_opt.machine.cpu import kernel_class
+
+    return kernel_class(config.backend)
+
+
 def sign_off_scope(folder: Path, config: ResourceConfig | None = None):
     """Where the sign-off of a verified `folder` holds, seen from this machine (runtime.probe.Scope): the CPU class
-    its gate ran against this CPU's; GPU builds are tied to their GPU by their own checks."""
-    from accel_opt.runtime.probe import Scope, scope
+    its gate ran against this CPU's, or for a GPU build the GPU model and compute capability against this one's."""
+    from accel_opt.runtime.probe import recorded_class, scope
 
-    config = config or ResourceConfig.model_validate_json((Path(folder) / RESOURCE_CONFIG).read_text())
-    if config.device != "cpu":
-        return Scope(built_on=config.device, here=config.device)
-    return scope(Path(folder), config.backend, read_manifest(Path(folder)).cpu_class)
+    folder = Path(folder)
+    config = config or ResourceConfig.model_validate_json((folder / RESOURCE_CONFIG).read_text())
+    manifest = read_manifest(folder)
+    built_on = manifest.gpu if config.device != "cpu" else recorded_class(manifest, config.backend)
+    return scope(folder, config.backend, built_on, device=config.device, here=machine_class(config))
 
 
 class Problem(BaseModel):
@@ -229,6 +242,14 @@ def check(folder: Path, expected_files: dict[str, str] | None = None, trust: Tru
         config = ResourceConfig.model_validate_json((folder / RESOURCE_CONFIG).read_text())
     except (ValidationError, ValueError, OSError) as exc:
         return [Problem(line=f"{RESOURCE_CONFIG} is unreadable: {first_line(exc)}", exit_code=3)]
+    if config.model_file.endswith(".onnx"):  # what loading would refuse, refused here: verify says what run says
+        from accel_opt.graph.load import check_model_file
+
+        try:
+            check_model_file(folder / config.model_file)
+        except (InputRejected, Unsupported) as exc:
+            return [Problem(line=f"{config.model_file}: {str(exc).removesuffix(f': {folder / config.model_file}')}",
+                            exit_code=exc.exit_code)]
     try:
         _backend_of(config)
     except Unsupported as exc:

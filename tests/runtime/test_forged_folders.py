@@ -1,0 +1,96 @@
+"""`verify` refuses every folder `run` refuses, with the same reason and exit code: one check serves both."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from click.testing import CliRunner
+from onnx import numpy_helper
+
+from accel_opt.artifact.folder import MANIFEST, file_hashes
+from accel_opt.cli import main
+
+
+def _rehash(folder: Path) -> None:
+    """What a forger does: rewrite manifest.json's hashes to the changed files (no signature to stop it)."""
+    manifest = json.loads((folder / MANIFEST).read_text())
+    manifest["artifacts"] = file_hashes(folder)
+    (folder / MANIFEST).write_text(json.dumps(manifest))
+
+
+def _external_data(folder: Path, location: str) -> None:
+    """model.onnx's first initializer moved to external data at `location` (relative to the folder)."""
+    model = onnx.load(str(folder / "model.onnx"))
+    tensor = model.graph.initializer[0]
+    raw = numpy_helper.to_array(tensor).tobytes()
+    target = folder / location
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_bytes(raw)
+    tensor.ClearField("raw_data")
+    del tensor.float_data[:]
+    tensor.data_location = onnx.TensorProto.EXTERNAL
+    tensor.external_data.add(key="location", value=location)
+    tensor.external_data.add(key="length", value=str(len(raw)))
+    onnx.save(model, str(folder / "model.onnx"))
+
+
+FORGERIES = {
+    "external data outside the folder": lambda f: _external_data(f, "../stolen.bin"),
+    "external data by absolute path": lambda f: (_external_data(f, "inside.bin"), _relocate(f, str(f.parent / "abs.bin"))),
+    "external data through a symlink": lambda f: (_external_data(f, "../outside.bin"), _relocate(f, "link.bin"),
+                                                  os.symlink(f.parent / "outside.bin", f / "link.bin")),
+    "model.onnx is text": lambda f: (f / "model.onnx").write_text("version https://git-lfs.github.com/spec/v1\n"),
+    "model.onnx is not a protobuf": lambda f: (f / "model.onnx").write_bytes(b"\x08\x07" + bytes(range(256)) * 4),
+    "an engine node inside the model": lambda f: _engine_node(f),
+    "resource_config.json unreadable": lambda f: (f / "resource_config.json").write_text("{"),
+}
+
+
+def _relocate(folder: Path, location: str) -> None:
+    model = onnx.load(str(folder / "model.onnx"), load_external_data=False)
+    for entry in model.graph.initializer[0].external_data:
+        if entry.key == "location":
+            entry.value = location
+    onnx.save(model, str(folder / "model.onnx"))
+    Path(location if os.path.isabs(location) else folder / location).parent.mkdir(parents=True, exist_ok=True)
+    if os.path.isabs(location):
+        shutil.copy(folder / "inside.bin", location)
+
+
+def _engine_node(folder: Path) -> None:
+    model = onnx.load(str(folder / "model.onnx"))
+    node = onnx.helper.make_node("EPContext", [model.graph.input[0].name], ["ctx_out"], domain="com.microsoft",
+                                 name="embedded_engine")
+    model.graph.node.append(node)
+    model.opset_import.append(onnx.helper.make_opsetid("com.microsoft", 1))
+    onnx.save(model, str(folder / "model.onnx"))
+
+
+@pytest.mark.parametrize("forgery", sorted(FORGERIES))
+def test_verify_refuses_what_run_refuses_with_the_same_reason(classifier, photos, tmp_path, forgery):
+    folder = Path(shutil.copytree(classifier, tmp_path / "forged" / classifier.name))
+    FORGERIES[forgery](folder)
+    _rehash(folder)
+    cli = CliRunner()
+    verified = cli.invoke(main, ["verify", str(folder)])
+    ran = cli.invoke(main, ["run", str(folder), str(photos), "--out", str(tmp_path / "preds.jsonl")])
+    assert verified.exit_code == ran.exit_code and ran.exit_code in (3, 4), (verified.output, ran.output)
+    reason = ran.output.strip().splitlines()[-1].removeprefix("accel-opt: error: ")
+    assert reason in verified.output.replace("accel-opt: ", "", 1), (reason, verified.output)
+    assert not (tmp_path / "preds.jsonl").exists()  # nothing was run
+
+
+def test_an_untouched_copy_verifies_and_runs(classifier, photos, tmp_path):
+    folder = Path(shutil.copytree(classifier, tmp_path / classifier.name))
+    cli = CliRunner()
+    assert cli.invoke(main, ["verify", str(folder)]).exit_code == 0
+    done = cli.invoke(main, ["run", str(folder), str(photos), "--out", str(tmp_path / "preds.jsonl")])
+    assert done.exit_code == 0, done.output
+    assert len((tmp_path / "preds.jsonl").read_text().splitlines()) == len(list(photos.iterdir()))
+    assert np.isfinite([json.loads(line)["topk"][0][1] for line in (tmp_path / "preds.jsonl").read_text().splitlines()]).all()
