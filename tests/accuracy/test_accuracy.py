@@ -154,6 +154,20 @@ def test_near_zero_reference_samples_skip_cosine_but_not_error():
     assert not report.passed and report.worst_samples[0].sample == "zero" and report.worst_samples[0].cosine is None
 
 
+@pytest.mark.parametrize("magnitude", [1e38, 5.9e199])
+def test_huge_values_are_judged_without_overflow(magnitude):
+    """ONNX's backend test models feed 1e38 float32 and 5.9e199 float64: sums of squares overflow even float64 there,
+    and the gate read cosine nan / gain inf on identical outputs. The statistics are scale-free now."""
+    ref = [{"y": np.array([1.0, -0.5, 0.25]) * magnitude}, {"y": np.array([-1.0, 0.75, 0.5]) * magnitude}]
+    same = [{"y": r["y"].copy()} for r in ref]
+    report = judge(ref, same, ["a", "b"], TOL)
+    assert report.passed, report.failures
+    assert report.outputs[0].cosine == pytest.approx(1.0) and report.outputs[0].gain == pytest.approx(1.0)
+    scaled = [{"y": r["y"] * 1.09} for r in ref]  # a systematic scale error is still caught at that magnitude
+    report = judge(ref, scaled, ["a", "b"], TOL)
+    assert not report.passed and report.outputs[0].gain == pytest.approx(1.09)
+
+
 def test_nan_output_fails_the_gate(tmp_path):
     ref = save(matmul_model(), tmp_path / "m.onnx")
     cand = _perturbed(tmp_path, np.nan)

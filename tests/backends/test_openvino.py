@@ -285,7 +285,7 @@ def test_pipeline_build_on_openvino_records_static_shapes(tiny_cnn_path, fast_re
 
 
 @needs_openvino
-def test_blob_reused_only_on_same_version_and_cpu(fp32_model, tmp_path):
+def test_blob_reused_only_on_same_version_and_cpu(fp32_model, tmp_path, monkeypatch):
     backend = OpenVinoBackend()
     compiled = backend.compile(fp32_model, Precision.fp32, Recipe(), tmp_path, shapes={"image": [2, 3, 32, 32]})
     blob, meta_path = compiled.extra_files
@@ -298,6 +298,12 @@ def test_blob_reused_only_on_same_version_and_cpu(fp32_model, tmp_path):
     assert load_cached_blob(blob, {**meta, "openvino_version": "2024.0.0-0000"}) is None
     assert load_cached_blob(blob, {**meta, "cpu_isa_flags": ["avx2", "fma"]}) is None
     assert load_cached_blob(blob, {**meta, "cpu_model": "Some Other CPU"}) is None
+    # oneDNN's ISA cap changes the kernels as much as another CPU: a blob compiled without it is not imported
+    # under it (the capped re-check takes the recompile path an AVX2 host takes), nor one compiled under it without.
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    assert "onednn_max_cpu_isa" in blob_mismatch(meta) and load_cached_blob(blob) is None
+    assert blob_mismatch({**meta, "onednn_max_cpu_isa": "AVX2"}) is None
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
     # A changed blob is refused by its hash, and the runner refuses it too: what was checked cannot
     # run, and a silent recompile would run something unchecked.
     blob.write_bytes(blob.read_bytes() + b"\0")

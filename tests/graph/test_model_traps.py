@@ -88,7 +88,7 @@ def test_synthetic_scalar_inputs_still_benchmark(fast_recipe, tmp_path):
     """Random samples differ in the scalar `sr`: the gate runs them one by one, the benchmark batches the rest."""
     model = save(vad_model(), tmp_path / "vad.onnx")
     result = build(model, fast_recipe, out_dir=tmp_path / "out")
-    assert result.exit_code in (0, 1) and [h.batch_size for h in result.headline] == [1, 2]
+    assert result.signed_off and [h.batch_size for h in result.headline] == [1, 2]
     evaluation = json.loads((Path(result.artifact_dir) / "accuracy.json").read_text())["evaluation"]
     assert evaluation["mode"] == "per-sample" and "cannot be packed" in evaluation["note"]
 
@@ -116,8 +116,10 @@ def test_unused_custom_domain_import_survives_the_bf16_opset_upgrade(tiny_cnn_pa
     if not OpenVinoBackend().supports(Precision.bf16):
         pytest.skip("this CPU has no native bf16")
     model = _with_unused_paddle_import(tmp_path, onnx.load(str(tiny_cnn_path)))
-    result = build(model, fast_recipe.with_overrides(backend="openvino", precision="bf16"), out_dir=tmp_path / "out")
-    assert result.exit_code in (0, 1)  # built and judged: the opset 17 -> 22 upgrade no longer crashes
+    wide = {"max_error": 10.0, "max_sample_error": 10.0, "min_cosine": 0.0, "min_sample_cosine": 0.0, "max_gain_error": 10.0}
+    recipe = fast_recipe.with_overrides(backend="openvino", precision="bf16", **{"accuracy.tolerances": {"bf16": wide}})
+    result = build(model, recipe, out_dir=tmp_path / "out")
+    assert result.signed_off  # built and judged (with a tolerance that is not under test): the 17 -> 22 upgrade holds
 
 
 def test_upgrade_opset_keeps_custom_domains_it_cannot_look_up(tmp_path):

@@ -227,3 +227,14 @@ def test_excluded_nodes_stay_float_and_rebuilds_reuse_the_ranges(model_path, cal
     first = next(n for n in graph.node if n.name == convs[0])
     assert producers.get(first.input[1]) != "DequantizeLinear", "the excluded Conv still reads int8 weights"
 
+
+
+def test_a_preset_reason_quotes_no_speed_measured_elsewhere():
+    """A preset's reason goes into every user's signoff.md: a speed-up measured on another machine ("2.7x fp32
+    here") would read as this build's. The build's own benchmark states its speed."""
+    import re
+
+    from accel_opt.precision.int8_presets import PRESETS
+
+    for preset in PRESETS.values():
+        assert not re.search(r"\d+(\.\d+)?x\b|\bhere\b|\bms\b", preset.reason), preset.reason

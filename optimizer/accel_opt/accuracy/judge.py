@@ -111,7 +111,16 @@ def _stat(values: np.ndarray, stat: str) -> float:
     return float({"mean": np.mean, "median": np.median, "max": np.max}[stat](values))
 
 
+def _unit(*arrays: np.ndarray) -> float:
+    """The largest magnitude among finite `arrays`: products are taken on values divided by it, since squares of
+    values past ~1e154 overflow even float64 (ONNX's own test models feed 5.9e199)."""
+    peak = max((float(np.abs(a).max()) for a in arrays if a.size), default=0.0)
+    return peak if 0.0 < peak < math.inf else 1.0
+
+
 def _cosine(a: np.ndarray, b: np.ndarray) -> float:
+    unit = _unit(a, b)
+    a, b = a / unit, b / unit
     norms = float(np.linalg.norm(a) * np.linalg.norm(b))
     return float(a @ b / norms) if norms > 0 else 0.0
 
@@ -132,10 +141,15 @@ def _judge_output(name: str, refs: list[np.ndarray], cands: list[np.ndarray], na
     ref_all, cand_all = np.concatenate(ref_flat), np.concatenate(cand_flat)
     non_finite = int(sum(int((~good).sum()) for good in ok))
 
-    std = float(ref_all.std()) if ref_all.size else 0.0
+    unit = _unit(ref_all, cand_all)  # sums of squares on values divided by it: no overflow at any magnitude
+    std = float((ref_all / unit).std()) * unit if ref_all.size else 0.0
     peak = float(np.abs(ref_all).max()) if ref_all.size else 0.0
     scale, basis = (std, "std") if std > 0 else ((peak, "max abs") if peak > 0 else (1.0, "unit"))
-    ref_rms = float(np.sqrt(np.mean(ref_all**2))) if ref_all.size else 0.0
+
+    def rms(values: np.ndarray) -> float:
+        return float(np.sqrt(np.mean((values / unit) ** 2))) * unit if values.size else 0.0
+
+    ref_rms = rms(ref_all)
 
     def scaled_error(c: np.ndarray, r: np.ndarray) -> np.ndarray:  # float32 noise below the floor is no error
         return np.maximum(np.abs(c - r) - noise_floor, 0.0) / scale
@@ -143,7 +157,7 @@ def _judge_output(name: str, refs: list[np.ndarray], cands: list[np.ndarray], na
     samples: list[SampleAccuracy] = []
     for sample, r, c, good in zip(names, ref_flat, cand_flat, ok):
         error = _stat(scaled_error(c, r), tol.error_stat)
-        has_direction = ref_rms > 0 and r.size > 0 and float(np.sqrt(np.mean(r**2))) >= NEAR_ZERO_RMS_FRACTION * ref_rms
+        has_direction = ref_rms > 0 and r.size > 0 and rms(r) >= NEAR_ZERO_RMS_FRACTION * ref_rms
         cosine = _cosine(c, r) if has_direction else None
         bad = int((~good).sum())
         passed = bad == 0 and error <= tol.max_sample_error and (cosine is None or cosine >= tol.min_sample_cosine)
@@ -156,11 +170,13 @@ def _judge_output(name: str, refs: list[np.ndarray], cands: list[np.ndarray], na
                                check_error_stat=tol.error_stat)
     as_cand = IterationResult(outputs={name: cand_all}, runner_name="candidate")
     as_ref = IterationResult(outputs={name: ref_all}, runner_name="reference")
+    scaled = {"candidate": IterationResult(outputs={name: cand_all / unit}, runner_name="candidate"),
+              "reference": IterationResult(outputs={name: ref_all / unit}, runner_name="reference")}
     with quiet_polygraphy():
         stats = simple(as_cand, as_ref)[name]  # Polygraphy's rtol is relative to the second (reference)
-        cosine = CosineSimilarityCompareFunc()(as_cand, as_ref)[name].cosine_similarity
-    energy = float(ref_all @ ref_all)
-    gain = float(cand_all @ ref_all / energy) if energy > 0 else (1.0 if not cand_all.any() else math.inf)
+        cosine = CosineSimilarityCompareFunc()(scaled["candidate"], scaled["reference"])[name].cosine_similarity
+    energy = float((ref_all / unit) @ (ref_all / unit))
+    gain = float((cand_all / unit) @ (ref_all / unit) / energy) if energy > 0 else (1.0 if not cand_all.any() else math.inf)
     directions = [s.cosine for s in samples if s.cosine is not None]
     output = OutputAccuracy(
         name=name,

@@ -22,7 +22,14 @@ import numpy as np
 
 from accel_opt.artifact.folder import sha256_file
 from accel_opt.backends.base import Availability, CompiledModel
-from accel_opt.backends.openvino_blob import _save_blob, blob_mismatch, environment, load_cached_blob, load_compiled
+from accel_opt.backends.openvino_blob import (
+    BLOB_DEPENDS_ON,
+    _save_blob,
+    blob_mismatch,
+    environment,
+    load_cached_blob,
+    load_compiled,
+)
 from accel_opt.backends.openvino_compile import (
     DEVICE,
     HINTS,
@@ -130,7 +137,7 @@ class OpenVinoBackend:
             "input_names": inputs,
             "output_names": outputs,
             "optimization_capabilities": list(capabilities()),
-            **{key: meta[key] for key in ("openvino_version", "cpu_model", "cpu_isa_flags")},
+            **{key: meta[key] for key in BLOB_DEPENDS_ON},
             "blob": blob_path.name,
         }
         return CompiledModel(

@@ -7,6 +7,7 @@ import hashlib
 import io
 import json
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -26,20 +27,27 @@ from accel_opt.machine.cpu import cpu_flags
 log = logging.getLogger(__name__)
 
 def environment() -> dict[str, Any]:
-    """What a compiled blob depends on: OpenVINO version and the CPU (model name and ISA flags)."""
+    """What a compiled blob depends on: OpenVINO version, the CPU (model name and ISA flags) and oneDNN's ISA cap
+    (ONEDNN_MAX_CPU_ISA): a blob compiled for AMX kernels must not be imported where the cap forbids them."""
     import openvino as ov
 
     return {
         "openvino_version": ov.get_version(),
         "cpu_model": str(_core().get_property(DEVICE, "FULL_DEVICE_NAME")),
         "cpu_isa_flags": isa_flags(cpu_flags()),
+        "onednn_max_cpu_isa": os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper(),
     }
 
+
+BLOB_DEPENDS_ON = ("openvino_version", "cpu_model", "cpu_isa_flags", "onednn_max_cpu_isa")
+
+
 def blob_mismatch(meta: dict[str, Any], blob: bytes | None = None) -> str | None:
-    """Why a blob recorded with `meta` must not be loaded here (None: it may be)."""
+    """Why a blob recorded with `meta` must not be loaded here (None: it may be). A blob recorded before the cap
+    was recorded counts as compiled without one."""
     here = environment()
-    for key in ("openvino_version", "cpu_model", "cpu_isa_flags"):
-        if meta.get(key) != here[key]:
+    for key in BLOB_DEPENDS_ON:
+        if meta.get(key, "" if key == "onednn_max_cpu_isa" else None) != here[key]:
             return f"blob built for {key}={meta.get(key)!r}, this machine has {here[key]!r}"
     if blob is not None and hashlib.sha256(blob).hexdigest() != meta.get("sha256"):
         return "blob content does not match its recorded sha256"
