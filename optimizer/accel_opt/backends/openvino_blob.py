@@ -111,7 +111,7 @@ def load_compiled(compiled: CompiledModel):
             meta = {**meta, "config": {**(meta.get("config") or {}), "INFERENCE_NUM_THREADS": threads}}
         model = load_cached_blob(blob, meta) if reason is None else None
         if model is None:
-            log.warning("OpenVINO blob %s was compiled for another CPU (%s): compiling %s here with its recorded config",
+            log.warning("OpenVINO blob %s was compiled for other kernels (%s): compiling %s here with its recorded config",
                         blob.name, reason or "it does not import as recorded", compiled.path.name)
     if model is None:
         model = _compile(compiled.path, compiled.settings["compile_config"], compiled.settings["static_shapes"])
