@@ -95,6 +95,31 @@ def test_capacity_runs_at_the_max_shapes(tmp_path, fast_recipe):
     assert not failed.signed_off and any("shapes x:4x4000000" in f and "MiB budget" in f for f in failed.failures)
 
 
+def test_running_out_of_memory_at_the_largest_shapes_is_a_measured_limit_not_a_crash(tmp_path, fast_recipe):
+    """Each row expands to 2^26 floats (256 MiB): batch 1 and 2 run; --max-shapes at batch 1024 asks ONNX Runtime's
+    arena for 256 GiB, a real allocation failure. The build signs off with the limit recorded where it was found."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    from ..conftest import make_model
+
+    model = save(make_model(
+        [helper.make_node("Expand", ["x", "wide"], ["big"]), helper.make_node("ReduceSum", ["big", "axis"], ["y"], keepdims=0)],
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 1])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch"])],
+        [numpy_helper.from_array(np.array([1, 1 << 26], np.int64), "wide"), numpy_helper.from_array(np.array([1]), "axis")]),
+        tmp_path / "wide.onnx")
+    bench = {**FAST_BENCH, "max_shapes": {"x": [1024, 1]}}
+    recipe = fast_recipe.with_overrides(shapes={"x": [1, 1]}, benchmark=bench, **{"selection.target_batch_size": 2,
+                                                                                    "cleanup.enabled": False})
+    result = build(model, recipe, out_dir=tmp_path / "out")
+    assert result.signed_off, result.failures
+    report = json.loads((Path(result.artifact_dir) / "benchmark.json").read_text())
+    cap = report["capacity"]
+    assert cap["out_of_memory"] and "Failed to allocate" in cap["out_of_memory"] and cap["shapes"] == {"x": [1024, 1]}
+    assert "ran out of memory (the measured limit)" in cap["line"]
+    assert "ran out of memory (the measured limit)" in (Path(result.artifact_dir) / "benchmark.md").read_text()
+
+
 def test_max_shapes_are_checked_before_any_work(tmp_path, fast_recipe):
     import pytest
 

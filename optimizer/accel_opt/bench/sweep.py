@@ -10,6 +10,7 @@ batch at the highest concurrency) shows memory that runs out only at peak load.
 
 from __future__ import annotations
 
+import logging
 import statistics
 import threading
 import time
@@ -21,7 +22,10 @@ from pydantic import BaseModel
 
 from accel_opt.bench.memory import peak_rss_mib, reset_peak_rss_mib
 from accel_opt.data import BatchAxes, Sample, batch_of
+from accel_opt.errors import first_line
 from accel_opt.recipe import BenchmarkConfig
+
+log = logging.getLogger(__name__)
 
 STABLE_WINDOWS = 3
 
@@ -36,6 +40,8 @@ class SweepPoint(BaseModel):
     peak_memory_mib: float  # process high-water mark during this point
     windows: int
     stable: bool  # the last 3 windows agreed within stability_pct (else max_windows ran out)
+    device_peak_memory_mib: float | None = None  # GPU runners: torch.cuda.max_memory_allocated over the point
+    out_of_memory: str | None = None  # the point ran out of memory (the error's line): a measured limit, no timings
 
 
 class Recommendation(BaseModel):
@@ -56,6 +62,8 @@ class Capacity(BaseModel):
     memory_budget_mib: float | None
     passed: bool
     line: str
+    device_peak_memory_mib: float | None = None
+    out_of_memory: str | None = None  # where the deployment's memory ran out: its limit, recorded (not a failure)
 
 
 def sweep(make_runner: Callable[[], BaseRunner], samples: list[Sample], batch_sizes: list[int], config: BenchmarkConfig,
@@ -65,7 +73,38 @@ def sweep(make_runner: Callable[[], BaseRunner], samples: list[Sample], batch_si
             for batch in batch_sizes for workers in config.concurrency]
 
 
+def out_of_memory(exc: BaseException) -> bool:
+    """An allocation failure of the host or a device (torch.cuda.OutOfMemoryError, ONNX Runtime's and TensorRT's
+    'out of memory' / 'Failed to allocate'), as opposed to any other error."""
+    text = str(exc).lower()
+    return isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError" or "out of memory" in text \
+        or "failed to allocate" in text
+
+
 def _point(make_runner, feed: Sample, batch: int, concurrency: int, config: BenchmarkConfig, synchronize) -> SweepPoint:
+    """One batch size x concurrency, measured; running out of memory there is recorded as the point's limit."""
+    try:
+        return _measure_point(make_runner, feed, batch, concurrency, config, synchronize)
+    except Exception as exc:
+        if not out_of_memory(exc):
+            raise
+        log.warning("batch %d x %d ran out of memory: %s", batch, concurrency, first_line(exc))
+        _release_device_memory()
+        return SweepPoint(batch_size=batch, concurrency=concurrency, p50_ms=0.0, p90_ms=0.0, p99_ms=0.0,
+                          throughput_per_s=0.0, peak_memory_mib=peak_rss_mib(), windows=0, stable=False,
+                          out_of_memory=first_line(exc))
+
+
+def _release_device_memory() -> None:
+    import sys
+
+    torch = sys.modules.get("torch")  # only where a runner imported it
+    if torch is not None and torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _measure_point(make_runner, feed: Sample, batch: int, concurrency: int, config: BenchmarkConfig,
+                   synchronize) -> SweepPoint:
     runners = [make_runner() for _ in range(concurrency)]
     reset_peak_rss_mib()
     try:
@@ -113,6 +152,7 @@ def _point(make_runner, feed: Sample, batch: int, concurrency: int, config: Benc
         for thread in threads:
             thread.join()
         peak = peak_rss_mib()
+        device_peaks = [m for r in runners if (m := getattr(_timed(r), "peak_memory_mib", None)) is not None]
         for runner in runners:
             runner.deactivate()
     if errors:
@@ -125,8 +165,15 @@ def _point(make_runner, feed: Sample, batch: int, concurrency: int, config: Benc
     stable_windows = rates[1:][-STABLE_WINDOWS:]
     return SweepPoint(batch_size=batch, concurrency=concurrency, p50_ms=float(p50), p90_ms=float(p90), p99_ms=float(p99),
                       throughput_per_s=completed * batch / max(measured_to - measured_from, 1e-9), peak_memory_mib=peak,
-                      windows=len(rates),
+                      windows=len(rates), device_peak_memory_mib=max(device_peaks) if device_peaks else None,
                       stable=len(stable_windows) == STABLE_WINDOWS and _spread_pct(stable_windows) <= config.stability_pct)
+
+
+def _timed(runner: BaseRunner) -> BaseRunner:
+    """The runner that does the work, through wrappers that keep it as `.inner` (base.CastInputsRunner)."""
+    while getattr(runner, "inner", None) is not None:
+        runner = runner.inner
+    return runner
 
 
 def _spread_pct(rates: list[float]) -> float:
@@ -145,12 +192,15 @@ def recommend(points: list[SweepPoint], config: BenchmarkConfig) -> tuple[Recomm
         budgets.append(f"p99 <= {config.p99_budget_ms:g} ms")
     if config.memory_budget_mib is not None:
         budgets.append(f"peak memory <= {config.memory_budget_mib:g} MiB")
-    within = [p for p in points if fits(p)]
+    ran = [p for p in points if p.out_of_memory is None]
+    within = [p for p in ran if fits(p)]
+    if not ran:
+        return None, "every point ran out of memory: " + points[0].out_of_memory
     if not within:
-        best = min(points, key=lambda p: p.p99_ms)
+        best = min(ran, key=lambda p: p.p99_ms)
         return None, (f"no batch size x concurrency meets the budgets ({', '.join(budgets)}): the lowest p99 is "
                       f"{best.p99_ms:.2f} ms at batch {best.batch_size} x {best.concurrency}, "
-                      f"peak memory {min(p.peak_memory_mib for p in points):.0f} MiB at best")
+                      f"peak memory {min(p.peak_memory_mib for p in ran):.0f} MiB at best")
     best = max(within, key=lambda p: p.throughput_per_s)
     reason = (f"the highest measured throughput of {len(points)} points"
               + (f" within {', '.join(budgets)}" if budgets else " (no budget set)"))
@@ -170,12 +220,20 @@ def capacity(points: list[SweepPoint], config: BenchmarkConfig, make_runner: Cal
         peak = _point(make_runner, max_feed, batch, max(config.concurrency), config, synchronize)
         shapes = {name: list(np.shape(array)) for name, array in max_feed.items()}
     budget = config.memory_budget_mib
-    passed = budget is None or peak.peak_memory_mib <= budget
     at = "shapes " + ", ".join(f"{n}:{'x'.join(map(str, d))}" for n, d in shapes.items()) if shapes else f"batch {peak.batch_size}"
-    line = (f"{at} x {peak.concurrency} concurrent: peak memory {peak.peak_memory_mib:.0f} MiB"
+    if peak.out_of_memory is not None:  # the deployment's measured limit: recorded, the build goes on
+        return Capacity(batch_size=peak.batch_size, concurrency=peak.concurrency, shapes=shapes,
+                        peak_memory_mib=peak.peak_memory_mib, memory_budget_mib=budget, passed=True,
+                        out_of_memory=peak.out_of_memory,
+                        line=f"{at} x {peak.concurrency} concurrent ran out of memory (the measured limit): "
+                             f"{peak.out_of_memory}")
+    passed = budget is None or peak.peak_memory_mib <= budget
+    device = f"; device {peak.device_peak_memory_mib:.0f} MiB" if peak.device_peak_memory_mib is not None else ""
+    line = (f"{at} x {peak.concurrency} concurrent: peak memory {peak.peak_memory_mib:.0f} MiB{device}"
             + (f" {'<=' if passed else '>'} the {budget:g} MiB budget" if budget is not None else " (no memory budget set)"))
     return Capacity(batch_size=peak.batch_size, concurrency=peak.concurrency, shapes=shapes, p99_ms=peak.p99_ms,
-                    peak_memory_mib=peak.peak_memory_mib, memory_budget_mib=budget, passed=passed, line=line)
+                    peak_memory_mib=peak.peak_memory_mib, memory_budget_mib=budget, passed=passed, line=line,
+                    device_peak_memory_mib=peak.device_peak_memory_mib)
 
 
 def sweep_checks(recommended: Recommendation | None, why: str, cap: Capacity, config: BenchmarkConfig) -> list:

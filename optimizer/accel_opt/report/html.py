@@ -234,7 +234,8 @@ def _benchmark(bench: dict) -> str:
             [[p["batch_size"], p["concurrency"], f"{p['p50_ms']:.2f}", f"{p['p90_ms']:.2f}", f"{p['p99_ms']:.2f}",
               f"{p['throughput_per_s']:.1f}", f"{p['peak_memory_mib']:.0f}", p["windows"], "yes" if p["stable"] else "no",
               "<b>recommended</b>" if (p["batch_size"], p["concurrency"]) == (rec.get("batch_size"), rec.get("concurrency"))
-              else ""] for p in bench["sweep"]], set(range(0, 8))))
+              else escape(f"out of memory: {p['out_of_memory']}") if p.get("out_of_memory") else ""]
+             for p in bench["sweep"]], set(range(0, 8))))
         out.append(f"<p>{escape(bench.get('recommendation', ''))}</p>")
     if bench.get("concurrency"):
         out.append(_table(["hint", "threads", "streams", "batch", "samples/s", "p50 ms", "p99 ms"],

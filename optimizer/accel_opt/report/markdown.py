@@ -219,7 +219,8 @@ def benchmark_markdown(model_name: str, bench: BenchmarkReport) -> str:
         out.append(_table(["batch", "concurrency", "p50 ms", "p90 ms", "p99 ms", "samples/s", "peak memory MiB", "stable", ""],
                           [[str(p.batch_size), str(p.concurrency), f"{p.p50_ms:.2f}", f"{p.p90_ms:.2f}", f"{p.p99_ms:.2f}",
                             f"{p.throughput_per_s:.1f}", f"{p.peak_memory_mib:.0f}", "yes" if p.stable else "no",
-                            "recommended" if rec and (p.batch_size, p.concurrency) == (rec.batch_size, rec.concurrency) else ""]
+                            "recommended" if rec and (p.batch_size, p.concurrency) == (rec.batch_size, rec.concurrency) else
+                            f"out of memory: {p.out_of_memory}" if p.out_of_memory else ""]
                            for p in bench.sweep]))
         out += ["", f"Recommendation: {bench.recommendation}."]
         out += [f"- {'pass' if c.passed else 'FAIL'}: {c.name}: {c.line}" for c in bench.checks]
