@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from accel_opt.errors import AccelOptError, InputRejected, Unsupported, first_line
-from accel_opt.runtime.job import local_path
+from accel_opt.runtime.inputs import local_path
 
 log = logging.getLogger(__name__)
 

@@ -37,7 +37,7 @@ from accel_opt.artifact.folder import now_utc, write_bytes, write_json
 from accel_opt.errors import InternalError, ResourceExhausted, UsageError
 from accel_opt.preprocess.images import IMAGE_SUFFIXES
 from accel_opt.runtime import Deployment
-from accel_opt.runtime.job import list_inputs, unique_inputs
+from accel_opt.runtime.inputs import list_inputs, unique_inputs
 from accel_opt.runtime.output import Outputs, input_key, read_record, refuse_other_artifact
 from accel_opt.runtime.ray_cluster import ray_session
 
