@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 # The CPU build of torch: any other spec can pull a multi-GB CUDA build (measured: ~5 GB).
 TORCH_PIN := torch==2.13.0
 
-.PHONY: install demo test test-all lint bench gpu-check clean
+.PHONY: install demo test test-all lint bench gpu-check wheelhouse clean
 # A Python with a CUDA build of torch (the venv pins the CPU build); on a machine without a GPU the check says so, exit 0.
 GPU_PYTHON ?= $(BIN)/python
 
@@ -39,8 +39,18 @@ bench: install
 	$(BIN)/python -m benchmarks.e2e_job --model resnet50
 	$(BIN)/python -m benchmarks.e2e_job --model light
 
+# The GPU machine (an H200: Python 3.12, torch with CUDA, no registry) lacks these of the project's dependencies:
+# a wheelhouse for its Python, git-ignored, that travels with the run (about 4 MB).
+WHEELHOUSE := wheelhouse
+wheelhouse:
+	$(PYTHON) -m pip download --quiet --only-binary=:all: --python-version 3.12 --implementation cp \
+	    --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 \
+	    -d $(WHEELHOUSE) polygraphy onnxslim "pydantic>=2.6" pydantic-core annotated-types typing-inspection
+
+# On the GPU machine: make gpu-check GPU_PYTHON=python3 (after installing the wheelhouse, see docs/backends.md).
 gpu-check:
 	$(GPU_PYTHON) -m benchmarks.gpu_check
+	$(GPU_PYTHON) -m benchmarks.device_job --device cuda
 
 clean:
 	rm -rf $(VENV) artifacts/*/ .pytest_cache .ruff_cache

@@ -39,7 +39,7 @@ import json, sys
 from pathlib import Path
 import numpy as np, onnxruntime as ort
 from PIL import Image
-from accel_opt.data import preprocess_image
+from accel_opt.preprocess.images import preprocess_image
 from accel_opt.recipe import load_recipe
 model, folder, out = sys.argv[1:4]
 pre = load_recipe("image-classifier").preprocessing

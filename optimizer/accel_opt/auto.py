@@ -80,12 +80,17 @@ def selection_report_path(out_dir: str | Path, model: str | Path, suffix: str = 
     return Path(out_dir) / f"{Path(str(model)).stem}-auto-selection{suffix}"
 
 
-def plan(recipe: Recipe, backend: str, precision: str, has_data: bool) -> tuple[list[tuple[str, str, str]], str]:
-    """The (backend, precision, why) pairs to build, and the reason for the backend choice."""
+def plan(recipe: Recipe, backend: str, precision: str, has_data: bool,
+         torch_source: bool = False) -> tuple[list[tuple[str, str, str]], str]:
+    """The (backend, precision, why) pairs to build, and the reason for the backend choice. A model given as a
+    PyTorch factory (`torch_source`) also runs off on the torch backend (torch.export + AOTInductor)."""
     if backend == AUTO:
         choice = auto_backend_choice()  # TensorRT on a GPU with TensorRT, else the CPU choice
         chosen, backend_reason = choice.backend, choice.reason
         backends = [chosen] + ([BackendName.onnxruntime] if chosen is not BackendName.onnxruntime else [])
+        if torch_source:
+            backends.append(BackendName.torch)
+            backend_reason += "; a PyTorch factory also runs off on torch (AOTInductor)"
     else:
         backends, backend_reason = [BackendName(backend)], "given on the command line or in the recipe"
     pairs = []
@@ -111,7 +116,9 @@ def build_auto(
     force: bool = False,
 ) -> tuple[BuildResult | None, AutoSelection]:
     """Build the candidates and return (the winner's BuildResult or None, the selection report)."""
-    pairs, backend_reason = plan(recipe, backend, precision, data_dir is not None)
+    from accel_opt.backends.torch import looks_like_factory
+
+    pairs, backend_reason = plan(recipe, backend, precision, data_dir is not None, looks_like_factory(str(model)))
     if backend == AUTO:  # ONNX Runtime on a GPU: its CUDA EP, as the choice says
         choice = auto_backend_choice()
         if choice.backend is BackendName.onnxruntime and choice.providers and choice.providers[0] != "CPUExecutionProvider":

@@ -47,7 +47,9 @@ class BuildContext:
     eval_names: list[str] = field(default_factory=list)
     deploy_samples: list[Sample] = field(default_factory=list)  # the eval samples as the artifact takes them (fused: uint8 crops)
     host_crops: list[Sample] = field(default_factory=list)  # fused preprocessing: every --data image as uint8 HWC crops
-    draft_samples: list[Sample] = field(default_factory=list)  # draft_decode: every --data image as the artifact takes it
+    # Every --data image as the artifact's own job makes it where that is not the reference's host path (draft
+    # decoding; the torch backend's tensor path): the candidate's inputs, judged against the reference on full decodes.
+    job_samples: list[Sample] = field(default_factory=list)
     max_feed: Sample | None = None  # a feed at --max-shapes, for the capacity check
     cleanup: CleanupReport | None = None
     fp32_path: Path | None = None  # after cleanup: the baseline every precision is compared with

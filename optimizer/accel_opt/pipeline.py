@@ -9,45 +9,41 @@ produces reports (not signed off, exit 1); any other failure raises and leaves n
 from __future__ import annotations
 
 import logging
-import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-import onnx
-
 from accel_opt import runtime
 from accel_opt.accuracy import compare
-from accel_opt.artifact.folder import build_folder, ensure_free_space, file_hashes, publish, sha256_file, write_json
+from accel_opt.artifact.folder import build_folder, ensure_free_space, publish, sha256_file
 from accel_opt.artifact.records import artifact_name, data_record, reuse, write_manifest, write_reports
-from accel_opt.backends import compile_for, get_backend
+from accel_opt.artifact.staging import batch_problem, stage_deployment
+from accel_opt.backends import get_backend
 from accel_opt.backends.onnxruntime import reference_runner
 from accel_opt.bench.build_stage import benchmark_build, max_feed
 from accel_opt.build_context import BuildContext
 from accel_opt.data import (
     DataSummary,
     Sample,
-    batch_of,
     check_sample,
     load_samples,
     shapes_of,
     split_indices,
     synthetic_samples,
 )
-from accel_opt.errors import AccelOptError, Unsupported, UsageError, first_line, no_space_error
+from accel_opt.errors import AccelOptError, Unsupported, UsageError, no_space_error
 from accel_opt.graph.cleanup import cleanup
 from accel_opt.graph.inspect import TensorSpec, io_specs, resolve_shapes, with_batch
 from accel_opt.graph.load import load_model
-from accel_opt.graph.save import save_model
 from accel_opt.machine.cpu import available_cpus
 from accel_opt.precision import fallback
 from accel_opt.precision.fallback_actions import fallback_actions
-from accel_opt.preprocess.fit import exercise_image_path, fit_preprocessing, image_input
-from accel_opt.preprocess.fuse import fuse_normalize, fused_shape
+from accel_opt.precision.torch_plan import torch_precision
+from accel_opt.preprocess.fit import exercise_image_path, fit_preprocessing, image_input, image_path_agreement
+from accel_opt.preprocess.fuse import fused_shape
 from accel_opt.preprocess.images import to_model_input
-from accel_opt.recipe import Precision, Recipe, load_recipe
+from accel_opt.recipe import BackendName, Precision, Recipe, load_recipe
 from accel_opt.report.results import BuildResult, StageResult, StageStatus, fill_headline
-from accel_opt.runtime import DeployedInput, ResourceConfig
 
 log = logging.getLogger(__name__)
 
@@ -76,10 +72,13 @@ def build(
     """
     recipe = recipe or load_recipe()
     factory = _factory_or_none(str(model))
+    if recipe.backend is BackendName.torch and factory is None:
+        raise Unsupported(f"--backend torch builds PyTorch factories (FILE.py:FACTORY), not {Path(str(model)).name}: an "
+                          "ONNX model takes --backend onnxruntime, openvino or tensorrt")
     model_path = Path(model) if factory is None else Path(str(model).rpartition(":")[2] + ".onnx")
     out_dir = Path(out_dir)
     backend = get_backend(recipe.backend, providers=recipe.onnxruntime.providers,
-                          allow_cpu_nodes=recipe.onnxruntime.allow_cpu_nodes)
+                          allow_cpu_nodes=recipe.onnxruntime.allow_cpu_nodes, device=recipe.torch.device)
     support = backend.supports(recipe.precision)
     if not support:
         raise Unsupported(f"--precision {recipe.precision.value} on {backend.name}: {support.reason}")
@@ -151,6 +150,8 @@ def _stage_export(ctx: BuildContext) -> tuple[StageStatus, str]:
     if not ctx.recipe.shapes:
         raise UsageError(f"{ctx.factory.spec}: a PyTorch factory needs --shapes to build its example inputs")
     ctx.torch_module = ctx.factory()
+    if _torch(ctx):  # what ships is torch.export's program: a module it cannot trace fails here, with its reason
+        ctx.backend.check_traceable(ctx.torch_module, ctx.recipe.shapes, ctx.factory.export_hints.get("input_dtypes"))
     onnx_path = ctx.workdir / "export" / ctx.model_path.name
     exported = export(ctx.torch_module, ctx.recipe.shapes, onnx_path, **ctx.factory.export_hints)
     verification = verify(ctx.torch_module, onnx_path, ctx.recipe.shapes, threads=ctx.threads)  # GateFailed on mismatch
@@ -188,6 +189,9 @@ def _stage_load(ctx: BuildContext) -> tuple[StageStatus, str]:
     ctx.model_path = ctx.loaded.path
     ctx.inputs, ctx.outputs = io_specs(ctx.loaded.proto)
     recipe = ctx.recipe = fit_preprocessing(ctx.recipe, ctx.inputs, ctx.notes)  # before any image is read
+    if _fused(ctx) and _torch(ctx):
+        raise UsageError("preprocessing.fused rewrites the ONNX graph; the torch backend ships the PyTorch module and "
+                         "runs its image preprocessing as tensor ops on its device instead: drop `fused`")
     if _fused(ctx) and (ctx.data_dir is None or any(Path(ctx.data_dir).glob("*.npz"))):
         raise UsageError("preprocessing.fused needs --data with image files: the fused model takes decoded crops")
     if ctx.data_dir is not None:
@@ -210,8 +214,8 @@ def _stage_load(ctx: BuildContext) -> tuple[StageStatus, str]:
     ctx.deploy_samples = ctx.eval_samples
     if _fused(ctx):
         ctx.deploy_samples = [ctx.host_crops[i] for i in evaluation]
-    elif ctx.draft_samples:
-        ctx.deploy_samples = [ctx.draft_samples[i] for i in evaluation]
+    elif ctx.job_samples:
+        ctx.deploy_samples = [ctx.job_samples[i] for i in evaluation]
     ctx.deploy_batch = recipe.selection.target_batch_size if ctx.shapes.batch_dynamic else ctx.shapes.batch_size
     ctx.max_feed = max_feed(ctx, _fused(ctx))  # checked now: a wrong --max-shapes is a usage error before any work
     shapes = ", ".join(f"{k}:{'x'.join(map(str, v)) or 'scalar'}" for k, v in ctx.shapes.shapes.items())
@@ -229,8 +233,13 @@ def _read_data(ctx: BuildContext) -> tuple[list[Sample], DataSummary]:
     reference_pre = pre.model_copy(update={"draft_decode": False}) if draft else pre
     if not _fused(ctx):
         samples, data = load_samples(ctx.data_dir, ctx.inputs, reference_pre)
-        if draft:  # the candidate takes what `accel-opt run` will feed it; the reference, full decodes
-            ctx.draft_samples = load_samples(ctx.data_dir, ctx.inputs, pre)[0]
+        if _torch(ctx) and data.source == "images":  # the candidate takes what its job's tensor path makes
+            from accel_opt.preprocess.tensor_images import tensor_path_samples
+
+            files = [Path(ctx.data_dir) / name for name in data.names]
+            ctx.job_samples = tensor_path_samples(files, pre, _image_input(ctx), ctx.backend.device)
+        elif draft:  # the candidate takes what `accel-opt run` will feed it; the reference, full decodes
+            ctx.job_samples = load_samples(ctx.data_dir, ctx.inputs, pre)[0]
         return samples, data
     name = _image_input(ctx)
     spec = TensorSpec(name=name, dtype="uint8", shape=["batch", pre.crop, pre.crop, 3])
@@ -247,6 +256,10 @@ def _read_data(ctx: BuildContext) -> tuple[list[Sample], DataSummary]:
 def _image_input(ctx: BuildContext) -> str:
     pre = ctx.recipe.preprocessing
     return image_input(pre, ctx.inputs).name if pre else ctx.inputs[0].name
+
+
+def _torch(ctx: BuildContext) -> bool:
+    return ctx.backend.name == BackendName.torch.value
 
 
 def _fused(ctx: BuildContext) -> bool:
@@ -270,6 +283,8 @@ def _stage_cleanup(ctx: BuildContext) -> tuple[StageStatus, str]:
     ctx.fp32_path = ctx.model_path
     if not ctx.recipe.cleanup.enabled:
         raise _Skip("disabled by the recipe")
+    if _torch(ctx):
+        raise _Skip("the torch backend compiles the PyTorch module, not the ONNX graph")
     total_bytes = sum(p.stat().st_size for p in [ctx.model_path, *ctx.loaded.external_data_files])
     ctx.fp32_path, ctx.cleanup = cleanup(
         ctx.model_path, total_bytes, ctx.eval_samples[:CLEANUP_VERIFY_SAMPLES], ctx.recipe.accuracy.tolerances[Precision.fp32],
@@ -283,8 +298,12 @@ def _stage_cleanup(ctx: BuildContext) -> tuple[StageStatus, str]:
 def _stage_precision(ctx: BuildContext) -> tuple[StageStatus, str]:
     ctx.candidate_path = ctx.fp32_path
     precision, config = ctx.recipe.precision, ctx.recipe.precision_options.fallback
+    if _torch(ctx):  # what compile() exports: the module, its inputs and outputs, the calibration samples for int8
+        ctx.backend.bind(ctx.torch_module, ctx.inputs, ctx.outputs, ctx.shapes.batch_axes, ctx.calibration_samples)
     if precision is Precision.fp32:
         raise _Skip("fp32: the graph keeps its precision")
+    if _torch(ctx):
+        return torch_precision(ctx)
     # int8 probes on calibration samples, so the gate's evaluation samples stay unseen; fp16/bf16 have no
     # calibration split: the fallback only ever moves the build towards fp32 on the first evaluation samples.
     probes = (ctx.calibration_samples if precision is Precision.int8 else ctx.eval_samples)[: config.probe_samples]
@@ -302,8 +321,8 @@ def _stage_precision(ctx: BuildContext) -> tuple[StageStatus, str]:
 
 
 def _stage_compile(ctx: BuildContext) -> tuple[StageStatus, str]:
-    _stage_deployment(ctx, _deploy_shapes(ctx))
-    problem = _batch_problem(ctx)
+    stage_deployment(ctx, _deploy_shapes(ctx))
+    problem = batch_problem(ctx)
     if problem:  # a batch axis the model's dims do not name (silero_vad.onnx's state): deploy as given
         axes = ", ".join(f"{n}:{'none' if a is None else a}" for n, a in ctx.shapes.batch_axes.items())
         ctx.notes.append(f"The model fails at batch {ctx.deploy_batch} with batch axes {axes} ({problem}); deployed "
@@ -313,51 +332,9 @@ def _stage_compile(ctx: BuildContext) -> tuple[StageStatus, str]:
         ctx.deploy_batch = ctx.shapes.batch_size
         for path in ctx.staging.iterdir():
             path.unlink()
-        _stage_deployment(ctx, ctx.shapes.shapes)
+        stage_deployment(ctx, ctx.shapes.shapes)
     c = ctx.compiled
     return "passed", f"{c.backend} on {c.device} via {', '.join(c.providers)}, {c.threads} threads, {c.build_seconds:.2f} s"
-
-
-def _stage_deployment(ctx: BuildContext, shapes: dict[str, list[int]]) -> None:
-    """Write the model, the backend's compiled files and the resource config into the staged artifact,
-    then load it back through the runtime: from here on the build checks and times that folder."""
-    model_file = ctx.staging / "model.onnx"
-    source = ctx.candidate_path
-    if _fused(ctx):
-        source = fuse_normalize(source, _image_input(ctx), ctx.recipe.preprocessing, ctx.workdir / "fused" / source.name)
-    save_model(onnx.load(str(source)), model_file)  # external data resolved next to the source
-    ctx.compiled = c = compile_for(ctx.backend, model_file, ctx.recipe.precision, ctx.recipe, ctx.workdir, shapes)
-    deployed_inputs, deployed_outputs = io_specs(onnx.load(str(model_file), load_external_data=False))
-    for extra in c.extra_files:
-        if extra.parent != ctx.staging:
-            shutil.copy2(extra, ctx.staging / extra.name)
-    ctx.resource_config = ResourceConfig(
-        backend=c.backend, device=c.device, providers=c.providers, precision=c.precision, threads=c.threads,
-        settings=c.settings, model_file=c.path.name, extra_files=[p.name for p in c.extra_files],
-        inputs=[DeployedInput(**s.model_dump(), shape_used=shapes[s.name], batch_axis=ctx.shapes.batch_axes.get(s.name))
-                for s in deployed_inputs],
-        outputs=deployed_outputs, batch_size=ctx.deploy_batch, batch_dynamic=ctx.shapes.batch_dynamic,
-        preprocessing=ctx.recipe.preprocessing, postprocess=ctx.recipe.postprocess,
-    )
-    write_json(ctx.staging / runtime.RESOURCE_CONFIG, ctx.resource_config)
-    ctx.deployed_hashes = file_hashes(ctx.staging)  # hashed once: build.json reuses them
-    ctx.deployment = runtime.load(ctx.staging, expected_files=ctx.deployed_hashes)
-
-
-def _batch_problem(ctx: BuildContext) -> str | None:
-    """Why the deployment cannot run a batch of its size (None: it can, or nothing needs checking).
-    Only checked when some input is left unbatched: that is when a batch axis may have gone unseen."""
-    axes = ctx.shapes.batch_axes
-    if ctx.deploy_batch == 1 or all(a is not None for a in axes.values()):
-        return None
-    try:
-        with ctx.deployment.runner(runtime.feed_dtypes_of(ctx.deploy_samples)) as runner:
-            runner.infer(batch_of(ctx.deploy_samples, ctx.deploy_batch, axes), check_inputs=False)
-    except AccelOptError:
-        raise
-    except Exception as exc:  # the runtime's own error types
-        return first_line(exc, limit=200)
-    return None
 
 
 def _stage_accuracy(ctx: BuildContext) -> tuple[StageStatus, str]:
@@ -378,6 +355,9 @@ def _stage_accuracy(ctx: BuildContext) -> tuple[StageStatus, str]:
     # What the gate found (where each output holds a batch's samples) is part of how the artifact runs.
     deployment.config = deployment.config.model_copy(update={"output_batch_axes": ctx.accuracy.evaluation.output_batch_axes})
     ctx.notes += exercise_image_path(deployment, ctx.data.source, ctx.workdir, ctx.recipe.accuracy.seed)
+    if _torch(ctx) and ctx.job_samples:
+        ctx.notes.append(image_path_agreement(_reference(ctx), ctx.deploy_samples, ctx.accuracy._reference_outputs,
+                                              ctx.outputs[0].name))
     evaluation = ctx.accuracy.evaluation
     calls = f"{evaluation.calls} calls of batch {evaluation.batch_size}" if evaluation.mode == "batched" else "one per sample"
     summary = f"{ctx.accuracy.sample_count} samples ({calls}), worst cosine {ctx.accuracy.worst_cosine:.6f}"

@@ -35,6 +35,7 @@ class BackendName(str, enum.Enum):
     onnxruntime = "onnxruntime"
     openvino = "openvino"
     tensorrt = "tensorrt"
+    torch = "torch"  # PyTorch 2: torch.export + AOTInductor, for models given as a PyTorch factory
 
 
 class CalibrationMethod(str, enum.Enum):
@@ -327,6 +328,13 @@ class TensorRtConfig(_Strict):
     timing_cache_dir: str | None = None  # reused only on the same GPU and TensorRT version
 
 
+class TorchConfig(_Strict):
+    """The torch backend (--backend torch): an AOTInductor package compiled for one device. `device`: "cpu" or
+    "cuda[:N]"; null picks the GPU when torch sees one, else the CPU (the choice is recorded in the manifest)."""
+
+    device: str | None = Field(default=None, pattern=r"^(cpu|cuda(:\d+)?)$")
+
+
 class OnnxRuntimeConfig(_Strict):
     """ONNX Runtime's execution provider (--backend onnxruntime). providers[0] runs the model; CUDA/TensorRT
     EPs need an NVIDIA GPU and onnxruntime-gpu (pip uninstall -y onnxruntime && pip install 'accel-opt[gpu]'),
@@ -359,6 +367,7 @@ class Recipe(_Strict):
     selection: SelectionConfig = Field(default_factory=SelectionConfig)
     tensorrt: TensorRtConfig = Field(default_factory=TensorRtConfig)
     onnxruntime: OnnxRuntimeConfig = Field(default_factory=OnnxRuntimeConfig)
+    torch: TorchConfig = Field(default_factory=TorchConfig)
 
     def fingerprint(self) -> str:
         """Content hash of the resolved recipe: part of a build's identity."""

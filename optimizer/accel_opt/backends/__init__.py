@@ -13,17 +13,22 @@ __all__ = ["Availability", "Backend", "CompiledModel", "compile_for", "get_backe
 
 
 def get_backend(name: BackendName | str, providers: Sequence[str] | None = None,
-                allow_cpu_nodes: bool = False) -> Backend:
+                allow_cpu_nodes: bool = False, device: str | None = None) -> Backend:
     """The backend object for `name`; raises Unsupported (exit 4) with a reason if it cannot run here.
 
     ONNX Runtime only: `providers[0]` is the execution provider (CPU by default; CUDAExecutionProvider
     or TensorrtExecutionProvider need an NVIDIA GPU and onnxruntime-gpu), `allow_cpu_nodes` lets a GPU
-    EP leave nodes it does not take to the CPU EP. Other backends ignore both."""
+    EP leave nodes it does not take to the CPU EP. torch only: `device` ("cpu", "cuda[:N]"; None: the GPU when
+    torch sees one, else the CPU). Other backends ignore them."""
     name = BackendName(name)
-    if name is BackendName.onnxruntime:
+    if name is BackendName.torch:
+        from accel_opt.backends.torch_package import TorchBackend
+
+        backend: Backend = TorchBackend(device)
+    elif name is BackendName.onnxruntime:
         from accel_opt.backends.onnxruntime import OnnxRuntimeBackend
 
-        backend: Backend = OnnxRuntimeBackend(list(providers) if providers else None, allow_cpu_nodes=allow_cpu_nodes)
+        backend = OnnxRuntimeBackend(list(providers) if providers else None, allow_cpu_nodes=allow_cpu_nodes)
     elif name is BackendName.openvino:
         from accel_opt.backends.openvino import OpenVinoBackend
 

@@ -67,11 +67,32 @@ def candidate_precisions(
             out.append((Precision.bf16, "native bf16 (AMX-BF16/AVX512-BF16): no calibration, near-fp32 accuracy"))
         out.append((Precision.int8, f"the Q/DQ graph run as int8 by OpenVINO; {int8_why}"))
         return out
+    if backend is BackendName.torch:
+        return torch_candidate_precisions(flags)
     return [
         (Precision.fp32, "reference precision"),
         (Precision.fp16, "tensor-core fp16"),
         (Precision.int8, "explicit Q/DQ (symmetric int8)"),
     ]
+
+
+def torch_candidate_precisions(flags: frozenset[str], cuda: bool | None = None,
+                               torchao: bool | None = None) -> list[tuple[Precision, str]]:
+    """The torch backend's candidates: on a GPU fp16 and bf16 (tensor cores); on a CPU bf16 where it is native
+    (AMX-BF16/AVX512-BF16: Inductor's oneDNN kernels) and PT2E int8 where torchao provides it."""
+    if cuda is None:
+        import torch
+
+        cuda = torch.cuda.is_available()
+    out = [(Precision.fp32, "reference precision (TF32 off)")]
+    if cuda:
+        return out + [(Precision.fp16, "tensor-core fp16, float32 at the package's boundary"),
+                      (Precision.bf16, "tensor-core bf16, float32 at the package's boundary")]
+    if flags & {"avx512_bf16", "amx_bf16"}:
+        out.append((Precision.bf16, "native bf16 (AMX-BF16/AVX512-BF16) in Inductor's oneDNN kernels"))
+    if torchao if torchao is not None else importlib.util.find_spec("torchao") is not None:
+        out.append((Precision.int8, "PT2E int8 (X86InductorQuantizer) in Inductor's oneDNN kernels"))
+    return out
 
 
 CUDA_PROVIDER = "CUDAExecutionProvider"

@@ -124,15 +124,8 @@ class TorchRunner(BaseRunner):
         torch = require_torch()
         if self.on_cuda:
             require_cuda(torch, self.device)
-        model = self._model
-        given = isinstance(model, torch.nn.Module)
-        if not given:
-            model = model()
-        # Module.to() moves in place: a module the caller handed over goes back to the CPU on deactivate.
-        self._return_to_cpu = model if given and self.on_cuda else None
-        self.model = model.eval().to(self.device)
-        if self.compile:
-            self.model = torch.compile(self.model, backend=self.compile_backend)
+        self._return_to_cpu = None
+        self.model = self._load_model(torch)
         self._previous_threads = torch.get_num_threads()
         if self.threads:
             torch.set_num_threads(self.threads)
@@ -151,6 +144,18 @@ class TorchRunner(BaseRunner):
         else:
             self._clock = StageClock.host()
 
+    def _load_model(self, torch: Any) -> Any:
+        """The callable the runner times: the module on its device (compiled when asked). A subclass loads another
+        (runtime-compiled) form, such as an AOTInductor package."""
+        model = self._model
+        given = isinstance(model, torch.nn.Module)
+        if not given:
+            model = model()
+        # Module.to() moves in place: a module the caller handed over goes back to the CPU on deactivate.
+        self._return_to_cpu = model if given and self.on_cuda else None
+        model = model.eval().to(self.device)
+        return torch.compile(model, backend=self.compile_backend) if self.compile else model
+
     def get_input_metadata_impl(self) -> TensorMetadata:
         meta = TensorMetadata()
         for spec in self.inputs:
@@ -168,6 +173,14 @@ class TorchRunner(BaseRunner):
         if self._autocast_dtype is None:
             return contextlib.nullcontext()
         return torch.autocast("cuda" if self.on_cuda else "cpu", dtype=self._autocast_dtype)
+
+    def infer_tensors(self, args: list[Any]) -> list[Any]:
+        """The outputs for inputs already on the runner's device, left there (float32): for a job that copies back
+        only what it writes, such as a classifier's top-k. Runs on the current stream; nothing is synchronized."""
+        import torch
+
+        with torch.inference_mode(), self._autocast(torch):
+            return self._outputs(torch, self.model(*args))
 
     def _outputs(self, torch: Any, result: Any) -> list[Any]:
         outputs = flatten_outputs(result)
@@ -213,7 +226,10 @@ class TorchRunner(BaseRunner):
         return [buffer.numpy().copy() for buffer in host_out]  # the pinned buffers are reused by the next call
 
     def _pinned_input(self, torch: Any, name: str, array: Any) -> Any:
-        """`array` copied into this input's pinned host buffer (one per shape and dtype, reused)."""
+        """`array` copied into this input's pinned host buffer (one per shape and dtype, reused); a tensor already
+        on the runner's device (the device image path's output) is used as it is, with no round trip."""
+        if isinstance(array, torch.Tensor) and array.device == torch.device(self.device):
+            return array
         source = array if isinstance(array, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(array))
         buffer = self._host_in.get(name)
         if buffer is None or buffer.shape != source.shape or buffer.dtype != source.dtype:

@@ -19,8 +19,10 @@ from accel_opt.errors import (
 @click.argument("model", type=click.Path(path_type=Path, dir_okay=True, exists=False))
 @click.option("--precision", type=click.Choice(["fp32", "fp16", "bf16", "int8", "auto"]),
               help="Target precision (recipe default: fp32). auto: build the precisions that make sense here, keep the fastest that signs off.")
-@click.option("--backend", type=click.Choice(["onnxruntime", "openvino", "tensorrt", "auto"]),
-              help="Backend (recipe default: onnxruntime). auto: OpenVINO on x86 CPUs with AVX-512/AMX when installed, else ONNX Runtime.")
+@click.option("--backend", type=click.Choice(["onnxruntime", "openvino", "tensorrt", "torch", "auto"]),
+              help="Backend (recipe default: onnxruntime). torch: torch.export + AOTInductor, for PyTorch factories. auto: "
+                   "OpenVINO on x86 CPUs with AVX-512/AMX when installed, else ONNX Runtime (and torch for a factory).")
+@click.option("--device", help="--backend torch: cpu or cuda[:N] (default: the GPU when torch sees one, else the CPU).")
 @click.option("--recipe", "recipe_path", help="Recipe YAML file or bundled name (recipes/NAME.yaml). Default: default.")
 @click.option("--data", "data_dir", type=click.Path(path_type=Path), help="Folder of .npz feed dicts (or images with a preprocessing recipe).")
 @click.option("--shapes", help="Fix dynamic dims, trtexec-style: NAME:1x3x224x224[,NAME:...].")
@@ -39,9 +41,11 @@ from accel_opt.errors import (
 @click.option("--junit", "junit_file", type=click.Path(path_type=Path), help="Write the gate's checks as JUnit XML here (for CI).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout (for CI).")
 @click.option("-v", "--verbose", is_flag=True, help="Log progress and show tracebacks.")
-def build(model, precision, backend, recipe_path, data_dir, shapes, batch_axes, max_shapes, require_data, keep_io_types,
-          providers, calibration, target_cpu, no_fallback, threads, out_dir, force, junit_file, as_json, verbose):
-    """Build MODEL (.onnx) through cleanup, precision, compile, accuracy gate and benchmark."""
+def build(model, precision, backend, device, recipe_path, data_dir, shapes, batch_axes, max_shapes, require_data,
+          keep_io_types, providers, calibration, target_cpu, no_fallback, threads, out_dir, force, junit_file, as_json,
+          verbose):
+    """Build MODEL (.onnx, or a PyTorch factory FILE.py:FACTORY) through cleanup, precision, compile, accuracy gate
+    and benchmark."""
     setup_logging(verbose)
     try:
         from accel_opt.pipeline import build as run_build
@@ -61,6 +65,7 @@ def build(model, precision, backend, recipe_path, data_dir, shapes, batch_axes, 
                 "precision_options.calibration.target_cpu": target_cpu,
                 "precision_options.fallback.enabled": False if no_fallback else None,
                 "onnxruntime.providers": providers.split(",") if providers else None,
+                "torch.device": device,
                 "benchmark.threads": threads,
                 "benchmark.max_shapes": parse_shapes(max_shapes) if max_shapes else None,
             },

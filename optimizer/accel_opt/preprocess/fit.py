@@ -138,3 +138,18 @@ def exercise_image_path(deployment, data_source: str, workdir: Path, seed: int =
 
 def _fmt(shape: list) -> str:
     return "[" + ", ".join("?" if d is None else str(d) for d in shape) + "]"
+
+
+def image_path_agreement(reference, job_samples: list[dict], reference_outputs: list[dict], output: str) -> str:
+    """The sign-off's line on an image path that is not the host's (the torch backend's tensor path): the fp32
+    reference run on the path's inputs agrees with itself on the host path's inputs on this share of top-1 classes.
+    The gate judges the candidate on the path's inputs; this isolates what the path alone changes."""
+    agree = 0
+    with reference:
+        for sample, expected in zip(job_samples, reference_outputs):
+            got = reference.infer(sample, check_inputs=False)[output]
+            agree += int(np.argmax(got) == np.argmax(expected[output]))
+    total = len(job_samples)
+    return (f"Image path: the artifact's job decodes and preprocesses with tensor ops on its device, not Pillow; the "
+            f"fp32 reference agrees with itself across the two paths on {agree} of {total} top-1 classes "
+            f"({agree / total:.1%}) of the evaluation images.")

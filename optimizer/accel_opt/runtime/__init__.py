@@ -148,11 +148,13 @@ class Deployment:
         if config.preprocessing is not None and config.preprocessing.fused:
             raise UsageError(f"{self.folder.name} takes decoded image crops (fused preprocessing): give --data with images")
         shapes = with_batch(config.shapes, 1, config.batch_axes) if config.batch_dynamic else config.shapes
-        import onnx
+        bounds = {}
+        if config.model_file.endswith(".onnx"):
+            import onnx
 
-        from accel_opt.graph.inspect import index_bounds
+            from accel_opt.graph.inspect import index_bounds
 
-        bounds = index_bounds(onnx.load(str(self.folder / config.model_file), load_external_data=False))
+            bounds = index_bounds(onnx.load(str(self.folder / config.model_file), load_external_data=False))
         return synthetic_samples(config.inputs, shapes, synthetic_count, seed, bounds)
 
     def runner(self, feed_dtypes: dict[str, Any] | None = None) -> BaseRunner:
@@ -258,9 +260,9 @@ def check(folder: Path, expected_files: dict[str, str] | None = None, trust: Tru
 
 
 def _backend_of(config: ResourceConfig):
-    """The backend as the build ran it (a GPU EP recorded there is required here too)."""
+    """The backend as the build ran it (a GPU EP recorded there, or the torch package's device, is required here too)."""
     return get_backend(config.backend, providers=config.settings.get("providers_requested"),
-                       allow_cpu_nodes=config.settings.get("cpu_ep_fallback") == "allowed")
+                       allow_cpu_nodes=config.settings.get("cpu_ep_fallback") == "allowed", device=config.device)
 
 
 def _environment_problems(folder: Path, config: ResourceConfig) -> list[str]:
@@ -275,6 +277,10 @@ def _environment_problems(folder: Path, config: ResourceConfig) -> list[str]:
         import openvino
 
         recorded, here = config.settings.get("openvino_version"), openvino.get_version()
+    elif config.backend == "torch":  # a package runs only on the torch release, CPU ISA and GPU capability it was built for
+        from accel_opt.backends.torch_package import environment_problems
+
+        return environment_problems(config.settings)
     elif config.backend == "tensorrt":  # an engine runs only on the GPU model and TensorRT version that built it
         from accel_opt.backends.tensorrt import here_facts
         from accel_opt.backends.trt_plan import check_engine_compatible

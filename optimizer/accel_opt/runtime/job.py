@@ -5,7 +5,7 @@ decodes and resizes) -> batches of the deployed size -> inference -> a writer th
 line per input, in input order. At most `window` inputs are in flight, whatever their number, so
 memory stays bounded. An unreadable or wrong-shaped input goes to `<out>.errors.jsonl` with its
 reason and the others are still predicted. An input given twice is answered once, at its first place.
-Inputs are listed by one rule for both engines (`list_inputs`: folders recursively, globs, URIs).
+Inputs are listed by one rule for both engines (`inputs.list_inputs`: folders recursively, globs, URIs).
 Every line is written whole and flushed per batch; a run that is killed leaves at most a partial last
 line without its newline, which `--resume` drops before it skips the inputs already answered. What the
 job promises about its files (one writer, one artifact per file, whole lines) is in `output.py`.
@@ -13,8 +13,6 @@ job promises about its files (one writer, one artifact per file, whole lines) is
 
 from __future__ import annotations
 
-import glob
-import os
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -29,12 +27,11 @@ from accel_opt.errors import InputRejected, UsageError
 from accel_opt.machine.cpu import available_cpus
 from accel_opt.preprocess.images import IMAGE_SUFFIXES, preprocess_image, read_image
 from accel_opt.runtime import Deployment
+from accel_opt.runtime.inputs import NPZ, list_inputs, local_path, unique_inputs
 from accel_opt.runtime.output import Outputs, Writer, input_key, topk_record
 
-__all__ = ["JobSummary", "errors_path", "list_inputs", "run_job", "topk_record", "unique_inputs"]
+__all__ = ["JobSummary", "errors_path", "run_job", "topk_record"]
 
-NPZ = ".npz"
-FILE_SCHEME = "file://"
 
 
 class JobSummary(BaseModel):
@@ -53,71 +50,10 @@ class JobSummary(BaseModel):
     # Where the time went. read: decoding and preprocessing, summed over the reader threads; the rest is
     # the inference thread's own time: waiting for read inputs, compute (batching included), writing.
     stages_seconds: dict[str, float]
-    bottleneck: str  # "reading" when inference waited longer for inputs than it computed, else "compute"
+    bottleneck: str  # "reading" when inference waited longer for inputs than it computed, else the slowest stage
+    path: str = "host"  # "host": Pillow and numpy; "device": the torch artifact's tensor path (decode on its device)
+    host_decoded: int = 0  # device path: inputs the host decoded instead (not JPEG, or the device decoder refused them)
     exit_code: int  # 0: every input predicted; 3: some rejected
-
-
-def list_inputs(items: Iterable[str | os.PathLike], exclude: Path | None = None, remote: bool = True) -> list[str]:
-    """The one input-listing rule of both engines (`accel-opt run` and `--engine ray`): files as given; folders
-    recursively, as their image and .npz files, sorted by path; globs (`**` too) expanded; URIs (file://, s3://,
-    gs://: any file system pyarrow reads) listed through pyarrow. A path that matches nothing stays in the list,
-    to be rejected as not found. Files under `exclude` (an output folder) are left out. Without `remote`, a URI
-    of another file system than file:// is a usage error (the local engine reads files on this machine only)."""
-    listed: list[str] = []
-    for item in items:
-        text = str(item)
-        if not remote and local_path(text) is None:
-            raise UsageError(f"{text}: this engine reads files on this machine; --engine ray reads other file systems")
-        if "://" in text:
-            listed += _list_uri(text)
-        elif glob.has_magic(text):
-            listed += sorted(glob.glob(text, recursive=True)) or [text]
-        elif Path(text).is_dir():
-            listed += [str(p) for p in sorted(Path(text).rglob("*")) if p.is_file() and _is_input(p.name)]
-        else:
-            listed.append(text)
-    if exclude is not None:
-        out = str(exclude.resolve())
-        listed = [p for p in listed if "://" in p or not str(Path(p).resolve()).startswith(out + os.sep)]
-    if not listed:
-        raise UsageError("no inputs: give image files, .npz feed dicts, folders or globs of them")
-    return listed
-
-
-def _is_input(name: str) -> bool:
-    suffix = Path(name).suffix
-    return suffix.lower() in IMAGE_SUFFIXES or suffix == NPZ
-
-
-def _list_uri(uri: str) -> list[str]:
-    try:
-        import pyarrow.fs
-    except ImportError:
-        raise UsageError(f"{uri}: URIs are listed through pyarrow: pip install pyarrow (or 'accel-opt[ray]')") from None
-    scheme = uri[: uri.index("://") + 3]
-    fs, root = pyarrow.fs.FileSystem.from_uri(uri)
-    if fs.get_file_info(root).type != pyarrow.fs.FileType.Directory:
-        return [uri]
-    found = fs.get_file_info(pyarrow.fs.FileSelector(root, recursive=True))
-    return sorted(scheme + f.path for f in found if f.type == pyarrow.fs.FileType.File and _is_input(f.base_name))
-
-
-def local_path(uri: str) -> str | None:
-    """The local path of a plain path or a file:// URI; None for another file system (s3://, gs://)."""
-    if uri.startswith(FILE_SCHEME):
-        return uri[len(FILE_SCHEME):]
-    return None if "://" in uri else uri
-
-
-def unique_inputs(paths: list[str]) -> list[str]:
-    """Each input once, at its first place: a fresh run and a resumed one answer a repeated path alike."""
-    seen: set[str] = set()
-    unique = []
-    for path in paths:
-        if (key := input_key(path)) not in seen:
-            seen.add(key)
-            unique.append(path)
-    return unique
 
 
 def errors_path(predictions: Path) -> Path:
@@ -149,16 +85,26 @@ def run_job(
     with outputs.exclusive():
         answered = outputs.start(deployment.folder, deployment.identity, resume, overwrite)
         remaining = [p for p in todo if input_key(p) not in answered]
-        counts, stages, workers, batch_size = _predict(deployment, remaining, outputs, workers, on_progress)
+        host_decoded, job_path = 0, "host"
+        from accel_opt.runtime.device_job import predict_on_device, takes_device_path
+
+        if takes_device_path(deployment):
+            counts, stages, workers, batch_size, host_decoded = predict_on_device(deployment, remaining, outputs, workers,
+                                                                                  on_progress)
+            job_path = "device"
+        else:
+            counts, stages, workers, batch_size = _predict(deployment, remaining, outputs, workers, on_progress)
     predicted, rejected = counts
     seconds = time.perf_counter() - started
+    busiest = max((s for s in stages if s not in ("read", "wait_for_inputs")), key=stages.get)
     return JobSummary(
         artifact=str(deployment.folder), predictions=str(outputs.predictions), errors=str(outputs.errors), inputs=len(todo),
         duplicates=len(given) - len(todo), predicted=predicted, rejected=rejected, skipped=len(todo) - len(remaining),
         workers=workers, batch_size=batch_size, seconds=seconds,
         inputs_per_s=(predicted + rejected) / seconds if seconds > 0 else 0.0,
         stages_seconds={k: round(v, 4) for k, v in stages.items()},
-        bottleneck="reading" if stages["wait_for_inputs"] > stages["compute"] else "compute", exit_code=3 if rejected else 0,
+        bottleneck="reading" if stages["wait_for_inputs"] > stages[busiest] else busiest, path=job_path,
+        host_decoded=host_decoded, exit_code=3 if rejected else 0,
     )
 
 

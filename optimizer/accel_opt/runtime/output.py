@@ -279,6 +279,11 @@ class Writer:
         self._out.append("".join(lines))  # one write per batch, each line whole
         return len(lines)
 
+    def predict_records(self, paths: list[str], records: list[dict[str, Any]]) -> int:
+        """Lines of answers already made (a device computed a classifier's top-k): one write per batch."""
+        self._out.append("".join(json.dumps({"input": path, **record}) + "\n" for path, record in zip(paths, records)))
+        return len(records)
+
     def record(self, path: str, outputs: dict[str, np.ndarray]) -> dict[str, Any]:
         """The answer's JSON fields, its outputs' .npz written first (before the line naming it) where it has one."""
         record, npz = self.answer(path, outputs)

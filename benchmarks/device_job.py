@@ -1,0 +1,322 @@
+"""The whole image job on the torch backend's device, against the jobs users write, and against the device's limits.
+
+On generated JPEGs of mixed sizes (random crops of scikit-image's photos re-encoded at 320-800 px), one run builds the
+example factory with `--backend torch` (ResNet-50 layout from examples/resnet_torch.py, or `--model tiny`) at each
+precision and times, each from loading the model to the last answer written, in the same process:
+- naive: Pillow decode + resize per image, the eager fp32 module, batch 1, one host-to-device copy per image;
+- host preprocessing: the same Pillow decode + resize on reader threads, the fp32 package at its deployed batch;
+- device (`accel-opt run` of each torch build): decoding on the device where it can (nvJPEG through torchvision on
+  CUDA; Pillow on the host elsewhere), resize/crop/normalize as tensor ops there, only the top-k copied back;
+- on a CPU, beside them, `accel-opt run` of the same factory built on ONNX Runtime and OpenVINO (fp32).
+And the limits, measured alone in the same run: decoding every file (nvJPEG in batches on CUDA; Pillow on every core
+elsewhere), host-to-device bandwidth from pinned memory (CUDA), the fp32 package alone at its deployed batch on a
+tensor already on the device, and, on CUDA, the package replayed as a CUDA graph against called plainly. It prints
+and writes (`--out`, default benchmarks/results/) each job's images/s and ratio to the naive job, top-1 agreement with
+the naive job, the device job's stages with the slowest named and its fraction of the matching limit, naming the
+GPU (or the CPU and its class).
+
+    python -m benchmarks.device_job [--device cuda|cpu] [--model resnet50|tiny] [--count N] [--precisions fp32,bf16,fp16]
+
+On the H200 (`--device cuda`) this is the script the GPU check runs; `--device cpu --model tiny` is its own test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+MODELS = {"resnet50": (f"{ROOT / 'examples' / 'resnet_torch.py'}:resnet50", [1, 3, 224, 224]),
+          "tiny": (f"{ROOT / 'examples' / 'tiny_models.py'}:cnn", [1, 3, 32, 32])}
+QUICK_BENCH = {"warmup_iterations": 2, "min_iterations": 10, "min_seconds": 0.2, "max_iterations": 200,
+               "concurrency": [1], "window_seconds": 0.1, "max_windows": 4}
+
+
+def main() -> int:
+    import torch
+
+    from accel_opt.machine.cpu import cpu_info, kernel_class
+    from benchmarks.e2e_job import make_jpegs
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", choices=["cuda", "cpu"], help="default: cuda when torch sees a GPU, else cpu")
+    parser.add_argument("--model", choices=sorted(MODELS), default="resnet50")
+    parser.add_argument("--count", type=int, help="JPEGs in the job (default: 3000 on cuda, 300 on cpu)")
+    parser.add_argument("--precisions", help="torch builds (default: fp32,bf16,fp16 on cuda; fp32, and bf16 where native, on cpu)")
+    parser.add_argument("--batch", type=int, default=32, help="the deployed batch of every build")
+    parser.add_argument("--peers", default=None, help="CPU only: other backends' jobs beside (default: onnxruntime,openvino; '' for none)")
+    parser.add_argument("--workdir", type=Path, help="keep files here (default: a temp dir)")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="where the result file goes")
+    args = parser.parse_args()
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    cuda = device == "cuda"
+    if cuda and not torch.cuda.is_available():
+        print("device_job: skipped: --device cuda, but torch sees no CUDA GPU")
+        return 0
+    cpu = cpu_info()
+    native_bf16 = bool({"avx512_bf16", "amx_bf16"} & set(cpu["flags"]))
+    precisions = (args.precisions or ("fp32,bf16,fp16" if cuda else "fp32,bf16" if native_bf16 else "fp32")).split(",")
+    peers = [] if cuda else [p for p in (args.peers if args.peers is not None else "onnxruntime,openvino").split(",") if p]
+    count = args.count or (3000 if cuda else 300)
+    work = args.workdir or Path(tempfile.mkdtemp(prefix="accel-opt-device-job-"))
+    work.mkdir(parents=True, exist_ok=True)
+    factory, shape = MODELS[args.model]
+    where = (f"{torch.cuda.get_device_name()} (compute {'.'.join(map(str, torch.cuda.get_device_capability()))}, "
+             f"driver CUDA {torch.version.cuda})" if cuda else f"{cpu['model']}, {cpu['available_cpus']} CPUs, class "
+             f"{kernel_class('onnxruntime')}")
+    lines = [f"device_job on {device}: {where}; torch {torch.__version__}; {platform.python_version()}",
+             f"model: {args.model} ({factory.rsplit('/', 1)[-1]}), input {shape[2]}x{shape[3]}; {count} JPEGs of "
+             f"320-800 px; deployed batch {args.batch}"]
+    print("\n".join(lines), flush=True)
+
+    jobs = work / "job"
+    if not jobs.exists():
+        make_jpegs(jobs, count, seed=1)
+        make_jpegs(work / "calib", 64, seed=2)
+    files = sorted(jobs.iterdir())
+
+    builds = {f"torch {p}": _build(factory, shape, "torch", p, device, args.batch, work) for p in precisions}
+    builds.update({f"{b} fp32": _build(factory, shape, b, "fp32", device, args.batch, work) for b in peers})
+    for name, (folder, built_s) in builds.items():
+        print(f"built {name} in {built_s:.0f} s: {folder.name}", flush=True)
+
+    limits = {"decode": _decode_limit(files, device), "model": _model_limit(builds["torch fp32"][0], args.batch, device)}
+    if cuda:
+        limits["h2d"] = _h2d_limit(args.batch, shape)
+        graph = _cuda_graph_ratio(builds["torch fp32"][0], args.batch)
+    results = {"naive": _naive_job(factory, builds["torch fp32"][0], files, device),
+               "host preprocessing": _host_job(builds["torch fp32"][0], files)}
+    for name, (folder, _) in builds.items():
+        results[f"device: accel-opt run {name}" if name.startswith("torch") else f"accel-opt run {name}"] = \
+            _run_job(folder, jobs, work / f"{name.replace(' ', '-')}.jsonl")
+    naive = results["naive"]
+    lines += ["", f"{'job (from loading the model to the last answer)':58} {'seconds':>8} {'images/s':>9} "
+              f"{'vs naive':>9} {'top-1 = naive':>14}"]
+    for name, job in results.items():
+        agree = np.mean([job["top1"].get(f) == t for f, t in naive["top1"].items()])
+        lines.append(f"{name:58} {job['seconds']:8.2f} {count / job['seconds']:9.1f} "
+                     f"{naive['seconds'] / job['seconds']:8.2f}x {agree:14.1%}")
+    lines += ["", "limits, each measured alone:"]
+    lines.append(f"  decode every file ({'nvJPEG, batches of 64' if limits['decode'][1] else 'Pillow, every core'}): "
+                 f"{limits['decode'][0]:.0f} images/s")
+    lines.append(f"  the fp32 package alone at batch {args.batch}, input already on {device}: {limits['model']:.0f} images/s")
+    if cuda:
+        lines.append(f"  host-to-device from pinned memory: {limits['h2d']:.1f} GB/s")
+        lines.append(f"  the fp32 package replayed as a CUDA graph: {graph:.2f}x its plain call at batch {args.batch}")
+    for name in [n for n in results if n.startswith("device")]:
+        job = results[name]
+        stages = {k: v for k, v in job["summary"]["stages_seconds"].items() if k not in ("wait_for_inputs",)}
+        slowest = max(stages, key=stages.get)
+        # The whole job's rate against the decode limit (no job over these files can beat decoding them), and the
+        # compute stage's rate against the package alone.
+        job_rate = count / job["seconds"]
+        compute_rate = count / max(stages["compute"], 1e-9)
+        lines.append(f"{name}: stages (s; read is summed over reader threads) "
+                     + ", ".join(f"{k} {v:.2f}" for k, v in stages.items())
+                     + f"; slowest: {slowest}; host-decoded {job['summary']['host_decoded']} of {count}; the job at "
+                     f"{job_rate / limits['decode'][0]:.0%} of the decode limit, its compute at "
+                     f"{compute_rate / limits['model']:.0%} of the package alone")
+    text = "\n".join(lines)
+    print("\n".join(lines[2:]))
+    args.out.mkdir(parents=True, exist_ok=True)
+    label = torch.cuda.get_device_name().replace(" ", "_") if cuda else kernel_class("onnxruntime")
+    out = args.out / f"device_job-{device}-{args.model}-{label}.txt"
+    out.write_text(text + "\n")
+    print(f"written: {out}")
+    return 0
+
+
+def _build(factory: str, shape: list[int], backend: str, precision: str, device: str, batch: int, work: Path):
+    from accel_opt.pipeline import build
+    from accel_opt.recipe import load_recipe
+
+    recipe = load_recipe("image-classifier").with_overrides(
+        backend=backend, precision=precision, shapes={"image": shape}, benchmark={**QUICK_BENCH, "batch_sizes": [batch]},
+        **{"selection.target_batch_size": batch, "torch.device": device if backend == "torch" else None,
+           "precision_options.fallback.enabled": False})
+    started = time.perf_counter()
+    result = build(factory, recipe, data_dir=work / "calib", out_dir=work / "artifacts")
+    if not result.signed_off:
+        print(f"  note: {backend} {precision} is not signed off: {result.failures[:1]}")
+    return Path(result.artifact_dir), time.perf_counter() - started
+
+
+def _run_job(folder: Path, jobs: Path, out: Path) -> dict:
+    from accel_opt import runtime
+    from accel_opt.runtime.job import run_job
+
+    started = time.perf_counter()
+    summary = run_job(runtime.load(folder), [jobs], out, overwrite=True)
+    seconds = time.perf_counter() - started
+    return {"seconds": seconds, "summary": summary.model_dump(), "top1": _top1s(out)}
+
+
+def _top1s(path: Path) -> dict[str, int]:
+    return {Path(line["input"]).name: line["top1"] for line in map(json.loads, path.read_text().splitlines())}
+
+
+def _naive_job(factory: str, folder: Path, files: list[Path], device: str) -> dict:
+    """Pillow per image, the eager fp32 module at batch 1, one copy to the device per image."""
+    import torch
+    from PIL import Image
+
+    from accel_opt import runtime
+    from accel_opt.backends.torch import load_factory
+    from accel_opt.preprocess.images import preprocess_image
+
+    pre = runtime.load(folder).config.preprocessing
+    started = time.perf_counter()
+    module = load_factory(factory)().to(device)
+    top1 = {}
+    with torch.inference_mode():
+        for path in files:
+            with Image.open(path) as img:
+                pixels = preprocess_image(img.convert("RGB"), pre)
+            logits = module(torch.from_numpy(pixels).to(device))
+            top1[path.name] = int(logits.argmax())
+    return {"seconds": time.perf_counter() - started, "top1": top1}
+
+
+def _host_job(folder: Path, files: list[Path]) -> dict:
+    """Pillow decode + resize on reader threads, the package at its deployed batch (a pinned copy per batch)."""
+    from PIL import Image
+
+    from accel_opt import runtime
+    from accel_opt.data import concat_samples
+    from accel_opt.preprocess.images import preprocess_image
+
+    started = time.perf_counter()
+    deployment = runtime.load(folder)
+    pre, batch = deployment.config.preprocessing, deployment.batch_size
+
+    def read(path: Path):
+        with Image.open(path) as img:
+            return preprocess_image(img.convert("RGB"), pre)
+
+    top1 = {}
+    with deployment.runner() as runner, ThreadPoolExecutor() as pool:
+        pixels = list(pool.map(read, files))  # the readers run ahead of the model, as the job's do
+        for start in range(0, len(files), batch):
+            chunk = pixels[start:start + batch]
+            feed = concat_samples([{"image": p} for p in chunk + [chunk[-1]] * (batch - len(chunk))], {"image": 0})
+            logits = next(iter(runner.infer(feed, check_inputs=False).values()))
+            for path, row in zip(files[start:start + batch], logits):
+                top1[path.name] = int(np.argmax(row))
+    return {"seconds": time.perf_counter() - started, "top1": top1}
+
+
+def _decode(path: str) -> int:
+    from PIL import Image
+
+    with Image.open(path) as img:
+        img.load()
+        return img.width
+
+
+def _decode_limit(files: list[Path], device: str) -> tuple[float, bool]:
+    """Images/s decoding every file once: nvJPEG in batches of 64 where torchvision does it, else Pillow on every core."""
+    from accel_opt.preprocess.tensor_images import device_decoder_available
+
+    if device_decoder_available(device):
+        import torch
+        from torchvision.io import ImageReadMode, decode_jpeg
+
+        data = [torch.frombuffer(bytearray(p.read_bytes()), dtype=torch.uint8) for p in files]
+        decode_jpeg(data[:64], mode=ImageReadMode.RGB, device=device)  # warm-up
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        for start in range(0, len(data), 64):
+            decode_jpeg(data[start:start + 64], mode=ImageReadMode.RGB, device=device)
+        torch.cuda.synchronize()
+        return len(files) / (time.perf_counter() - started), True
+    from accel_opt.machine.cpu import available_cpus
+
+    started = time.perf_counter()
+    with ProcessPoolExecutor(available_cpus()) as pool:
+        list(pool.map(_decode, [str(p) for p in files], chunksize=16))
+    return len(files) / (time.perf_counter() - started), False
+
+
+def _model_limit(folder: Path, batch: int, device: str) -> float:
+    """Images/s of the package alone at `batch`, its input already on the device (median of timed calls)."""
+    import torch
+
+    from accel_opt import runtime
+
+    deployment = runtime.load(folder)
+    shape = list(deployment.config.inputs[0].shape_used)
+    shape[0] = batch
+    with deployment.runner() as runner:
+        x = torch.randn(*shape, device=device)
+        times = []
+        for i in range(30):
+            if device == "cuda":
+                torch.cuda.synchronize()
+            started = time.perf_counter()
+            runner.infer_tensors([x])
+            if device == "cuda":
+                torch.cuda.synchronize()
+            if i >= 5:
+                times.append(time.perf_counter() - started)
+    return batch / statistics.median(times)
+
+
+def _h2d_limit(batch: int, shape: list[int]) -> float:
+    """GB/s of one batch of float32 images copied from pinned host memory (median of 20)."""
+    import torch
+
+    host = torch.randn(batch, *shape[1:]).pin_memory()
+    times = []
+    for _ in range(20):
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        host.to("cuda", non_blocking=True)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - started)
+    return host.numel() * 4 / statistics.median(times) / 1e9
+
+
+def _cuda_graph_ratio(folder: Path, batch: int) -> float:
+    """The fp32 package captured once as a CUDA graph and replayed, against called plainly: plain time / replay time."""
+    import torch
+
+    from accel_opt import runtime
+
+    deployment = runtime.load(folder)
+    shape = list(deployment.config.inputs[0].shape_used)
+    shape[0] = batch
+    with deployment.runner() as runner:
+        static = torch.randn(*shape, device="cuda")
+        stream = torch.cuda.Stream()
+        with torch.cuda.stream(stream):
+            for _ in range(3):
+                runner.infer_tensors([static])  # warm-up on a side stream, as capture requires
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            runner.infer_tensors([static])
+
+        def timed(call) -> float:
+            torch.cuda.synchronize()
+            started = time.perf_counter()
+            for _ in range(50):
+                call()
+            torch.cuda.synchronize()
+            return (time.perf_counter() - started) / 50
+
+        return timed(lambda: runner.infer_tensors([static])) / timed(graph.replay)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

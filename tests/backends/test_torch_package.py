@@ -1,0 +1,179 @@
+"""`--backend torch`: a PyTorch factory exported with torch.export, compiled by AOTInductor into model.pt2, judged
+against the eager fp32 module, and run by `accel-opt run` with its image path as tensor ops. Real compiles (a C++
+compiler runs: about 20-50 s each on two cores), shared by the tests of this module."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from PIL import Image
+
+torch = pytest.importorskip("torch", reason="the torch extra: pip install 'accel-opt[torch]' torch==2.13.0")
+
+from accel_opt import runtime  # noqa: E402
+from accel_opt.artifact.folder import MANIFEST, file_hashes  # noqa: E402
+from accel_opt.cli import main  # noqa: E402
+from accel_opt.pipeline import build  # noqa: E402
+from accel_opt.preprocess.images import preprocess_image  # noqa: E402
+from accel_opt.recipe import Preprocessing, load_recipe  # noqa: E402
+from accel_opt.runtime.job import run_job  # noqa: E402
+
+from ..conftest import CLASSIFIER_PRE, FAST_BENCH  # noqa: E402
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+CNN = f"{EXAMPLES / 'tiny_models.py'}:cnn"
+
+
+def _recipe(precision: str):
+    return load_recipe().with_overrides(
+        backend="torch", precision=precision, shapes={"image": [1, 3, 32, 32]}, benchmark=FAST_BENCH,
+        preprocessing=CLASSIFIER_PRE, postprocess={"topk": 3},
+        **{"selection.target_batch_size": 4, "accuracy.task_metrics": [{"kind": "topk", "min_agreement": {1: 0.9}}]})
+
+
+@pytest.fixture(scope="module")
+def torch_builds(photos, tmp_path_factory) -> dict[str, Path]:
+    """The tiny CNN factory built from photos with --backend torch, at fp32 and bf16."""
+    out = tmp_path_factory.mktemp("torch")
+    folders = {}
+    for precision in ("fp32", "bf16"):
+        result = build(CNN, _recipe(precision), data_dir=photos, out_dir=out)
+        assert result.signed_off, result.failures
+        folders[precision] = Path(result.artifact_dir)
+    return folders
+
+
+def test_a_factory_builds_on_torch_at_fp32_and_bf16_and_signs_off(torch_builds):
+    for precision, folder in torch_builds.items():
+        manifest = json.loads((folder / MANIFEST).read_text())
+        config = json.loads((folder / "resource_config.json").read_text())
+        assert manifest["backend"] == "torch" and manifest["precision"] == precision
+        assert config["model_file"] == "model.pt2" and config["device"] == "cpu"  # torch sees no GPU here
+        assert not (folder / "model.onnx").exists()  # what ships is the package the gate judged
+        assert config["settings"]["aoti"]["AOTI_DEVICE_KEY"] == "cpu" and config["settings"]["io_dtype"] == "float32"
+        accuracy = json.loads((folder / "accuracy.json").read_text())
+        assert accuracy["reference"] == "reference-pytorch" and accuracy["candidate"] == f"torch-{precision}"
+        signoff = (folder / "signoff.md").read_text()
+        assert "Image path: the artifact's job decodes and preprocesses with tensor ops" in signoff
+        bench = json.loads((folder / "benchmark.json").read_text())
+        labels = [m["label"] for m in bench["models"]]
+        assert labels[0] == f"torch-{precision}" and "pytorch-eager" in labels
+        if precision != "fp32":
+            assert "torch-fp32" in labels  # the speed-up is against the same backend's fp32 package
+
+
+def test_the_package_runs_jpegs_on_its_tensor_path_and_agrees_with_pillow(torch_builds, photos, tmp_path):
+    """`accel-opt run` decodes and preprocesses with tensor ops (the host decodes on a CPU), and its top-1 agrees
+    with the eager fp32 module on the Pillow path on at least 99% of the images."""
+    folder = torch_builds["fp32"]
+    png = tmp_path / "inputs" / "photo.png"  # not a JPEG: the host path decodes it, counted
+    png.parent.mkdir()
+    Image.open(sorted(photos.iterdir())[0]).save(png)
+    inputs = [photos, png]
+    out = tmp_path / "preds.jsonl"
+    summary = run_job(runtime.load(folder), inputs, out)
+    assert summary.exit_code == 0 and summary.path == "device" and summary.predicted == 13
+    assert set(summary.stages_seconds) >= {"decode", "h2d", "preprocess", "compute", "d2h", "write"}
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    module = _module()
+    pre = Preprocessing(**CLASSIFIER_PRE)
+    agree = 0
+    for line in lines:
+        with Image.open(line["input"]) as img:
+            pixels = preprocess_image(img.convert("RGB"), pre)
+        with torch.inference_mode():
+            agree += int(int(module(torch.from_numpy(pixels)).argmax()) == line["top1"])
+        assert len(line["topk"]) == 3 and line["topk"][0][0] == line["top1"]
+    assert agree / len(lines) >= 0.99, f"{agree} of {len(lines)}"
+
+
+def _module():
+    from accel_opt.backends.torch import load_factory
+
+    return load_factory(CNN)()
+
+
+def test_an_onnx_model_with_backend_torch_is_exit_4_in_one_line(tiny_cnn_path, tmp_path):
+    done = CliRunner().invoke(main, ["build", str(tiny_cnn_path), "--backend", "torch", "--out", str(tmp_path)])
+    assert done.exit_code == 4 and done.stderr.count("\n") == 1
+    assert "builds PyTorch factories" in done.stderr and "onnxruntime, openvino or tensorrt" in done.stderr
+
+
+def test_a_module_torch_export_cannot_trace_is_exit_4_with_its_reason(tmp_path):
+    factory = tmp_path / "branchy.py"
+    factory.write_text(
+        "import torch\n"
+        "class Branchy(torch.nn.Module):\n"
+        "    def forward(self, x):\n"
+        "        if x.sum() > 0:  # data-dependent control flow: torch.export cannot trace it\n"
+        "            return x * 2\n"
+        "        return x - 1\n"
+        "def make():\n"
+        "    return Branchy()\n")
+    done = CliRunner().invoke(main, ["build", f"{factory}:make", "--backend", "torch", "--shapes", "x:2x4",
+                                     "--out", str(tmp_path / "out")])
+    assert done.exit_code == 4, done.stderr
+    assert done.stderr.count("\n") == 1 and "torch.export cannot trace the module" in done.stderr
+    assert not list((tmp_path / "out").glob("branchy-*"))  # nothing half-written
+
+
+def test_a_cuda_folder_on_a_machine_without_one_is_exit_4(torch_builds, photos, tmp_path):
+    folder = Path(shutil.copytree(torch_builds["fp32"], tmp_path / "cuda" / torch_builds["fp32"].name))
+    config = json.loads((folder / "resource_config.json").read_text())
+    config["device"] = "cuda:0"
+    (folder / "resource_config.json").write_text(json.dumps(config))
+    manifest = json.loads((folder / MANIFEST).read_text())
+    manifest["artifacts"] = file_hashes(folder)
+    (folder / MANIFEST).write_text(json.dumps(manifest))
+    done = CliRunner().invoke(main, ["run", str(folder), str(photos), "--out", str(tmp_path / "p.jsonl")])
+    assert done.exit_code == 4 and done.stderr.count("\n") == 1 and "cuda" in done.stderr, done.stderr
+    built = CliRunner().invoke(main, ["build", CNN, "--backend", "torch", "--device", "cuda", "--shapes",
+                                      "image:1x3x32x32", "--out", str(tmp_path / "out")])
+    assert built.exit_code == 4 and "torch.cuda.is_available() is False" in built.stderr
+
+
+def test_a_tampered_package_is_refused_before_it_loads(torch_builds, photos, tmp_path):
+    folder = Path(shutil.copytree(torch_builds["fp32"], tmp_path / torch_builds["fp32"].name))
+    package = folder / "model.pt2"
+    package.write_bytes(package.read_bytes()[:-64] + bytes(64))
+    for command in (["verify", str(folder)], ["run", str(folder), str(photos), "--out", str(tmp_path / "p.jsonl")]):
+        done = CliRunner().invoke(main, command)
+        assert done.exit_code == 3 and "model.pt2: sha256 does not match" in done.stderr, done.stderr
+
+
+def test_a_package_for_another_cpu_isa_is_refused_naming_it(torch_builds, tmp_path):
+    from accel_opt.backends.torch_package import environment_problems
+
+    settings = json.loads((torch_builds["fp32"] / "resource_config.json").read_text())["settings"]
+    assert environment_problems(settings) == []
+    elsewhere = {**settings, "aoti": {**settings["aoti"], "AOTI_CPU_ISA": "AVX512 AVX512_VNNI AMX_TILE VNNI_NOT_HERE"}}
+    assert "rebuild here" in environment_problems(elsewhere)[0]
+    older = {**settings, "torch_version": "2.1.0"}
+    assert "built and checked with torch 2.1.0" in environment_problems(older)[0]
+
+
+def test_int8_takes_pt2e_where_torchao_provides_it(photos, tmp_path):
+    pytest.importorskip("torchao", reason="PT2E int8 lives in torchao since torch 2.10")
+    result = build(CNN, _recipe("int8").with_overrides(**{"precision_options.calibration.samples": 6}),
+                   data_dir=photos, out_dir=tmp_path)
+    folder = Path(result.artifact_dir)
+    build_record = json.loads((folder / "build.json").read_text())
+    assert "PT2E static int8" in build_record["precision"]["transform"]
+    assert result.signed_off, result.failures  # the tiny CNN quantizes well: top-1 agreement holds
+
+
+def test_auto_runs_torch_off_against_the_onnx_backends_for_a_factory():
+    from accel_opt.auto import plan
+    from accel_opt.backends.select import torch_candidate_precisions
+
+    pairs, reason = plan(load_recipe(), "auto", "fp32", has_data=False, torch_source=True)
+    assert ("torch", "fp32") in {(b, p) for b, p, _ in pairs} and "runs off on torch" in reason
+    assert ("torch", "fp32") not in {(b, p) for b, p, _ in plan(load_recipe(), "auto", "fp32", False)[0]}
+    amx = frozenset({"avx512f", "amx_bf16", "amx_int8"})
+    assert [p.value for p, _ in torch_candidate_precisions(amx, cuda=False, torchao=True)] == ["fp32", "bf16", "int8"]
+    assert [p.value for p, _ in torch_candidate_precisions(frozenset({"avx2"}), cuda=False, torchao=False)] == ["fp32"]
+    assert [p.value for p, _ in torch_candidate_precisions(frozenset(), cuda=True)] == ["fp32", "fp16", "bf16"]
