@@ -110,3 +110,19 @@ def test_long_modules_say_why_they_are_one():
     unexplained = [f"{name} ({lines} lines)" for name, lines in sorted(long.items())
                    if ONE_MODULE_REASON not in (ast.get_docstring(ast.parse(MODULES[name].read_text())) or "")]
     assert not unexplained, f"over {MAX_LINES} lines without '{ONE_MODULE_REASON}' in the docstring: {unexplained}"
+
+
+def test_no_submodule_shadows_a_name_its_package_exports():
+    """`from accel_opt.accuracy import compare` must stay the function: a submodule of the same name, once imported
+    anywhere, replaces the package's attribute with itself (it did: accuracy/compare.py hid accuracy.compare())."""
+    clashes = []
+    for name, path in MODULES.items():
+        if path.name != "__init__.py":
+            continue
+        # A name bound from another module than the same-named submodule: once that submodule is imported
+        # (after the package), it takes the name. (`from .judge import judge` loads it first: the function stays.)
+        exported = {n for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.ImportFrom)
+                    for a in node.names for n in [a.asname or a.name]
+                    if node.module not in (f"{name}.{n}", name.rpartition(".")[0] or None) and node.module != name}
+        clashes += [f"{name}.{child.stem}" for child in path.parent.glob("*.py") if child.stem in exported]
+    assert not clashes, f"submodules named like a name their package exports: {clashes}"

@@ -116,7 +116,7 @@ def compare_command(baseline, candidate, data_dir, reference, max_latency_regres
     setup_logging(verbose)
     try:
         from accel_opt import runtime
-        from accel_opt.accuracy.compare import comparison_markdown, reference_of, run_comparison
+        from accel_opt.accuracy.regression import comparison_markdown, reference_of, run_comparison
         from accel_opt.runtime.probe import signed_off_here
 
         trust = trust_from(public_key, certificate_chain)  # both folders must carry it
