@@ -117,7 +117,7 @@ def main() -> int:
     for name in [n for n in results if n.startswith("device")]:
         job = results[name]
         stages = {k: v for k, v in job["summary"]["stages_seconds"].items() if k not in ("wait_for_inputs",)}
-        slowest = max(stages, key=stages.get)
+        slowest = job["summary"]["bottleneck"]  # of the job thread's stages (read runs on parallel reader threads)
         # The whole job's rate against the decode limit (no job over these files can beat decoding them), and the
         # compute stage's rate against the package alone.
         job_rate = count / job["seconds"]

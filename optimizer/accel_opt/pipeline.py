@@ -315,8 +315,9 @@ def _stage_precision(ctx: BuildContext) -> tuple[StageStatus, str]:
     ctx.precision.notes.append(f"Fallback: {ctx.fallback.status}, {ctx.fallback.reason}.")
     kept = len(ctx.precision.kept_in_higher_precision)
     detail = f"{ctx.precision.transform}; {kept} nodes kept in higher precision; fallback {ctx.fallback.status}"
-    if ctx.fallback.rounds:
-        detail += f" ({len(ctx.fallback.rounds)} rounds, {ctx.fallback.fp32_flops_fraction:.1%} of FLOPs in fp32)"
+    if ctx.fallback.steps:
+        detail += f" ({len(ctx.fallback.steps)} steps in {ctx.fallback.search_seconds:.0f} s, " \
+                  f"{ctx.fallback.fp32_flops_fraction:.1%} of FLOPs in float)"
     return "passed", detail
 
 

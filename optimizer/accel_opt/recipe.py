@@ -261,13 +261,22 @@ class CalibrationConfig(_Strict):
 
 
 class FallbackConfig(_Strict):
-    """Accuracy-driven fallback for int8/fp16/bf16: when the reduced build fails the recipe's tolerance on
-    the probe samples, the nodes that add the most error (per-layer diagnosis) are kept in higher
-    precision and the build is redone, until it passes or the budget runs out."""
+    """Accuracy-driven fallback for int8/fp16/bf16: when the reduced build fails the recipe's tolerance and task
+    metrics on the probe samples, a measured search (other calibrations, then groups of layers restored to float in
+    the order of their measured gain) looks for a build that passes while it still pays in speed."""
 
     enabled: bool = True
-    max_rounds: int = Field(default=6, ge=1)  # round k keeps up to 2**(k-1) more nodes
-    max_fp32_flops_fraction: float = Field(default=0.25, gt=0, le=1)  # of the model's Conv/MatMul/Gemm FLOPs
+    max_rounds: int = Field(default=8, ge=1)  # groups of layers added to the float set, at most
+    # The speed budget: the search keeps nothing in float that would take the build below this speed-up over the same
+    # backend's fp32 build (timed on the deployed kernels), and does not search at all for a build that starts below it.
+    min_speedup: float = Field(default=1.1, gt=0)
+    # The time budget of the search, wall clock, checked before each build: a mobile classifier's search fits in
+    # about ten minutes on two cores.
+    time_budget_s: float = Field(default=600.0, gt=0)
+    # Groups measured one by one (each a build); with more, those the per-layer diagnosis blames most.
+    max_measured_units: int = Field(default=32, ge=1)
+    # An optional cap on the Conv/MatMul/Gemm FLOPs left in float; the speed budget decides by default.
+    max_fp32_flops_fraction: float = Field(default=1.0, gt=0, le=1)
     probe_samples: int = Field(default=16, ge=1)  # judged: int8's calibration samples; fp16/bf16's first evaluation samples
     diagnosis_samples: int = Field(default=4, ge=1)  # the first probes, run layer by layer (the costly part)
     # fp16: nodes whose fp32 activations exceed this on a probe sample stay fp32 before any build is judged

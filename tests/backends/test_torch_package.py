@@ -177,3 +177,51 @@ def test_auto_runs_torch_off_against_the_onnx_backends_for_a_factory():
     assert [p.value for p, _ in torch_candidate_precisions(amx, cuda=False, torchao=True)] == ["fp32", "bf16", "int8"]
     assert [p.value for p, _ in torch_candidate_precisions(frozenset({"avx2"}), cuda=False, torchao=False)] == ["fp32"]
     assert [p.value for p, _ in torch_candidate_precisions(frozenset(), cuda=True)] == ["fp32", "fp16", "bf16"]
+
+
+SHIFTED = '''
+import torch
+
+
+class Shifted(torch.nn.Module):
+    """x @ W, lifted by 1000 and brought back: exact in float32, rounded to steps of 4 near 1000 in bfloat16."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(8, 8, generator=torch.Generator().manual_seed(0)) * 0.1)
+
+    def forward(self, x):
+        return (x @ self.weight + 1000.0) - 1000.0
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first = torch.nn.Linear(8, 8)
+        self.shifted = Shifted()
+        self.head = torch.nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.shifted(self.first(x))))
+
+
+def make():
+    torch.manual_seed(0)
+    return Net().eval()
+'''
+
+
+def test_a_bf16_plan_that_fails_grows_its_block_list_by_measured_gain(tmp_path):
+    """The same search as the ONNX path: the unit whose restoration gains is kept in float32, the others not; the
+    compiled package then passes the gate."""
+    factory = tmp_path / "shifted.py"
+    factory.write_text(SHIFTED)
+    recipe = load_recipe().with_overrides(backend="torch", precision="bf16", shapes={"x": [1, 8]}, benchmark=FAST_BENCH)
+    result = build(f"{factory}:make", recipe, out_dir=tmp_path / "out")
+    assert result.signed_off, result.failures
+    folder = Path(result.artifact_dir)
+    fallback = json.loads((folder / "build.json").read_text())["fallback"]
+    assert fallback["status"] == "rescued" and fallback["naive"]["passed"] is False
+    assert [k["node"] for k in fallback["kept"]] == ["shifted"]
+    settings = json.loads((folder / "resource_config.json").read_text())["settings"]
+    assert settings["keep_fp32"] == ["shifted"] and settings["dtype"] == "bfloat16"

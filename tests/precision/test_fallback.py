@@ -69,31 +69,62 @@ def test_ranking_blames_the_node_that_adds_the_error(spiky, samples, tmp_path):
     assert downstream.error > 0.3 and downstream.added_error < ranked[0].added_error  # broken, but not its doing
 
 
-def test_int8_collapse_is_rescued_with_a_small_fraction_in_fp32(spiky, fast_recipe, tmp_path):
+# The search's speed budget is not under test where the rescue's mechanics are: a tiny CNN's int8 is slower than fp32
+# on some CPUs (0.65x on an AVX-512 CPU without VNNI), and a search that does not pay stops before it starts.
+ANY_SPEED = {"precision_options.fallback.min_speedup": 0.01}
+
+
+def _steps(fallback: dict) -> list[tuple[str, str, str]]:
+    return [(s["kind"], s["what"], s["decision"]) for s in fallback["steps"]]
+
+
+def test_int8_collapse_is_rescued_by_the_measured_search(spiky, fast_recipe, tmp_path):
+    """One channel x2000 breaks per-tensor int8 of one tensor: no calibration alone saves it; restoring the 1x1 conv
+    group that reads it gains the most, measured; it is kept, and nothing that did not help is."""
     model, data = spiky
-    result = build(model, fast_recipe.with_overrides(precision="int8"), data_dir=data, out_dir=tmp_path / "out")
+    result = build(model, fast_recipe.with_overrides(precision="int8", **ANY_SPEED), data_dir=data, out_dir=tmp_path / "out")
     assert result.signed_off, result.failures
     info = json.loads((_folder(result) / "build.json").read_text())
     fallback = info["fallback"]
     assert fallback["status"] == "rescued" and fallback["naive"]["passed"] is False
-    assert fallback["naive"]["worst_cosine"] < 0.5 and fallback["fp32_flops_fraction"] < 0.1
+    assert fallback["naive"]["worst_cosine"] < 0.5 and fallback["fp32_flops_fraction"] < 0.2
     assert {k["node"] for k in fallback["kept"]} >= {"c_after"}
+    kinds = [s["kind"] for s in fallback["steps"]]
+    assert kinds[0] == "speed" and "calibration" in kinds and "measure" in kinds and kinds[-1] == "stop"
+    measured = {s["what"]: s["gain"] for s in fallback["steps"] if s["kind"] == "measure"}
+    best = max(measured, key=measured.get)
+    assert any(best.removeprefix("restore ").removesuffix(" alone") in s["what"] and s["decision"] == "kept"
+               for s in fallback["steps"] if s["kind"] == "add")  # the best-measured group is the one kept
+    assert all(s["speedup"] is not None for s in fallback["steps"] if s["kind"] == "add")  # each addition was timed
     signoff = (_folder(result) / "signoff.md").read_text()
-    assert "## Fallback (per-layer diagnosis)" in signoff and "| naive |" in signoff and "FAIL" in signoff
+    assert "## Fallback (measured search)" in signoff and "| speed |" in signoff and "| measure |" in signoff
     assert "Speed cost of the fallback" in signoff
     assert (_folder(result) / "layer_error.png").read_bytes()[:4] == b"\x89PNG"
-    assert "Fallback (per-layer diagnosis): rescued" in (_folder(result) / "signoff.html").read_text()
+    assert "Fallback (measured search): rescued" in (_folder(result) / "signoff.html").read_text()
     config = json.loads((_folder(result) / "resource_config.json").read_text())
     assert config["settings"]["integer_kernels_by_op"]["QLinearConv"] >= 4  # the rest still runs int8
 
 
-def test_budget_exhausted_is_exit_1_and_says_why(spiky, fast_recipe, tmp_path):
+def test_a_build_that_would_not_pay_is_not_searched(spiky, fast_recipe, tmp_path):
+    """The speed budget: an int8 build that is not min_speedup faster than fp32 is not rescued into a slower one."""
     model, data = spiky
-    recipe = fast_recipe.with_overrides(precision="int8", **{"precision_options.fallback.max_fp32_flops_fraction": 0.001})
+    recipe = fast_recipe.with_overrides(precision="int8", **{"precision_options.fallback.min_speedup": 100.0})
     result = build(model, recipe, data_dir=data, out_dir=tmp_path / "out")
     assert not result.signed_off and result.exit_code == 1
     fallback = json.loads((_folder(result) / "build.json").read_text())["fallback"]
-    assert fallback["status"] == "budget exhausted" and "budget" in fallback["reason"] and "c_after" in fallback["reason"]
+    assert fallback["status"] == "no speed-up" and "needs >= 100.00x" in fallback["reason"] and fallback["kept"] == []
+    assert [s["kind"] for s in fallback["steps"]] == ["speed", "stop"]
+
+
+def test_a_flops_cap_stops_the_search_and_says_why(spiky, fast_recipe, tmp_path):
+    model, data = spiky
+    recipe = fast_recipe.with_overrides(precision="int8", **ANY_SPEED,
+                                        **{"precision_options.fallback.max_fp32_flops_fraction": 0.001})
+    result = build(model, recipe, data_dir=data, out_dir=tmp_path / "out")
+    assert not result.signed_off and result.exit_code == 1
+    fallback = json.loads((_folder(result) / "build.json").read_text())["fallback"]
+    assert fallback["status"] == "budget exhausted" and "still failing" in fallback["reason"]
+    assert any(s["kind"] == "add" and "the recipe's cap 0%" in s["decision"] for s in fallback["steps"])
     assert "budget exhausted" in (_folder(result) / "signoff.md").read_text()
 
 
@@ -149,7 +180,7 @@ def test_a_build_that_passes_is_left_alone(tiny_cnn_path, fast_recipe, tmp_path)
     data = image_npz_folder(tmp_path / "data", 24)
     result = build(tiny_cnn_path, fast_recipe.with_overrides(precision="int8"), data_dir=data, out_dir=tmp_path / "out")
     fallback = json.loads((_folder(result) / "build.json").read_text())["fallback"]
-    assert fallback["status"] == "not needed" and fallback["kept"] == [] and fallback["rounds"] == []
+    assert fallback["status"] == "not needed" and fallback["kept"] == [] and fallback["steps"] == []
 
 
 def test_an_output_mixing_pixels_and_scores_keeps_its_concat_float(tmp_path):
@@ -201,9 +232,9 @@ def test_layer_groups_see_weights_through_dequantize(tiny_cnn_path, samples, tmp
     assert groups["fc"].startswith("Gemm ") and any(list(groups.values()).count(k) > 1 for k in groups.values())
 
 
-def test_a_round_the_converter_cannot_write_leaves_the_build_before_it(tiny_cnn_path, tmp_path):
-    """float16 keeping an If node in fp32 makes ONNX Runtime's converter write an invalid model: that round
-    ends the fallback with its reason, and the build before it stands (not an exit 4 for the whole build)."""
+def test_a_variant_the_converter_cannot_write_leaves_the_build_before_it(tiny_cnn_path, tmp_path):
+    """float16 keeping an If node in fp32 makes ONNX Runtime's converter write an invalid model: that variant counts as
+    no gain, the search ends with its reason, and the naive build stands (not an exit 4 for the whole build)."""
     import shutil
 
     from accel_opt.errors import Unsupported
@@ -214,7 +245,7 @@ def test_a_round_the_converter_cannot_write_leaves_the_build_before_it(tiny_cnn_
 
     first = onnx.load(str(tiny_cnn_path)).graph.node[0]
 
-    def build(kept: list[str], path: Path) -> PrecisionReport:
+    def build(kept: list[str], path: Path, calibration: str | None = None) -> PrecisionReport:
         if kept:
             raise Unsupported("the float16 converter wrote a model ONNX Runtime refuses (round1-fp16.onnx)")
         shutil.copy(tiny_cnn_path, path)
@@ -222,11 +253,14 @@ def test_a_round_the_converter_cannot_write_leaves_the_build_before_it(tiny_cnn_
 
     layer = LayerError(node=first.name, op_type=first.op_type, depth=0, tensor=first.output[0], error=0.5, input_error=0.0,
                        added_error=0.5, max_abs_reference=1.0)
-    actions = Actions(build=build, judge=lambda path: ProbeVerdict(passed=False, worst_cosine=0.5, failures=["y: cosine 0.5"]),
+    actions = Actions(build=build, judge=lambda path: ProbeVerdict(passed=False, worst_cosine=0.5, failures=["y: cosine 0.5"],
+                                                                   loss=3.0),
                       diagnose=lambda path: Diagnosis(samples=1, tensors_compared=1, tensors_unmatched=0, layers=[layer]),
                       flops_of=lambda path: {})
     report, fallback, chosen = run(Precision.fp16, FallbackConfig(), actions, tmp_path / "fp16.onnx", 4, "probes")
-    assert fallback.status == "budget exhausted" and fallback.rounds == []
-    assert fallback.reason.startswith("round 1 could not be built (the float16 converter wrote a model")
+    assert fallback.status == "budget exhausted"
+    assert fallback.reason == "no unit's restoration lowered the loss"
+    tried = [s for s in fallback.steps if s.kind == "measure"]
+    assert tried and tried[0].loss == float("inf") and tried[0].decision == "no gain"
     assert chosen.name == "naive-fp16.onnx" and chosen.is_file() and report.transform == "naive"
     assert fallback.kept == []

@@ -34,7 +34,7 @@ from accel_opt.errors import (
 @click.option("--calibration", type=click.Choice(["minmax", "entropy", "percentile"]), help="int8 calibration method.")
 @click.option("--target-cpu", type=click.Choice(["host", "avx2", "avx512", "avx_vnni", "avx512_vnni", "amx", "arm64"]),
               help="int8: the CPU class to build for (default: this one); avx2/avx512 without VNNI get 7-bit weights.")
-@click.option("--no-fallback", is_flag=True, help="int8/fp16/bf16: ship the naive build even when it fails (no layer kept in fp32 by the per-layer diagnosis).")
+@click.option("--no-fallback", is_flag=True, help="int8/fp16/bf16: ship the naive build even when it fails (no measured search for a calibration or layers kept in float).")
 @click.option("--threads", type=int, help="Intra-op threads (default: CPUs available).")
 @click.option("--out", "out_dir", type=click.Path(path_type=Path), default=Path("artifacts"), show_default=True, help="Where build folders go.")
 @click.option("--force", is_flag=True, help="Rebuild even when an identical, verified build is already under --out.")

@@ -1,20 +1,22 @@
-"""Accuracy-driven fallback: keep the nodes that break a reduced-precision build in higher precision.
+"""Accuracy-driven fallback: rescue a reduced-precision build that fails its probes, or say measured why not.
 
-The naive build is judged on probe samples with the recipe's tolerance (the gate's own rules). When it
-fails, the per-layer diagnosis ranks the nodes by the error they add; round k keeps up to 2**(k-1)
-more of the worst in fp32 (excluded from quantization, or blocked from float16/bfloat16), rebuilds,
-re-diagnoses and re-judges, until the probes pass or the budget is spent: `max_rounds`, and the
-fraction of the model's Conv/MatMul/Gemm FLOPs left in fp32. For fp16 every node whose fp32
-activations exceed `fp16_activation_max` on a probe (and every consumer of a weight beyond 65504)
-is kept in fp32 before the first build is judged, so a GPU build inherits it.
+The naive build is judged on probe samples with the recipe's tolerance and task metrics (the gate's own rules).
+When it fails, the search in precision/search.py takes over: it times the naive build against fp32 first (no rescue
+can make a build pay that is not faster to begin with), tries other activation calibrations for int8, measures
+what restoring each group of same-shaped layers to float gains, adds them in that order while the build stays
+`min_speedup` faster than fp32, and drops what did not help, within a wall-clock budget. For fp16 every node whose
+fp32 activations exceed `fp16_activation_max` on a probe (and every consumer of a weight beyond 65504) is kept in
+fp32 before the first build is judged, so a GPU build inherits it. The per-layer diagnosis (precision/diagnose.py)
+still ranks the layers for the report and chooses which groups to measure when there are too many.
 
-The orchestration takes its three actions as callables (build, judge, diagnose), so the pipeline
-chooses the backend that judges and this module stays testable on its own.
+The orchestration takes its actions as callables (build, judge, diagnose, speedup), so the pipeline chooses the
+backend that judges and this module stays testable on its own.
 """
 
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,8 +28,9 @@ from onnx import numpy_helper
 from pydantic import BaseModel
 
 from accel_opt.errors import Unsupported, first_line
-from accel_opt.precision.diagnose import Diagnosis, LayerError
+from accel_opt.precision.diagnose import Diagnosis
 from accel_opt.precision.report import KeptNode, PrecisionReport
+from accel_opt.precision.search import Build, SearchActions, SearchStep, Unit, search
 from accel_opt.recipe import CosineMetric, DetectionMetric, FallbackConfig, Precision, TaskMetric, Tolerance, TopKMetric
 
 FP16_MAX = 65504.0
@@ -40,14 +43,7 @@ class ProbeVerdict(BaseModel):
     passed: bool
     worst_cosine: float
     failures: list[str]
-
-
-class FallbackRound(BaseModel):
-    round: int
-    added: list[str]  # nodes kept in fp32 this round
-    kept: int  # nodes kept in fp32 by the fallback so far
-    fp32_flops_fraction: float
-    verdict: ProbeVerdict
+    loss: float | None = None  # how far from passing, in units of each check's threshold (search.probe_loss)
 
 
 class LayerRow(BaseModel):
@@ -62,8 +58,9 @@ class LayerRow(BaseModel):
 
 
 class FallbackReport(BaseModel):
-    # "kernels": the deployed kernels lose what the Q/DQ graph itself keeps (int16 saturation): no layer to blame
-    status: Literal["disabled", "not needed", "rescued", "budget exhausted", "kernels"]
+    # "kernels": the deployed kernels lose what the Q/DQ graph itself keeps (int16 saturation): no layer to blame;
+    # "no speed-up": the naive build is not faster than fp32 here, so no rescue can pay; "time budget": it ran out
+    status: Literal["disabled", "not needed", "rescued", "budget exhausted", "kernels", "no speed-up", "time budget"]
     reason: str
     precision: str
     probe_samples: int
@@ -72,18 +69,23 @@ class FallbackReport(BaseModel):
     max_rounds: int
     max_fp32_flops_fraction: float
     naive: ProbeVerdict | None = None
-    rounds: list[FallbackRound] = []
     kept: list[KeptNode] = []  # chosen by the fallback (the recipe's block lists are in the precision report)
     fp32_flops_fraction: float = 0.0
     layers: list[LayerRow] = []
     naive_profile: list[tuple[int, float]] = []  # (depth, error) per compared tensor
     final_profile: list[tuple[int, float]] = []
     naive_model: str = ""  # the naive build's file in the work folder (benchmarked beside the chosen one)
+    steps: list[SearchStep] = []  # every build, measurement and decision of the search, in order
+    calibration: str | None = None  # the activation calibration the search chose instead of the recipe's
+    search_seconds: float = 0.0
+    time_budget_s: float = 0.0
+    min_speedup: float = 0.0
 
 
 @dataclass
 class Actions:
-    build: Callable[[list[str], Path], PrecisionReport]  # (nodes kept in fp32, out path) -> the transform's report
+    # (nodes kept in fp32, out path, another activation calibration or None) -> the transform's report
+    build: Callable[[list[str], Path, str | None], PrecisionReport]
     judge: Callable[[Path], ProbeVerdict]  # the build, on the probe samples, against the recipe's tolerance
     diagnose: Callable[[Path], Diagnosis | None]  # per-layer errors of a build (None: not available for it)
     # Conv/MatMul/Gemm FLOPs per node of a build, counted on the naive build (its node names are the ones kept)
@@ -95,6 +97,9 @@ class Actions:
     # The per-layer diagnosis sees the graph, not the deployed kernels: when only those fail, it would blame layers
     # that are not at fault.
     judge_emulated: Callable[[Path], ProbeVerdict] | None = None
+    # The build's speed-up against the same backend's fp32 build on the deployed kernels (None: not measurable)
+    speedup: Callable[[Path], float | None] = lambda path: None
+    calibration_remedies: tuple[str, ...] = ()  # int8: the activation calibrations to try besides the recipe's
     flops: dict[str, int] = field(default_factory=dict)  # flops_of(the naive build), set by run()
 
 
@@ -104,11 +109,12 @@ def run(precision: Precision, config: FallbackConfig, actions: Actions, out_path
     chosen build's report, the fallback's and its path (beside `out_path`; `out_path` itself when disabled)."""
     report = FallbackReport(status="disabled", reason="", precision=precision.value, probe_samples=probe_samples,
                             probe_source=probe_source, max_rounds=config.max_rounds,
-                            max_fp32_flops_fraction=config.max_fp32_flops_fraction)
+                            max_fp32_flops_fraction=config.max_fp32_flops_fraction, time_budget_s=config.time_budget_s,
+                            min_speedup=config.min_speedup)
     kept: dict[str, KeptNode] = {k.node: k for k in fixed}
     if not config.enabled:
         report.reason = "turned off (--no-fallback or the recipe's precision_options.fallback.enabled)"
-        return actions.build(list(kept), out_path), report, out_path
+        return actions.build(list(kept), out_path, None), report, out_path
     primaries: set[str] = set()  # nodes kept for the error they add (not as a consequence of another)
     naive_path = out_path.with_name(f"naive-{out_path.name}")
     precision_report = _build_with_companions(actions, kept, primaries, naive_path, 0, config)
@@ -139,48 +145,11 @@ def run(precision: Precision, config: FallbackConfig, actions: Actions, out_path
             "it, so no layer is kept in fp32. On a CPU without VNNI the int8 kernels saturate: build with 7-bit "
             "weights (--target-cpu, or precision_options.calibration.reduce_range: true) or on another backend")
     else:
-        naive_diagnosis = diagnosis = diagnosis or actions.diagnose(naive_path)
-        diagnosed = naive_path  # the build `diagnosis` describes
-        if diagnosis is None:
-            report.status, report.reason = "budget exhausted", f"no per-layer diagnosis for {precision.value} here"
-        for number in range(1, config.max_rounds + 1) if diagnosis is not None else ():
-            added, siblings, refused = _pick(diagnosis, kept, actions.flops, total_flops, config, 2 ** (number - 1), groups)
-            if not added:
-                report.status, report.reason = "budget exhausted", refused or "no remaining node adds error"
-                break
-            kept_before, primaries_before = dict(kept), set(primaries)
-            for layer in added:
-                kept[layer.node] = KeptNode(node=layer.node, op_type=layer.op_type, reason=(
-                    f"fallback round {number}: adds error {_fmt(layer.added_error)} of its output's scale "
-                    f"(output {layer.tensor}, depth {layer.depth})"))
-            for name, leader in siblings.items():
-                kept[name] = KeptNode(node=name, op_type=groups[name].split()[0], reason=(
-                    f"fallback round {number}: the same layer ({groups[name]}) as {leader} in another block"))
-            primaries |= {layer.node for layer in added} | set(siblings)
-            attempt = out_path.with_name(f"round{number}-{out_path.name}")
-            try:
-                precision_report = _build_with_companions(actions, kept, primaries, attempt, number, config)
-            except Unsupported as exc:  # the converter cannot write this mix (float16: a kept If/Loop body)
-                kept.clear()
-                kept.update(kept_before)
-                primaries.intersection_update(primaries_before)
-                report.status, report.reason = "budget exhausted", (
-                    f"round {number} could not be built ({first_line(exc)}); the build before it stands")
-                break
-            current = attempt
-            verdict = actions.judge(current)
-            report.rounds.append(FallbackRound(round=number, added=[x.node for x in added] + list(siblings), kept=len(kept) - len(fixed),
-                                               fp32_flops_fraction=fraction(), verdict=verdict))
-            if verdict.passed:
-                report.status, report.reason = "rescued", (
-                    f"passes on the probes after {number} round(s), {len(kept) - len(fixed)} node(s) in fp32")
-                break
-            diagnosis, diagnosed = actions.diagnose(current), current
-        else:
-            if diagnosis is not None:
-                report.status, report.reason = "budget exhausted", f"still failing after {config.max_rounds} rounds"
-        final_diagnosis = diagnosis if diagnosed == current else actions.diagnose(current)
+        naive_diagnosis = diagnosis or actions.diagnose(naive_path)
+        current, precision_report = _search(precision, config, actions, report, kept, primaries, naive_path, out_path,
+                                            verdict, groups, naive_diagnosis, total_flops, precision_report)
         if naive_diagnosis is not None:
+            final_diagnosis = actions.diagnose(current) if current != naive_path else naive_diagnosis
             report.layers = _rows(naive_diagnosis, final_diagnosis, kept)
             report.naive_profile = naive_diagnosis.profile()
             report.final_profile = final_diagnosis.profile() if final_diagnosis else []
@@ -188,6 +157,58 @@ def run(precision: Precision, config: FallbackConfig, actions: Actions, out_path
     report.fp32_flops_fraction = fraction()
     precision_report.kept_in_higher_precision = _merged(precision_report.kept_in_higher_precision, list(kept.values()))
     return precision_report, report, current
+
+
+def _search(precision: Precision, config: FallbackConfig, actions: Actions, report: FallbackReport,
+            kept: dict[str, KeptNode], primaries: set[str], naive_path: Path, out_path: Path, verdict: ProbeVerdict,
+            groups: dict[str, str], diagnosis: Diagnosis | None, total_flops: int,
+            precision_report: PrecisionReport) -> tuple[Path, PrecisionReport]:
+    """The measured search (precision/search.py) from the failing naive build; fills `report` and `kept`, returns the
+    chosen build and its precision report."""
+    fixed = dict(kept)
+    reports: dict[Path, PrecisionReport] = {naive_path: precision_report}
+
+    def build_and_judge(keep: list[str], path: Path, calibration: str | None) -> Build:
+        path = out_path.with_name(f"{path.stem}-{out_path.name}")
+        trial = {**fixed, **{n: KeptNode(node=n, op_type=groups.get(n, "").split(" ")[0], reason="") for n in keep}}
+        try:
+            reports[path] = _build_with_companions(actions, trial, primaries | set(keep), path, 1, config, calibration)
+        except Unsupported as exc:  # the converter cannot write this mix (float16: a kept If/Loop body)
+            return Build(path=path, loss=math.inf, passed=False, failures=[f"could not be built: {first_line(exc)}"],
+                         worst_cosine=0.0)
+        judged = actions.judge(path)
+        return Build(path=path, loss=judged.loss if judged.loss is not None else (0.0 if judged.passed else math.inf),
+                     passed=judged.passed, failures=judged.failures, worst_cosine=judged.worst_cosine)
+
+    units_by_key: dict[str, list[str]] = {}
+    for node, key in groups.items():
+        if node not in kept:
+            units_by_key.setdefault(key, []).append(node)
+    added = {layer.node: layer.added_error for layer in diagnosis.layers} if diagnosis is not None else {}
+    units = [Unit(key=key, nodes=nodes, flops=sum(actions.flops.get(n, 0) for n in nodes),
+                  added_error=sum(max(added.get(n, 0.0), 0.0) for n in nodes)) for key, nodes in units_by_key.items()]
+    # Every unit is measured when they are few; otherwise those the diagnosis blames most (the ranking is checked,
+    # not trusted: what is kept is what the measurement shows).
+    units = sorted(units, key=lambda u: (-u.added_error, -u.flops))[: config.max_measured_units]
+    naive = Build(path=naive_path, loss=verdict.loss if verdict.loss is not None else math.inf, passed=False,
+                  failures=verdict.failures, worst_cosine=verdict.worst_cosine)
+    started = time.monotonic()
+    found = search(naive, units, SearchActions(build_and_judge=build_and_judge, speedup=actions.speedup),
+                   out_path.parent, time_budget_s=config.time_budget_s, min_speedup=config.min_speedup,
+                   max_additions=config.max_rounds, calibration_remedies=actions.calibration_remedies,
+                   max_flops_fraction=config.max_fp32_flops_fraction, total_flops=total_flops)
+    report.search_seconds = round(time.monotonic() - started, 1)
+    report.status, report.reason, report.steps, report.calibration = found.status, found.reason, found.steps, found.calibration
+    gains = found.gains
+    for node in found.kept:
+        key = groups.get(node, "")
+        unit = next((u for u in units if node in u.nodes), None)
+        gain = gains.get(unit.label) if unit else None
+        kept[node] = KeptNode(node=node, op_type=key.split(" ")[0], reason=(
+            f"restoring {unit.label if unit else key} to float took {gain:.3g} off the probes' loss (measured)"
+            if gain is not None else "restored by the search"))
+    chosen = found.best.path
+    return chosen, reports.get(chosen, precision_report)
 
 
 def stricter(tolerance: Tolerance, metrics: Sequence[TaskMetric], factor: float = PROBE_MARGIN) -> tuple[Tolerance, list]:
@@ -216,12 +237,12 @@ def stricter(tolerance: Tolerance, metrics: Sequence[TaskMetric], factor: float 
 
 
 def _build_with_companions(actions: Actions, kept: dict[str, KeptNode], primaries: set[str], path: Path,
-                           number: int, config: FallbackConfig) -> PrecisionReport:
+                           number: int, config: FallbackConfig, calibration: str | None = None) -> PrecisionReport:
     """Build with `kept` in fp32, and with the nodes whose output still reaches them through a Q/DQ pair
     (see `requantized_sources`). Nodes the backend then runs in float anyway (Actions.companions) are not
     excluded, since excluding them would make their producers float in turn, up the whole graph: they are
     recorded in the model's metadata (FLOAT_BY_DESIGN) for the backend's int8-kernel check, and reported."""
-    report = actions.build(list(kept), path)
+    report = actions.build(list(kept), path, calibration)
     budget = config.max_fp32_flops_fraction * max(sum(actions.flops.values()), 1)
     extra = []
     for name in requantized_sources(path, primaries):  # within the FLOPs budget, like the picks
@@ -233,7 +254,7 @@ def _build_with_companions(actions: Actions, kept: dict[str, KeptNode], primarie
         for name in extra:
             kept[name] = KeptNode(node=name, op_type=op_types.get(name, ""), reason=(
                 f"fallback round {number}: its output reached a node kept in fp32 through a Q/DQ pair"))
-        report = actions.build(list(kept), path)
+        report = actions.build(list(kept), path, calibration)
     floating = [n for n in (actions.companions(path) if actions.companions else []) if n not in kept]
     why = ("the backend has no integer kernel for it in this graph: it runs in float on dequantized inputs"
            if not number else f"fallback round {number}: runs in float on the backend once its neighbours are kept in fp32")
@@ -280,39 +301,6 @@ def requantized_sources(model_path: Path, kept: set[str]) -> list[str]:
     return sources
 
 
-def _pick(diagnosis: Diagnosis, kept: dict[str, KeptNode], flops: dict[str, int], total: int, config: FallbackConfig,
-          count: int, groups: dict[str, str]) -> tuple[list[LayerError], dict[str, str], str]:
-    """Up to `count` worst offenders not yet kept that fit the FLOPs budget, each with the nodes of its group
-    (same op and weight shape: the same layer of every repeated block, which int8 breaks alike; MiniLM's
-    FFN down-projections) when the group fits too; returns them, {sibling: its leader}, and why none was taken."""
-    taken: list[LayerError] = []
-    siblings: dict[str, str] = {}
-    used = sum(flops.get(n, 0) for n in kept)
-    refused = ""
-    for layer in diagnosis.ranked():
-        if len(taken) == count:
-            break
-        if layer.node in kept or layer.node in siblings or not layer.reduced or any(t.node == layer.node for t in taken):
-            continue
-        if not (layer.added_error > 0 or layer.nonfinite):
-            break
-        cost = flops.get(layer.node, 0)  # elementwise ops and pooling count 0: always within the budget
-        if cost and (used + cost) / total > config.max_fp32_flops_fraction:
-            refused = refused or (f"keeping {layer.node} ({layer.op_type}, adds {_fmt(layer.added_error)}) would put "
-                                  f"{(used + cost) / total:.1%} of the FLOPs in fp32 > the budget "
-                                  f"{config.max_fp32_flops_fraction:.0%}")
-            continue
-        taken.append(layer)
-        used += cost
-        key = groups.get(layer.node)
-        group = [n for n, k in groups.items() if key and k == key and n != layer.node and n not in kept and n not in siblings]
-        group_cost = sum(flops.get(n, 0) for n in group)
-        if group and (used + group_cost) / total <= config.max_fp32_flops_fraction:
-            siblings.update(dict.fromkeys(group, layer.node))
-            used += group_cost
-    return taken, siblings, refused
-
-
 def layer_groups(model_path: Path) -> dict[str, str]:
     """Conv/MatMul/Gemm node -> "op weight-shape" (weights read directly or through a DequantizeLinear)."""
     graph = onnx.load(str(model_path), load_external_data=False).graph
@@ -350,10 +338,6 @@ def _merged(reported: list[KeptNode], chosen: list[KeptNode]) -> list[KeptNode]:
     reasons = {k.node: k for k in chosen}
     merged = [reasons.pop(k.node, k) for k in reported]
     return merged + list(reasons.values())
-
-
-def _fmt(value: float) -> str:
-    return "inf (non-finite)" if math.isinf(value) else f"{value:.3g}"
 
 
 def wide_weight_consumers(model_path: Path) -> list[KeptNode]:

@@ -15,6 +15,7 @@ from accel_opt.accuracy import compare
 from accel_opt.backends import compile_for
 from accel_opt.backends.base import casting_inputs
 from accel_opt.backends.onnxruntime import OnnxRuntimeBackend, float_run_quantized_ops, reference_runner
+from accel_opt.bench import Target, run_benchmark
 from accel_opt.bench.efficiency import node_flops
 from accel_opt.data import Sample
 from accel_opt.errors import first_line
@@ -22,12 +23,16 @@ from accel_opt.graph.inspect import io_specs, with_batch
 from accel_opt.precision import fallback, transform
 from accel_opt.precision.diagnose import Diagnosis, diagnose, emulate_bfloat16
 from accel_opt.precision.report import PrecisionReport
-from accel_opt.recipe import Precision
+from accel_opt.precision.search import CALIBRATION_REMEDIES, probe_loss
+from accel_opt.recipe import BenchmarkConfig, Precision
 
 if TYPE_CHECKING:
     from accel_opt.build_context import BuildContext
 
 log = logging.getLogger(__name__)
+
+# The search's speed check: short, interleaved rounds of the build and its fp32 at the deployed batch.
+SPEED_CHECK = BenchmarkConfig(warmup_iterations=3, min_iterations=20, min_seconds=0.5, max_iterations=400)
 
 
 def fallback_actions(ctx: BuildContext, probes: list[Sample], shapes: dict[str, list[int]]) -> fallback.Actions:
@@ -40,8 +45,10 @@ def fallback_actions(ctx: BuildContext, probes: list[Sample], shapes: dict[str, 
     if precision is Precision.int8:  # in-sample probes: judged with half the slack
         tolerance = fallback.stricter(*tolerance)
 
-    def build(keep: list[str], out: Path) -> PrecisionReport:
-        return transform(ctx.fp32_path, precision, recipe, ctx.backend.name, ctx.calibration_samples, out,
+    def build(keep: list[str], out: Path, calibration: str | None = None) -> PrecisionReport:
+        chosen = recipe if calibration is None else recipe.with_overrides(
+            **{"precision_options.calibration.method": calibration})
+        return transform(ctx.fp32_path, precision, chosen, ctx.backend.name, ctx.calibration_samples, out,
                          calibration_cache, keep_float=keep)
 
     noise_floor: dict[str, float] = {}  # the fp32 model's float32 noise on the probes: measured once, every round reuses it
@@ -51,12 +58,28 @@ def fallback_actions(ctx: BuildContext, probes: list[Sample], shapes: dict[str, 
                          batch_axes=ctx.shapes.batch_axes, noise_floor=noise_floor or None,
                          noise_reference=None if noise_floor else reference_runner(ctx.fp32_path, ctx.threads, optimize=True))
         noise_floor.update({o.name: o.noise_floor for o in result.outputs})
-        return fallback.ProbeVerdict(passed=result.passed, worst_cosine=result.worst_cosine, failures=result.failures[:3])
+        return fallback.ProbeVerdict(passed=result.passed, worst_cosine=result.worst_cosine, failures=result.failures[:3],
+                                     loss=probe_loss(result))
+
+    compiled: dict[Path, object] = {}  # each build compiled once: judged, then perhaps timed
+
+    def deployed_runner(path: Path, as_precision: Precision = precision):
+        if path not in compiled:
+            compiled[path] = compile_for(ctx.backend, path, as_precision, recipe, ctx.workdir / "probe" / path.stem, shapes)
+        deployed = {spec.name: spec.dtype for spec in io_specs(onnx.load(str(path), load_external_data=False))[0]}
+        return casting_inputs(ctx.backend.runner(compiled[path]), runtime.feed_dtypes_of(probes), deployed)
 
     def judge(path: Path) -> fallback.ProbeVerdict:
-        compiled = compile_for(ctx.backend, path, precision, recipe, ctx.workdir / "probe" / path.stem, shapes)
-        deployed = {spec.name: spec.dtype for spec in io_specs(onnx.load(str(path), load_external_data=False))[0]}
-        return verdict(casting_inputs(ctx.backend.runner(compiled), runtime.feed_dtypes_of(probes), deployed))
+        return verdict(deployed_runner(path))
+
+    def speedup(path: Path) -> float | None:
+        """The build against the same backend's fp32 build, on the deployed kernels at the deployed batch, timed
+        interleaved (the host's noise hits both alike): fp32's p50 over the build's."""
+        targets = [Target("candidate", deployed_runner(path), ctx.backend.synchronize),
+                   Target("fp32", deployed_runner(ctx.fp32_path, Precision.fp32), ctx.backend.synchronize)]
+        report = run_benchmark(targets, probes, [ctx.deploy_batch], SPEED_CHECK, ctx.threads, ctx.shapes.batch_axes)
+        candidate, fp32 = (m.batches[0].latency.p50_ms for m in report.models)
+        return fp32 / candidate if candidate > 0 else None
 
     def judge_emulated(path: Path) -> fallback.ProbeVerdict:  # Q/DQ in float, graph optimizations off: as diagnosed
         return verdict(reference_runner(path, ctx.threads))
@@ -79,5 +102,8 @@ def fallback_actions(ctx: BuildContext, probes: list[Sample], shapes: dict[str, 
     if precision is Precision.int8 and isinstance(ctx.backend, OnnxRuntimeBackend):
         def companions(path: Path) -> list[str]:
             return float_run_quantized_ops(path, ctx.threads)
+    remedies = tuple(m for m in CALIBRATION_REMEDIES if m != recipe.precision_options.calibration.method.value) \
+        if precision is Precision.int8 else ()
     return fallback.Actions(build=build, judge=judge, diagnose=examine, flops_of=flops_of, companions=companions,
-                            judge_emulated=judge_emulated if precision is Precision.int8 else None)
+                            judge_emulated=judge_emulated if precision is Precision.int8 else None, speedup=speedup,
+                            calibration_remedies=remedies)

@@ -132,20 +132,27 @@ def _tasks(acc: dict) -> str:
 
 
 def _fallback(build: dict) -> str:
-    """The fallback's rounds (naive build first), its top offenders before and after, and the error-by-depth plot."""
+    """The fallback's search step by step (naive build first), its top offenders before and after, and the
+    error-by-depth plot."""
     fb = build.get("fallback")
     if not fb or fb["status"] == "disabled" or not fb.get("naive"):
         return ""
-    slack = "" if fb.get("probe_slack", 1) == 1 else f" at {fb['probe_slack']:.0%} of its slack"
-    out = [f"<h2>Fallback (per-layer diagnosis): {escape(fb['status'])}</h2>",
-           f"<p>{escape(fb['reason'])}. Judged with the gate's tolerance{slack} on {fb['probe_samples']} "
-           f"{escape(fb['probe_source'])}; {fb['fp32_flops_fraction']:.1%} of the FLOPs in fp32 "
-           f"(budget {fb['max_fp32_flops_fraction']:.0%}, {fb['max_rounds']} rounds).</p>"]
-    rounds = [{"round": "naive", "added": [], "fp32_flops_fraction": 0.0, "verdict": fb["naive"]}, *fb["rounds"]]
-    out.append(_table(["build", "kept in fp32 this round", "FLOPs in fp32", "worst cosine", "probes", "failures"],
-                      [[escape(str(r["round"])), escape(", ".join(r["added"]) or "-"), f"{r['fp32_flops_fraction']:.1%}",
-                        number_cell(r["verdict"]["worst_cosine"], ".6f"), _mark(r["verdict"]["passed"]),
-                        escape("; ".join(r["verdict"]["failures"]) or "-")] for r in rounds], {2, 3}))
+    slack = "" if fb.get("probe_slack", 1) == 1 else f" at {fb['probe_slack']:.0%} of their slack"
+    calibration = f"; activations calibrated by {escape(fb['calibration'])}" if fb.get("calibration") else ""
+    out = [f"<h2>Fallback (measured search): {escape(fb['status'])}</h2>",
+           f"<p>{escape(fb['reason'])}. Judged with the gate's tolerance and task metrics{slack} on {fb['probe_samples']} "
+           f"{escape(fb['probe_source'])}; searched {fb.get('search_seconds', 0):.0f} s of a {fb.get('time_budget_s', 0):.0f} s "
+           f"budget, at least {fb.get('min_speedup', 0):.2f}x the fp32 build's speed; {fb['fp32_flops_fraction']:.1%} of "
+           f"the FLOPs in float{calibration}.</p>"]
+    naive = fb["naive"]
+    steps = [{"step": 0, "kind": "naive", "what": "the naive build", "loss": naive.get("loss"), "gain": None,
+              "speedup": None, "seconds": 0.0, "decision": "PASS" if naive["passed"] else "FAIL"}, *fb.get("steps", [])]
+    out.append(_table(["step", "kind", "what", "loss", "gain", "speed-up", "seconds", "decision"],
+                      [[s["step"], escape(s["kind"]), escape(s["what"]),
+                        "-" if s.get("loss") is None else number_cell(s["loss"], ".3g"),
+                        "-" if s.get("gain") is None else f"{s['gain']:+.3g}",
+                        "-" if s.get("speedup") is None else f"{s['speedup']:.2f}x", f"{s['seconds']:.1f}",
+                        escape(s.get("decision") or "-")] for s in steps], {3, 4, 5, 6}))
     if fb["layers"]:
         out.append("<h3>Top offenders of the naive build</h3><p class=muted>Error the node adds (its output's error minus "
                    "its inputs' worst), in units of the output's standard deviation.</p>")

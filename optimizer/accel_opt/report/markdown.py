@@ -142,20 +142,29 @@ def signoff_markdown(
 
 
 def fallback_markdown(fallback: FallbackReport, bench: BenchmarkReport | None) -> list[str]:
-    """The fallback: the naive build's probe verdict next to each round's, the top offenders before and
-    after, and what it cost in speed (the naive build is benchmarked beside the chosen one)."""
-    out = ["## Fallback (per-layer diagnosis)", "",
-           f"**{fallback.status}**: {fallback.reason}. Judged with the gate's tolerance"
-           f"{'' if fallback.probe_slack == 1 else f' at {fallback.probe_slack:.0%} of its slack'} on {fallback.probe_samples} "
-           f"{fallback.probe_source}; budget {fallback.max_rounds} rounds, at most {fallback.max_fp32_flops_fraction:.0%} "
-           f"of the Conv/MatMul/Gemm FLOPs in fp32; now {fallback.fp32_flops_fraction:.1%}.", ""]
+    """The fallback: its verdict and why, every step of its search (what was built or timed, its loss, gain, speed,
+    what was decided), the top offenders before and after, and what it cost in speed."""
+    budget = (f"budget {fallback.time_budget_s:.0f} s and >= {fallback.min_speedup:.2f}x the fp32 build's speed"
+              if fallback.time_budget_s else f"budget {fallback.max_rounds} rounds")
+    out = ["## Fallback (measured search)", "",
+           f"**{fallback.status}**: {fallback.reason}. Judged with the gate's tolerance and task metrics"
+           f"{'' if fallback.probe_slack == 1 else f' at {fallback.probe_slack:.0%} of their slack'} on "
+           f"{fallback.probe_samples} {fallback.probe_source}; {budget}; searched {fallback.search_seconds:.0f} s; "
+           f"{fallback.fp32_flops_fraction:.1%} of the Conv/MatMul/Gemm FLOPs in float"
+           + (f"; activations calibrated by {fallback.calibration}" if fallback.calibration else "") + ".", ""]
     if fallback.naive is None:
         return out
-    rows = [["naive", "-", "-", f"{fallback.naive.worst_cosine:.6f}", "pass" if fallback.naive.passed else "FAIL",
-             "; ".join(fallback.naive.failures) or "-"]]
-    rows += [[f"round {r.round}", ", ".join(r.added), f"{r.fp32_flops_fraction:.1%}", f"{r.verdict.worst_cosine:.6f}",
-              "pass" if r.verdict.passed else "FAIL", "; ".join(r.verdict.failures) or "-"] for r in fallback.rounds]
-    out.append(_table(["build", "kept in fp32 this round", "FLOPs in fp32", "worst cosine", "probes", "failures"], rows))
+    out.append(f"The naive build: worst cosine {fallback.naive.worst_cosine:.6f}, probes "
+               f"{'pass' if fallback.naive.passed else 'FAIL'}" + (f" (loss {fallback.naive.loss:.3g}: 1 is the limit)"
+                                                                  if fallback.naive.loss is not None else "")
+               + (f": {'; '.join(fallback.naive.failures)}" if fallback.naive.failures else "") + ".")
+    if fallback.steps:
+        out += ["", "Every step of the search, in order (loss: how far the probes are from passing, 1 at the limit; "
+                "gain: the loss it took away; speed-up: against the fp32 build on the deployed kernels):", ""]
+        out.append(_table(["step", "kind", "what", "loss", "gain", "speed-up", "seconds", "decision"],
+                          [[str(s.step), s.kind, s.what, "-" if s.loss is None else _error(s.loss),
+                            "-" if s.gain is None else f"{s.gain:+.3g}", "-" if s.speedup is None else f"{s.speedup:.2f}x",
+                            f"{s.seconds:.1f}", s.decision or "-"] for s in fallback.steps]))
     if fallback.layers:
         out += ["", "Top offenders of the naive build (error added by the node, in units of its output's scale):", ""]
         out.append(_table(["node", "op", "depth", "added error, naive", "added error, chosen", "kept in fp32"],

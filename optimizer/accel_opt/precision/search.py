@@ -1,0 +1,233 @@
+"""The rescue of a reduced-precision build that fails its probes: a search, judged on the task, paid for in speed.
+
+Ranking layers by the error each adds in isolation does not say what restores the output (measured: a trained
+mobile classifier's int8 fallback kept every block's worst-ranked 1x1 projection in fp32, 25% of the FLOPs, and the
+probes' cosine went from 0.9859 to 0.9855). So every decision here is measured, cheapest remedy first:
+
+1. Speed first: the naive build is timed against the same backend's fp32 build on the deployed kernels. If it is
+   not `min_speedup` faster, no rescue can make it pay, and the search says so instead of spending its budget.
+2. Another calibration for the activations (percentile, entropy) on the whole graph: one build each, no layer
+   leaves int8. A calibration that lowers the loss becomes the base of what follows.
+3. The gain of each unit (a group of same-shaped layers: the same layer of every repeated block) measured when it
+   alone is restored to float with everything else reduced: one build per unit (the worst `max_measured_units` by
+   the diagnosis when there are more).
+4. Units added in the order of their measured gain, each kept only if it lowers the loss, each timed: a unit that
+   would take the build below `min_speedup` is not added, and the search stops there.
+5. Once the probes pass, every kept unit is tried without (least gain first): what did not help is dropped.
+
+The loss is how far the probes are from passing, in units of each threshold: the largest of each output's error,
+worst-sample error, cosine and gain shortfall, and each task metric's (top-k agreement, detection recall, embedding
+cosine) against its limit; at most 1 passes. The task metric therefore decides as much as the tensors do. Every
+build, measure and decision is a step of the report, with its loss, gain, speed and seconds, so a reviewer can replay
+the search. A wall-clock budget (`time_budget_s`) bounds it; it is checked before each build.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel
+
+from accel_opt.accuracy import AccuracyReport
+
+CALIBRATION_REMEDIES = ("percentile", "entropy")
+
+
+def probe_loss(report: AccuracyReport) -> float:
+    """How far a verdict is from passing, in units of each check's threshold (1.0: at the limit; <= 1 passes)."""
+    tol = report.tolerance
+    ratios = [0.0]
+    for o in report.outputs:
+        if o.non_finite_count:
+            return float("inf")
+        if o.agreement is not None:  # exact outputs: the share of elements that differ against the allowed share
+            ratios.append((1 - o.agreement) / max(1 - tol.min_agreement, 1e-12))
+            continue
+        ratios += [o.error / tol.max_error, o.worst_sample_error / tol.max_sample_error,
+                   (1 - o.cosine) / max(1 - tol.min_cosine, 1e-12), abs(o.gain - 1) / tol.max_gain_error]
+        if o.worst_sample_cosine is not None:
+            ratios.append((1 - o.worst_sample_cosine) / max(1 - tol.min_sample_cosine, 1e-12))
+    for metric in report.task_metrics:
+        for key, limit in metric.thresholds.items():
+            value = metric.values.get(key)
+            if value is None:
+                continue
+            # every task threshold is a minimum (agreement, precision, recall, cosine) on a 0..1 scale
+            ratios.append((1 - value) / max(1 - limit, 1e-12))
+    return max(ratios)
+
+
+@dataclass
+class Unit:
+    """What the search restores at once: the same layer of every repeated block (op and weight shape)."""
+
+    key: str  # "Conv 32x1x3x3"
+    nodes: list[str]
+    flops: int = 0
+    added_error: float = 0.0  # the diagnosis's sum over its nodes: only to choose which units to measure
+
+    @property
+    def label(self) -> str:
+        return f"{self.key} ({len(self.nodes)} layer{'s' if len(self.nodes) > 1 else ''})"
+
+
+class SearchStep(BaseModel):
+    """One decision of the search: what was built or timed, what it showed, what was done with it."""
+
+    step: int
+    kind: Literal["speed", "calibration", "measure", "add", "drop", "stop"]
+    what: str
+    loss: float | None = None  # the probes' loss of this build (<= 1 passes)
+    gain: float | None = None  # the loss it took away, against the build it was compared with
+    passed: bool | None = None
+    speedup: float | None = None  # against the same backend's fp32 build, on the deployed kernels
+    seconds: float = 0.0
+    decision: str = ""
+
+
+@dataclass
+class Build:
+    path: Path
+    loss: float
+    passed: bool
+    failures: list[str]
+    worst_cosine: float
+
+
+@dataclass
+class SearchActions:
+    """What the search needs from the build: a variant with `keep` in float (and optionally another activation
+    calibration), judged on the probes; and the speed-up of a variant against fp32 (None: not measurable here)."""
+
+    build_and_judge: Callable[[list[str], Path, str | None], Build]
+    speedup: Callable[[Path], float | None]
+
+
+@dataclass
+class SearchResult:
+    status: Literal["rescued", "budget exhausted", "no speed-up", "time budget"]
+    reason: str
+    best: Build
+    kept: list[str]
+    calibration: str | None
+    steps: list[SearchStep] = field(default_factory=list)
+    gains: dict[str, float] = field(default_factory=dict)  # unit label -> measured gain
+
+
+def search(naive: Build, units: Sequence[Unit], actions: SearchActions, work: Path, *, time_budget_s: float,
+           min_speedup: float, max_additions: int, calibration_remedies: Sequence[str] = (),
+           max_flops_fraction: float = 1.0, total_flops: int = 1) -> SearchResult:
+    """Search for a passing build from the failing `naive` one (see the module's docstring)."""
+    deadline = time.monotonic() + time_budget_s
+    steps: list[SearchStep] = []
+
+    def record(kind, what, build: Build | None = None, gain=None, speedup=None, started=None, decision="") -> SearchStep:
+        step = SearchStep(step=len(steps) + 1, kind=kind, what=what, loss=build.loss if build else None, gain=gain,
+                          passed=build.passed if build else None, speedup=speedup, decision=decision,
+                          seconds=round(time.monotonic() - started, 2) if started else 0.0)
+        steps.append(step)
+        return step
+
+    def out_of_time() -> bool:
+        return time.monotonic() >= deadline
+
+    def result(status, reason, best, kept, calibration, gains=None) -> SearchResult:
+        record("stop", status, decision=reason)
+        return SearchResult(status, reason, best, list(kept), calibration, steps, gains or {})
+
+    started = time.monotonic()
+    speed = actions.speedup(naive.path)
+    record("speed", "the naive build against fp32", naive, speedup=speed, started=started,
+           decision="not timed here: the build's benchmark times the result" if speed is None else
+           "fast enough to search" if speed >= min_speedup else "too slow to rescue")
+    if speed is not None and speed < min_speedup:
+        return result("no speed-up", f"the naive build runs {speed:.2f}x the fp32 build's speed on this machine's "
+                      f"kernels (the search needs >= {min_speedup:.2f}x): keeping layers in float only slows it "
+                      "further, so nothing was searched", naive, [], None)
+
+    base, calibration = naive, None
+    for method in calibration_remedies:  # 2. another calibration, no layer leaves the reduced precision
+        if out_of_time():
+            return result("time budget", f"the {time_budget_s:.0f} s budget ran out trying calibrations", base, [], calibration)
+        started = time.monotonic()
+        tried = actions.build_and_judge([], work / f"calibrate-{method}.onnx", method)
+        gain = base.loss - tried.loss
+        better = tried.passed or gain > 0
+        record("calibration", f"{method} calibration of every activation", tried, gain=gain, started=started,
+               decision="adopted" if better else "not better")
+        if better:
+            base, calibration = tried, method
+        if tried.passed:
+            return result("rescued", f"{method} calibration passes the probes with every layer reduced", tried, [], method)
+
+    gains: dict[str, float] = {}
+    measured: list[tuple[float, Unit]] = []
+    for unit in units:  # 3. what restoring each unit alone gains, everything else reduced
+        if out_of_time():
+            break
+        started = time.monotonic()
+        alone = actions.build_and_judge(unit.nodes, work / f"measure-{len(steps)}.onnx", calibration)
+        gain = base.loss - alone.loss
+        gains[unit.label] = gain
+        record("measure", f"restore {unit.label} alone", alone, gain=gain, started=started,
+               decision="gains" if gain > 0 else "no gain")
+        measured.append((gain, unit))
+    ranked = [unit for gain, unit in sorted(measured, key=lambda pair: -pair[0]) if gain > 0]
+    if not ranked:
+        why = "no unit's restoration lowered the loss" if measured else f"the {time_budget_s:.0f} s budget ran out"
+        return result("budget exhausted" if measured else "time budget", why, base, [], calibration, gains)
+
+    kept: list[Unit] = []
+    current = base
+    for unit in ranked[:max_additions]:  # 4. add in the order of the measured gain; keep only what helps
+        if out_of_time():
+            return result("time budget", f"the {time_budget_s:.0f} s budget ran out after {len(kept)} unit(s)", current,
+                          _nodes(kept), calibration, gains)
+        flops = sum(u.flops for u in [*kept, unit])
+        if max_flops_fraction < 1.0 and flops / max(total_flops, 1) > max_flops_fraction:
+            record("add", f"restore {unit.label}", decision=f"skipped: {flops / total_flops:.0%} of the FLOPs in float "
+                   f"> the recipe's cap {max_flops_fraction:.0%}")
+            continue
+        started = time.monotonic()
+        tried = actions.build_and_judge(_nodes([*kept, unit]), work / f"add-{len(steps)}.onnx", calibration)
+        gain = current.loss - tried.loss
+        if gain <= 0 and not tried.passed:
+            record("add", f"restore {unit.label}", tried, gain=gain, started=started, decision="dropped: no gain together")
+            continue
+        speed = actions.speedup(tried.path)
+        if speed is not None and speed < min_speedup:
+            record("add", f"restore {unit.label}", tried, gain=gain, speedup=speed, started=started,
+                   decision=f"not kept: {speed:.2f}x fp32 < {min_speedup:.2f}x")
+            return result("budget exhausted", f"restoring {unit.label} as well would take the build to {speed:.2f}x "
+                          f"the fp32 build's speed (< {min_speedup:.2f}x): it would no longer pay", current,
+                          _nodes(kept), calibration, gains)
+        kept.append(unit)
+        current = tried
+        record("add", f"restore {unit.label}", tried, gain=gain, speedup=speed, started=started, decision="kept")
+        if tried.passed:
+            break
+    if not current.passed:
+        return result("budget exhausted", f"still failing with {len(kept)} unit(s) restored (loss {current.loss:.3g})",
+                      current, _nodes(kept), calibration, gains)
+
+    for unit in sorted(kept, key=lambda u: gains.get(u.label, 0.0)):  # 5. drop what did not help
+        if len(kept) == 1 or out_of_time():
+            break
+        rest = [u for u in kept if u is not unit]
+        started = time.monotonic()
+        tried = actions.build_and_judge(_nodes(rest), work / f"drop-{len(steps)}.onnx", calibration)
+        if tried.passed:
+            kept, current = rest, tried
+            record("drop", f"without {unit.label}", tried, started=started, decision="dropped: passes without it")
+        else:
+            record("drop", f"without {unit.label}", tried, started=started, decision="kept: needed")
+    return result("rescued", f"passes the probes with {len(kept)} unit(s) ({len(_nodes(kept))} layers) restored"
+                  + (f" and {calibration} calibration" if calibration else ""), current, _nodes(kept), calibration, gains)
+
+
+def _nodes(units: Sequence[Unit]) -> list[str]:
+    return [n for u in units for n in u.nodes]

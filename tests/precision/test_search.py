@@ -1,0 +1,105 @@
+"""The rescue search's decisions, on an explicit loss model: each unit takes a known share of the loss away when it is
+restored, and restoring costs a known share of the speed-up. (The search on real builds: test_fallback.py, the
+torch backend's in tests/backends/test_torch_package.py, and benchmarks/rescue.py.)"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from accel_opt.precision.search import Build, SearchActions, Unit, search
+
+UNITS = [Unit("Conv 16x16x1x1", ["p1", "p2", "p3"], flops=300, added_error=9.0),  # the diagnosis blames it most...
+         Unit("Conv 16x1x3x3", ["d1", "d2"], flops=20, added_error=1.0),  # ...but this one carries the loss
+         Unit("Gemm 10x16", ["fc"], flops=10, added_error=0.5)]
+
+
+class Model:
+    """loss = 3 - what each restored unit takes away (capped at 0); speed-up = 2.0 - 0.2 per restored layer."""
+
+    def __init__(self, gains: dict[str, float], calibration_gain: float = 0.0, build_seconds: float = 0.0):
+        self.gains, self.calibration_gain, self.build_seconds = gains, calibration_gain, build_seconds
+        self.builds: list[list[str]] = []
+
+    def build_and_judge(self, keep: list[str], path: Path, calibration: str | None) -> Build:
+        time.sleep(self.build_seconds)
+        self.builds.append(sorted(keep))
+        loss = 3.0 - sum(g for key, g in self.gains.items() if set(_unit(key).nodes) <= set(keep))
+        loss = max(loss - (self.calibration_gain if calibration else 0.0), 0.0)
+        return Build(path=path.with_name("+".join(sorted(keep)) or "naive"), loss=loss, passed=loss <= 1.0,
+                     failures=[] if loss <= 1.0 else [f"loss {loss}"], worst_cosine=1.0)
+
+    def speedup(self, path: Path) -> float:
+        return 2.0 - 0.2 * len([n for n in path.name.split("+") if n and n != "naive"])
+
+
+def _unit(key: str) -> Unit:
+    return next(u for u in UNITS if u.key == key)
+
+
+def _run(model: Model, tmp_path: Path, **options):
+    naive = model.build_and_judge([], tmp_path / "naive", None)
+    settings = {"time_budget_s": 60.0, "min_speedup": 1.1, "max_additions": 8, **options}
+    return search(naive, UNITS, SearchActions(model.build_and_judge, model.speedup), tmp_path, **settings)
+
+
+def test_what_is_kept_is_what_the_measurement_shows_not_the_diagnosis(tmp_path):
+    model = Model({"Conv 16x1x3x3": 2.5})
+    found = _run(model, tmp_path)
+    assert found.status == "rescued" and sorted(found.kept) == ["d1", "d2"]
+    assert found.gains == {"Conv 16x16x1x1 (3 layers)": 0.0, "Conv 16x1x3x3 (2 layers)": 2.5, "Gemm 10x16 (1 layer)": 0.0}
+    assert [s.kind for s in found.steps] == ["speed", "measure", "measure", "measure", "add", "stop"]
+
+
+def test_units_are_added_by_measured_gain_until_the_probes_pass(tmp_path):
+    model = Model({"Conv 16x1x3x3": 1.2, "Gemm 10x16": 0.9})
+    found = _run(model, tmp_path)
+    assert found.status == "rescued" and sorted(found.kept) == ["d1", "d2", "fc"]  # 3 - 1.2 - 0.9 = 0.9 passes
+    assert [s.decision for s in found.steps if s.kind == "add"] == ["kept", "kept"]
+
+
+class Overlapping(Model):
+    """Restorations that overlap: the unit that gains most alone (the 1x1 group) is redundant once the other two are
+    kept, which pass without it."""
+
+    LOSS = {(): 3.0, ("p",): 1.2, ("d",): 1.5, ("f",): 1.6, ("d", "p"): 1.1, ("d", "f", "p"): 0.5, ("d", "f"): 0.9,
+            ("f", "p"): 1.05}
+
+    def build_and_judge(self, keep, path, calibration):
+        self.builds.append(sorted(keep))
+        key = tuple(sorted({n[0] for n in keep}))
+        loss = self.LOSS[key]
+        return Build(path=path.with_name("+".join(sorted(keep)) or "naive"), loss=loss, passed=loss <= 1.0,
+                     failures=[], worst_cosine=1.0)
+
+
+def test_what_did_not_help_once_the_probes_pass_is_dropped(tmp_path):
+    found = _run(Overlapping({}), tmp_path, min_speedup=0.0)
+    assert found.status == "rescued" and sorted(found.kept) == ["d1", "d2", "fc"]
+    drops = [(s.what, s.decision) for s in found.steps if s.kind == "drop"]
+    assert drops[-1] == ("without Conv 16x16x1x1 (3 layers)", "dropped: passes without it")
+
+
+def test_the_search_never_trades_for_a_build_below_the_speed_budget(tmp_path):
+    """Restoring the big 1x1 group would pass, but at 1.4x the build is below the 1.5x budget: not kept, and the
+    search stops saying so, returning the last build that met it."""
+    model = Model({"Conv 16x16x1x1": 2.5})
+    found = _run(model, tmp_path, min_speedup=1.5)
+    assert found.status == "budget exhausted" and found.kept == [] and "would no longer pay" in found.reason
+    assert found.best.loss == 3.0 and model.speedup(found.best.path) >= 1.5
+    slow = _run(Model({"Conv 16x1x3x3": 2.5}), tmp_path, min_speedup=2.5)
+    assert slow.status == "no speed-up" and [s.kind for s in slow.steps] == ["speed", "stop"]
+
+
+def test_a_calibration_that_passes_ends_the_search_before_any_layer_leaves_int8(tmp_path):
+    model = Model({"Conv 16x1x3x3": 2.5}, calibration_gain=2.5)
+    found = _run(model, tmp_path, calibration_remedies=("percentile", "entropy"))
+    assert found.status == "rescued" and found.calibration == "percentile" and found.kept == []
+    assert [s.kind for s in found.steps] == ["speed", "calibration", "stop"]
+
+
+def test_the_time_budget_is_exceeded_by_one_build_at_most(tmp_path):
+    model = Model({"Conv 16x1x3x3": 2.5}, build_seconds=0.2)
+    started = time.monotonic()
+    found = _run(model, tmp_path, time_budget_s=0.3)
+    assert found.status == "time budget" and time.monotonic() - started < 0.3 + 0.2 + 0.15
