@@ -161,6 +161,9 @@ def predict_on_device(deployment: Deployment, remaining: list[str], outputs: Out
         rows' outputs (or top-k) still on the device."""
         if staged.ready is not None:
             compute_stream.wait_event(staged.ready)
+            for image in staged.images:  # made on the copy stream, used on this one: not reused before it is done
+                if image is not None:
+                    image.record_stream(compute_stream)
         good = [i for i in range(len(staged.items)) if i not in staged.rejected]
         if not good:
             return staged, good, None
