@@ -120,8 +120,8 @@ def main() -> int:
 
 
 def minilm(args) -> int:
-    """The real all-MiniLM-L6-v2 on examples/sentences.txt, int8 (MatMul/Gemm Q/DQ) on ONNX Runtime with the
-    text-encoder recipe: naive, the search at the recipe's budget, and with its speed budget lifted; each build's own
+    """The real all-MiniLM-L6-v2 on examples/sentences.txt, int8 (MatMul/Gemm Q/DQ) on the text-encoder recipe's
+    backend (OpenVINO): naive, the search at the recipe's budget, and with its speed budget lifted; each build's own
     gate (the embedding-cosine metric on the evaluation sentences), its speed against fp32 from the build's
     interleaved benchmark, and the search's steps and time."""
     import minilm as mini
@@ -139,7 +139,7 @@ def minilm(args) -> int:
         **{"precision_options.calibration.samples": 24})
     factory = f"{ROOT / 'examples' / 'minilm.py'}:minilm"
     lines = [f"rescue, all-MiniLM-L6-v2 on {len(list(feeds.iterdir()))} sentences (24 calibrate, the rest judge), "
-             f"ONNX Runtime int8 on class {kernel_class('onnxruntime')}", "",
+             f"{recipe.backend.value} int8 on class {kernel_class(recipe.backend)}", "",
              f"{'variant':40} {'signed off':>10} {'worst cosine':>12} {'vs fp32 b1':>10} {'vs fp32 b8':>10} {'search s':>9}  fallback"]
     for label, overrides in (("int8 naive", {"precision_options.fallback.enabled": False}), ("int8 + search", {}),
                              ("int8 + search, speed budget lifted", {"precision_options.fallback.min_speedup": 0.01})):
@@ -152,7 +152,7 @@ def minilm(args) -> int:
                      + f" {fallback.get('search_seconds', 0):9.0f}  {fallback.get('status', '-')}: {fallback.get('reason', '')}")
         print(lines[-1], flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
-    out = args.out / f"rescue-minilm-{kernel_class('onnxruntime')}.txt"
+    out = args.out / f"rescue-minilm-{kernel_class(recipe.backend)}.txt"
     out.write_text("\n".join(lines) + "\n")
     print(f"written: {out}")
     return 0
