@@ -120,6 +120,24 @@ class _Embedder(torch.nn.Module):
         return tokens.sum(1) / attention_mask.sum(1, keepdim=True).clamp(min=1)
 
 
+class _Named(torch.nn.Module):
+    """A forward() that returns a dict, one of whose values is a tuple."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 3)
+
+    def forward(self, x):
+        logits = self.fc(x)
+        return {"logits": logits, "parts": (logits.relu(), logits.sigmoid())}
+
+
+def test_outputs_are_named_by_the_result_s_keys(tmp_path: Path) -> None:
+    report = exp.export(_Named().eval(), {"x": [2, 4]}, tmp_path / "named.onnx")
+    assert [o.name for o in report.outputs] == ["logits", "parts.0", "parts.1"]
+    assert exp._structure_names((torch.ones(1), [torch.ones(1)]), 2) == ["output_0", "output_1"]
+
+
 def test_output_name_colliding_with_internal_value_gives_valid_model(tmp_path: Path) -> None:
     model = _Embedder().eval()
     shapes = {"input_ids": [2, 7], "attention_mask": [2, 7]}

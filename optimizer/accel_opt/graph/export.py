@@ -205,10 +205,30 @@ def _output_names(module: Any, args: tuple, shapes: dict[str, list[int]], given:
     if count == 0:
         raise InputRejected("the model's forward() returned no tensors")
     if given is None:
-        return [f"output_{i}" for i in range(count)]
+        return _structure_names(result, count)
     if len(given) != count or len(set(given)) != count:
         raise UsageError(f"{len(given)} output names given for {count} outputs, or names repeated: {list(given)}")
     return list(given)
+
+
+def _structure_names(result: Any, count: int) -> list[str]:
+    """Output names the forward() result itself gives: a dict's keys and a named structure's fields ("logits";
+    nested: "boxes.0"), else output_<i>. In the order torch.export flattens the result."""
+    import torch
+    from torch.utils._pytree import GetAttrKey, MappingKey, SequenceKey, tree_flatten_with_path
+
+    positional = [f"output_{i}" for i in range(count)]
+    try:
+        leaves = [path for path, leaf in tree_flatten_with_path(result)[0] if isinstance(leaf, torch.Tensor)]
+    except ValueError:  # a container registered without key paths
+        return positional
+    names = []
+    for index, path in enumerate(leaves):
+        parts = [str(k.key) if isinstance(k, MappingKey) else k.name if isinstance(k, GetAttrKey)
+                 else str(k.idx) if isinstance(k, SequenceKey) else None for k in path]
+        named = any(isinstance(k, MappingKey | GetAttrKey) for k in path) and None not in parts
+        names.append(".".join(parts) if named else positional[index])
+    return names if len(set(names)) == len(names) else positional
 
 
 def _export_dynamo(module, args, input_names, output_names, axes, opset, path: Path, notes: list[str]) -> None:
