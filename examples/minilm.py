@@ -57,7 +57,9 @@ def minilm() -> nn.Module:
     """Factory: the real all-MiniLM-L6-v2 (safetensors weights, no pickle), eval mode, offline."""
     path = model_dir()
     from transformers import AutoModel
+    from transformers.utils import logging as transformers_logging
 
+    transformers_logging.disable_progress_bar()  # a bar for loading 103 local tensors: noise on a build's stderr
     encoder = AutoModel.from_pretrained(str(path), local_files_only=True)
     return SentenceEmbedder(encoder).eval()
 

@@ -38,8 +38,16 @@ Exit codes:
   70 internal error (a bug; the log path is printed)"""
 
 
+IMPORT_CHATTER_LOGGERS = ("torchao", "torch.utils._pytree")
+
+
 def setup_logging(verbose: bool) -> None:
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    # Warnings printed on import, whoever imports them (transformers imports torchao when it is installed): torchao
+    # names each CUDA kernel library a CPU build cannot load, and torch's pytree deprecates how torchao registers
+    # its enums. Neither concerns the build; --verbose shows them.
+    for name in IMPORT_CHATTER_LOGGERS:
+        logging.getLogger(name).setLevel(logging.NOTSET if verbose else logging.ERROR)
     from polygraphy.logger import G_LOGGER
 
     G_LOGGER.module_severity = G_LOGGER.INFO if verbose else G_LOGGER.CRITICAL
