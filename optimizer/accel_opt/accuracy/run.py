@@ -41,16 +41,22 @@ def compare(
     candidate_samples: list[Sample] | None = None,
     noise_reference: BaseRunner | None = None,
     noise_floor: dict[str, float] | None = None,
+    reference_outputs: list[dict[str, np.ndarray]] | None = None,
 ) -> AccuracyReport:
     """Run the reference per sample and the candidate in batches of `batch_size` rows (along
     `batch_axes`; default: axis 0 of every input that has one), then judge every output of every sample.
     `candidate_samples`: the same samples as the candidate takes them (a model with fused preprocessing
     takes the host's uint8 crops), one per sample. `noise_reference`: the same fp32 model through other
     kernels (graph optimizations on); its distance to the reference on the first samples is the float32
-    noise floor below which no error counts (see fp32_noise_floor), unless `noise_floor` gives it."""
+    noise floor below which no error counts (see fp32_noise_floor), unless `noise_floor` gives it.
+    `reference_outputs`: the reference's outputs on these samples from an earlier call (report._reference_outputs),
+    for callers that judge many candidates against one reference; the reference is then not run again."""
     names = names or [f"sample-{i:04d}" for i in range(len(samples))]
-    with quiet_polygraphy(), reference:
-        ref_outs = [_infer(reference, s, name) for s, name in zip(samples, names)]
+    if reference_outputs is not None:
+        ref_outs = reference_outputs
+    else:
+        with quiet_polygraphy(), reference:
+            ref_outs = [_infer(reference, s, name) for s, name in zip(samples, names)]
     if noise_floor is None and noise_reference is not None:
         noise_floor = fp32_noise_floor(noise_reference, samples, ref_outs)
     fed = candidate_samples if candidate_samples is not None else samples

@@ -51,13 +51,17 @@ def fallback_actions(ctx: BuildContext, probes: list[Sample], shapes: dict[str, 
         return transform(ctx.fp32_path, precision, chosen, ctx.backend.name, ctx.calibration_samples, out,
                          calibration_cache, keep_float=keep)
 
-    noise_floor: dict[str, float] = {}  # the fp32 model's float32 noise on the probes: measured once, every round reuses it
+    # The fp32 model's outputs and float32 noise on the probes: measured once, every build of the search reuses them.
+    noise_floor: dict[str, float] = {}
+    reference_outputs: list[dict] = []
 
     def verdict(candidate) -> fallback.ProbeVerdict:
         result = compare(reference_runner(ctx.fp32_path, ctx.threads), candidate, probes, *tolerance, batch_size=ctx.deploy_batch,
                          batch_axes=ctx.shapes.batch_axes, noise_floor=noise_floor or None,
-                         noise_reference=None if noise_floor else reference_runner(ctx.fp32_path, ctx.threads, optimize=True))
+                         noise_reference=None if noise_floor else reference_runner(ctx.fp32_path, ctx.threads, optimize=True),
+                         reference_outputs=reference_outputs or None)
         noise_floor.update({o.name: o.noise_floor for o in result.outputs})
+        reference_outputs[:] = result._reference_outputs
         return fallback.ProbeVerdict(passed=result.passed, worst_cosine=result.worst_cosine, failures=result.failures[:3],
                                      loss=probe_loss(result))
 

@@ -61,12 +61,15 @@ def _fallback(ctx: BuildContext, plan: PrecisionPlan) -> PrecisionPlan:
                             max_fp32_flops_fraction=config.max_fp32_flops_fraction, time_budget_s=config.time_budget_s,
                             min_speedup=config.min_speedup)
 
+    reference = TorchRunner(ctx.torch_module, ctx.inputs, names, threads=ctx.threads, name="reference-pytorch")
+    reference_outputs: list[dict] = []  # the eager fp32 module's, run once: every variant is judged against them
+
     def build_and_judge(keep: list[str], path: Path, calibration: str | None = None) -> Build:
         candidate = TorchRunner(precision_module(ctx.torch_module, plan.precision, keep), ctx.inputs, names,
                                 threads=ctx.threads, name=f"eager-{plan.precision.value}")
-        reference = TorchRunner(ctx.torch_module, ctx.inputs, names, threads=ctx.threads, name="reference-pytorch")
         verdict = compare(reference, candidate, probes, recipe.tolerance, recipe.accuracy.task_metrics,
-                          batch_axes=ctx.shapes.batch_axes)
+                          batch_axes=ctx.shapes.batch_axes, reference_outputs=reference_outputs or None)
+        reference_outputs[:] = verdict._reference_outputs
         write_plan(path.with_suffix(PLAN_SUFFIX), PrecisionPlan(precision=plan.precision, keep_fp32=keep))
         return Build(path=path, loss=probe_loss(verdict), passed=verdict.passed, failures=verdict.failures[:3],
                      worst_cosine=verdict.worst_cosine)
