@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 
@@ -15,8 +16,9 @@ from accel_opt.recipe import Preprocessing
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff"}
 
 
-def read_image(path: str | Path, pre: Preprocessing | None):
-    """The RGB pixels of an image file (decoded as `decode_image` does), or InputRejected saying why not:
+def read_image(path: str | Path | BinaryIO, pre: Preprocessing | None):
+    """The RGB pixels of an image file (a path, or its bytes as a binary stream; decoded as `decode_image` does),
+    or InputRejected saying why not:
     not an image, truncated, or larger than Pillow's decompression-bomb limit (a small file that would
     decode to gigabytes is refused before any pixel is decoded)."""
     from PIL import Image, UnidentifiedImageError
@@ -48,13 +50,19 @@ def preprocess_image(img, pre: Preprocessing) -> np.ndarray:
     from PIL import Image
 
     width, height = img.size
-    scale = pre.resize / min(width, height)
-    resized_width, resized_height = max(pre.crop, round(width * scale)), max(pre.crop, round(height * scale))
+    resized_width, resized_height, left, top = crop_geometry(width, height, pre)
     scale_x, scale_y = resized_width / width, resized_height / height
-    left, top = (resized_width - pre.crop) // 2, (resized_height - pre.crop) // 2
     box = (left / scale_x, top / scale_y, (left + pre.crop) / scale_x, (top + pre.crop) / scale_y)
     img = img.resize((pre.crop, pre.crop), Image.BILINEAR, box=box)
     return to_model_input(np.asarray(img)[None], pre)
+
+
+def crop_geometry(width: int, height: int, pre: Preprocessing) -> tuple[int, int, int, int]:
+    """(resized width, resized height, crop left, crop top): the shorter side resized to `pre.resize`, both sides at
+    least `pre.crop`, the crop centered. The one geometry of the host path and the tensor path."""
+    scale = pre.resize / min(width, height)
+    resized_width, resized_height = max(pre.crop, round(width * scale)), max(pre.crop, round(height * scale))
+    return resized_width, resized_height, (resized_width - pre.crop) // 2, (resized_height - pre.crop) // 2
 
 
 def to_model_input(crops_hwc: np.ndarray, pre: Preprocessing) -> np.ndarray:

@@ -21,8 +21,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from accel_opt.errors import InputRejected, first_line
-from accel_opt.preprocess.images import decode_image
+from accel_opt.errors import InputRejected
+from accel_opt.preprocess.images import crop_geometry, read_image
 from accel_opt.recipe import Preprocessing
 
 JPEG_SUFFIXES = (".jpg", ".jpeg")
@@ -96,9 +96,7 @@ class TensorImagePath:
         pre = self.pre
         image = image.to(self.device, non_blocking=True)
         height, width = int(image.shape[0]), int(image.shape[1])
-        scale = pre.resize / min(width, height)
-        resized_w, resized_h = max(pre.crop, round(width * scale)), max(pre.crop, round(height * scale))
-        left, top = (resized_w - pre.crop) // 2, (resized_h - pre.crop) // 2
+        resized_w, resized_h, left, top = crop_geometry(width, height, pre)
         pixels = image.permute(2, 0, 1).unsqueeze(0).float()
         if (resized_h, resized_w) != (height, width):
             pixels = F.interpolate(pixels, size=(resized_h, resized_w), mode="bilinear", align_corners=False,
@@ -126,15 +124,7 @@ class TensorImagePath:
 
 def host_decode(blob: bytes, pre: Preprocessing):
     """A file's RGB pixels decoded by Pillow on the host, as the host path decodes them (refusals included)."""
-    from PIL import Image, UnidentifiedImageError
-
-    try:
-        with Image.open(io.BytesIO(blob)) as img:
-            return decode_image(img, pre)
-    except Image.DecompressionBombError as exc:
-        raise InputRejected(f"refused: {first_line(exc)}") from None
-    except (UnidentifiedImageError, OSError, ValueError) as exc:
-        raise InputRejected(f"not a readable image ({first_line(exc)})") from None
+    return read_image(io.BytesIO(blob), pre)
 
 
 def tensor_path_samples(files: list[Path], pre: Preprocessing, input_name: str, device: str = "cpu") -> list[dict]:
