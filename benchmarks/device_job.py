@@ -23,13 +23,12 @@ On the H200 (`--device cuda`) this is the script the GPU check runs; `--device c
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import sys
 import tempfile
 import time
-from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -163,7 +162,10 @@ def _run_job(folder: Path, jobs: Path, out: Path) -> dict:
 
 
 def _top1s(path: Path) -> dict[str, int]:
-    return {Path(line["input"]).name: line["top1"] for line in map(json.loads, path.read_text().splitlines())}
+    """Top-1 per file name (the jobs list the same files by other paths)."""
+    from benchmarks.e2e_job import top1s
+
+    return {Path(name).name: top1 for name, top1 in top1s(path).items()}
 
 
 def _naive_job(factory: str, folder: Path, files: list[Path], device: str) -> dict:
@@ -216,16 +218,9 @@ def _host_job(folder: Path, files: list[Path]) -> dict:
     return {"seconds": time.perf_counter() - started, "top1": top1}
 
 
-def _decode(path: str) -> int:
-    from PIL import Image
-
-    with Image.open(path) as img:
-        img.load()
-        return img.width
-
-
 def _decode_limit(files: list[Path], device: str) -> tuple[float, bool]:
-    """Images/s decoding every file once: nvJPEG in batches of 64 where torchvision does it, else Pillow on every core."""
+    """Images/s decoding every file once: nvJPEG in batches of 64 where torchvision does it, else Pillow on every core
+    (e2e_job's decode floor)."""
     from accel_opt.preprocess.tensor_images import device_decoder_available
 
     if device_decoder_available(device):
@@ -240,12 +235,9 @@ def _decode_limit(files: list[Path], device: str) -> tuple[float, bool]:
             decode_jpeg(data[start:start + 64], mode=ImageReadMode.RGB, device=device)
         torch.cuda.synchronize()
         return len(files) / (time.perf_counter() - started), True
-    from accel_opt.machine.cpu import available_cpus
+    from benchmarks.e2e_job import decode_floor
 
-    started = time.perf_counter()
-    with ProcessPoolExecutor(available_cpus()) as pool:
-        list(pool.map(_decode, [str(p) for p in files], chunksize=16))
-    return len(files) / (time.perf_counter() - started), False
+    return len(files) / decode_floor(files[0].parent), False
 
 
 def _model_limit(folder: Path, batch: int, device: str) -> float:

@@ -12,6 +12,7 @@ against the true class, and speed against the same backend's fp32 at batch 1 and
 one run; and each search's time.
 
     python -m benchmarks.rescue [--backends openvino,onnxruntime] [--held-out N] [--out DIR]
+    python -m benchmarks.rescue --model minilm    # the real all-MiniLM-L6-v2, int8 on its recipe's backend
 """
 
 from __future__ import annotations
