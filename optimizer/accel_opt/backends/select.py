@@ -90,7 +90,9 @@ def torch_candidate_precisions(flags: frozenset[str], cuda: bool | None = None,
                       (Precision.bf16, "tensor-core bf16, float32 at the package's boundary")]
     if flags & {"avx512_bf16", "amx_bf16"}:
         out.append((Precision.bf16, "native bf16 (AMX-BF16/AVX512-BF16) in Inductor's oneDNN kernels"))
-    if torchao if torchao is not None else importlib.util.find_spec("torchao") is not None:
+    if torchao is None:
+        torchao = importlib.util.find_spec("torchao") is not None
+    if torchao:
         out.append((Precision.int8, "PT2E int8 (X86InductorQuantizer) in Inductor's oneDNN kernels"))
     return out
 

@@ -27,6 +27,7 @@ from accel_opt.errors import InputRejected, UsageError
 from accel_opt.machine.cpu import available_cpus
 from accel_opt.preprocess.images import IMAGE_SUFFIXES, preprocess_image, read_image
 from accel_opt.runtime import Deployment
+from accel_opt.runtime.device_job import predict_on_device, takes_device_path
 from accel_opt.runtime.inputs import NPZ, list_inputs, local_path, unique_inputs
 from accel_opt.runtime.output import Outputs, Writer, input_key, topk_record
 
@@ -86,8 +87,6 @@ def run_job(
         answered = outputs.start(deployment.folder, deployment.identity, resume, overwrite)
         remaining = [p for p in todo if input_key(p) not in answered]
         host_decoded, job_path = 0, "host"
-        from accel_opt.runtime.device_job import predict_on_device, takes_device_path
-
         if takes_device_path(deployment):
             counts, stages, workers, batch_size, host_decoded = predict_on_device(deployment, remaining, outputs, workers,
                                                                                   on_progress)

@@ -184,8 +184,9 @@ class OutFolder:
         if part.suffix == ".parquet":
             import pyarrow.parquet as pq
 
-            table = pq.read_table(part)
-            outputs = table.column("outputs").to_pylist() if "outputs" in table.column_names else [None] * table.num_rows
+            names = pq.read_schema(part).names  # only the two columns read: a part holds every answer's fields
+            table = pq.read_table(part, columns=[c for c in ("input", "outputs") if c in names])
+            outputs = table.column("outputs").to_pylist() if "outputs" in names else [None] * table.num_rows
             return list(zip(table.column("input").to_pylist(), outputs))
         rows = [json.loads(line) for line in part.read_text().splitlines() if line]
         return [(row["input"], row.get("outputs")) for row in rows]
