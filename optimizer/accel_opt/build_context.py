@@ -51,6 +51,8 @@ class BuildContext:
     # decoding; the torch backend's tensor path): the candidate's inputs, judged against the reference on full decodes.
     job_samples: list[Sample] = field(default_factory=list)
     max_feed: Sample | None = None  # a feed at --max-shapes, for the capacity check
+    text_encoder: Any = None  # the recipe's text stage with its tokenizer (preprocess.text.TextEncoder)
+    tokenizer_path: Path | None = None  # the tokenizer file the artifact folder carries
     cleanup: CleanupReport | None = None
     fp32_path: Path | None = None  # after cleanup: the baseline every precision is compared with
     precision: PrecisionReport | None = None

@@ -9,8 +9,10 @@ preprocessing, or a seeded generator (the sign-off then says the data was synthe
 from __future__ import annotations
 
 import hashlib
+import logging
 import zipfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 from pydantic import BaseModel
@@ -21,11 +23,16 @@ from accel_opt.graph.inspect import TensorSpec
 from accel_opt.preprocess.images import IMAGE_SUFFIXES, preprocess_image, read_image
 from accel_opt.recipe import Preprocessing
 
+if TYPE_CHECKING:
+    from accel_opt.preprocess.text import TextEncoder
+
+log = logging.getLogger(__name__)
+
 Sample = dict[str, np.ndarray]
 
 
 class DataSummary(BaseModel):
-    source: str  # "npz", "images" or "synthetic"
+    source: str  # "npz", "images", "text" or "synthetic"
     path: str | None
     count: int
     sha256: str | None  # content hash of the files read (None for synthetic)
@@ -38,9 +45,12 @@ class DataSummary(BaseModel):
 
 
 def load_samples(
-    data_dir: str | Path, inputs: list[TensorSpec], preprocessing: Preprocessing | None
+    data_dir: str | Path, inputs: list[TensorSpec], preprocessing: Preprocessing | None, text: TextEncoder | None = None,
 ) -> tuple[list[Sample], DataSummary]:
-    """Read every sample in `data_dir`, checked against the model inputs; sorted by file name."""
+    """Read every sample in `data_dir`, checked against the model inputs; sorted by file name. With `text` (a text
+    stage's encoder), `data_dir` is a text file or a folder of them, and each text is a sample of its own length."""
+    if text is not None:
+        return _load_texts(Path(data_dir), text)
     root = Path(data_dir)
     if not root.is_dir():
         raise InputRejected(f"--data must be a folder of .npz files or images: {root}")
@@ -63,6 +73,33 @@ def load_samples(
     summary = DataSummary(source=source, path=str(root), count=len(samples), sha256=digest.hexdigest(),
                           names=[p.name for p in files])
     return samples, summary
+
+
+def _load_texts(root: Path, encoder: TextEncoder) -> tuple[list[Sample], DataSummary]:
+    """The texts of a text file (or of a folder's text files, by name), tokenized one sample each; texts the job
+    would reject are left out, with a warning."""
+    from accel_opt.preprocess.text import TEXT_SUFFIXES, read_texts
+
+    files = [root] if root.is_file() else sorted(p for p in root.iterdir() if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES) \
+        if root.is_dir() else []
+    if not files:
+        raise InputRejected(f"--data {root}: no text files ({', '.join(TEXT_SUFFIXES)}) for the recipe's text stage")
+    items = [item for path in files for item in read_texts(str(path), encoder.stage.field)]
+    readable = [item for item in items if item.error is None]
+    encoded = encoder.encode([item.text for item in readable])
+    samples = [feed for feed, _, _ in encoded if feed is not None]
+    names = [Path(item.id).name for item, (feed, _, _) in zip(readable, encoded) if feed is not None]
+    if len(samples) < len(items):
+        first = next((f"{i.id}: {i.error}" for i in items if i.error), None) or next(
+            f"{i.id}: {reason}" for i, (_, reason, _) in zip(readable, encoded) if reason)
+        log.warning("--data %s: %d of %d texts left out (first: %s)", root, len(items) - len(samples), len(items), first)
+    if not samples:
+        raise InputRejected(f"--data {root}: no text the text stage can take")
+    digest = hashlib.sha256()
+    for path in files:
+        digest.update(path.name.encode())
+        digest.update(bytes.fromhex(sha256_file(path)))
+    return samples, DataSummary(source="text", path=str(root), count=len(samples), sha256=digest.hexdigest(), names=names)
 
 
 def _read_npz(path: Path, inputs: list[TensorSpec]) -> Sample:

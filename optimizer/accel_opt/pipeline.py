@@ -48,6 +48,7 @@ from accel_opt.report.results import BuildResult, StageResult, StageStatus, fill
 log = logging.getLogger(__name__)
 
 CLEANUP_VERIFY_SAMPLES = 4
+EXAMPLE_TOKENS = 16  # the sequence length a text factory is exported at when no --shapes is given
 
 
 class _Skip(Exception):
@@ -147,6 +148,10 @@ def _stage_export(ctx: BuildContext) -> tuple[StageStatus, str]:
         raise _Skip("the input is an ONNX model")
     from accel_opt.graph.export import export, verify
 
+    if not ctx.recipe.shapes and ctx.recipe.text is not None and "input_dtypes" in ctx.factory.export_hints:
+        # Token inputs: a short example sequence (the factory's `dynamic` hint keeps the sequence axis free).
+        example = [1, min(EXAMPLE_TOKENS, ctx.recipe.text.max_length)]
+        ctx.recipe = ctx.recipe.with_overrides(shapes={name: example for name in ctx.factory.export_hints["input_dtypes"]})
     if not ctx.recipe.shapes:
         raise UsageError(f"{ctx.factory.spec}: a PyTorch factory needs --shapes to build its example inputs")
     ctx.torch_module = ctx.factory()
@@ -189,6 +194,8 @@ def _stage_load(ctx: BuildContext) -> tuple[StageStatus, str]:
     ctx.model_path = ctx.loaded.path
     ctx.inputs, ctx.outputs = io_specs(ctx.loaded.proto)
     recipe = ctx.recipe = fit_preprocessing(ctx.recipe, ctx.inputs, ctx.notes)  # before any image is read
+    if recipe.text is not None:
+        _load_text_stage(ctx)
     if _fused(ctx) and _torch(ctx):
         raise UsageError("preprocessing.fused rewrites the ONNX graph; the torch backend ships the PyTorch module and "
                          "runs its image preprocessing as tensor ops on its device instead: drop `fused`")
@@ -217,6 +224,9 @@ def _stage_load(ctx: BuildContext) -> tuple[StageStatus, str]:
     elif ctx.job_samples:
         ctx.deploy_samples = [ctx.job_samples[i] for i in evaluation]
     ctx.deploy_batch = recipe.selection.target_batch_size if ctx.shapes.batch_dynamic else ctx.shapes.batch_size
+    if recipe.text is not None and not recipe.benchmark.max_shapes:  # capacity at the longest text the job takes
+        ctx.recipe = recipe.with_overrides(**{"benchmark.max_shapes": {
+            name: [ctx.deploy_batch, recipe.text.max_length] for name in ctx.text_encoder.inputs}})
     ctx.max_feed = max_feed(ctx, _fused(ctx))  # checked now: a wrong --max-shapes is a usage error before any work
     shapes = ", ".join(f"{k}:{'x'.join(map(str, v)) or 'scalar'}" for k, v in ctx.shapes.shapes.items())
     return "passed", (
@@ -232,7 +242,7 @@ def _read_data(ctx: BuildContext) -> tuple[list[Sample], DataSummary]:
     draft = pre is not None and pre.draft_decode and not any(Path(ctx.data_dir).glob("*.npz"))
     reference_pre = pre.model_copy(update={"draft_decode": False}) if draft else pre
     if not _fused(ctx):
-        samples, data = load_samples(ctx.data_dir, ctx.inputs, reference_pre)
+        samples, data = load_samples(ctx.data_dir, ctx.inputs, reference_pre, text=ctx.text_encoder)
         if _torch(ctx) and data.source == "images":  # the candidate takes what its job's tensor path makes
             from accel_opt.preprocess.tensor_images import tensor_path_samples
 
@@ -251,6 +261,15 @@ def _read_data(ctx: BuildContext) -> tuple[list[Sample], DataSummary]:
     for sample, where in zip(samples, data.names):
         check_sample(sample, ctx.inputs, f"--data {where}")
     return samples, data
+
+
+def _load_text_stage(ctx: BuildContext) -> None:
+    from accel_opt.preprocess.text import TextEncoder, find_tokenizer
+
+    hint = getattr(ctx.factory.fn, "tokenizer_file", None) if ctx.factory is not None else None
+    ctx.tokenizer_path = find_tokenizer(ctx.recipe.text, hint, ctx.source_path, ctx.inputs)
+    ctx.text_encoder = TextEncoder(ctx.tokenizer_path, ctx.recipe.text, {s.name: s.dtype for s in ctx.inputs})
+    ctx.notes.append(ctx.text_encoder.describe())
 
 
 def _image_input(ctx: BuildContext) -> str:
@@ -351,6 +370,7 @@ def _stage_accuracy(ctx: BuildContext) -> tuple[StageStatus, str]:
         batch_axes=deployment.batch_axes,
         candidate_samples=ctx.deploy_samples,
         noise_reference=reference_runner(ctx.model_path, ctx.threads, optimize=True),
+        padding=deployment.padding,
     )
     ctx.accuracy.evaluation.deployment = deployment.describe(artifact_name(ctx))
     # What the gate found (where each output holds a batch's samples) is part of how the artifact runs.
@@ -368,6 +388,8 @@ def _stage_accuracy(ctx: BuildContext) -> tuple[StageStatus, str]:
 
 
 def _stage_benchmark(ctx: BuildContext) -> tuple[StageStatus, str]:
+    if ctx.text_encoder is not None:  # timed batches have one shape: the evaluation texts padded to the longest
+        ctx.eval_samples = ctx.deploy_samples = ctx.text_encoder.padding.same_length(ctx.eval_samples)
     return benchmark_build(ctx, _deploy_shapes(ctx, fused=False), _image_input(ctx))
 
 

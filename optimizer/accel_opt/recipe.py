@@ -134,6 +134,15 @@ class CosineMetric(_Strict):
     min_worst_cosine: float = 0.95
 
 
+class NeighbourMetric(_Strict):
+    """Retrieval agreement: for each evaluation sample, its nearest neighbour (cosine) among the other samples'
+    candidate embeddings is the one the fp32 reference's embeddings name. Needs at least 3 samples."""
+
+    kind: Literal["neighbours"] = "neighbours"
+    output: str | None = None
+    min_agreement: float = Field(default=0.9, ge=0, le=1)
+
+
 class DetectionMetric(_Strict):
     """Detector agreement: the candidate's boxes matched one-to-one to the reference's (same class,
     IoU >= `match_iou`), pooled over samples: precision = matched / candidate boxes, recall =
@@ -157,7 +166,7 @@ class DetectionMetric(_Strict):
     min_recall: float = Field(default=0.95, ge=0, le=1)
 
 
-TaskMetric = Annotated[TopKMetric | CosineMetric | DetectionMetric, Field(discriminator="kind")]
+TaskMetric = Annotated[TopKMetric | CosineMetric | NeighbourMetric | DetectionMetric, Field(discriminator="kind")]
 
 
 class AccuracyConfig(_Strict):
@@ -233,14 +242,53 @@ class Preprocessing(_Strict):
         return self.model_copy(update={"dtype": "uint8", "layout": "NHWC", "fused": False}) if self.fused else self
 
 
+class TextStage(_Strict):
+    """How text inputs become token tensors: a Hugging Face `tokenizers` file (tokenizer.json), truncation and
+    which tokenizer output feeds which model input. The artifact folder carries the tokenizer file."""
+
+    # tokenizer.json; null: the factory's `tokenizer_file` hint, else tokenizer.json next to the model.
+    tokenizer: str | None = None
+    max_length: int = Field(default=128, ge=1)  # tokens, special tokens included
+    # Off: a text longer than max_length is rejected (into the errors file) instead of cut.
+    truncation: bool = True
+    truncation_side: Literal["right", "left"] = "right"
+    field: str = "text"  # the JSON Lines field, or the Parquet/CSV column, holding the text
+    # model input -> tokenizer output (ids, attention_mask, type_ids); inputs the model lacks are left out.
+    inputs: dict[str, Literal["ids", "attention_mask", "type_ids"]] = Field(default_factory=lambda: {
+        "input_ids": "ids", "attention_mask": "attention_mask", "token_type_ids": "type_ids"})
+    # A batch is padded to its longest text, rounded up to the next of these lengths when given: fewer distinct
+    # shapes for backends that compile per shape. Empty: pad to the longest text exactly.
+    length_buckets: list[Annotated[int, Field(ge=1)]] = Field(default_factory=list)
+    # Texts the job reads ahead and sorts by length before batching: more similar lengths in a batch, still
+    # answered in input order, memory bounded by this many texts.
+    sort_window: int = Field(default=512, ge=1)
+
+
+class EmbeddingOutput(_Strict):
+    """An embedding per input: `output` (default: the first) pooled over the tokens (`mean` over the attention mask,
+    `cls`: the first token, `none`: the model pools itself), L2-normalized unless `normalize` is false."""
+
+    output: str | None = None
+    pooling: Literal["none", "mean", "cls"] = "none"
+    normalize: bool = True
+    file: Literal["npy", "parquet"] = "npy"  # also written at the end of a job: PREDICTIONS.embeddings.npy|.parquet
+
+
 class Postprocess(_Strict):
     """What `accel-opt run` writes per input. `topk`: a classifier's `top1` and `topk` [[class, score], ...]
-    from `output` (default: the first), scores softmax-ed unless `softmax` is false; without a
-    postprocess section every output is saved to one .npz per input."""
+    from `output` (default: the first), scores softmax-ed unless `softmax` is false. `embedding`: the input's
+    vector (see EmbeddingOutput). Without a postprocess section every output is saved to one .npz per input."""
 
-    topk: int = Field(ge=1)
+    topk: int | None = Field(default=None, ge=1)
     output: str | None = None
     softmax: bool = True
+    embedding: EmbeddingOutput | None = None
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> Postprocess:
+        if (self.topk is None) == (self.embedding is None):
+            raise ValueError("give one of topk (a classifier) or embedding")
+        return self
 
 
 class CalibrationConfig(_Strict):
@@ -368,6 +416,7 @@ class Recipe(_Strict):
     # int8) compile one static model per batch size unless the deployment needs dynamic shapes.
     dynamic_shapes: bool = False
     preprocessing: Preprocessing | None = None
+    text: TextStage | None = None  # text inputs: tokenized by the job (exclusive with image `preprocessing`)
     postprocess: Postprocess | None = None
     cleanup: CleanupConfig = Field(default_factory=CleanupConfig)
     precision_options: PrecisionConfig = Field(default_factory=PrecisionConfig)
@@ -377,6 +426,12 @@ class Recipe(_Strict):
     tensorrt: TensorRtConfig = Field(default_factory=TensorRtConfig)
     onnxruntime: OnnxRuntimeConfig = Field(default_factory=OnnxRuntimeConfig)
     torch: TorchConfig = Field(default_factory=TorchConfig)
+
+    @model_validator(mode="after")
+    def _one_input_kind(self) -> Recipe:
+        if self.text is not None and self.preprocessing is not None:
+            raise ValueError("a recipe takes images (preprocessing) or text (text), not both")
+        return self
 
     def fingerprint(self) -> str:
         """Content hash of the resolved recipe: part of a build's identity."""

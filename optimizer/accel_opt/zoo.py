@@ -243,3 +243,63 @@ def saturating_inputs(count: int, channels: int = 64, seed: int = 1) -> list[dic
     rng = np.random.default_rng(seed)
     return [{"x": ((0.8 + 0.2 * rng.random((1, channels, 16, 16))) * (rng.random((1, channels, 1, 1)) < 0.9))
              .astype(np.float32)} for _ in range(count)]
+
+
+def text_encoder(vocab_size: int, width: int = 32, seed: int = 0) -> onnx.ModelProto:
+    """A sentence encoder with BERT's interface: input_ids, attention_mask [batch, tokens] int64 -> embedding
+    [batch, width]. Token embeddings, one masked self-attention layer (padding gets -1e4 before the softmax, as BERT
+    adds), a tanh projection, mean pooling over the mask: padding a text must not change its embedding."""
+    rng = np.random.default_rng(seed)
+
+    def weight(name: str, *shape: int, scale: float = 1.0) -> onnx.TensorProto:
+        return numpy_helper.from_array((rng.standard_normal(shape) * scale / np.sqrt(shape[0])).astype(np.float32), name)
+
+    inits = [weight("E", vocab_size, width, scale=np.sqrt(vocab_size)), weight("Wq", width, width),
+             weight("Wk", width, width), weight("Wv", width, width), weight("Wo", width, width),
+             numpy_helper.from_array(np.array(1.0, np.float32), "one"),
+             numpy_helper.from_array(np.array(-1e4, np.float32), "neg"),
+             numpy_helper.from_array(np.array(1.0 / np.sqrt(width), np.float32), "scale"),
+             numpy_helper.from_array(np.array([1], np.int64), "axis1"),
+             numpy_helper.from_array(np.array([2], np.int64), "axis2")]
+    node = helper.make_node
+    nodes = [
+        node("Gather", ["E", "input_ids"], ["x"]),
+        node("Cast", ["attention_mask"], ["m"], to=TensorProto.FLOAT),  # [b, t]
+        node("MatMul", ["x", "Wq"], ["q"]), node("MatMul", ["x", "Wk"], ["k"]), node("MatMul", ["x", "Wv"], ["v"]),
+        node("Transpose", ["k"], ["kt"], perm=[0, 2, 1]),
+        node("MatMul", ["q", "kt"], ["s0"]), node("Mul", ["s0", "scale"], ["s1"]),
+        node("Sub", ["one", "m"], ["pad"]), node("Mul", ["pad", "neg"], ["bias0"]),
+        node("Unsqueeze", ["bias0", "axis1"], ["bias"]),  # [b, 1, t]: keys that are padding get -1e4
+        node("Add", ["s1", "bias"], ["s2"]), node("Softmax", ["s2"], ["a"], axis=-1),
+        node("MatMul", ["a", "v"], ["h0"]), node("MatMul", ["h0", "Wo"], ["h1"]), node("Add", ["h1", "x"], ["h2"]),
+        node("Tanh", ["h2"], ["h"]),
+        node("Unsqueeze", ["m", "axis2"], ["m3"]),  # [b, t, 1]
+        node("Mul", ["h", "m3"], ["hm"]), node("ReduceSum", ["hm", "axis1"], ["total"], keepdims=0),
+        node("ReduceSum", ["m3", "axis1"], ["count"], keepdims=0),
+        node("Div", ["total", "count"], ["embedding"]),
+    ]
+    tokens = ["batch", "tokens"]
+    graph = helper.make_graph(nodes, "text_encoder", [helper.make_tensor_value_info("input_ids", TensorProto.INT64, tokens),
+                                                      helper.make_tensor_value_info("attention_mask", TensorProto.INT64, tokens)],
+                              [helper.make_tensor_value_info("embedding", TensorProto.FLOAT, ["batch", width])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)], producer_name="accel-opt.zoo")
+    model.ir_version = 8
+    onnx.checker.check_model(model)
+    return model
+
+
+def word_tokenizer(texts: list[str], path: str | Path, vocab_size: int = 300) -> Path:
+    """A BERT-style WordPiece tokenizer trained on `texts` ([CLS] text [SEP], lower-cased), saved as tokenizer.json."""
+    from tokenizers import Tokenizer, normalizers, pre_tokenizers, processors
+    from tokenizers.models import WordPiece
+    from tokenizers.trainers import WordPieceTrainer
+
+    tokenizer = Tokenizer(WordPiece(unk_token="[UNK]"))
+    tokenizer.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tokenizer.train_from_iterator(texts, WordPieceTrainer(vocab_size=vocab_size, special_tokens=["[PAD]", "[UNK]", "[CLS]", "[SEP]"]))
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", special_tokens=[("[CLS]", tokenizer.token_to_id("[CLS]")), ("[SEP]", tokenizer.token_to_id("[SEP]"))])
+    tokenizer.enable_padding(pad_id=tokenizer.token_to_id("[PAD]"), pad_token="[PAD]")
+    tokenizer.save(str(path))
+    return Path(path)

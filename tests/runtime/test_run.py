@@ -177,7 +177,7 @@ def test_images_need_recorded_preprocessing(tiny_cnn_path, photos, tmp_path):
     from ..conftest import FAST_BENCH
 
     result = build(tiny_cnn_path, load_recipe().with_overrides(benchmark=FAST_BENCH), out_dir=tmp_path / "out")
-    with pytest.raises(UsageError, match="without `preprocessing`"):
+    with pytest.raises(UsageError, match="without image `preprocessing`"):
         run_job(runtime.load(result.artifact_dir), [photos], tmp_path / "p.jsonl")
     assert Postprocess(topk=1).softmax  # the default: probabilities, not logits
 

@@ -1,5 +1,5 @@
-"""Task metrics, computed here because Polygraphy has none: top-k agreement, embedding cosine, detection
-precision/recall against the reference's boxes."""
+"""Task metrics, computed here because Polygraphy has none: top-k agreement, embedding cosine, nearest-neighbour
+agreement of embeddings, detection precision/recall against the reference's boxes."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import math
 import numpy as np
 
 from accel_opt.accuracy.models import MAX_LISTED_SAMPLES, TaskMetricResult
-from accel_opt.recipe import CosineMetric, DetectionMetric, TaskMetric, TopKMetric
+from accel_opt.recipe import CosineMetric, DetectionMetric, NeighbourMetric, TaskMetric, TopKMetric
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +44,14 @@ def task_metric(metric: TaskMetric, ref_outs, cand_outs, names: list[str]) -> Ta
         values = {"mean_cosine": float(cos.mean()), "worst_cosine": float(cos.min())}
         thresholds = {"mean_cosine": metric.min_mean_cosine, "worst_cosine": metric.min_worst_cosine}
         worst = [names[int(owner[i])] for i in np.argsort(cos)[:3] if cos[i] < metric.min_worst_cosine]
+    elif isinstance(metric, NeighbourMetric):
+        ref_nn, cand_nn = nearest_neighbours(ref), nearest_neighbours(cand)
+        same = ref_nn == cand_nn
+        values = {"neighbour_agreement": float(same.mean()) if len(ref) >= 3 else 1.0}
+        thresholds = {"neighbour_agreement": metric.min_agreement}
+        note = (f"{len(ref)} embeddings: too few to have neighbours to agree on" if len(ref) < 3 else
+                resolution_note(len(ref), metric.min_agreement))
+        worst = [names[int(owner[i])] for i in np.flatnonzero(~same)][:MAX_LISTED_SAMPLES]
     else:  # pragma: no cover - the recipe schema admits only the kinds above
         raise TypeError(f"unknown task metric {metric!r}")
     passed = all(values[k] >= v for k, v in thresholds.items())
@@ -75,6 +83,14 @@ def _detection_metric(metric: DetectionMetric, name: str, ref_outs, cand_outs, n
     note = f"{pooled.reference} reference and {pooled.candidate} candidate boxes over {len(counts)} samples"
     return TaskMetricResult(kind=metric.kind, output=name, values=values, thresholds=thresholds,
                             passed=all(values[k] >= v for k, v in thresholds.items()), note=note, worst_samples=worst)
+
+
+def nearest_neighbours(rows: np.ndarray) -> np.ndarray:
+    """For each row, the index of the most cosine-similar other row (the retrieval answer for that query)."""
+    unit = rows / np.maximum(np.linalg.norm(rows, axis=1, keepdims=True), 1e-30)
+    similarity = unit @ unit.T
+    np.fill_diagonal(similarity, -np.inf)
+    return similarity.argmax(axis=1)
 
 
 def resolution_note(rows: int, min_agreement: float) -> str | None:

@@ -23,6 +23,7 @@ from accel_opt.data import (
     split_output,
 )
 from accel_opt.errors import AccelOptError, InputRejected, first_line
+from accel_opt.preprocess.text import Padding
 from accel_opt.recipe import TaskMetric, Tolerance
 
 log = logging.getLogger(__name__)
@@ -42,6 +43,7 @@ def compare(
     noise_reference: BaseRunner | None = None,
     noise_floor: dict[str, float] | None = None,
     reference_outputs: list[dict[str, np.ndarray]] | None = None,
+    padding: Padding | None = None,
 ) -> AccuracyReport:
     """Run the reference per sample and the candidate in batches of `batch_size` rows (along
     `batch_axes`; default: axis 0 of every input that has one), then judge every output of every sample.
@@ -50,7 +52,9 @@ def compare(
     kernels (graph optimizations on); its distance to the reference on the first samples is the float32
     noise floor below which no error counts (see fp32_noise_floor), unless `noise_floor` gives it.
     `reference_outputs`: the reference's outputs on these samples from an earlier call (report._reference_outputs),
-    for callers that judge many candidates against one reference; the reference is then not run again."""
+    for callers that judge many candidates against one reference; the reference is then not run again.
+    `padding`: texts of several lengths (preprocess.text.Padding): the candidate's batches are padded as the job pads
+    them, while the reference runs each text alone, so an answer that depends on its batch-mates fails the gate."""
     names = names or [f"sample-{i:04d}" for i in range(len(samples))]
     if reference_outputs is not None:
         ref_outs = reference_outputs
@@ -62,7 +66,7 @@ def compare(
     fed = candidate_samples if candidate_samples is not None else samples
     axes = batch_axes if batch_axes is not None else leading_axes(fed[0])
     with quiet_polygraphy(), candidate:
-        cand_outs, evaluation = run_candidate(candidate, fed, ref_outs, batch_size, axes)
+        cand_outs, evaluation = run_candidate(candidate, fed, ref_outs, batch_size, axes, padding)
     report = judge(ref_outs, cand_outs, names, tolerance, task_metrics, reference.name, candidate.name, evaluation,
                    noise_floor)
     report._reference_outputs = ref_outs
@@ -103,7 +107,7 @@ def _infer(runner: BaseRunner, feed: Sample, name: str) -> dict[str, np.ndarray]
 
 
 def run_candidate(runner: BaseRunner, samples: list[Sample], ref_outs: list[dict[str, np.ndarray]], batch_size: int,
-                   axes: BatchAxes) -> tuple[list[dict[str, np.ndarray]], Evaluation]:
+                   axes: BatchAxes, padding: Padding | None = None) -> tuple[list[dict[str, np.ndarray]], Evaluation]:
     note = None
     groups = pack_batches(samples, batch_size, axes) if batch_size > 1 else None
     if batch_size > 1 and groups is None:
@@ -112,7 +116,9 @@ def run_candidate(runner: BaseRunner, samples: list[Sample], ref_outs: list[dict
         outs: list[dict[str, np.ndarray] | None] = [None] * len(samples)
         output_axes: dict[str, int] = {}
         for group in groups:
-            batch_out = runner.infer(concat_samples([samples[i] for i in group], axes), check_inputs=False)
+            members = [samples[i] for i in group]
+            feed = padding.batch(members) if padding is not None else concat_samples(members, axes)
+            batch_out = runner.infer(feed, check_inputs=False)
             for name, array in batch_out.items():
                 shapes = [ref_outs[i][name].shape for i in group if name in ref_outs[i]]
                 axis = output_batch_axis(np.shape(array), shapes) if len(shapes) == len(group) else None

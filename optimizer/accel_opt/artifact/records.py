@@ -89,6 +89,10 @@ def recommended(compiled: CompiledModel, bench: BenchmarkReport, config: Benchma
         "budgets": {"p99_ms": config.p99_budget_ms, "memory_mib": config.memory_budget_mib},
         "reason": bench.recommendation,
     }
+    if bench.length_buckets:  # text: the batch that fits the memory budget at each length (None: no budget given)
+        recommended["batch_per_length"] = {str(b.length): b.recommended_batch for b in bench.length_buckets}
+        recommended["memory_per_length_mib"] = {str(b.length): {"peak": b.peak_memory_mib, "per_row": b.per_row_mib}
+                                                for b in bench.length_buckets}
     if bench.concurrency:
         best = max(bench.concurrency, key=lambda row: row["samples_per_s"])
         recommended.update(performance_hint=best["hint"], threads=best["threads"], streams=best["streams"],

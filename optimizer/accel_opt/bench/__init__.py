@@ -24,6 +24,7 @@ from accel_opt.bench.application import JobTiming, StageTimes
 from accel_opt.bench.efficiency import Efficiency
 from accel_opt.bench.memory import peak_rss_mib, reset_peak_rss_mib
 from accel_opt.bench.sweep import Capacity, Recommendation, SweepPoint
+from accel_opt.bench.text_capacity import LengthBucket
 from accel_opt.data import BatchAxes, Sample, batch_of
 from accel_opt.recipe import BenchmarkConfig
 
@@ -79,6 +80,7 @@ class BenchmarkReport(BaseModel):
     stage_note: str = ""
     jobs: list[JobTiming] = []
     efficiency: Efficiency | None = None  # FLOPs and bytes from the graph against host probes of this run
+    length_buckets: list[LengthBucket] = []  # text builds: memory per text length and the batch that fits the budget
 
     @property
     def failures(self) -> list[str]:

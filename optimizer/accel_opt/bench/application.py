@@ -53,9 +53,49 @@ class JobTiming(BaseModel):
 
 
 def data_files(data_dir: Path) -> list[Path]:
-    """The files a build read its samples from (images or .npz), sorted as it read them."""
+    """The files a build read its samples from (images, .npz or text files), sorted as it read them."""
+    from accel_opt.preprocess.text import is_text_file
+
+    if data_dir.is_file():
+        return [data_dir]
     npz = sorted(p for p in data_dir.iterdir() if p.suffix == ".npz" and p.is_file())
-    return npz or sorted(p for p in data_dir.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file())
+    return npz or sorted(p for p in data_dir.iterdir() if p.is_file() and (
+        p.suffix.lower() in IMAGE_SUFFIXES or is_text_file(p)))
+
+
+def text_host_stage_ms(files: list[Path], encoder) -> dict[str, float]:
+    """Median ms per text of reading it (its share of its file's read) and tokenizing it alone (one core)."""
+    from accel_opt.preprocess.text import read_texts
+
+    start = time.perf_counter()
+    texts = [item.text for path in files for item in read_texts(str(path), encoder.stage.field) if item.error is None]
+    read_ms = (time.perf_counter() - start) * 1e3 / max(1, len(texts))
+    tokenize = []
+    for text in texts[:STAGE_FILES]:
+        begin = time.perf_counter()
+        encoder.encode([text])
+        tokenize.append(time.perf_counter() - begin)
+    return {"read": read_ms / 1e3, "decode": 0.0, "preprocess": statistics.median(tokenize) if tokenize else 0.0}
+
+
+def naive_text_job(files: list[Path], runner: BaseRunner, encoder, batch: int) -> JobTiming:
+    """What a script does: read the texts, then per batch of `batch` in input order tokenize them padded to max_length,
+    run the fp32 model (the embeddings are the first output: pooling is the model's or costs the same on both sides)."""
+    from accel_opt.preprocess.text import read_texts
+
+    start = time.perf_counter()
+    texts = [item.text for path in files for item in read_texts(str(path), encoder.stage.field) if item.error is None]
+    length = encoder.stage.max_length
+    with runner:
+        for first in range(0, len(texts), batch):
+            rows = [feed for feed, _, _ in encoder.encode(texts[first:first + batch]) if feed is not None]
+            padded = encoder.padding.batch(rows)
+            feed = {n: np.pad(a, ((0, 0), (0, length - a.shape[1])), constant_values=encoder.padding.values[n])
+                    for n, a in padded.items()}
+            runner.infer(feed, check_inputs=False)
+    seconds = time.perf_counter() - start
+    return _timing("naive", f"texts tokenized per batch of {batch} and padded to max_length {length}, the fp32 model on "
+                   "ONNX Runtime, in input order", len(texts), seconds, "compute on padding")
 
 
 def host_stage_ms(files: list[Path], pre: Preprocessing | None) -> dict[str, float]:
@@ -85,14 +125,16 @@ def host_stage_ms(files: list[Path], pre: Preprocessing | None) -> dict[str, flo
 
 
 def postprocess_ms(outputs: dict[str, np.ndarray], post: Postprocess | None, first_output: str, batch: int) -> float:
-    """ms to turn one batch's outputs into per-input answers (top-k, or one .npz each)."""
-    from accel_opt.runtime.job import topk_record
+    """ms to turn one batch's outputs into per-input answers (top-k, an embedding, or one .npz each)."""
+    from accel_opt.runtime.output import embedding_record, topk_record
 
     rows = [{name: np.asarray(a)[i:i + 1] if np.ndim(a) and np.shape(a)[0] == batch else a for name, a in outputs.items()}
             for i in range(batch)]
     start = time.perf_counter()
     for row in rows:
-        if post is not None:
+        if post is not None and post.embedding is not None:
+            embedding_record(post, row, first_output)
+        elif post is not None:
             topk_record(post, row, first_output)
         else:
             np.savez(io.BytesIO(), **row)
@@ -135,8 +177,9 @@ def accel_opt_job(files: list[Path], deployment) -> JobTiming:
         start = time.perf_counter()
         summary = run_job(deployment, files, Path(tmp) / "predictions.jsonl")
         seconds = time.perf_counter() - start
-    return _timing("accel-opt run", f"reader threads ({summary.workers}) overlapping batches of {summary.batch_size} "
-                   "on the deployed artifact", len(files), seconds, summary.bottleneck)
+    how = (f"texts sorted by length in windows, batches of {summary.batch_size} padded to their longest"
+           if summary.text is not None else f"reader threads ({summary.workers}) overlapping batches of {summary.batch_size}")
+    return _timing("accel-opt run", how + " on the deployed artifact", summary.inputs, seconds, summary.bottleneck)
 
 
 def _timing(pipeline: str, description: str, inputs: int, seconds: float, bottleneck: str) -> JobTiming:

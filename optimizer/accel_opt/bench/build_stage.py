@@ -15,6 +15,7 @@ from accel_opt.backends.onnxruntime import OnnxRuntimeBackend
 from accel_opt.bench import Target, application, deployment_target, run_benchmark
 from accel_opt.bench.efficiency import efficiency
 from accel_opt.bench.sweep import capacity, recommend, sweep, sweep_checks
+from accel_opt.bench.text_capacity import length_capacity, lengths_to_measure
 from accel_opt.data import Sample, batch_of, synthetic_samples
 from accel_opt.errors import AccelOptError, UsageError, first_line
 from accel_opt.graph.inspect import resolve_shapes, with_batch
@@ -60,6 +61,14 @@ def benchmark_build(ctx: BuildContext, unfused_shapes: dict[str, list[int]], ima
     ctx.bench.capacity = capacity(ctx.bench.sweep, config, lambda: ctx.deployment.runner(dtypes), ctx.max_feed,
                                   ctx.backend.synchronize)
     ctx.bench.checks = sweep_checks(ctx.bench.recommended, ctx.bench.recommendation, ctx.bench.capacity, config)
+    if ctx.text_encoder is not None:  # activations grow with the tokens: a batch size per length
+        encoder = ctx.text_encoder
+        fill = {name: -1 if field == "ids" else 1 if field == "attention_mask" else 0
+                for name, (field, _) in encoder.inputs.items()}
+        ctx.bench.length_buckets = length_capacity(
+            lambda: ctx.deployment.runner(dtypes), fill, encoder.tokenizer.get_vocab_size(),
+            lengths_to_measure(encoder.stage.max_length, list(encoder.stage.length_buckets)), ctx.deploy_batch,
+            max(config.concurrency), config.memory_budget_mib)
     application_times(ctx, batch_sizes, image_input)
     batch1 = with_batch(ctx.shapes.shapes, 1, axes) if ctx.shapes.batch_dynamic else ctx.shapes.shapes
     try:
@@ -83,7 +92,10 @@ def application_times(ctx: BuildContext, batch_sizes: list[int], image_input: st
         ctx.bench.stage_note = "no --data: the application's stages and the job need real input files"
         return
     files, config = application.data_files(ctx.data_dir), ctx.resource_config
-    host = application.host_stage_ms(files, ctx.recipe.preprocessing.host_part() if ctx.recipe.preprocessing else None)
+    if ctx.text_encoder is not None:  # tokenizing is the texts' preprocessing
+        host = application.text_host_stage_ms(files, ctx.text_encoder)
+    else:
+        host = application.host_stage_ms(files, ctx.recipe.preprocessing.host_part() if ctx.recipe.preprocessing else None)
     candidate = ctx.bench.models[0]
     outputs, device = {}, {}
     with ctx.deployment.runner(runtime.feed_dtypes_of(ctx.deploy_samples)) as runner:
@@ -108,7 +120,9 @@ def application_times(ctx: BuildContext, batch_sizes: list[int], image_input: st
     try:  # the naive job runs the fp32 model on ONNX Runtime, the portable default
         ort = OnnxRuntimeBackend()
         naive_runner = ort.runner(ort.compile(ctx.fp32_path, Precision.fp32, ctx.recipe, ctx.workdir / "naive"))
-        ctx.bench.jobs.insert(0, application.naive_job(job_files, naive_runner, pre, image_input))
+        naive = (application.naive_text_job(job_files, naive_runner, ctx.text_encoder, ctx.deploy_batch)
+                 if ctx.text_encoder is not None else application.naive_job(job_files, naive_runner, pre, image_input))
+        ctx.bench.jobs.insert(0, naive)
     except AccelOptError as exc:
         ctx.bench.stage_note += f"; no naive job: {exc}"
 

@@ -24,7 +24,10 @@ from accel_opt.errors import (
                    "OpenVINO on x86 CPUs with AVX-512/AMX when installed, else ONNX Runtime (and torch for a factory).")
 @click.option("--device", help="--backend torch: cpu or cuda[:N] (default: the GPU when torch sees one, else the CPU).")
 @click.option("--recipe", "recipe_path", help="Recipe YAML file or bundled name (recipes/NAME.yaml). Default: default.")
-@click.option("--data", "data_dir", type=click.Path(path_type=Path), help="Folder of .npz feed dicts (or images with a preprocessing recipe).")
+@click.option("--data", "data_dir", type=click.Path(path_type=Path), help="Folder of .npz feed dicts (or images with a "
+              "preprocessing recipe; a text file, or a folder of them, with a text recipe).")
+@click.option("--tokenizer", type=click.Path(path_type=Path), help="A text recipe's tokenizer.json (default: the "
+              "recipe's text.tokenizer, the factory's hint, or tokenizer.json beside the model).")
 @click.option("--shapes", help="Fix dynamic dims, trtexec-style: NAME:1x3x224x224[,NAME:...].")
 @click.option("--batch-axes", help="Batch axis of inputs whose dims do not tell: NAME:AXIS or NAME:none (not batched)[,...].")
 @click.option("--max-shapes", help="Largest shapes to take, trtexec-style (NAME:16x3x640x640,...): the capacity check runs at them.")
@@ -41,7 +44,7 @@ from accel_opt.errors import (
 @click.option("--junit", "junit_file", type=click.Path(path_type=Path), help="Write the gate's checks as JUnit XML here (for CI).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout (for CI).")
 @click.option("-v", "--verbose", is_flag=True, help="Log progress and show tracebacks.")
-def build(model, precision, backend, device, recipe_path, data_dir, shapes, batch_axes, max_shapes, require_data,
+def build(model, precision, backend, device, recipe_path, data_dir, tokenizer, shapes, batch_axes, max_shapes, require_data,
           keep_io_types, providers, calibration, target_cpu, no_fallback, threads, out_dir, force, junit_file, as_json,
           verbose):
     """Build MODEL (.onnx, or a PyTorch factory FILE.py:FACTORY) through cleanup, precision, compile, accuracy gate
@@ -70,6 +73,10 @@ def build(model, precision, backend, device, recipe_path, data_dir, shapes, batc
                 "benchmark.max_shapes": parse_shapes(max_shapes) if max_shapes else None,
             },
         )
+        if tokenizer is not None:
+            if recipe.text is None:
+                raise UsageError(f"--tokenizer: the recipe {recipe.name!r} has no text stage (try --recipe text-encoder)")
+            recipe = recipe.with_overrides(**{"text.tokenizer": str(tokenizer.resolve())})
         show_progress = not as_json and (verbose or sys.stderr.isatty())  # quiet in CI logs
         on_stage = _print_stage if show_progress else None
         selection = None

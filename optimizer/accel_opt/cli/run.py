@@ -17,7 +17,8 @@ Exit codes:
   1  signed off on another CPU class, and its re-check on this one failed (nothing was predicted)
   2  usage error: PREDICTIONS exists without --resume/--overwrite; another run is writing it (its pid named);
      --resume over another artifact's answers, or over a file without PREDICTIONS.meta.json; --out among the
-     inputs; images without preprocessing; a key file missing or not an EC public key
+     inputs; an input of a kind the artifact does not take (text files without a text stage, images without
+     preprocessing, anything but text files with one); a key file missing or not an EC public key
   3  some inputs rejected (listed with the reason in PREDICTIONS.errors.jsonl); the artifact altered/incomplete;
      with --public-key, unsigned or not signed by that key
   4  the artifact cannot run here (another runtime version or CPU); --public-key without model-signing installed
@@ -43,12 +44,15 @@ Exit codes:
 @click.option("-v", "--verbose", is_flag=True)
 def run_command(artifact, inputs, predictions, resume, overwrite, workers, as_json, no_recheck, public_key,
                 certificate_chain, verbose, engine, **ray_args):
-    """Run a built ARTIFACT folder on INPUTS: image files, .npz feed dicts, folders of them (read recursively),
-    globs ('photos/**/*.jpg') and URIs (file://; s3:// and gs:// with --engine ray). Both engines list INPUTS by
-    this one rule.
+    """Run a built ARTIFACT folder on INPUTS: image files, .npz feed dicts, or for an artifact with a text stage
+    text files (.txt a text per line, .jsonl, .parquet, .csv), folders of them (read recursively), globs
+    ('photos/**/*.jpg') and URIs (file://; s3:// and gs:// with --engine ray). Both engines list INPUTS by this
+    one rule; each text is one input, named FILE:LINE or FILE#ROW.
 
     Writes one JSON line per input, in input order: {"input": PATH, "top1": ..., "topk": [[class, score], ...]}
-    for classifier recipes (postprocess: topk), else {"input": PATH, "outputs": NPZ}. The artifact is verified
+    for classifier recipes (postprocess: topk), {"input": FILE:LINE, "tokens": N, "embedding": [...]} for
+    embedding recipes (all of them also in PREDICTIONS.embeddings.npy, row i = line i), else
+    {"input": PATH, "outputs": NPZ}. The artifact is verified
     (manifest, hashes, environment; with --public-key its signature first) before anything runs, and runs as
     the build checked it.
 

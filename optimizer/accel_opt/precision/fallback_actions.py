@@ -42,6 +42,8 @@ def fallback_actions(ctx: BuildContext, probes: list[Sample], shapes: dict[str, 
     calibration_cache = ctx.cache_dir / "calibration" if ctx.cache_dir else None
 
     tolerance = (recipe.tolerance, recipe.accuracy.task_metrics)
+    padding = ctx.text_encoder.padding if ctx.text_encoder is not None else None  # texts of several lengths
+    timed = padding.same_length(probes) if padding is not None else probes  # timed batches have one shape
     if precision is Precision.int8:  # in-sample probes: judged with half the slack
         tolerance = fallback.stricter(*tolerance)
 
@@ -59,7 +61,7 @@ def fallback_actions(ctx: BuildContext, probes: list[Sample], shapes: dict[str, 
         result = compare(reference_runner(ctx.fp32_path, ctx.threads), candidate, probes, *tolerance, batch_size=ctx.deploy_batch,
                          batch_axes=ctx.shapes.batch_axes, noise_floor=noise_floor or None,
                          noise_reference=None if noise_floor else reference_runner(ctx.fp32_path, ctx.threads, optimize=True),
-                         reference_outputs=reference_outputs or None)
+                         reference_outputs=reference_outputs or None, padding=padding)
         noise_floor.update({o.name: o.noise_floor for o in result.outputs})
         reference_outputs[:] = result._reference_outputs
         return fallback.ProbeVerdict(passed=result.passed, worst_cosine=result.worst_cosine, failures=result.failures[:3],
@@ -81,7 +83,7 @@ def fallback_actions(ctx: BuildContext, probes: list[Sample], shapes: dict[str, 
         interleaved (the host's noise hits both alike): fp32's p50 over the build's."""
         targets = [Target("candidate", deployed_runner(path), ctx.backend.synchronize),
                    Target("fp32", deployed_runner(ctx.fp32_path, Precision.fp32), ctx.backend.synchronize)]
-        report = run_benchmark(targets, probes, [ctx.deploy_batch], SPEED_CHECK, ctx.threads, ctx.shapes.batch_axes)
+        report = run_benchmark(targets, timed, [ctx.deploy_batch], SPEED_CHECK, ctx.threads, ctx.shapes.batch_axes)
         candidate, fp32 = (m.batches[0].latency.p50_ms for m in report.models)
         return fp32 / candidate if candidate > 0 else None
 

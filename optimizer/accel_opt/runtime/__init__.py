@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -25,7 +26,7 @@ from accel_opt.backends.base import casting_inputs
 from accel_opt.data import DataSummary, Sample, load_samples, synthetic_samples
 from accel_opt.errors import InputRejected, Unsupported, UsageError, first_line
 from accel_opt.graph.inspect import TensorSpec, with_batch
-from accel_opt.recipe import Postprocess, Precision, Preprocessing
+from accel_opt.recipe import Postprocess, Precision, Preprocessing, TextStage
 
 if TYPE_CHECKING:  # signing (model-signing) is imported only where a trusted key is given
     from accel_opt.artifact.signing import Trust
@@ -55,6 +56,7 @@ class ResourceConfig(BaseModel):
     batch_size: int  # rows per call as deployed and as the gate evaluated it
     batch_dynamic: bool  # the model accepts other batch sizes (the benchmark sweeps them)
     preprocessing: Preprocessing | None = None  # the recipe's, for image inputs
+    text: TextStage | None = None  # the recipe's, for text inputs (the folder carries tokenizer.json)
     postprocess: Postprocess | None = None  # the recipe's: what `accel-opt run` writes per input
     # Found by the build's gate: where each output holds the samples of a batch (-1: the same for all).
     output_batch_axes: dict[str, int] = {}
@@ -139,12 +141,27 @@ class Deployment:
         return (f"{folder_name or self.folder.name}/ ({files}), {self.config.backend} {self.config.precision.value}, "
                 f"batch {self.batch_size}")
 
+    @cached_property
+    def text_encoder(self):
+        """The folder's tokenizer with its text stage (preprocess.text.TextEncoder); None for other inputs."""
+        if self.config.text is None:
+            return None
+        from accel_opt.preprocess.text import TOKENIZER_FILE, TextEncoder
+
+        return TextEncoder(self.folder / TOKENIZER_FILE, self.config.text, {i.name: i.dtype for i in self.config.inputs})
+
+    @property
+    def padding(self):
+        """Text inputs: how texts of several lengths share a batch (preprocess.text.Padding); else None."""
+        return self.text_encoder.padding if self.text_encoder is not None else None
+
     def samples(self, data_dir: str | Path | None, synthetic_count: int, seed: int) -> tuple[list[Sample], DataSummary]:
         """Inputs as this deployment takes them: read from `data_dir` with its recorded preprocessing (the
-        host part, when the rest is fused into the model), else seeded synthetic ones of one row each."""
+        host part, when the rest is fused into the model) or tokenizer, else seeded synthetic ones of one row each."""
         config = self.config
         if data_dir is not None:
-            return load_samples(data_dir, config.inputs, config.preprocessing.host_part() if config.preprocessing else None)
+            return load_samples(data_dir, config.inputs, config.preprocessing.host_part() if config.preprocessing else None,
+                                text=self.text_encoder)
         if config.preprocessing is not None and config.preprocessing.fused:
             raise UsageError(f"{self.folder.name} takes decoded image crops (fused preprocessing): give --data with images")
         shapes = with_batch(config.shapes, 1, config.batch_axes) if config.batch_dynamic else config.shapes

@@ -14,7 +14,8 @@ environment verified on that node; a node that cannot run it is an error naming 
 recompile), with the backend's threads set to the actor's CPUs: Ray's `num_cpus` is only a scheduling label,
 and ONNX Runtime's default pool takes every core of the node. Sessions are built in the actor, never pickled.
 
-Rows in: `input` (a path or URI), or `path` and `bytes` (`ray.data.read_binary_files(include_paths=True)`).
+Rows in: `input` (a path or URI), or `path` and `bytes` (`ray.data.read_binary_files(include_paths=True)`); for an
+artifact with a text stage, `input` (the text's id), `text` and `read_error` (why it could not be read, or "").
 Rows out (`record_schema()`): `input`; `top1` (classifier artifacts); `record`, the JSON line the local engine
 writes for that input; `outputs_npz`, for artifacts without a postprocess, the bytes of the .npz file `record`
 names (nothing is written on the worker: `accel-opt run --engine ray` writes them on the driver, so every
@@ -110,6 +111,8 @@ class Predictor:
     def __call__(self, batch: dict[str, np.ndarray]):
         import pyarrow as pa
 
+        if "text" in batch:  # a text artifact's rows: the driver read the texts
+            return self._answer_texts(batch)
         if "input" in batch:
             paths, blobs = [str(p) for p in batch["input"]], None
         else:  # read_binary_files(include_paths=True)
@@ -128,6 +131,26 @@ class Predictor:
                     record, rows["outputs_npz"][i] = answer
                     rows["record"][i] = json.dumps({"input": paths[i], **record})
                     rows["top1"][i] = record.get("top1")
+        return pa.table(rows, schema=record_schema())
+
+    def _answer_texts(self, batch: dict[str, np.ndarray]):
+        """Rows of `input`, `text` and `read_error`, answered by the local engine's text function."""
+        import pyarrow as pa
+
+        from accel_opt.preprocess.text import TextItem
+        from accel_opt.runtime.text_job import answer_texts
+
+        ids = [str(p) for p in batch["input"]]
+        items = [TextItem(i, None if e else str(t), str(e) or None) for i, t, e in zip(ids, batch["text"], batch["read_error"])]
+        answers, _ = answer_texts(self.runner, self.deployment, self.writer, items)
+        rows: dict[str, list[Any]] = {"input": ids, **{c: [None] * len(ids) for c in ("top1", "record", "outputs_npz", "error")}}
+        for i, answer in enumerate(answers):
+            if isinstance(answer, str):
+                rows["error"][i] = answer
+            else:
+                record, rows["outputs_npz"][i] = answer
+                rows["record"][i] = json.dumps({"input": ids[i], **record})
+                rows["top1"][i] = record.get("top1")
         return pa.table(rows, schema=record_schema())
 
     def _read(self, path: str, blob: bytes | None) -> tuple[Any, str | None]:

@@ -25,14 +25,32 @@ from pydantic import BaseModel
 from accel_opt.data import Sample, check_sample, concat_samples, read_npz, split_output
 from accel_opt.errors import InputRejected, UsageError
 from accel_opt.machine.cpu import available_cpus
-from accel_opt.preprocess.images import IMAGE_SUFFIXES, preprocess_image, read_image
+from accel_opt.preprocess.images import preprocess_image, read_image
 from accel_opt.runtime import Deployment
 from accel_opt.runtime.device_job import predict_on_device, takes_device_path
-from accel_opt.runtime.inputs import NPZ, list_inputs, local_path, unique_inputs
+from accel_opt.runtime.inputs import NPZ, job_inputs, local_path, unique_inputs
 from accel_opt.runtime.output import Outputs, Writer, input_key, topk_record
 
 __all__ = ["JobSummary", "errors_path", "run_job", "topk_record"]
 
+
+
+class TextSummary(BaseModel):
+    """A text job's tokens: what padding each batch to its own longest text computed, against padding to max_length."""
+
+    tokens: int  # the texts' own tokens (special tokens included)
+    padded_tokens: int  # computed: rows x their batch's padded length
+    max_length_tokens: int  # had every text been padded to the text stage's max_length
+    padding_fraction: float  # of the computed tokens, the share that was padding
+    padding_saved_fraction: float  # of max_length padding's tokens, the share this job did not compute
+    truncated: int  # texts cut to max_length
+
+    @classmethod
+    def of(cls, stats) -> TextSummary:
+        return cls(tokens=stats.tokens, padded_tokens=stats.padded_tokens, max_length_tokens=stats.max_length_tokens,
+                   padding_fraction=round(1 - stats.tokens / stats.padded_tokens, 4) if stats.padded_tokens else 0.0,
+                   padding_saved_fraction=round(1 - stats.padded_tokens / stats.max_length_tokens, 4)
+                   if stats.max_length_tokens else 0.0, truncated=stats.truncated)
 
 
 class JobSummary(BaseModel):
@@ -52,9 +70,10 @@ class JobSummary(BaseModel):
     # the inference thread's own time: waiting for read inputs, compute (batching included), writing.
     stages_seconds: dict[str, float]
     bottleneck: str  # "reading" when inference waited longer for inputs than it computed, else the slowest stage
-    path: str = "host"  # "host": Pillow and numpy; "device": the torch artifact's tensor path (decode on its device)
+    path: str = "host"  # "host": Pillow and numpy; "device": the torch artifact's tensor path; "text": tokenized texts
     host_decoded: int = 0  # device path: inputs the host decoded instead (not JPEG, or the device decoder refused them)
     exit_code: int  # 0: every input predicted; 3: some rejected
+    text: TextSummary | None = None  # text jobs: tokens and padding
 
 
 def errors_path(predictions: Path) -> Path:
@@ -77,17 +96,26 @@ def run_job(
     started = started or time.perf_counter()
     inputs = list(inputs)
     outputs = Outputs(Path(predictions))
-    given = list_inputs(inputs, remote=False)
-    todo = unique_inputs(given)
     config = deployment.config
-    if config.preprocessing is None and any(Path(p).suffix.lower() in IMAGE_SUFFIXES for p in todo):
-        raise UsageError(f"{deployment.folder.name} was built without `preprocessing`: give .npz feed dicts, not images")
+    started_reading = time.perf_counter()
+    given, texts = job_inputs(config, deployment.folder.name, inputs, remote=False)  # texts: each text is an input
+    read_seconds = time.perf_counter() - started_reading
     outputs.refuse_bad_paths(inputs, resume, overwrite)
+    text_stats = None
     with outputs.exclusive():
         answered = outputs.start(deployment.folder, deployment.identity, resume, overwrite)
+        todo = unique_inputs(given)
         remaining = [p for p in todo if input_key(p) not in answered]
         host_decoded, job_path = 0, "host"
-        if takes_device_path(deployment):
+        if config.text is not None:
+            from accel_opt.runtime.text_job import predict_texts, write_embeddings_file
+
+            counts, stages, text_stats = predict_texts(deployment, [texts[input_key(p)] for p in remaining],
+                                                       outputs, on_progress)
+            stages = {"read": read_seconds, "wait_for_inputs": 0.0, **stages}
+            workers, batch_size, job_path = 1, deployment.batch_size, "text"
+            write_embeddings_file(outputs, config.postprocess)
+        elif takes_device_path(deployment):
             counts, stages, workers, batch_size, host_decoded = predict_on_device(deployment, remaining, outputs, workers,
                                                                                   on_progress)
             job_path = "device"
@@ -104,6 +132,7 @@ def run_job(
         stages_seconds={k: round(v, 4) for k, v in stages.items()},
         bottleneck="reading" if stages["wait_for_inputs"] > stages[busiest] else busiest, path=job_path,
         host_decoded=host_decoded, exit_code=3 if rejected else 0,
+        text=None if text_stats is None else TextSummary.of(text_stats),
     )
 
 
@@ -174,6 +203,8 @@ class Reader:
         file = Path(local_path(path) or path)
         if not file.is_file():
             raise InputRejected("not found" if not file.exists() else "not a regular file")
+        if file.suffix != NPZ and self.config.preprocessing is None:
+            raise InputRejected(f"not a .npz feed dict ({file.suffix or 'no suffix'}): the artifact takes .npz feed dicts")
         sample = self._npz(file) if file.suffix == NPZ else self._image(file)
         for spec in self.specs:
             want = list(spec.shape_used)

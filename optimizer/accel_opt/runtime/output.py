@@ -254,6 +254,15 @@ def topk_record(post: Postprocess, outputs: dict[str, np.ndarray], first_output:
     return {"top1": int(top[0]), "topk": [[int(i), round(float(scores[i]), 6)] for i in top]}
 
 
+EMBEDDING_DECIMALS = 7  # a normalized vector's values are in [-1, 1]: 5e-8 of rounding, far below float32 kernels' noise
+
+
+def embedding_record(post: Postprocess, outputs: dict[str, np.ndarray], first_output: str) -> dict[str, Any]:
+    """An embedding's answer for one input: its vector (already pooled and normalized by the text job)."""
+    vector = np.asarray(outputs[post.embedding.output or first_output], dtype=np.float64).ravel()
+    return {"embedding": np.round(vector, EMBEDDING_DECIMALS).tolist()}
+
+
 class Writer:
     """Appends whole JSON lines: predictions in input order, rejections with their reason."""
 
@@ -296,6 +305,8 @@ class Writer:
         """(the answer's JSON fields, None) for a postprocess; else ({"outputs": the .npz file's path}, its bytes):
         every output saved beside the predictions, one .npz per input, named after the input. Nothing is written
         here, so a Ray actor can hand the bytes to the driver, which writes them where the record says."""
+        if self.post is not None and self.post.embedding is not None:
+            return embedding_record(self.post, outputs, self.first_output), None
         if self.post is not None:
             return topk_record(self.post, outputs, self.first_output), None
         buffer = io.BytesIO()

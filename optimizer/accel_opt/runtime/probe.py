@@ -197,7 +197,8 @@ def recheck(deployment):
     probe, inputs, refs = read_probe(deployment.folder)
     runner = deployment.runner({name: array.dtype for name, array in inputs[0].items()})
     with runner:
-        outs, evaluation = run_candidate(runner, inputs, refs, deployment.batch_size, deployment.batch_axes)
+        outs, evaluation = run_candidate(runner, inputs, refs, deployment.batch_size, deployment.batch_axes,
+                                         deployment.padding)
     here = deployment.scope().here
     report = judge(refs, outs, probe.samples, probe.tolerance, probe.task_metrics,
                    f"reference-fp32 (recorded on {probe.cpu_class})", f"{runner.name} on {here}", evaluation,

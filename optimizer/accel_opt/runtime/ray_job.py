@@ -35,9 +35,8 @@ from pydantic import BaseModel
 
 from accel_opt.artifact.folder import now_utc, write_bytes, write_json
 from accel_opt.errors import InternalError, ResourceExhausted, UsageError
-from accel_opt.preprocess.images import IMAGE_SUFFIXES
 from accel_opt.runtime import Deployment
-from accel_opt.runtime.inputs import list_inputs, unique_inputs
+from accel_opt.runtime.inputs import job_inputs, unique_inputs
 from accel_opt.runtime.output import Outputs, input_key, read_record, refuse_other_artifact
 from accel_opt.runtime.ray_cluster import ray_session
 
@@ -251,17 +250,15 @@ def run_ray_job(
     started = started or time.perf_counter()
     folder = OutFolder(Path(out_dir), output_format)
     folder.refuse_bad_path()
-    given = list_inputs(inputs, exclude=Path(out_dir))
+    given, texts = job_inputs(deployment.config, deployment.folder.name, inputs, exclude=Path(out_dir))
     todo = unique_inputs(given)
-    if deployment.config.preprocessing is None and any(Path(p).suffix.lower() in IMAGE_SUFFIXES for p in todo):
-        raise UsageError(f"{deployment.folder.name} was built without `preprocessing`: give .npz feed dicts, not images")
     with Outputs(Path(out_dir) / "predictions.jsonl").exclusive():
         answered = folder.start(deployment, address or "local", resume, overwrite)  # refusals before Ray starts
         remaining = [p for p in todo if input_key(p) not in answered]
         try:
             with ray_session(address, verbose=verbose) as session:
                 pool = actors or (1, max(1, session.cpus // cpus_per_actor))
-                run = _stream(deployment, remaining, folder, pool, cpus_per_actor, timeout_s, started, on_progress)
+                run = _stream(deployment, remaining, folder, pool, cpus_per_actor, timeout_s, started, on_progress, texts)
         except BaseException:  # the folder says the job did not finish (a SIGKILL leaves "running")
             folder.write_summary(folder._recorded().model_copy(update={"status": "incomplete", "parts": folder.parts,
                                                                        "rejected_parts": folder.rejected_parts}))
@@ -270,8 +267,9 @@ def run_ray_job(
     return summary
 
 
-def _stream(deployment, remaining, folder, pool, cpus_per_actor, timeout_s, started, on_progress) -> dict:
-    """Run the pool over `remaining`, publishing parts as answers arrive; the run's timings and counts."""
+def _stream(deployment, remaining, folder, pool, cpus_per_actor, timeout_s, started, on_progress, texts=None) -> dict:
+    """Run the pool over `remaining` (with `texts`, their TextItems by key), publishing parts as answers arrive; the
+    run's timings and counts."""
     import pyarrow as pa
     import ray.data
 
@@ -283,6 +281,10 @@ def _stream(deployment, remaining, folder, pool, cpus_per_actor, timeout_s, star
         return stats
     per_block = min(ROWS_PER_BLOCK_MAX, max(ROWS_PER_CALL, -(-len(remaining) // (pool[1] * 4))))
     table = pa.table({"input": remaining})
+    if texts:
+        items = [texts[input_key(p)] for p in remaining]
+        # "" for none: Ray's numpy batches turn an all-null string column into NaNs
+        table = pa.table({"input": remaining, "text": [i.text or "" for i in items], "read_error": [i.error or "" for i in items]})
     blocks = [table.slice(start, per_block) for start in range(0, len(remaining), per_block)]
     answers = predict(ray.data.from_arrow(blocks), deployment.folder.resolve(), actors=pool, cpus_per_actor=cpus_per_actor,
                       outputs_dir=str(folder.folder.resolve()), identity=deployment.identity)
