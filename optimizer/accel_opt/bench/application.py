@@ -132,8 +132,8 @@ def postprocess_ms(outputs: dict[str, np.ndarray], post: Postprocess | None, fir
             for i in range(batch)]
     start = time.perf_counter()
     for row in rows:
-        if post is not None and post.embedding is not None:
-            embedding_record(post, row, first_output)
+        if post is not None and post.embedding is not None:  # pooling costs little next to writing the vector
+            embedding_record(row[post.embedding.output or first_output])
         elif post is not None:
             topk_record(post, row, first_output)
         else:

@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import numpy as np
 from polygraphy.backend.base import BaseRunner
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from accel_opt.bench.memory import peak_rss_mib, reset_peak_rss_mib
 
@@ -26,7 +26,8 @@ class LengthBucket(BaseModel):
     batch_measured: int
     peak_memory_mib: float  # the process at this length x batch, one runner
     model_memory_mib: float  # what loading the runner added
-    per_row_mib: float  # the memory one more text of this length adds
+    per_row_mib: float  # the memory one more text of this length adds (see length_capacity)
+    before_mib: float = Field(default=0.0, exclude=True)  # the process before the runner loaded
     recommended_batch: int | None = None  # the largest batch fitting the budget at the concurrency (0: none); None: no budget
 
 
@@ -56,11 +57,16 @@ def length_capacity(make_runner: Callable[[], BaseRunner], inputs: dict[str, int
             runner.infer(feed, check_inputs=False)  # a compile per shape happens here
             runner.infer(feed, check_inputs=False)
             peak = peak_rss_mib()
-        model, per_row = max(loaded - before, 0.0), max(peak - loaded, 0.0) / batch
-        fits = None
-        if budget_mib is not None:  # each concurrent session holds its model and its batch's activations
-            room = (budget_mib - before) / concurrency - model
-            fits = int(max(0, min(MAX_RECOMMENDED_BATCH, room // per_row))) if per_row > 0 else MAX_RECOMMENDED_BATCH
         rows.append(LengthBucket(length=length, batch_measured=batch, peak_memory_mib=round(peak, 1),
-                                 model_memory_mib=round(model, 1), per_row_mib=round(per_row, 3), recommended_batch=fits))
+                                 model_memory_mib=round(max(loaded - before, 0.0), 1),
+                                 per_row_mib=max(peak - loaded, 0.0) / batch, before_mib=before))
+    longest = max(rows, key=lambda r: r.length)
+    for row in rows:
+        # Freed memory a short length reuses does not raise the peak: never estimate below the longest length's
+        # memory per row scaled down linearly (attention grows faster than linearly, so this stays on the safe side).
+        row.per_row_mib = round(max(row.per_row_mib, longest.per_row_mib * row.length / longest.length), 3)
+        if budget_mib is not None:  # each concurrent session holds its model and its batch's activations
+            room = (budget_mib - row.before_mib) / concurrency - row.model_memory_mib
+            row.recommended_batch = int(max(0, min(MAX_RECOMMENDED_BATCH, room // row.per_row_mib))) \
+                if row.per_row_mib > 0 else MAX_RECOMMENDED_BATCH
     return rows

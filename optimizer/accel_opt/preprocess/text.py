@@ -105,14 +105,38 @@ def _checked(name: str, text: str) -> TextItem:
 
 @dataclass(frozen=True)
 class Padding:
-    """How texts of several lengths share one batch: each input padded at the end with its value to the batch's
-    longest text, rounded up to the next bucket length."""
+    """How texts of several lengths share one batch: which texts go together (`plan`), and each input padded at the
+    end with its value to the batch's longest text, rounded up to the next bucket length (`batch`). The job and the
+    gate both batch through here, so the gate checks the batches the job runs."""
 
     values: dict[str, int]
     buckets: tuple[int, ...] = ()
+    max_length: int = 0
+    batch_tokens: int | None = None  # None: the deployed batch x max_length
+    dynamic: bool = True  # False: the model takes exactly the deployed batch
 
     def batch(self, samples: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
         return pad_batch(samples, self.values, self.buckets)
+
+    def plan(self, lengths: list[int], batch_size: int) -> list[list[int]]:
+        """Indices of texts grouped into batches in order of length (ties in input order). Dynamic batch: a batch
+        grows while rows x padded length stays within the token budget, and always to `batch_size` rows. Static: groups
+        of exactly `batch_size`, the last filled up by repeating its last text (its answers are dropped)."""
+        order = sorted(range(len(lengths)), key=lengths.__getitem__)
+        if not self.dynamic:
+            groups = [order[start:start + batch_size] for start in range(0, len(order), batch_size)]
+            if groups and len(groups[-1]) < batch_size:
+                groups[-1] += [groups[-1][-1]] * (batch_size - len(groups[-1]))
+            return groups
+        budget = self.batch_tokens or batch_size * self.max_length
+        groups, current = [], []
+        for index in order:  # ascending: the text added is the batch's longest
+            if current and len(current) >= batch_size and \
+                    (len(current) + 1) * padded_length(lengths[index], list(self.buckets)) > budget:
+                groups.append(current)
+                current = []
+            current.append(index)
+        return groups + ([current] if current else [])
 
     def same_length(self, samples: list[dict[str, np.ndarray]]) -> list[dict[str, np.ndarray]]:
         """`samples` all padded to the longest of them, one row each: feeds a benchmark can batch in any grouping."""
@@ -161,7 +185,7 @@ class TextEncoder:
                              f"(model input: ids, attention_mask or type_ids)")
         self.inputs = {name: (stage.inputs[name], np.dtype(dtype)) for name, dtype in input_dtypes.items()}
         self.padding = Padding({name: self.pad_id if field == "ids" else PAD_MASK for name, (field, _) in self.inputs.items()},
-                               tuple(stage.length_buckets))
+                               tuple(stage.length_buckets), stage.max_length, stage.batch_tokens)
 
     def describe(self) -> str:
         stage = self.stage
@@ -188,12 +212,6 @@ class TextEncoder:
 
 def token_count(sample: dict[str, np.ndarray]) -> int:
     return int(next(iter(sample.values())).shape[1])
-
-
-def length_batches(lengths: list[int], batch_size: int) -> list[list[int]]:
-    """Indices grouped `batch_size` at a time in order of length (ties in input order): similar lengths pad little."""
-    order = sorted(range(len(lengths)), key=lengths.__getitem__)
-    return [order[start:start + batch_size] for start in range(0, len(order), batch_size)]
 
 
 def padded_length(longest: int, buckets: list[int]) -> int:

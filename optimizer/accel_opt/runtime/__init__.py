@@ -9,6 +9,7 @@ checked and timed is what ships. Nothing is deserialized before its hash has bee
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from dataclasses import dataclass
@@ -153,15 +154,20 @@ class Deployment:
     @property
     def padding(self):
         """Text inputs: how texts of several lengths share a batch (preprocess.text.Padding); else None."""
-        return self.text_encoder.padding if self.text_encoder is not None else None
+        if self.text_encoder is None:
+            return None
+        return dataclasses.replace(self.text_encoder.padding, dynamic=self.config.batch_dynamic)
 
     def samples(self, data_dir: str | Path | None, synthetic_count: int, seed: int) -> tuple[list[Sample], DataSummary]:
         """Inputs as this deployment takes them: read from `data_dir` with its recorded preprocessing (the
         host part, when the rest is fused into the model) or tokenizer, else seeded synthetic ones of one row each."""
         config = self.config
         if data_dir is not None:
-            return load_samples(data_dir, config.inputs, config.preprocessing.host_part() if config.preprocessing else None,
-                                text=self.text_encoder)
+            samples, summary = load_samples(data_dir, config.inputs, config.preprocessing.host_part()
+                                            if config.preprocessing else None, text=self.text_encoder)
+            if self.padding is not None:  # texts padded to one length: feeds any batching can take
+                samples = self.padding.same_length(samples)
+            return samples, summary
         if config.preprocessing is not None and config.preprocessing.fused:
             raise UsageError(f"{self.folder.name} takes decoded image crops (fused preprocessing): give --data with images")
         shapes = with_batch(config.shapes, 1, config.batch_axes) if config.batch_dynamic else config.shapes

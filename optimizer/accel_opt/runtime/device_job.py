@@ -184,7 +184,7 @@ def predict_on_device(deployment: Deployment, remaining: list[str], outputs: Out
             return 0, len(staged.rejected)
         paths = [staged.items[i].path for i in good]
         post = config.postprocess
-        if post is not None:
+        if post is not None and post.topk is not None:
             scores = outs[[o.name for o in config.outputs].index(post.output or config.outputs[0].name)]
             indices, values = clock.run("d2h", compute_stream, lambda: top_k_on_device(scores, post.topk, post.softmax))
             clock.settle()

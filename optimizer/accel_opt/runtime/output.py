@@ -257,10 +257,9 @@ def topk_record(post: Postprocess, outputs: dict[str, np.ndarray], first_output:
 EMBEDDING_DECIMALS = 7  # a normalized vector's values are in [-1, 1]: 5e-8 of rounding, far below float32 kernels' noise
 
 
-def embedding_record(post: Postprocess, outputs: dict[str, np.ndarray], first_output: str) -> dict[str, Any]:
-    """An embedding's answer for one input: its vector (already pooled and normalized by the text job)."""
-    vector = np.asarray(outputs[post.embedding.output or first_output], dtype=np.float64).ravel()
-    return {"embedding": np.round(vector, EMBEDDING_DECIMALS).tolist()}
+def embedding_record(vector: np.ndarray) -> dict[str, Any]:
+    """An embedding's answer for one input: its vector, pooled and normalized."""
+    return {"embedding": np.round(np.asarray(vector, dtype=np.float64).ravel(), EMBEDDING_DECIMALS).tolist()}
 
 
 class Writer:
@@ -305,8 +304,11 @@ class Writer:
         """(the answer's JSON fields, None) for a postprocess; else ({"outputs": the .npz file's path}, its bytes):
         every output saved beside the predictions, one .npz per input, named after the input. Nothing is written
         here, so a Ray actor can hand the bytes to the driver, which writes them where the record says."""
-        if self.post is not None and self.post.embedding is not None:
-            return embedding_record(self.post, outputs, self.first_output), None
+        if self.post is not None and self.post.embedding is not None:  # one input's output rows: pooled as the recipe says
+            from accel_opt.preprocess.text import embeddings
+
+            output = np.asarray(outputs[self.post.embedding.output or self.first_output])
+            return embedding_record(embeddings(output, None, self.post.embedding)[0]), None
         if self.post is not None:
             return topk_record(self.post, outputs, self.first_output), None
         buffer = io.BytesIO()

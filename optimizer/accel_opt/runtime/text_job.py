@@ -27,11 +27,10 @@ from accel_opt.preprocess.text import (
     TextEncoder,
     TextItem,
     embeddings,
-    length_batches,
     token_count,
 )
 from accel_opt.runtime import Deployment
-from accel_opt.runtime.output import Outputs, Writer
+from accel_opt.runtime.output import Outputs, Writer, embedding_record
 
 
 @dataclass
@@ -71,13 +70,12 @@ def answer_texts(runner, deployment: Deployment, writer: Writer, items: list[Tex
         else:
             feeds.append((i, feed, truncated))
     batch_size = deployment.batch_size if config.output_batch_axes else 1
+    padding = deployment.padding
     start = time.perf_counter()
-    for group in length_batches([token_count(feed) for _, feed, _ in feeds], batch_size):
-        members = [feeds[g] for g in group]
-        rows = [feed for _, feed, _ in members]
-        if not config.batch_dynamic:  # a static compile takes exactly the deployed batch: repeat the last row
-            rows = rows + [rows[-1]] * (batch_size - len(rows))
-        feed = encoder.padding.batch(rows)
+    for group in padding.plan([token_count(feed) for _, feed, _ in feeds], batch_size):
+        rows = [feeds[g][1] for g in group]
+        members = [feeds[g] for g in dict.fromkeys(group)]  # a static batch's filler rows are answered once
+        feed = padding.batch(rows)
         try:
             outputs = runner.infer(feed, check_inputs=False)
         except Exception as exc:  # noqa: BLE001 - the runtimes' own errors: these texts are rejected, the job goes on
@@ -109,7 +107,7 @@ def _row_answers(deployment: Deployment, writer: Writer, encoder: TextEncoder, o
         name = post.embedding.output or first_output
         mask = feed.get(encoder.mask_input) if encoder.mask_input else None
         vectors = embeddings(outputs[name], mask, post.embedding)
-        return [writer.answer(ids[row], {name: vectors[row]}) for row in range(len(members))]
+        return [(embedding_record(vectors[row]), None) for row in range(len(members))]
     length = feed[next(iter(feed))].shape[1]
     answers = []
     for row, (_, own, _) in enumerate(members):
