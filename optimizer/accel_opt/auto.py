@@ -249,6 +249,8 @@ def _runoff(candidates: list[Candidate], samples: list[Sample], recipe: Recipe) 
     batches = objective_batches(recipe.selection.objective, recipe)
     if not deployments[0].config.batch_dynamic:
         batches = [deployments[0].batch_size]
+    if deployments[0].padding is not None:  # texts: timed batches take one shape
+        samples = deployments[0].padding.same_length(samples)
     targets = [deployment_target(d, runtime.feed_dtypes_of(samples)) for d in deployments]
     bench = run_benchmark(targets, samples, batches, recipe.benchmark, threads, deployments[0].batch_axes)
     for c, timed in zip(candidates, bench.models, strict=True):

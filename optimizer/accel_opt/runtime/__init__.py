@@ -156,7 +156,11 @@ class Deployment:
         """Text inputs: how texts of several lengths share a batch (preprocess.text.Padding); else None."""
         if self.text_encoder is None:
             return None
-        return dataclasses.replace(self.text_encoder.padding, dynamic=self.config.batch_dynamic)
+        # Length buckets bound the shapes of a backend that compiles per shape (OpenVINO static); elsewhere they
+        # would only add padding.
+        static = self.config.settings.get("shape_mode") == "static"
+        return dataclasses.replace(self.text_encoder.padding, dynamic=self.config.batch_dynamic,
+                                   buckets=self.text_encoder.padding.buckets if static else ())
 
     def samples(self, data_dir: str | Path | None, synthetic_count: int, seed: int) -> tuple[list[Sample], DataSummary]:
         """Inputs as this deployment takes them: read from `data_dir` with its recorded preprocessing (the

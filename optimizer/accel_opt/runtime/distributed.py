@@ -118,20 +118,13 @@ class Predictor:
         else:  # read_binary_files(include_paths=True)
             paths, blobs = [str(p) for p in batch["path"]], list(batch["bytes"])
         reads = list(self.pool.map(self._read, paths, blobs or [None] * len(paths)))
-        rows: dict[str, list[Any]] = {"input": paths, **{c: [None] * len(paths) for c in ("top1", "record", "outputs_npz", "error")}}
+        answers: list[Any] = [error for _, error in reads]
         good = [(i, sample) for i, (sample, error) in enumerate(reads) if error is None]
-        for i, (_, error) in enumerate(reads):
-            rows["error"][i] = error
         for start in range(0, len(good), self.batch_size):
             chunk = good[start:start + self.batch_size]
             for (i, _), answer in zip(chunk, self._infer([(paths[i], s) for i, s in chunk])):
-                if isinstance(answer, str):
-                    rows["error"][i] = answer
-                else:
-                    record, rows["outputs_npz"][i] = answer
-                    rows["record"][i] = json.dumps({"input": paths[i], **record})
-                    rows["top1"][i] = record.get("top1")
-        return pa.table(rows, schema=record_schema())
+                answers[i] = answer
+        return pa.table(_rows(paths, answers), schema=record_schema())
 
     def _answer_texts(self, batch: dict[str, np.ndarray]):
         """Rows of `input`, `text` and `read_error`, answered by the local engine's text function."""
@@ -143,15 +136,7 @@ class Predictor:
         ids = [str(p) for p in batch["input"]]
         items = [TextItem(i, None if e else str(t), str(e) or None) for i, t, e in zip(ids, batch["text"], batch["read_error"])]
         answers, _ = answer_texts(self.runner, self.deployment, self.writer, items)
-        rows: dict[str, list[Any]] = {"input": ids, **{c: [None] * len(ids) for c in ("top1", "record", "outputs_npz", "error")}}
-        for i, answer in enumerate(answers):
-            if isinstance(answer, str):
-                rows["error"][i] = answer
-            else:
-                record, rows["outputs_npz"][i] = answer
-                rows["record"][i] = json.dumps({"input": ids[i], **record})
-                rows["top1"][i] = record.get("top1")
-        return pa.table(rows, schema=record_schema())
+        return pa.table(_rows(ids, answers), schema=record_schema())
 
     def _read(self, path: str, blob: bytes | None) -> tuple[Any, str | None]:
         """(feed dict, None) or (None, the reason): the local engine's reader, on this node's copy of the input."""
@@ -195,6 +180,19 @@ class Predictor:
             if len(batch) == 1:
                 return [f"inference failed ({first_line(exc)})"]
             return [answer for item in batch for answer in self._infer([item])]
+
+
+def _rows(ids: list[str], answers: list) -> dict[str, list[Any]]:
+    """`record_schema()` columns from each input's answer: (record fields, .npz bytes or None), or its error."""
+    rows: dict[str, list[Any]] = {"input": ids, **{c: [None] * len(ids) for c in ("top1", "record", "outputs_npz", "error")}}
+    for i, answer in enumerate(answers):
+        if isinstance(answer, str):
+            rows["error"][i] = answer
+        else:
+            record, rows["outputs_npz"][i] = answer
+            rows["record"][i] = json.dumps({"input": ids[i], **record})
+            rows["top1"][i] = record.get("top1")
+    return rows
 
 
 def actor_pool(actors: tuple[int, int]):
