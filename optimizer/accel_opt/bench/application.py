@@ -81,7 +81,7 @@ def text_host_stage_ms(files: list[Path], encoder) -> dict[str, float]:
 def naive_text_job(files: list[Path], runner: BaseRunner, encoder, batch: int) -> JobTiming:
     """What a script does: read the texts, then per batch of `batch` in input order tokenize them padded to max_length,
     run the fp32 model (the embeddings are the first output: pooling is the model's or costs the same on both sides)."""
-    from accel_opt.preprocess.text import read_texts
+    from accel_opt.preprocess.text import pad_batch, read_texts
 
     start = time.perf_counter()
     texts = [item.text for path in files for item in read_texts(str(path), encoder.stage.field) if item.error is None]
@@ -89,10 +89,7 @@ def naive_text_job(files: list[Path], runner: BaseRunner, encoder, batch: int) -
     with runner:
         for first in range(0, len(texts), batch):
             rows = [feed for feed, _, _ in encoder.encode(texts[first:first + batch]) if feed is not None]
-            padded = encoder.padding.batch(rows)
-            feed = {n: np.pad(a, ((0, 0), (0, length - a.shape[1])), constant_values=encoder.padding.values[n])
-                    for n, a in padded.items()}
-            runner.infer(feed, check_inputs=False)
+            runner.infer(pad_batch(rows, encoder.padding.values, (length,)), check_inputs=False)  # every row to max_length
     seconds = time.perf_counter() - start
     return _timing("naive", f"texts tokenized per batch of {batch} and padded to max_length {length}, the fp32 model on "
                    "ONNX Runtime, in input order", len(texts), seconds, "compute on padding")

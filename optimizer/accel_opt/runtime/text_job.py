@@ -2,8 +2,8 @@
 
 Padding every text to the longest allowed length spends most of a corpus of short texts' compute on padding. The job
 reads `text.sort_window` texts ahead, tokenizes them in one call (the Rust tokenizer runs the batch in parallel),
-sorts them by token count, and runs batches of the deployed size, each padded only to its own longest text (or the
-next `text.length_buckets` length). The answers are written back in input order, one write per window, so memory
+sorts them by token count, and runs batches that grow to the token budget (`Padding.plan`), each padded only to its
+own longest text (or the next `text.length_buckets` length where the backend compiles per shape). The answers are written back in input order, one write per window, so memory
 stays bounded by the window and the output reads as if no sorting happened. The gate checked exactly this: the
 candidate on padded batches against the reference on each text alone.
 
@@ -55,7 +55,7 @@ class TextStats:
 def answer_texts(runner, deployment: Deployment, writer: Writer, items: list[TextItem]
                  ) -> tuple[list[tuple[dict[str, Any], bytes | None] | str], TextStats]:
     """Per item, in order: (its answer's fields, the .npz bytes its record names or None), or the reason it is
-    rejected. Batches of the deployed size, sorted by length, each padded to its own longest text."""
+    rejected. Batches as `Padding.plan` groups them by length, each padded to its own longest text."""
     encoder, stage, config = deployment.text_encoder, deployment.config.text, deployment.config
     stats = TextStats()
     answers: list[Any] = [item.error or "" for item in items]
@@ -84,7 +84,7 @@ def answer_texts(runner, deployment: Deployment, writer: Writer, items: list[Tex
             continue
         length = feed[next(iter(feed))].shape[1]
         ids = [items[i].id for i, _, _ in members]
-        for row, answer in enumerate(_row_answers(deployment, writer, encoder, outputs, feed, members, ids)):
+        for row, answer in enumerate(_row_answers(deployment, writer, encoder, outputs, feed, length, members, ids)):
             i, own, truncated = members[row]
             tokens = token_count(own)
             answers[i] = ({"tokens": tokens, **({"truncated": True} if truncated else {}), **answer[0]}, answer[1])
@@ -97,7 +97,8 @@ def answer_texts(runner, deployment: Deployment, writer: Writer, items: list[Tex
 
 
 def _row_answers(deployment: Deployment, writer: Writer, encoder: TextEncoder, outputs: dict[str, np.ndarray],
-                 feed: dict[str, np.ndarray], members: list, ids: list[str]) -> list[tuple[dict[str, Any], bytes | None]]:
+                 feed: dict[str, np.ndarray], length: int, members: list,
+                 ids: list[str]) -> list[tuple[dict[str, Any], bytes | None]]:
     """Each member row's answer: its embedding (pooled over the batch with the batch's mask), its top-k, or its outputs
     (cut to its own tokens where an output has the batch's token axis)."""
     config = deployment.config
@@ -108,7 +109,6 @@ def _row_answers(deployment: Deployment, writer: Writer, encoder: TextEncoder, o
         mask = feed.get(encoder.mask_input) if encoder.mask_input else None
         vectors = embeddings(outputs[name], mask, post.embedding)
         return [(embedding_record(vectors[row]), None) for row in range(len(members))]
-    length = feed[next(iter(feed))].shape[1]
     answers = []
     for row, (_, own, _) in enumerate(members):
         per_row = {}
