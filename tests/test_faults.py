@@ -65,6 +65,7 @@ def test_sigterm_cleans_up_like_ctrl_c(tiny_cnn_path, tmp_path):
     assert not list(out.rglob(MANIFEST))
 
 
+@pytest.mark.slow
 def test_a_killed_builds_folder_is_removed_by_the_next_build(tiny_cnn_path, fast_recipe, tmp_path):
     out = tmp_path / "out"
     proc = _start_busy_build(tiny_cnn_path, out, tmp_path)
@@ -76,6 +77,7 @@ def test_a_killed_builds_folder_is_removed_by_the_next_build(tiny_cnn_path, fast
     assert result.signed_off and not left.exists() and not _build_folders(out)
 
 
+@pytest.mark.slow
 def test_a_running_builds_folder_is_left_alone(tiny_cnn_path, fast_recipe, tmp_path):
     out = tmp_path / "out"
     proc = _start_busy_build(tiny_cnn_path, out, tmp_path)
@@ -88,6 +90,7 @@ def test_a_running_builds_folder_is_left_alone(tiny_cnn_path, fast_recipe, tmp_p
         proc.communicate(timeout=60)
 
 
+@pytest.mark.slow
 def test_two_identical_builds_at_once_both_succeed_into_one_complete_folder(tiny_cnn_path, tmp_path):
     out = tmp_path / "out"
     recipe = _recipe_file(tmp_path, FAST_BENCH)

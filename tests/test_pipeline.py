@@ -107,6 +107,7 @@ def test_identical_build_is_reused_and_force_rebuilds_it(tiny_cnn_path, fast_rec
     assert len([p for p in tmp_path.iterdir() if not p.name.startswith(".")]) == 1
 
 
+@pytest.mark.slow
 def test_a_changed_input_or_a_folder_that_fails_verification_is_rebuilt(tiny_cnn_path, fast_recipe, tmp_path):
     first = build(tiny_cnn_path, fast_recipe, out_dir=tmp_path)
     other_recipe = build(tiny_cnn_path, fast_recipe.with_overrides(**{"accuracy.seed": 1}), out_dir=tmp_path)

@@ -47,6 +47,7 @@ def torch_builds(photos, tmp_path_factory) -> dict[str, Path]:
     return folders
 
 
+@pytest.mark.slow
 def test_a_factory_builds_on_torch_at_fp32_and_bf16_and_signs_off(torch_builds):
     for precision, folder in torch_builds.items():
         manifest = json.loads((folder / MANIFEST).read_text())
@@ -66,6 +67,7 @@ def test_a_factory_builds_on_torch_at_fp32_and_bf16_and_signs_off(torch_builds):
             assert "torch-fp32" in labels  # the speed-up is against the same backend's fp32 package
 
 
+@pytest.mark.slow
 def test_the_package_runs_jpegs_on_its_tensor_path_and_agrees_with_pillow(torch_builds, photos, tmp_path):
     """`accel-opt run` decodes and preprocesses with tensor ops (the host decodes on a CPU), and its top-1 agrees
     with the eager fp32 module on the Pillow path on at least 99% of the images."""
@@ -121,6 +123,7 @@ def test_a_module_torch_export_cannot_trace_is_exit_4_with_its_reason(tmp_path):
     assert not list((tmp_path / "out").glob("branchy-*"))  # nothing half-written
 
 
+@pytest.mark.slow
 def test_a_cuda_folder_on_a_machine_without_one_is_exit_4(torch_builds, photos, tmp_path):
     folder = Path(shutil.copytree(torch_builds["fp32"], tmp_path / "cuda" / torch_builds["fp32"].name))
     config = json.loads((folder / "resource_config.json").read_text())
@@ -136,6 +139,7 @@ def test_a_cuda_folder_on_a_machine_without_one_is_exit_4(torch_builds, photos, 
     assert built.exit_code == 4 and "torch.cuda.is_available() is False" in built.stderr
 
 
+@pytest.mark.slow
 def test_a_tampered_package_is_refused_before_it_loads(torch_builds, photos, tmp_path):
     folder = Path(shutil.copytree(torch_builds["fp32"], tmp_path / torch_builds["fp32"].name))
     package = folder / "model.pt2"
@@ -145,6 +149,7 @@ def test_a_tampered_package_is_refused_before_it_loads(torch_builds, photos, tmp
         assert done.exit_code == 3 and "model.pt2: sha256 does not match" in done.stderr, done.stderr
 
 
+@pytest.mark.slow
 def test_a_package_for_another_cpu_isa_is_refused_naming_it(torch_builds, tmp_path):
     from accel_opt.backends.torch_package import environment_problems
 
@@ -156,6 +161,7 @@ def test_a_package_for_another_cpu_isa_is_refused_naming_it(torch_builds, tmp_pa
     assert "built and checked with torch 2.1.0" in environment_problems(older)[0]
 
 
+@pytest.mark.slow
 def test_int8_takes_pt2e_where_torchao_provides_it(photos, tmp_path):
     pytest.importorskip("torchao", reason="PT2E int8 lives in torchao since torch 2.10")
     result = build(CNN, _recipe("int8").with_overrides(**{"precision_options.calibration.samples": 6}),
@@ -211,6 +217,7 @@ def make():
 '''
 
 
+@pytest.mark.slow
 def test_a_bf16_plan_that_fails_grows_its_block_list_by_measured_gain(tmp_path):
     """The same search as the ONNX path: the unit whose restoration gains is kept in float32, the others not; the
     compiled package then passes the gate."""

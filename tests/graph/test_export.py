@@ -26,6 +26,7 @@ SHAPES = {
     "gru": {"sequence": [2, 10, 8]},
     "lstm": {"sequence": [2, 10, 8]},
 }
+SLOW_SHAPES = {"transformer", "gru", "lstm"}  # 5-13 s each on 2 cores: the cnn runs in the fast tier
 
 
 def _random_feed(shapes: dict[str, list[int]], batch: int, seed: int, longer: int = 0) -> dict[str, np.ndarray]:
@@ -43,7 +44,7 @@ def _torch_outputs(model, feed: dict[str, np.ndarray]) -> list[np.ndarray]:
     return [t.numpy() for t in (result if isinstance(result, tuple) else (result,))]
 
 
-@pytest.mark.parametrize("name", list(SHAPES))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_SHAPES else n for n in SHAPES])
 def test_export_runs_at_another_batch_size_and_verifies(name: str, tmp_path: Path) -> None:
     factory = exp.load_factory(f"{TINY}:{name}")
     model = factory()
@@ -81,6 +82,7 @@ def test_export_runs_at_another_batch_size_and_verifies(name: str, tmp_path: Pat
     assert all(c.max_abs_error < 1e-4 for c in verification.checks)
 
 
+@pytest.mark.slow
 def test_factory_hints_name_outputs_and_axes(tmp_path: Path) -> None:
     factory = exp.load_factory(f"{TINY}:lstm")
     assert factory.export_hints == {"dynamic": {"sequence": {1: "steps"}}, "output_names": ["logits", "hidden"]}
@@ -249,6 +251,7 @@ def test_looks_like_factory(tmp_path: Path) -> None:
     assert not exp.looks_like_factory("examples/tiny_models.py:not-an-identifier")
 
 
+@pytest.mark.slow
 def test_torch_runner_keys_outputs_by_onnx_names_and_restores_threads(tmp_path: Path) -> None:
     factory = exp.load_factory(f"{TINY}:lstm")
     out = tmp_path / "lstm.onnx"

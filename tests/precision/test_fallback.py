@@ -78,6 +78,7 @@ def _steps(fallback: dict) -> list[tuple[str, str, str]]:
     return [(s["kind"], s["what"], s["decision"]) for s in fallback["steps"]]
 
 
+@pytest.mark.slow
 def test_int8_collapse_is_rescued_by_the_measured_search(spiky, fast_recipe, tmp_path):
     """One channel x2000 breaks per-tensor int8 of one tensor: no calibration alone saves it; restoring the 1x1 conv
     group that reads it gains the most, measured; it is kept, and nothing that did not help is."""
@@ -116,6 +117,7 @@ def test_a_build_that_would_not_pay_is_not_searched(spiky, fast_recipe, tmp_path
     assert [s["kind"] for s in fallback["steps"]] == ["speed", "stop"]
 
 
+@pytest.mark.slow
 def test_a_flops_cap_stops_the_search_and_says_why(spiky, fast_recipe, tmp_path):
     model, data = spiky
     recipe = fast_recipe.with_overrides(precision="int8", **ANY_SPEED,
@@ -128,6 +130,7 @@ def test_a_flops_cap_stops_the_search_and_says_why(spiky, fast_recipe, tmp_path)
     assert "budget exhausted" in (_folder(result) / "signoff.md").read_text()
 
 
+@pytest.mark.slow
 def test_no_fallback_ships_the_naive_build_and_fails(spiky, tmp_path):
     model, data = spiky
     out = CliRunner().invoke(main, ["build", str(model), "--precision", "int8", "--data", str(data), "--no-fallback",

@@ -138,6 +138,7 @@ def test_local_ray_gives_the_local_engines_answers_and_rejects_bad_inputs(classi
         assert len(record["topk"]) == 3 and set(record) == {"input", "top1", "topk"}
 
 
+@pytest.mark.slow
 def test_predictor_in_a_users_own_ray_pipeline(classifier, photos, tmp_path):
     """The Python API: users' own map_batches with our actor class; an artifact missing on a node is an error
     naming that node (exit code 3's error), not a hang or a silent retry."""
@@ -195,6 +196,7 @@ def raw_outputs(tiny_cnn_path, photos, tmp_path_factory) -> Path:
     return Path(result.artifact_dir)
 
 
+@pytest.mark.slow
 def test_a_node_removed_mid_job_leaves_every_input_answered_once(classifier, raw_outputs, big_inputs, tmp_path,
                                                                  monkeypatch):
     """Head of 0 CPUs and two 1-CPU workers; one worker is killed while the job runs: the pool (1-2 actors)
@@ -239,6 +241,7 @@ def test_a_node_removed_mid_job_leaves_every_input_answered_once(classifier, raw
             assert int(np.argmax(arrays["logits"])) == reference[source], record
 
 
+@pytest.mark.slow
 def test_driver_killed_then_resume_answers_each_input_once(classifier, big_inputs, tmp_path):
     out = tmp_path / "preds"
     args = [classifier, big_inputs / "inputs", "--engine", "ray", "--actors", "2", "--out", out, "--timeout-s", JOB_TIMEOUT_S]
@@ -308,6 +311,7 @@ def test_read_only_out_folder_is_a_usage_error(classifier, photos, tmp_path):
     assert done.exit_code == 2 and "cannot write there" in done.stderr and done.stderr.count("\n") == 1
 
 
+@pytest.mark.slow
 def test_a_job_past_its_timeout_ends_with_exit_5_not_a_hang(classifier, big_inputs, tmp_path):
     out = tmp_path / "preds"
     started = time.monotonic()

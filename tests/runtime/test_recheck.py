@@ -26,8 +26,8 @@ from accel_opt.runtime.probe import PROBE_JSON, PROBE_NPZ, UINT8_IMAGE, _record_
 
 from ..conftest import CLASSIFIER_PRE, FAST_BENCH
 
-BACKENDS = ["onnxruntime", pytest.param("openvino", marks=pytest.mark.skipif(
-    __import__("importlib").util.find_spec("openvino") is None, reason="openvino is not installed"))]
+BACKENDS = ["onnxruntime", pytest.param("openvino", marks=[pytest.mark.slow, pytest.mark.skipif(
+    __import__("importlib").util.find_spec("openvino") is None, reason="openvino is not installed")])]
 
 
 def _other_class(backend: str) -> str:
@@ -96,6 +96,7 @@ def test_another_class_is_said_rechecked_once_and_remembered(built, photos, tmp_
     assert len(list((cache / "accel-opt" / "rechecks").glob("*.json"))) == 1
 
 
+@pytest.mark.slow
 def test_a_failing_recheck_refuses_the_run_and_fails_verify(built, photos, tmp_path):
     """A probe set whose reference outputs the folder's model does not reproduce (what another machine's kernels
     would yield): verify --accuracy is exit 1 with the failure, run is exit 1 before anything is written."""
@@ -139,6 +140,7 @@ def test_an_error_inside_the_recheck_is_one_line_with_its_exit_code(built, tmp_p
             assert json.loads(done.stdout)["exit_code"] == expected
 
 
+@pytest.mark.slow
 def test_a_folder_from_before_probe_sets_runs_on_its_own_class_only(built, photos, tmp_path):
     folder = _copy(built, tmp_path)
     for name in (PROBE_NPZ, PROBE_JSON):
@@ -155,6 +157,7 @@ def test_a_folder_from_before_probe_sets_runs_on_its_own_class_only(built, photo
     assert refused.returncode == 3 and "predates probe sets" in refused.stderr
 
 
+@pytest.mark.slow
 def test_probe_sets_keep_16_samples_whatever_the_input_size(tmp_path):
     """224x224 images: 16 probe samples stored as their uint8 crops (the 4 MiB cap kept 6 before), rebuilt bit for bit
     by the recorded preprocessing; a recipe can keep more."""

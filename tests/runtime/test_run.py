@@ -267,6 +267,7 @@ def test_fused_preprocessing_takes_uint8_crops_and_is_checked_against_the_host_p
         build(tiny_cnn_path, recipe, out_dir=tmp_path / "out")
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(__import__("importlib").util.find_spec("openvino") is None, reason="openvino is not installed")
 def test_fused_preprocessing_on_openvino_int8_keeps_its_fp32_baseline_unfused(tiny_cnn_path, photos, tmp_path):
     from accel_opt.recipe import load_recipe

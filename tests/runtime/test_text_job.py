@@ -182,6 +182,7 @@ def test_parquet_embeddings_file_holds_the_ids(text_artifact, tmp_path):
     assert np.asarray(table.column("embedding").to_pylist()).shape == (40, 32)
 
 
+@pytest.mark.slow
 def test_the_ray_engine_gives_the_local_engines_answers_for_texts(text_artifact, tmp_path):
     pytest.importorskip("ray")
     from accel_opt.runtime.ray_job import run_ray_job
