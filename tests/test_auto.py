@@ -9,12 +9,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from accel_opt import auto
+from accel_opt import auto, selection
 from accel_opt.artifact.folder import MANIFEST
-from accel_opt.auto import AutoSelection, build_auto, plan
+from accel_opt.auto import build_auto, plan
 from accel_opt.backends.select import auto_backend, candidate_precisions
 from accel_opt.errors import InputRejected, Unsupported
 from accel_opt.recipe import BackendName, Recipe
+from accel_opt.selection import AutoSelection
 
 TARGET = 2  # a batch size FAST_BENCH measures
 
@@ -83,44 +84,77 @@ def _p50_at(artifact_dir: str, batch: int) -> float:
     return next(b["latency"]["p50_ms"] for b in bench["models"][0]["batches"] if b["batch_size"] == batch)
 
 
-def test_build_auto_picks_the_fastest_signed_off_candidate(tiny_cnn_path, recipe, data_dir, tmp_path):
-    seen = []
-    result, selection = build_auto(tiny_cnn_path, recipe, "auto", "auto", data_dir, tmp_path, on_candidate=seen.append)
+def test_build_auto_picks_the_fastest_candidate_whose_held_out_verdict_holds(tiny_cnn_path, recipe, data_dir, tmp_path):
+    seen, progress = [], []
+    result, selection = build_auto(tiny_cnn_path, recipe, "auto", "auto", data_dir, tmp_path, on_candidate=seen.append,
+                                   on_progress=progress.append)
     pairs, reason = plan(recipe, "auto", "auto", has_data=True)
-    assert [(c.backend, c.precision, c.why_tried) for c in selection.candidates] == pairs
+    assert [(c.backend, c.precision, c.why_tried) for c in selection.candidates] == auto.build_order(pairs)
+    assert [c.precision for c in selection.candidates][:2] == ["fp32", "fp32"]  # the floors first
     assert seen == selection.candidates and selection.backend_reason == reason
     assert selection.target_batch_size == TARGET and selection.latency_budget_ms is None
     assert all(c.verdict for c in selection.candidates)
 
-    signed = [c for c in selection.candidates if c.signed_off]
-    assert signed, [c.verdict for c in selection.candidates]
     for c in selection.candidates:
         assert c.artifact_dir and (Path(c.artifact_dir) / MANIFEST).is_file(), c.verdict
         assert c.batch_size == TARGET and c.build_latency_p50_ms == _p50_at(c.artifact_dir, TARGET)
-        if not c.signed_off:
-            assert c.verdict.startswith("failed the gate")
-            assert c.latency_p50_ms == c.build_latency_p50_ms  # no runoff for it
-    # The signed-off builds were timed again, against each other: these are the numbers compared.
-    assert len(signed) > 1 and selection.timing == f"one interleaved runoff of the {len(signed)} signed-off builds at batch {TARGET}"
-    assert all(c.latency_p50_ms > 0 and c.latency_p50_ms != c.build_latency_p50_ms for c in signed)
-    assert selection.objective == "throughput" and all(c.objective_batch == TARGET for c in signed)
-    fp32 = max((c for c in signed if c.precision == "fp32"), key=lambda c: c.objective_value)
+        assert c.steering_passed is not None and c.held_out in ("pass", "fail", "insufficient") and c.rates
+        assert c.samples["steering"] == 3 and c.samples["calibration"] == (4 if c.precision == "int8" else 0)
+        assert c.seconds > 0 and set(c.stage_seconds) >= {"load", "accuracy", "benchmark"}
+        assert (c.search_budget_s is not None) == (c.precision != "fp32")
+    # Every build that passed on the steering samples was timed again, against the others: these numbers are compared.
+    timed = [c for c in selection.candidates if c.points]
+    assert timed == [c for c in selection.candidates if c.steering_passed and (c.signed_off or c.precision != "fp32")]
+    assert selection.timing.startswith(f"one interleaved runoff of the {len(timed)} builds that passed on the steering")
+    assert all(c.latency_p50_ms > 0 and c.latency_p50_ms != c.build_latency_p50_ms for c in timed)
+    assert selection.objective == "throughput" and all(c.objective_batch == TARGET for c in timed)
+    fp32 = max((c for c in timed if c.precision == "fp32"), key=lambda c: c.objective_value)
     winner = selection.winner
     assert winner.objective_value >= fp32.objective_value and winner.verdict.startswith("won: best on the objective")
-    for c in signed:
+    assert winner.held_out_at(winner.family_confidence or 0.95) == "pass"
+    for c in timed:
         if c is not winner:
-            assert c.verdict.startswith(("lost: ", "not faster than fp32")), c.verdict
-            assert c.objective_value <= winner.objective_value
-
+            assert c.verdict.startswith(("lost: ", "not faster than fp32", "fastest left, but")), c.verdict
     assert result is not None and result.signed_off
     assert (result.backend, result.precision, result.artifact_dir) == (winner.backend, winner.precision, winner.artifact_dir)
+
+    # Progress: every stage of every build, with the candidate, the time spent and the time left of the budget.
+    assert progress == selection.progress and all(e.remaining_s is not None for e in progress)
+    assert {e.candidate for e in progress} == {f"{c.label} ({i}/4)" for i, c in enumerate(selection.candidates, 1)}
+    assert any(e.line().startswith("[onnxruntime int8 (4/4) | ") and " min left] accuracy: ok in " in e.line()
+               for e in progress)
+    assert selection.time_budget_s == 900 and 0 < selection.seconds < 900 and not selection.untried
 
     saved = AutoSelection.model_validate_json((tmp_path / "tiny_cnn-auto-selection.json").read_text())
     assert saved == selection
     markdown = (tmp_path / "tiny_cnn-auto-selection.md").read_text()
     assert f"target batch {TARGET}; latency budget none" in markdown and "interleaved runoff" in markdown
-    assert sum(line.startswith(("| onnxruntime ", "| openvino ")) for line in markdown.splitlines()) == len(pairs)
+    assert "family-wise level (Bonferroni)" in markdown and "Where the minutes went" in markdown
+    assert sum(line.startswith(("| onnxruntime | ", "| openvino | ")) for line in markdown.splitlines()) == len(pairs)
     assert f"Winner: {winner.backend} {winner.precision} -> {winner.artifact_dir}" in markdown
+
+
+def test_a_time_budget_builds_the_floor_and_says_what_it_left_untried(tiny_cnn_path, recipe, data_dir, tmp_path):
+    """A budget the first build already spends: the first fp32 build is the answer, every other candidate is named as
+    untried, with the time a build takes here."""
+    tight = recipe.with_overrides(**{"selection.time_budget_s": 0.01})
+    result, selection = build_auto(tiny_cnn_path, tight, "onnxruntime", "auto", data_dir, tmp_path)
+    (fp32, int8) = selection.candidates
+    assert fp32.artifact_dir and fp32.verdict.startswith("won") and result.artifact_dir == fp32.artifact_dir
+    assert int8.artifact_dir is None and int8.verdict.startswith("not tried: the time budget ran out")
+    assert selection.untried == [f"onnxruntime int8: {int8.verdict}"]
+    assert "Left untried for lack of time" in (tmp_path / "tiny_cnn-auto-selection.md").read_text()
+
+
+def test_candidates_the_held_out_samples_cannot_certify_are_not_built(tiny_cnn_path, recipe, data_dir, tmp_path):
+    """top-1 agreement >= 99% needs 299 held-out rows at 95% confidence: on 16 samples no int8 build could sign off,
+    so it is dropped after loading its data, saying so; fp32 (judged against its noise floor) still ships."""
+    strict = recipe.with_overrides(**{"accuracy.task_metrics": [{"kind": "topk", "min_agreement": {1: 0.99}}]})
+    result, selection = build_auto(tiny_cnn_path, strict, "onnxruntime", "auto", data_dir, tmp_path)
+    (fp32, int8) = selection.candidates
+    assert result is not None and result.precision == "fp32" and fp32.signed_off
+    assert int8.artifact_dir is None and int8.verdict.startswith("dropped: not built: top-1 agreement >= 99.0% needs 299")
+    assert int8.seconds < fp32.seconds * 2  # stopped after loading, before any calibration or benchmark
 
 
 def test_latency_budget_makes_every_candidate_lose(tiny_cnn_path, recipe, data_dir, tmp_path):
@@ -172,8 +206,8 @@ def test_bad_data_stops_the_search(tiny_cnn_path, recipe, tmp_path):
 
 
 def _candidate(precision: str, points: list[tuple[int, float, float, float]], backend: str = "onnxruntime"):
-    return auto.Candidate(backend=backend, precision=precision, why_tried="", signed_off=True,
-                          points=[auto.RunoffPoint(batch_size=b, p50_ms=p50, p99_ms=p99, throughput_per_s=t)
+    return selection.Candidate(backend=backend, precision=precision, why_tried="", signed_off=True,
+                          points=[selection.RunoffPoint(batch_size=b, p50_ms=p50, p99_ms=p99, throughput_per_s=t)
                                   for b, p50, p99, t in points])
 
 
@@ -185,11 +219,11 @@ def test_a_candidate_slower_than_fp32_on_the_objective_never_wins():
                 _candidate("int8", [(1, 2.4, 2.9, 417.0), (8, 5.0, 6.0, 1600.0)])]
 
     latency = pair()
-    winner = auto.choose(latency, "latency", None, 8)
+    winner = selection.choose(latency, "latency", None, 8)
     assert winner.precision == "fp32" and winner.objective_value == 2.0
     assert latency[1].verdict.startswith("not faster than fp32 on the objective: 2.40 vs onnxruntime fp32 2.00 ms p50")
     throughput = pair()
-    assert auto.choose(throughput, "throughput", None, 8).precision == "int8"
+    assert selection.choose(throughput, "throughput", None, 8).precision == "int8"
     assert throughput[0].verdict.startswith("lost: ")
 
 
@@ -199,24 +233,24 @@ def test_without_a_signed_off_fp32_build_the_failed_fp32_builds_are_the_speed_fl
     fp32 = _candidate("fp32", [(8, 5.0, 6.0, 1566.0)], backend="openvino")
     fp32.signed_off, fp32.verdict, fp32.artifact_dir = False, "failed the gate: logits: max error 0.414", "x"
     slow = _candidate("int8", [(8, 11.0, 12.0, 712.0)])
-    assert auto.speed_floors([fp32, slow]) == [fp32]
-    assert auto.choose([fp32, slow], "throughput", None, 8) is None
+    assert selection.speed_floors([fp32, slow]) == [fp32]
+    assert selection.choose([fp32, slow], "throughput", None, 8) is None
     assert slow.verdict.endswith("1566.00 samples/s (that fp32 build failed the gate)")
     assert fp32.verdict.startswith("failed the gate") and "speed floor" in fp32.verdict
     fast = _candidate("bf16", [(8, 3.0, 3.5, 2561.0)], backend="openvino")
-    assert auto.choose([fp32, slow, fast], "throughput", None, 8) is fast
+    assert selection.choose([fp32, slow, fast], "throughput", None, 8) is fast
     signed_fp32 = _candidate("fp32", [(8, 10.0, 11.0, 800.0)])  # a signed-off fp32 build is the floor again
-    assert auto.speed_floors([fp32, signed_fp32, slow]) == []
-    assert auto.choose([fp32, signed_fp32, slow], "throughput", None, 8) is signed_fp32
+    assert selection.speed_floors([fp32, signed_fp32, slow]) == []
+    assert selection.choose([fp32, signed_fp32, slow], "throughput", None, 8) is signed_fp32
 
 
 def test_throughput_within_p99_takes_the_best_point_under_the_budget():
     candidates = [_candidate("fp32", [(1, 2.0, 2.5, 500.0), (8, 12.0, 13.0, 667.0)]),
                   _candidate("int8", [(1, 1.0, 1.2, 1000.0), (8, 5.0, 11.0, 1600.0)])]
-    winner = auto.choose(candidates, "throughput_within_p99", 10.0, 8)
+    winner = selection.choose(candidates, "throughput_within_p99", 10.0, 8)
     assert winner.precision == "int8" and winner.objective_batch == 1  # batch 8's p99 of 11 ms is over budget
     assert candidates[0].objective_batch == 1  # fp32 at batch 8: p99 13 ms
-    assert auto.choose([_candidate("fp32", [(1, 20.0, 25.0, 50.0)])], "throughput_within_p99", 10.0, 8) is None
+    assert selection.choose([_candidate("fp32", [(1, 20.0, 25.0, 50.0)])], "throughput_within_p99", 10.0, 8) is None
 
 
 def test_p99_objective_needs_a_budget():
@@ -224,3 +258,32 @@ def test_p99_objective_needs_a_budget():
 
     with pytest.raises(UsageError, match="latency_budget_ms"):
         Recipe().with_overrides(**{"selection.objective": "throughput_within_p99"})
+
+
+def _rated(precision: str, throughput: float, changed: int, rows: int = 120) -> selection.Candidate:
+    """A candidate timed in the runoff whose held-out top-1 agreement changed `changed` of `rows` rows (min 0.95)."""
+    from accel_opt.accuracy.evidence import RateEvidence
+
+    c = _candidate(precision, [(8, 1000 / throughput, 1100 / throughput, throughput)])
+    c.rates = [RateEvidence(what="top-1 agreement", successes=rows - changed, trials=rows, unit="rows", minimum=0.95)]
+    c.signed_off = c.held_out_at(0.95) == "pass"
+    return c
+
+
+def test_reading_several_held_out_verdicts_costs_confidence():
+    """Two reduced candidates beat fp32. The faster one's verdict holds at 95% alone (4 changed of 200: >= 95.5%), but
+    reading two verdicts is two chances to pass by luck: at 97.5% each (Bonferroni) its bound is 94.96%, so the next
+    one, none changed of 120 (>= 96.97% at 97.5%), wins."""
+    fp32 = _candidate("fp32", [(8, 10.0, 11.0, 800.0)])
+    lucky, steady = _rated("int8", 3000.0, changed=4, rows=200), _rated("bf16", 2000.0, changed=0, rows=120)
+    lucky.backend = "openvino"
+    assert lucky.held_out_at(0.95) == "pass" and lucky.held_out_at(0.975) == "fail"
+    winner = selection.choose([fp32, lucky, steady], "throughput", None, 8, confidence=0.95)
+    assert winner is steady and steady.family_confidence == lucky.family_confidence == 0.975
+    assert lucky.verdict.startswith("fastest left, but its held-out verdict at 97.50% (95% family-wise over 2 candidates) "
+                                    "is a failure: top-1 agreement >= 9")
+    assert steady.verdict.startswith("won: ") and "held-out verdict passes at 97.50%" in steady.verdict
+    alone = _rated("int8", 3000.0, changed=4, rows=200)
+    assert selection.choose([_candidate("fp32", [(8, 10.0, 11.0, 800.0)]), alone], "throughput", None, 8) is alone  # 95% alone
+    too_few = _rated("int8", 3000.0, changed=0, rows=40)  # 40 rows cannot show 95%: fp32 ships
+    assert selection.choose([fp32, too_few], "throughput", None, 8) is fp32 and "not enough evidence" in too_few.verdict

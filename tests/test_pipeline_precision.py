@@ -6,7 +6,7 @@ import numpy as np
 import onnx
 import pytest
 
-from accel_opt.data import split_samples
+from accel_opt.data import split_roles
 from accel_opt.pipeline import build
 
 
@@ -14,9 +14,10 @@ def _write_data(folder, count=16, calibration_scale=1.0, seed=0):
     """Random images; the ones the pipeline will pick for calibration are scaled by `calibration_scale`."""
     rng = np.random.default_rng(seed)
     images = [rng.standard_normal((1, 3, 32, 32)).astype(np.float32) for _ in range(count)]
-    tagged = [{"i": np.array([i])} for i in range(count)]
-    calibration, _ = split_samples(tagged, 64, seed=0)  # the split the pipeline makes (recipe seed 0)
-    calibration_ids = {int(s["i"][0]) for s in calibration}
+    from accel_opt.recipe import SplitConfig
+
+    # The split the pipeline makes (recipe seed 0): by index, the images being distinct.
+    calibration_ids = set(split_roles([str(i) for i in range(count)], SplitConfig(), True, 64, 300, seed=0).calibration)
     folder.mkdir()
     for i, image in enumerate(images):
         scale = calibration_scale if i in calibration_ids else 1.0
@@ -38,9 +39,10 @@ def test_int8_build_is_qdq_and_signed_off(tiny_cnn_path, fast_recipe, tmp_path, 
     ops = {n.op_type for n in model.graph.node}
     assert {"QuantizeLinear", "DequantizeLinear"} <= ops
     accuracy = json.loads((folder / "accuracy.json").read_text())
-    assert accuracy["sample_count"] == 16 - len(calibration_ids)  # evaluation never reuses calibration samples
+    held_out = 16 - len(calibration_ids) - accuracy["roles"]["steering"]
+    assert accuracy["sample_count"] == held_out and accuracy["roles"]["calibration"] == len(calibration_ids)
     signoff = (folder / "signoff.md").read_text()
-    assert f"{len(calibration_ids)} calibration samples, disjoint from the {16 - len(calibration_ids)} evaluation" in signoff
+    assert f"{len(calibration_ids)} calibration samples, disjoint from the {held_out} held-out" in signoff
     bench = json.loads((folder / "benchmark.json").read_text())
     assert [m["label"] for m in bench["models"]] == ["onnxruntime-int8", "onnxruntime-fp32"]
     assert set(bench["speedup_vs_baseline"]["onnxruntime-fp32"]) == {"1", "2"}

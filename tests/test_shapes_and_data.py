@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 from onnx import TensorProto, helper
 
-from accel_opt.data import batch_of, load_samples, split_samples, synthetic_samples
+from accel_opt.data import batch_of, load_samples, sample_key, split_roles, synthetic_samples
 from accel_opt.errors import InputRejected, UsageError
 from accel_opt.graph.inspect import TensorSpec, io_specs, resolve_shapes
 
@@ -106,13 +106,38 @@ def test_images_need_preprocessing(tmp_path):
         load_samples(tmp_path / "d", [IMAGE], None)
 
 
-def test_split_is_disjoint_and_deterministic():
-    samples = [{"x": np.full((1,), i, np.float32)} for i in range(20)]
-    calib, evaluation = split_samples(samples, 64, seed=0)
-    ids = lambda ss: {int(s["x"][0]) for s in ss}  # noqa: E731
-    assert ids(calib).isdisjoint(ids(evaluation))
-    assert len(calib) + len(evaluation) == 20 and len(evaluation) >= 5
-    assert ids(split_samples(samples, 64, seed=0)[0]) == ids(calib)
+def test_split_is_disjoint_deterministic_and_gives_the_verdict_most_samples():
+    from accel_opt.recipe import SplitConfig
+
+    keys = [sample_key({"x": np.full((1,), i, np.float32)}) for i in range(300)]
+    split = split_roles(keys, SplitConfig(), calibrates=True, calibration_max=64, verdict_max=1000, seed=0)
+    roles = [set(split.calibration), set(split.steering), set(split.verdict)]
+    assert all(a.isdisjoint(b) for i, a in enumerate(roles) for b in roles[i + 1:])
+    assert split.counts() == {"calibration": 64, "steering": 32, "verdict": 204} and not split.unused
+    assert split == split_roles(keys, SplitConfig(), True, 64, 1000, seed=0)  # deterministic
+    fp32 = split_roles(keys, SplitConfig(), calibrates=False, calibration_max=64, verdict_max=1000, seed=0)
+    assert fp32.steering == split.steering and set(fp32.verdict) == set(split.verdict) | set(split.calibration)
+    capped = split_roles(keys, SplitConfig(), True, 64, verdict_max=100, seed=0)
+    assert len(capped.verdict) == 100 and len(capped.unused) == 104
+
+
+def test_identical_inputs_count_once_and_never_in_two_roles():
+    from accel_opt.recipe import SplitConfig
+
+    keys = [f"k{i % 10}" for i in range(40)]  # every input four times
+    split = split_roles(keys, SplitConfig(), calibrates=True, calibration_max=64, verdict_max=1000, seed=0)
+    used = split.calibration + split.steering + split.verdict
+    assert sorted({keys[i] for i in used}) == sorted(set(keys)) and len(used) == 10
+    held = split_roles(keys[:20], SplitConfig(), True, 64, 1000, seed=0, held_out=["k1", "new", "new"])
+    assert [i - 20 for i in held.verdict] == [1] and 20 in held.unused  # a copy of --data, and a repeat, left out
+
+
+def test_too_few_samples_to_calibrate_and_judge_is_rejected():
+    from accel_opt.recipe import SplitConfig
+
+    with pytest.raises(InputRejected, match="at least 2 samples"):
+        split_roles(["a"], SplitConfig(), calibrates=True, calibration_max=64, verdict_max=10, seed=0)
+    assert split_roles(["a"], SplitConfig(), calibrates=False, calibration_max=64, verdict_max=10, seed=0).verdict == [0]
 
 
 def test_synthetic_samples_are_seeded_and_typed():

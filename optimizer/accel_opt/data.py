@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import zipfile
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -21,7 +22,7 @@ from accel_opt.artifact.folder import sha256_file
 from accel_opt.errors import InputRejected, UsageError, first_line
 from accel_opt.graph.inspect import TensorSpec
 from accel_opt.preprocess.images import IMAGE_SUFFIXES, preprocess_image, read_image
-from accel_opt.recipe import Preprocessing
+from accel_opt.recipe import Preprocessing, SplitConfig
 
 if TYPE_CHECKING:
     from accel_opt.preprocess.text import TextEncoder
@@ -193,20 +194,74 @@ def _random_array(spec: TensorSpec, shape: list[int], rng: np.random.Generator, 
     return rng.integers(0, min(SYNTHETIC_INT_HIGH, high or SYNTHETIC_INT_HIGH), size=shape).astype(dtype)
 
 
-def split_indices(count: int, calibration_count: int, seed: int) -> tuple[list[int], list[int]]:
-    """Deterministic disjoint split of `count` samples into (calibration, evaluation) indices, each sorted."""
-    if count < 2:
-        raise InputRejected(f"--data needs at least 2 samples to calibrate and evaluate on disjoint sets, got {count}")
-    order = np.random.default_rng(seed).permutation(count)
-    # Keep at least a quarter of the data (and one sample) for evaluation.
-    n_calib = min(calibration_count, count - max(1, count // 4))
-    return sorted(int(i) for i in order[:n_calib]), sorted(int(i) for i in order[n_calib:])
+class DataSplit(BaseModel):
+    """Which samples have which role, as indices into the samples read: `calibration` sets int8 ranges, `steering`
+    steers choices (the fallback's search, auto's shortlist, the cleanup check), `verdict` only judges the final
+    sign-off; `unused` were beyond accuracy.max_samples, or copies. No sample is in two roles, and identical inputs
+    (the same image twice) count once: a copy in the verdict of a sample that calibrated or steered would be evidence
+    the build has already seen, and two copies in the verdict would count one sample twice."""
+
+    seed: int
+    calibration: list[int] = []
+    steering: list[int] = []
+    verdict: list[int] = []
+    unused: list[int] = []
+
+    def counts(self) -> dict[str, int]:
+        return {"calibration": len(self.calibration), "steering": len(self.steering), "verdict": len(self.verdict)}
+
+    def names(self, names: list[str]) -> dict[str, list[str]]:
+        """The manifest's record: each role's sample names."""
+        return {role: [names[i] for i in getattr(self, role)] for role in ("calibration", "steering", "verdict", "unused")}
 
 
-def split_samples(samples: list[Sample], calibration_count: int, seed: int) -> tuple[list[Sample], list[Sample]]:
-    """Deterministic disjoint split into (calibration, evaluation); evaluation never reuses calibration."""
-    calib, evaluation = split_indices(len(samples), calibration_count, seed)
-    return [samples[i] for i in calib], [samples[i] for i in evaluation]
+def sample_key(sample: Sample) -> str:
+    """A sample's content identity: equal inputs, equal keys (whatever file they came from)."""
+    digest = hashlib.sha1()
+    for name in sorted(sample):
+        array = np.ascontiguousarray(sample[name])
+        digest.update(f"{name}:{array.dtype}:{array.shape}".encode())
+        digest.update(array.tobytes())
+    return digest.hexdigest()
+
+
+def split_roles(keys: list[str], config: SplitConfig, calibrates: bool, calibration_max: int, verdict_max: int,
+                seed: int, held_out: list[str] | None = None) -> DataSplit:
+    """Deal the samples with content `keys` (sample_key) into disjoint roles, deterministically for `seed`.
+
+    Calibration takes `config.calibration_fraction` of them (at most `calibration_max`) when the build `calibrates`,
+    steering `config.steering_fraction` (at most `config.max_steering`), the verdict the rest (at most `verdict_max`).
+    A build that does not calibrate gives that share to the verdict; steering is the same samples either way, so every
+    candidate of one auto run is steered by the same ones. `held_out`: the keys of --eval-data, indexed after `keys`:
+    they are the verdict, and --data only calibrates and steers. A sample equal to one dealt before is left unused."""
+    count = len(keys)
+    if calibrates and count < (1 if held_out else 2):
+        raise InputRejected(f"--data needs at least 2 samples to calibrate and judge on disjoint sets, got {count}")
+    order = [int(i) for i in np.random.default_rng(seed).permutation(count)]
+    rest = "verdict" if held_out is None else "unused"
+    n_calib = min(calibration_max, math.ceil(config.calibration_fraction * count))
+    n_calib = max(1, n_calib) if calibrates else n_calib
+    reserve = 1 if held_out is None else 0  # keep one verdict sample: steering gives way first, then calibration
+    n_steer = max(0, min(config.max_steering, math.ceil(config.steering_fraction * count),
+                         count - reserve - (n_calib if calibrates else 0)))
+    if calibrates:
+        n_calib = min(n_calib, count - reserve - n_steer)
+    # The calibration share goes to the rest when the build does not calibrate: steering is the same samples either way.
+    dealt = [("calibration" if calibrates else rest, order[:n_calib]), ("steering", order[n_calib:n_calib + n_steer]),
+             (rest, order[n_calib + n_steer:])]
+    split, seen = DataSplit(seed=seed), set()
+    for role, indices in dealt:
+        for i in indices:
+            (split.unused if keys[i] in seen else getattr(split, role)).append(i)
+            seen.add(keys[i])
+    for j, key in enumerate(held_out or []):
+        (split.unused if key in seen else split.verdict).append(count + j)
+        seen.add(key)
+    split.verdict, beyond = split.verdict[:verdict_max], split.verdict[verdict_max:]
+    split.unused += beyond
+    for role in ("calibration", "steering", "verdict", "unused"):
+        getattr(split, role).sort()
+    return split
 
 
 BatchAxes = dict[str, int | None]

@@ -29,6 +29,14 @@ class GateFailed(AccelOptError):
     exit_code = 1
 
 
+class CandidateDropped(AccelOptError):
+    """`--precision auto` stopped a candidate's build early: its held-out samples cannot certify it, its first
+    measurement is far outside what a rescue can recover, or even fully rescued it could not win. Auto reports the
+    reason beside the candidate; no folder is written."""
+
+    exit_code = 1
+
+
 class UsageError(AccelOptError):
     """Bad command line or recipe."""
 

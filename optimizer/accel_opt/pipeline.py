@@ -14,36 +14,30 @@ from collections.abc import Callable
 from pathlib import Path
 
 from accel_opt import runtime
-from accel_opt.accuracy import compare
+from accel_opt.accuracy import SteeringVerdict, compare
 from accel_opt.artifact.folder import build_folder, ensure_free_space, publish, sha256_file
 from accel_opt.artifact.records import artifact_name, data_record, reuse, write_manifest, write_reports
 from accel_opt.artifact.staging import batch_problem, stage_deployment
 from accel_opt.backends import get_backend
 from accel_opt.backends.onnxruntime import reference_runner
 from accel_opt.bench.build_stage import benchmark_build, max_feed
-from accel_opt.build_context import BuildContext
+from accel_opt.build_context import BuildContext, CandidateLimits
+from accel_opt.build_samples import read_and_split
 from accel_opt.data import (
-    DataSummary,
     Sample,
-    check_sample,
-    load_samples,
-    shapes_of,
-    split_indices,
-    synthetic_samples,
 )
-from accel_opt.errors import AccelOptError, Unsupported, UsageError, no_space_error
+from accel_opt.errors import AccelOptError, CandidateDropped, Unsupported, UsageError, no_space_error
 from accel_opt.graph.cleanup import cleanup
-from accel_opt.graph.inspect import TensorSpec, io_specs, resolve_shapes, with_batch
+from accel_opt.graph.inspect import io_specs, with_batch
 from accel_opt.graph.load import load_model
 from accel_opt.machine.cpu import available_cpus
 from accel_opt.precision import fallback
 from accel_opt.precision.fallback_actions import fallback_actions
 from accel_opt.precision.torch_plan import torch_precision
-from accel_opt.preprocess.fit import exercise_image_path, fit_preprocessing, image_input, image_path_agreement
+from accel_opt.preprocess.fit import exercise_image_path, fit_preprocessing, image_path_agreement
 from accel_opt.preprocess.fuse import fused_shape
-from accel_opt.preprocess.images import to_model_input
 from accel_opt.recipe import BackendName, Precision, Recipe, load_recipe
-from accel_opt.report.results import BuildResult, StageResult, StageStatus, fill_headline
+from accel_opt.report.results import BuildResult, StageResult, StageStatus, exit_code_of, fill_headline, verdict_of
 
 log = logging.getLogger(__name__)
 
@@ -63,8 +57,15 @@ def build(
     cache_dir: str | Path | None = None,
     on_stage: Callable[[StageResult], None] | None = None,
     force: bool = False,
+    eval_data_dir: str | Path | None = None,
+    limits: CandidateLimits | None = None,
 ) -> BuildResult:
-    """Build, check, benchmark and package `model`; never raises for a failed gate (exit_code 1).
+    """Build, check, benchmark and package `model`; never raises for a failed gate (exit_code 1) or for held-out
+    samples too few to certify it (exit_code 6).
+
+    `data_dir` is split into samples that calibrate, steer and judge (recipe accuracy.split); `eval_data_dir`, when
+    given, holds the held-out samples that judge the verdict instead of a share of `data_dir`. `limits`: the build is a
+    candidate of --precision auto (auto.py), which may stop it early (CandidateDropped) and bounds its search's time.
 
     A complete folder of the same identity (model, recipe, data, tool versions, CPU) under `out_dir`
     that verifies is reused instead of rebuilt (`reused` is set), unless `force`. Raises
@@ -92,23 +93,30 @@ def build(
                 model_path=model_path, recipe=recipe, data_dir=Path(data_dir) if data_dir else None, workdir=work,
                 staging=staging, cache_dir=Path(cache_dir) if cache_dir else out_dir / ".cache", backend=backend,
                 threads=recipe.benchmark.threads or available_cpus(), factory=factory,
+                eval_data_dir=Path(eval_data_dir) if eval_data_dir else None, limits=limits,
             )
             if model_path.is_file():  # the staged artifact holds at least a copy of the model
                 ensure_free_space(work, model_path.stat().st_size)
             for name, stage in STAGES:
                 _run_stage(ctx, name, stage, stages, on_stage)
-                if name == "load" and not force:
+                if name != "load":
+                    continue
+                hopeless = ctx.steering_gate()[2]
+                if limits is not None and hopeless:  # no build of this precision could sign off on these samples
+                    raise CandidateDropped(f"not built: {hopeless[0]}")
+                if not force:
                     reused = reuse(ctx, out_dir / artifact_name(ctx), str(model), stages, on_stage)
                     if reused is not None:
                         return reused
 
             failures = ctx.accuracy.failures + ctx.bench.failures
-            signed_off = not failures
             final = out_dir / artifact_name(ctx)
             result = BuildResult(
-                model=str(model), precision=recipe.precision.value, backend=backend.name, signed_off=signed_off,
-                exit_code=0 if signed_off else 1, artifact_dir=str(final), failures=failures, stages=stages,
-                worst_cosine=ctx.accuracy.worst_cosine, data=data_record(ctx), evaluated=ctx.accuracy.evaluation.deployment,
+                model=str(model), precision=recipe.precision.value, backend=backend.name, signed_off=not failures,
+                exit_code=exit_code_of(ctx.accuracy, ctx.bench.failures), artifact_dir=str(final), failures=failures,
+                stages=stages, worst_cosine=ctx.accuracy.worst_cosine, data=data_record(ctx),
+                evaluated=ctx.accuracy.evaluation.deployment, verdict=verdict_of(ctx.accuracy, ctx.bench.failures),
+                samples_needed=ctx.accuracy.samples_needed,
             )
             fill_headline(result, ctx.bench)
             result._eval_samples = ctx.deploy_samples
@@ -155,7 +163,7 @@ def _stage_export(ctx: BuildContext) -> tuple[StageStatus, str]:
     if not ctx.recipe.shapes:
         raise UsageError(f"{ctx.factory.spec}: a PyTorch factory needs --shapes to build its example inputs")
     ctx.torch_module = ctx.factory()
-    if _torch(ctx):  # what ships is torch.export's program: a module it cannot trace fails here, with its reason
+    if ctx.torch:  # what ships is torch.export's program: a module it cannot trace fails here, with its reason
         ctx.backend.check_traceable(ctx.torch_module, ctx.recipe.shapes, ctx.factory.export_hints.get("input_dtypes"))
     onnx_path = ctx.workdir / "export" / ctx.model_path.name
     exported = export(ctx.torch_module, ctx.recipe.shapes, onnx_path, **ctx.factory.export_hints)
@@ -196,71 +204,37 @@ def _stage_load(ctx: BuildContext) -> tuple[StageStatus, str]:
     recipe = ctx.recipe = fit_preprocessing(ctx.recipe, ctx.inputs, ctx.notes)  # before any image is read
     if recipe.text is not None:
         _load_text_stage(ctx)
-    if _fused(ctx) and _torch(ctx):
+    if ctx.fused and ctx.torch:
         raise UsageError("preprocessing.fused rewrites the ONNX graph; the torch backend ships the PyTorch module and "
                          "runs its image preprocessing as tensor ops on its device instead: drop `fused`")
-    if _fused(ctx) and (ctx.data_dir is None or any(Path(ctx.data_dir).glob("*.npz"))):
+    if ctx.fused and (ctx.data_dir is None or any(Path(ctx.data_dir).glob("*.npz"))):
         raise UsageError("preprocessing.fused needs --data with image files: the fused model takes decoded crops")
-    if ctx.data_dir is not None:
-        samples, ctx.data = _read_data(ctx)
-        ctx.shapes = resolve_shapes(ctx.inputs, recipe.shapes, shapes_of(samples), recipe.batch_axes)
-    else:
-        ctx.shapes = resolve_shapes(ctx.inputs, recipe.shapes, given_batch_axes=recipe.batch_axes)
-        samples, ctx.data = synthetic_samples(ctx.inputs, ctx.shapes.shapes, recipe.accuracy.synthetic_samples,
-                                              recipe.accuracy.seed, ctx.loaded.index_bounds)
-        ctx.notes.append(f"No --data given: {len(samples)} synthetic samples (seed {recipe.accuracy.seed}) were used for the accuracy check.")
+    samples = read_and_split(ctx)
     ctx.notes += ctx.shapes.notes
-    if recipe.precision is Precision.int8:
-        calib, evaluation = split_indices(len(samples), recipe.precision_options.calibration.samples, recipe.accuracy.seed)
-        ctx.calibration_samples = [samples[i] for i in calib]
-    else:
-        evaluation = list(range(len(samples)))
-    evaluation = evaluation[: recipe.accuracy.max_samples]
-    ctx.eval_samples = [samples[i] for i in evaluation]
-    ctx.eval_names = [ctx.data.names[i] for i in evaluation]
-    ctx.deploy_samples = ctx.eval_samples
-    if _fused(ctx):
-        ctx.deploy_samples = [ctx.host_crops[i] for i in evaluation]
-    elif ctx.job_samples:
-        ctx.deploy_samples = [ctx.job_samples[i] for i in evaluation]
+    split = ctx.split
+
+    def pick(indices: list[int], source: list[Sample] | None = None) -> list[Sample]:
+        return [(source or samples)[i] for i in indices]
+
+    # As the artifact takes them: fused preprocessing takes the host's uint8 crops; draft decoding and the torch
+    # backend's tensor path, the job's own inputs.
+    as_deployed = ctx.host_crops if ctx.fused else ctx.job_samples or None
+    ctx.calibration_samples = pick(split.calibration)
+    ctx.steering_samples, ctx.steering_deploy = pick(split.steering), pick(split.steering, as_deployed)
+    ctx.steering_names = [ctx.sample_names[i] for i in split.steering]
+    ctx.eval_samples, ctx.deploy_samples = pick(split.verdict), pick(split.verdict, as_deployed)
+    ctx.eval_names = [ctx.sample_names[i] for i in split.verdict]
     ctx.deploy_batch = recipe.selection.target_batch_size if ctx.shapes.batch_dynamic else ctx.shapes.batch_size
     if recipe.text is not None and not recipe.benchmark.max_shapes:  # capacity at the longest text the job takes
         ctx.recipe = recipe.with_overrides(**{"benchmark.max_shapes": {
             name: [ctx.deploy_batch, recipe.text.max_length] for name in ctx.text_encoder.inputs}})
-    ctx.max_feed = max_feed(ctx, _fused(ctx))  # checked now: a wrong --max-shapes is a usage error before any work
+    ctx.max_feed = max_feed(ctx, ctx.fused)  # checked now: a wrong --max-shapes is a usage error before any work
     shapes = ", ".join(f"{k}:{'x'.join(map(str, v)) or 'scalar'}" for k, v in ctx.shapes.shapes.items())
+    roles = split.counts()
     return "passed", (
-        f"opset {ctx.loaded.opset}, {len(ctx.loaded.proto.graph.node)} nodes, inputs {shapes}; "
-        f"{len(ctx.calibration_samples)} calibration + {len(ctx.eval_samples)} evaluation samples ({ctx.data.source})"
+        f"opset {ctx.loaded.opset}, {len(ctx.loaded.proto.graph.node)} nodes, inputs {shapes}; {roles['calibration']} "
+        f"calibration + {roles['steering']} steering + {roles['verdict']} held-out samples ({ctx.data.source})"
     )
-
-
-def _read_data(ctx: BuildContext) -> tuple[list[Sample], DataSummary]:
-    """The --data samples as the model takes them. With fused preprocessing the images are decoded once,
-    to the host's uint8 crops (kept: what the fused artifact takes), and normalized from those."""
-    pre = ctx.recipe.preprocessing
-    draft = pre is not None and pre.draft_decode and not any(Path(ctx.data_dir).glob("*.npz"))
-    reference_pre = pre.model_copy(update={"draft_decode": False}) if draft else pre
-    if not _fused(ctx):
-        samples, data = load_samples(ctx.data_dir, ctx.inputs, reference_pre, text=ctx.text_encoder)
-        if _torch(ctx) and data.source == "images":  # the candidate takes what its job's tensor path makes
-            from accel_opt.preprocess.tensor_images import tensor_path_samples
-
-            files = [Path(ctx.data_dir) / name for name in data.names]
-            ctx.job_samples = tensor_path_samples(files, pre, _image_input(ctx), ctx.backend.device)
-        elif draft:  # the candidate takes what `accel-opt run` will feed it; the reference, full decodes
-            ctx.job_samples = load_samples(ctx.data_dir, ctx.inputs, pre)[0]
-        return samples, data
-    name = _image_input(ctx)
-    spec = TensorSpec(name=name, dtype="uint8", shape=["batch", pre.crop, pre.crop, 3])
-    crops, data = load_samples(ctx.data_dir, [spec], pre.host_part().model_copy(update={"input": name}))
-    ctx.host_crops = crops
-    if draft:
-        crops = load_samples(ctx.data_dir, [spec], reference_pre.host_part().model_copy(update={"input": name}))[0]
-    samples = [{name: to_model_input(c[name], pre)} for c in crops]
-    for sample, where in zip(samples, data.names):
-        check_sample(sample, ctx.inputs, f"--data {where}")
-    return samples, data
 
 
 def _load_text_stage(ctx: BuildContext) -> None:
@@ -272,19 +246,6 @@ def _load_text_stage(ctx: BuildContext) -> None:
     ctx.notes.append(ctx.text_encoder.describe())
 
 
-def _image_input(ctx: BuildContext) -> str:
-    pre = ctx.recipe.preprocessing
-    return image_input(pre, ctx.inputs).name if pre else ctx.inputs[0].name
-
-
-def _torch(ctx: BuildContext) -> bool:
-    return ctx.backend.name == BackendName.torch.value
-
-
-def _fused(ctx: BuildContext) -> bool:
-    return ctx.recipe.preprocessing is not None and ctx.recipe.preprocessing.fused
-
-
 def _deploy_shapes(ctx: BuildContext, fused: bool = True) -> dict[str, list[int]]:
     """The input shapes the artifact is compiled and checked for: the resolved shapes at the deployed batch
     (the image input in HWC order when its preprocessing is fused, unless `fused` is False: the model
@@ -292,8 +253,8 @@ def _deploy_shapes(ctx: BuildContext, fused: bool = True) -> dict[str, list[int]
     shapes = ctx.shapes.shapes
     if ctx.shapes.batch_dynamic:
         shapes = with_batch(shapes, ctx.deploy_batch, ctx.shapes.batch_axes)
-    if fused and _fused(ctx):
-        name = _image_input(ctx)
+    if fused and ctx.fused:
+        name = ctx.image_input
         shapes = {**shapes, name: fused_shape(shapes[name], ctx.recipe.preprocessing.layout)}
     return shapes
 
@@ -302,11 +263,12 @@ def _stage_cleanup(ctx: BuildContext) -> tuple[StageStatus, str]:
     ctx.fp32_path = ctx.model_path
     if not ctx.recipe.cleanup.enabled:
         raise _Skip("disabled by the recipe")
-    if _torch(ctx):
+    if ctx.torch:
         raise _Skip("the torch backend compiles the PyTorch module, not the ONNX graph")
     total_bytes = sum(p.stat().st_size for p in [ctx.model_path, *ctx.loaded.external_data_files])
     ctx.fp32_path, ctx.cleanup = cleanup(
-        ctx.model_path, total_bytes, ctx.eval_samples[:CLEANUP_VERIFY_SAMPLES], ctx.recipe.accuracy.tolerances[Precision.fp32],
+        ctx.model_path, total_bytes, (ctx.steering_samples or ctx.eval_samples)[:CLEANUP_VERIFY_SAMPLES],
+        ctx.recipe.accuracy.tolerances[Precision.fp32],
         ctx.threads, ctx.workdir / "cleaned.onnx",
     )
     if not ctx.cleanup.applied:
@@ -317,20 +279,31 @@ def _stage_cleanup(ctx: BuildContext) -> tuple[StageStatus, str]:
 def _stage_precision(ctx: BuildContext) -> tuple[StageStatus, str]:
     ctx.candidate_path = ctx.fp32_path
     precision, config = ctx.recipe.precision, ctx.recipe.precision_options.fallback
-    if _torch(ctx):  # what compile() exports: the module, its inputs and outputs, the calibration samples for int8
+    if ctx.torch:  # what compile() exports: the module, its inputs and outputs, the calibration samples for int8
         ctx.backend.bind(ctx.torch_module, ctx.inputs, ctx.outputs, ctx.shapes.batch_axes, ctx.calibration_samples)
     if precision is Precision.fp32:
         raise _Skip("fp32: the graph keeps its precision")
-    if _torch(ctx):
+    if ctx.torch:
         return torch_precision(ctx)
-    # int8 probes on calibration samples, so the gate's evaluation samples stay unseen; fp16/bf16 have no
-    # calibration split: the fallback only ever moves the build towards fp32 on the first evaluation samples.
-    probes = (ctx.calibration_samples if precision is Precision.int8 else ctx.eval_samples)[: config.probe_samples]
-    source = "calibration samples" if precision is Precision.int8 else "the first evaluation samples"
+    # The search is steered by the steering samples only: neither calibration (the ranges fit those) nor the verdict's
+    # held-out samples (a search that picks the variant doing best on them would judge itself).
+    probes = ctx.steering_samples[: config.probe_samples]
     fixed = fallback.wide_weight_consumers(ctx.fp32_path) if precision is Precision.fp16 else []
+    out = ctx.workdir / f"{precision.value}.onnx"
+    _, _, hopeless = ctx.steering_gate()
+    skipped = None
+    if config.enabled and hopeless:
+        skipped = ("insufficient evidence", f"not searched: {hopeless[0]}, so no build it rescued could sign off")
+    elif config.enabled and not probes:
+        skipped = ("disabled", "not searched: no steering samples to judge variants on (give --data with more samples)")
+    if skipped:
+        config = config.model_copy(update={"enabled": False})
     ctx.precision, ctx.fallback, ctx.candidate_path = fallback.run(
-        precision, config, fallback_actions(ctx, probes, _deploy_shapes(ctx, fused=False)), ctx.workdir / f"{precision.value}.onnx", len(probes), source, fixed)
-    ctx.fallback.probe_slack = fallback.PROBE_MARGIN if precision is Precision.int8 else 1.0
+        precision, config, fallback_actions(ctx, probes, _deploy_shapes(ctx, fused=False)), out, len(probes),
+        "steering samples", fixed, ctx.limits)
+    if skipped:
+        ctx.fallback.status, ctx.fallback.reason = skipped
+    ctx.fallback.probe_slack = fallback.PROBE_MARGIN
     ctx.precision.notes.append(f"Fallback: {ctx.fallback.status}, {ctx.fallback.reason}.")
     kept = len(ctx.precision.kept_in_higher_precision)
     detail = f"{ctx.precision.transform}; {kept} nodes kept in higher precision; fallback {ctx.fallback.status}"
@@ -359,9 +332,11 @@ def _stage_compile(ctx: BuildContext) -> tuple[StageStatus, str]:
 
 def _stage_accuracy(ctx: BuildContext) -> tuple[StageStatus, str]:
     recipe, deployment = ctx.recipe, ctx.deployment
+    reference = _reference(ctx)
+    candidate = deployment.runner(runtime.feed_dtypes_of(ctx.deploy_samples))
     ctx.accuracy = compare(
-        _reference(ctx),
-        deployment.runner(runtime.feed_dtypes_of(ctx.deploy_samples)),
+        reference,
+        candidate,
         ctx.eval_samples,
         recipe.tolerance,
         recipe.accuracy.task_metrics,
@@ -371,17 +346,35 @@ def _stage_accuracy(ctx: BuildContext) -> tuple[StageStatus, str]:
         candidate_samples=ctx.deploy_samples,
         noise_reference=reference_runner(ctx.model_path, ctx.threads, optimize=True),
         padding=deployment.padding,
+        confidence=recipe.accuracy.confidence,
+        bounded=ctx.bounded,
     )
+    ctx.accuracy.roles = ctx.split.counts()
+    if ctx.steering_samples:  # what auto's shortlist reads: the deployed build on samples the verdict never sees
+        tolerance, metrics, hopeless = ctx.steering_gate()
+        steered = compare(reference, candidate, ctx.steering_samples, tolerance, metrics, names=ctx.steering_names,
+                          batch_size=deployment.batch_size, batch_axes=deployment.batch_axes,
+                          candidate_samples=ctx.steering_deploy, padding=deployment.padding,
+                          noise_floor={o.name: o.noise_floor for o in ctx.accuracy.outputs})
+        ctx.accuracy.steering = SteeringVerdict(sample_count=steered.sample_count, passed=steered.passed and not hopeless,
+                                                loss=steered.loss, worst_cosine=steered.worst_cosine,
+                                                failures=(hopeless + steered.failures)[:3])
     ctx.accuracy.evaluation.deployment = deployment.describe(artifact_name(ctx))
     # What the gate found (where each output holds a batch's samples) is part of how the artifact runs.
     deployment.config = deployment.config.model_copy(update={"output_batch_axes": ctx.accuracy.evaluation.output_batch_axes})
     ctx.notes += exercise_image_path(deployment, ctx.data.source, ctx.workdir, ctx.recipe.accuracy.seed)
-    if _torch(ctx) and ctx.job_samples:
+    if ctx.torch and ctx.job_samples:
         ctx.notes.append(image_path_agreement(_reference(ctx), ctx.deploy_samples, ctx.accuracy._reference_outputs,
                                               ctx.outputs[0].name))
     evaluation = ctx.accuracy.evaluation
     calls = f"{evaluation.calls} calls of batch {evaluation.batch_size}" if evaluation.mode == "batched" else "one per sample"
-    summary = f"{ctx.accuracy.sample_count} samples ({calls}), worst cosine {ctx.accuracy.worst_cosine:.6f}"
+    summary = f"{ctx.accuracy.sample_count} held-out samples ({calls}), worst cosine {ctx.accuracy.worst_cosine:.6f}"
+    bounds = [c.evidence.line() for c in ctx.accuracy.checks if c.evidence is not None and c.evidence.minimum < 1]
+    if ctx.accuracy.bounded and bounds:
+        summary += "; " + "; ".join(bounds)
+    if ctx.accuracy.verdict == "insufficient":
+        return "failed", (f"{summary}; not enough held-out samples to sign off: {ctx.accuracy.samples_needed} needed "
+                          "(--data with more samples, or --eval-data)")
     if not ctx.accuracy.passed:
         return "failed", summary + "; " + "; ".join(ctx.accuracy.failures)
     return "passed", summary
@@ -390,7 +383,7 @@ def _stage_accuracy(ctx: BuildContext) -> tuple[StageStatus, str]:
 def _stage_benchmark(ctx: BuildContext) -> tuple[StageStatus, str]:
     if ctx.text_encoder is not None:  # timed batches have one shape: the evaluation texts padded to the longest
         ctx.eval_samples = ctx.deploy_samples = ctx.text_encoder.padding.same_length(ctx.eval_samples)
-    return benchmark_build(ctx, _deploy_shapes(ctx, fused=False), _image_input(ctx))
+    return benchmark_build(ctx, _deploy_shapes(ctx, fused=False), ctx.image_input)
 
 
 def _stage_reports(ctx: BuildContext) -> tuple[StageStatus, str]:

@@ -85,6 +85,9 @@ class Tolerance(_Strict):
     - `min_agreement`: integer and boolean outputs (class ids from an ArgMax, masks, indices) are compared
       exactly, not by distance: the fraction of their elements equal to the reference, over all samples.
       A near-tie argmax flips under any rounding, so one changed id must not fail a build by itself.
+    - `max_failing_fraction`: the share of samples that may fail the per-sample limits. 0 (the default) is strict:
+      one failing sample fails the build. Above 0, a reduced-precision build signs off only where the one-sided
+      upper confidence bound of the failing share (accuracy.confidence) stays within it, on held-out samples.
     """
 
     max_error: float = Field(ge=0)
@@ -96,6 +99,7 @@ class Tolerance(_Strict):
     atol: float | None = Field(default=None, ge=0)
     rtol: float | None = Field(default=None, ge=0)
     min_agreement: float = Field(default=0.98, ge=0, le=1)
+    max_failing_fraction: float = Field(default=0.0, ge=0, lt=1)
 
 
 def _default_tolerances() -> dict[Precision, Tolerance]:
@@ -169,12 +173,32 @@ class DetectionMetric(_Strict):
 TaskMetric = Annotated[TopKMetric | CosineMetric | NeighbourMetric | DetectionMetric, Field(discriminator="kind")]
 
 
+class SplitConfig(_Strict):
+    """How --data is divided into three disjoint roles, deterministically (accuracy.seed) and recorded in the
+    manifest: samples that calibrate int8 ranges, samples that steer choices (the fallback's search, auto's
+    shortlist, the cleanup check) and held-out samples that only judge the final verdict. Calibration needs far
+    fewer samples than a verdict sized by its confidence bound, so the verdict gets the rest. A build that does not
+    calibrate (fp32, fp16, bf16) gives the calibration share to the verdict; the steering share is the same for
+    every candidate of one `--precision auto` run. `--eval-data` replaces the verdict share with its own samples."""
+
+    # Of --data, at most precision_options.calibration.samples: min/max ranges settle on a few dozen images.
+    calibration_fraction: float = Field(default=0.25, gt=0, lt=1)
+    steering_fraction: float = Field(default=0.15, ge=0, lt=1)
+    max_steering: int = Field(default=32, ge=0)  # a search judges every variant on these: more costs time
+
+
 class AccuracyConfig(_Strict):
     tolerances: dict[Precision, Tolerance] = Field(default_factory=_default_tolerances)
     task_metrics: list[TaskMetric] = Field(default_factory=list)
-    max_samples: int = Field(default=32, ge=1)  # evaluation samples taken from --data
-    synthetic_samples: int = Field(default=8, ge=1)  # generated when no --data is given
-    seed: int = 0
+    # Held-out samples judged at most. Every judged sample's outputs are held for the verdict (the reference's and
+    # the candidate's): a classifier's logits take KiB, a 640x640 detector's head ~11 MiB per sample in float64.
+    max_samples: int = Field(default=300, ge=1)
+    synthetic_samples: int = Field(default=8, ge=1)  # held-out samples generated when no --data is given
+    seed: int = 0  # fixes the split into calibration, steering and held-out samples
+    # A reduced-precision build signs off only where every rate's one-sided lower bound at this confidence clears its
+    # minimum (Clopper-Pearson); too few held-out samples for that is its own verdict, with the number needed.
+    confidence: float = Field(default=0.95, gt=0.5, lt=1)
+    split: SplitConfig = Field(default_factory=SplitConfig)
     # Evaluation samples the folder's probe set keeps for re-checks on another machine class (all of them when the
     # gate judged fewer): a per-sample gate needs enough samples for one broken sample to show.
     probe_samples: int = Field(default=16, ge=1)
@@ -329,7 +353,7 @@ class FallbackConfig(_Strict):
     max_measured_units: int = Field(default=32, ge=1)
     # An optional cap on the Conv/MatMul/Gemm FLOPs left in float; the speed budget decides by default.
     max_fp32_flops_fraction: float = Field(default=1.0, gt=0, le=1)
-    probe_samples: int = Field(default=16, ge=1)  # judged: int8's calibration samples; fp16/bf16's first evaluation samples
+    probe_samples: int = Field(default=16, ge=1)  # the first steering samples, judged for every variant of the search
     diagnosis_samples: int = Field(default=4, ge=1)  # the first probes, run layer by layer (the costly part)
     # fp16: nodes whose fp32 activations exceed this on a probe sample stay fp32 before any build is judged
     # (float16 holds at most 65504; the margin covers inputs larger than the probes).
@@ -368,6 +392,10 @@ class SelectionConfig(_Strict):
     objective: Literal["latency", "throughput", "throughput_within_p99"] = "throughput"
     target_batch_size: int = Field(default=8, ge=1)  # the deployed batch (dynamic batch) and the throughput objective's
     latency_budget_ms: float | None = Field(default=None, gt=0)  # p99 per call; candidates over it lose
+    # Wall clock for every candidate's build together (--time-budget); null: no limit. The fp32 builds run first;
+    # reduced candidates share what is left for their rescue searches, and what the budget leaves untried is said.
+    # 15 minutes: a 640x640 detector's four candidates (two fp32 builds, two int8 with a search) on 2 cores.
+    time_budget_s: float | None = Field(default=900.0, gt=0)
 
     @model_validator(mode="after")
     def _budget_for_p99_objective(self) -> SelectionConfig:

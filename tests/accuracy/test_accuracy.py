@@ -206,7 +206,7 @@ def test_integer_outputs_are_compared_exactly_by_agreement():
                                                      "3 of 100 samples differ, first s0"]
     masks = [{"m": np.array([True, False])}, {"m": np.array([True, True])}]
     assert judge(masks, [{"m": np.array([True, False])}, {"m": np.array([True, False])}], ["a", "b"], INT8).failures[0] \
-        .startswith("m: 75.00% of the elements equal the reference < 98.00%; 1 of 2 samples differ, first b (4 evaluation rows")
+        .startswith("m: 75.00% of the elements equal the reference < 98.00%; 1 of 2 samples differ, first b (4 elements: one changed element")
 
 
 def test_a_reference_with_nan_is_refused_not_judged():
@@ -233,16 +233,24 @@ def test_task_metrics(tmp_path):
     assert other.task_metrics[0].worst_samples and other.task_metrics[0].worst_samples[0].startswith("s")
 
 
-def test_topk_gate_says_when_samples_are_too_few_to_allow_one_change(tmp_path):
+def test_topk_agreement_is_judged_by_its_bound_and_too_few_rows_are_their_own_verdict(tmp_path):
     ref = save(matmul_model(out_dim=8), tmp_path / "m.onnx")
     metric = [TopKMetric(min_agreement={1: 0.97})]
-    few = compare(reference_runner(ref, 1), reference_runner(ref, 1), [{"x": s["x"]} for s in _samples(8)], TOL, metric)  # 2 rows each
-    assert few.passed  # the note explains a threshold; it is not a failure by itself
-    assert "16 evaluation rows" in few.task_metrics[0].note and "at least 34" in few.task_metrics[0].note
+    few_samples = [{"x": s["x"]} for s in _samples(8)]  # 2 rows each: 16 rows, none changed
+    observed = compare(reference_runner(ref, 1), reference_runner(ref, 1), few_samples, TOL, metric)
+    assert observed.passed  # unbounded (fp32's rule): the observed 100% clears 0.97, the bound is only reported
+    assert ">= 82.9% at 95% confidence" in observed.checks[-1].line
+    few = compare(reference_runner(ref, 1), reference_runner(ref, 1), few_samples, TOL, metric, bounded=True)
+    assert not few.passed and few.verdict == "insufficient" and few.samples_needed == 99  # (1 - 0.95) ** (1 / 99) >= 0.97
+    assert few.failures == ["task metric topk on y: top-1 agreement: 16 held-out rows cannot show >= 97.0% at 95% "
+                            "confidence even with none changed (82.9% is the most they can); 99 needed"]
     data = DataSummary(source="npz", path="d", count=8, sha256="0", seed=0)
-    assert f"- topk: {few.task_metrics[0].note}" in signoff_markdown("m", True, few, None, data, 0, [])
-    enough = compare(reference_runner(ref, 1), reference_runner(ref, 1), [{"x": s["x"]} for s in _samples(17)], TOL, metric)
-    assert enough.task_metrics[0].note is None
+    markdown = signoff_markdown("m", False, few, None, data, 0, [])
+    assert "NOT SIGNED OFF: not enough held-out samples (99 needed)" in markdown and "| too few samples |" in markdown
+    enough = compare(reference_runner(ref, 1), reference_runner(ref, 1), [{"x": s["x"]} for s in _samples(50)], TOL,
+                     metric, bounded=True)  # 100 rows, none changed: >= 97.05%
+    assert enough.passed and enough.task_metrics[0].evidence["top1"].lower > 0.97
+    assert enough.verdict_at(0.99) == "insufficient"  # the same counts at a stricter level (auto's family-wise)
 
 
 def _yolo_head(boxes_xyxy, classes, scores, anchors=50, num_classes=3):

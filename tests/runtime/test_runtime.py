@@ -75,7 +75,7 @@ def test_other_runtime_version_is_refused(published, tmp_path):
 
 @needs_openvino
 def test_gate_evaluates_the_openvino_blob_at_its_deployed_batch(tiny_cnn_path, fast_recipe, tmp_path):
-    data = image_npz_folder(tmp_path / "data", 10, seed=2)
+    data = image_npz_folder(tmp_path / "data", 12, seed=2)  # 2 steer, 10 held out: 3 calls of 4 rows, the last padded
     recipe = fast_recipe.with_overrides(backend="openvino", **{"selection.target_batch_size": 4})
     result = build(tiny_cnn_path, recipe, data_dir=data, out_dir=tmp_path / "out")
     assert result.signed_off, result.failures

@@ -16,9 +16,10 @@ from accel_opt.accuracy.models import (
     Evaluation,
     OutputAccuracy,
     SampleAccuracy,
+    SteeringVerdict,
     TaskMetricResult,
 )
 from accel_opt.accuracy.run import compare, fp32_noise_floor, run_candidate
 
-__all__ = ["AccuracyReport", "Check", "Evaluation", "OutputAccuracy", "SampleAccuracy", "TaskMetricResult", "compare",
+__all__ = ["AccuracyReport", "Check", "Evaluation", "OutputAccuracy", "SampleAccuracy", "SteeringVerdict", "TaskMetricResult", "compare",
            "fp32_noise_floor", "judge", "run_candidate"]

@@ -12,7 +12,8 @@ from polygraphy.comparator import CosineSimilarityCompareFunc, SimpleCompareFunc
 from polygraphy.comparator.struct import IterationResult
 from polygraphy.logger import G_LOGGER
 
-from accel_opt.accuracy.metrics import resolution_note, task_metric
+from accel_opt.accuracy.evidence import DEFAULT_CONFIDENCE, RateEvidence
+from accel_opt.accuracy.metrics import task_metric
 from accel_opt.accuracy.models import (
     MAX_LISTED_SAMPLES,
     NEAR_ZERO_RMS_FRACTION,
@@ -45,10 +46,14 @@ def judge(
     candidate_name: str = "candidate",
     evaluation: Evaluation | None = None,
     noise_floor: dict[str, float] | None = None,
+    confidence: float = DEFAULT_CONFIDENCE,
+    bounded: bool = False,
 ) -> AccuracyReport:
     """The verdict on per-sample outputs of the reference and the candidate (same order as `names`).
     A reference with NaN in an output is refused (InputRejected): nothing can be judged against it.
-    `noise_floor`: per output, an absolute error below which a difference is float32 noise (fp32_noise_floor)."""
+    `noise_floor`: per output, an absolute error below which a difference is float32 noise (fp32_noise_floor).
+    `bounded`: every rate (samples within tolerance, task metrics' agreements) must clear its minimum by its one-sided
+    lower bound at `confidence` (a reduced-precision sign-off on held-out samples); otherwise by the observed rate."""
     _refuse_undefined_reference(ref_outs, names, reference_name)
     outputs: list[OutputAccuracy] = []
     per_sample: list[SampleAccuracy] = []
@@ -66,19 +71,26 @@ def judge(
                                 f"shape {list(bad_shape[1])} != reference {list(bad_shape[2])}"))
             continue
         output, samples = _judge_output(name, [r[name] for r in ref_outs], [c[name] for c in cand_outs], names, tolerance,
-                                        (noise_floor or {}).get(name, 0.0))
+                                        (noise_floor or {}).get(name, 0.0), confidence, bounded)
         outputs.append(output)
         per_sample += samples
-        checks += _output_checks(output, samples, tolerance)
+        checks += _output_checks(output, samples, tolerance, confidence, bounded)
 
-    task_results = [task_metric(metric, ref_outs, cand_outs, names) for metric in task_metrics]
+    task_results = [task_metric(metric, ref_outs, cand_outs, names, confidence, bounded) for metric in task_metrics]
     for r in task_results:
         extra = (f" ({r.note})" if r.note else "") + (f"; worst: {', '.join(r.worst_samples[:3])}" if r.worst_samples else "")
         for key, minimum in r.thresholds.items():
-            passed = r.values[key] >= minimum
-            checks.append(Check(name=f"task {r.kind} on {r.output}: {key}", passed=passed,
-                                line=f"task metric {r.kind} on {r.output}: {key}={r.values[key]:.4f} (min {minimum})"
-                                + ("" if passed else extra)))
+            evidence = r.evidence.get(key)
+            if evidence is not None:
+                passed = evidence.status == "pass"
+                hint = evidence.shortfall_hint()
+                line = f"task metric {r.kind} on {r.output}: {evidence.line()}" + (f"; {hint}" if hint else "")
+            else:
+                passed = r.values[key] >= minimum
+                line = f"task metric {r.kind} on {r.output}: {key}={r.values[key]:.4f} (min {minimum})"
+            checks.append(Check(name=f"task {r.kind} on {r.output}: {key}", passed=passed, evidence=evidence,
+                                line=line + ("" if passed or (evidence is not None and evidence.status == "insufficient")
+                                             else extra)))
     failures = [c.line for c in checks if not c.passed]
     return AccuracyReport(
         reference=reference_name,
@@ -91,6 +103,8 @@ def judge(
         task_metrics=task_results,
         checks=checks,
         failures=failures,
+        confidence=confidence,
+        bounded=bounded,
     )
 
 
@@ -126,7 +140,8 @@ def _cosine(a: np.ndarray, b: np.ndarray) -> float:
 
 
 def _judge_output(name: str, refs: list[np.ndarray], cands: list[np.ndarray], names: list[str],
-                  tol: Tolerance, noise_floor: float = 0.0) -> tuple[OutputAccuracy, list[SampleAccuracy]]:
+                  tol: Tolerance, noise_floor: float = 0.0, confidence: float = DEFAULT_CONFIDENCE,
+                  bounded: bool = False) -> tuple[OutputAccuracy, list[SampleAccuracy]]:
     if np.asarray(refs[0]).dtype.kind in "biu":
         return _judge_exact(name, refs, cands, names, tol)
     ref_raw = [np.asarray(r, dtype=np.float64).ravel() for r in refs]
@@ -199,7 +214,7 @@ def _judge_output(name: str, refs: list[np.ndarray], cands: list[np.ndarray], na
         noise_floor=noise_floor,
         passed=False,
     )
-    output.passed = all(c.passed for c in _output_checks(output, samples, tol))
+    output.passed = all(c.passed for c in _output_checks(output, samples, tol, confidence, bounded))
     return output, samples
 
 
@@ -222,8 +237,10 @@ def _judge_exact(name: str, refs: list[np.ndarray], cands: list[np.ndarray], nam
     return output, samples
 
 
-def _output_checks(o: OutputAccuracy, samples: list[SampleAccuracy], tol: Tolerance) -> list[Check]:
-    """Every numeric check of one output, passed or failed, each with its one-line reason."""
+def _output_checks(o: OutputAccuracy, samples: list[SampleAccuracy], tol: Tolerance,
+                   confidence: float = DEFAULT_CONFIDENCE, bounded: bool = False) -> list[Check]:
+    """Every numeric check of one output, passed or failed, each with its one-line reason. The per-sample check is a
+    rate: the share of samples within tolerance, at least 1 - `tol.max_failing_fraction` (by its bound if `bounded`)."""
     def check(kind: str, passed: bool, line: str) -> Check:
         return Check(name=f"{o.name}: {kind}", passed=passed, line=f"{o.name}: {line}")
 
@@ -231,7 +248,8 @@ def _output_checks(o: OutputAccuracy, samples: list[SampleAccuracy], tol: Tolera
         within = o.agreement >= tol.min_agreement
         differing = [s.sample for s in samples if s.error > 0]
         elements = len(samples) * max(1, math.prod(o.shape))
-        note = None if within else resolution_note(elements, tol.min_agreement)
+        note = (f"{elements} elements: one changed element ({1 / elements:.1%}) already fails the minimum"
+                if not within and (elements - 1) / elements < tol.min_agreement else None)
         return [check("agreement", within, f"{o.agreement:.2%} of the elements equal the reference "
                       f"{'>=' if within else '<'} {tol.min_agreement:.2%}"
                       + (f"; {len(differing)} of {len(samples)} samples differ, first {differing[0]}" if differing else "")
@@ -252,7 +270,14 @@ def _output_checks(o: OutputAccuracy, samples: list[SampleAccuracy], tol: Tolera
               f"(|gain - 1| {'<=' if abs(o.gain - 1) <= tol.max_gain_error else '>'} {tol.max_gain_error:g})"),
     ]
     failed = [s for s in samples if not s.passed]
-    line = f"all {len(samples)} samples within error {tol.max_sample_error:g} and cosine {tol.min_sample_cosine}"
+    within = RateEvidence(what="samples within tolerance", successes=len(samples) - len(failed), trials=len(samples),
+                          minimum=1.0 - tol.max_failing_fraction, confidence=confidence, bounded=bounded)
+    limits = f"error {tol.max_sample_error:g} and cosine {tol.min_sample_cosine}"
+    if tol.max_failing_fraction == 0:  # strict: one failing sample fails; the bound says what the count shows
+        line = f"all {len(samples)} samples within {limits}" + (
+            f" (at most {1 - within.lower:.1%} of samples fail it, at {confidence:.0%} confidence)" if samples else "")
+    else:
+        line = f"{within.line()} (within {limits})"
     if failed:
         worst = max(failed, key=lambda s: _severity(s, tol))
         why = []
@@ -262,8 +287,11 @@ def _output_checks(o: OutputAccuracy, samples: list[SampleAccuracy], tol: Tolera
             why.append(f"cosine {worst.cosine:.4f} < {tol.min_sample_cosine}")
         if worst.error > tol.max_sample_error:
             why.append(f"error {worst.error:.3g} > {tol.max_sample_error:g}")
-        line = f"{len(failed)} of {len(samples)} samples fail the per-sample check; worst {worst.sample}: {', '.join(why)}"
-    checks.append(check("per-sample", not failed, line))
+        counted = (f"{len(failed)} of {len(samples)} samples fail the per-sample check" if tol.max_failing_fraction == 0
+                   else within.line())
+        line = f"{counted}; worst {worst.sample}: {', '.join(why)}"
+    checks.append(Check(name=f"{o.name}: per-sample", passed=within.status == "pass", line=f"{o.name}: {line}",
+                        evidence=within))
     if tol.atol is not None or tol.rtol is not None:
         stat = tol.error_stat
         rel_err = {"max": o.max_rel_error, "mean": o.mean_rel_error}.get(stat, o.mean_rel_error)

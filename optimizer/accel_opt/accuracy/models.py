@@ -6,8 +6,9 @@ import logging
 from typing import Literal
 
 import numpy as np
-from pydantic import BaseModel, PrivateAttr
+from pydantic import BaseModel, PrivateAttr, computed_field
 
+from accel_opt.accuracy.evidence import DEFAULT_CONFIDENCE, METHOD, RateEvidence
 from accel_opt.recipe import Tolerance
 
 log = logging.getLogger(__name__)
@@ -63,8 +64,11 @@ class TaskMetricResult(BaseModel):
     output: str
     values: dict[str, float]
     thresholds: dict[str, float]
+    # The rates among `values` with their counts (top-k agreement, neighbours kept, boxes matched): judged by their
+    # bound where the gate is bounded. Values without evidence (a mean cosine) are judged as they are.
+    evidence: dict[str, RateEvidence] = {}
     passed: bool
-    note: str | None = None  # e.g. too few samples for the threshold to tolerate a single change
+    note: str | None = None  # e.g. how many boxes the rates count
     worst_samples: list[str] = []  # samples whose prediction changed (top-k) or that lost most (detection)
 
 
@@ -74,6 +78,13 @@ class Check(BaseModel):
     name: str  # e.g. "logits: per-sample", "task topk: top1"
     passed: bool
     line: str  # the one-line result, the failure reason when it failed
+    # A rate judged by its confidence bound: its counts, minimum and bound (None: a point check, e.g. a cosine).
+    evidence: RateEvidence | None = None
+
+    @property
+    def insufficient(self) -> bool:
+        """Not passed because the samples are too few for any result to clear the minimum."""
+        return self.evidence is not None and self.evidence.status == "insufficient"
 
 
 class Evaluation(BaseModel):
@@ -87,6 +98,17 @@ class Evaluation(BaseModel):
     deployment: str | None = None  # the artifact folder and file the candidate was loaded from (set by the build)
 
 
+class SteeringVerdict(BaseModel):
+    """The deployed build on the steering samples (never the held-out ones): what auto's shortlist reads. Judged on
+    observed rates aimed at what the held-out verdict can certify (evidence.aimed_minimum)."""
+
+    sample_count: int
+    passed: bool
+    loss: float  # how far from passing, in units of each check's limit (<= 1 passes; AccuracyReport.loss)
+    worst_cosine: float
+    failures: list[str] = []
+
+
 class AccuracyReport(BaseModel):
     reference: str
     candidate: str
@@ -98,12 +120,70 @@ class AccuracyReport(BaseModel):
     task_metrics: list[TaskMetricResult]
     checks: list[Check]  # every check, passed or not
     failures: list[str]  # one line per failed check, empty when passed
+    # How the rates were judged: by their one-sided lower bound at `confidence` (`bounded`: reduced precisions'
+    # sign-offs), or by the observed rate with the bound reported (fp32, re-checks, steering).
+    confidence: float = DEFAULT_CONFIDENCE
+    method: str = METHOD
+    bounded: bool = False
+    # How many samples had each role (calibration, steering, verdict): set by the build; the verdict is `sample_count`.
+    roles: dict[str, int] = {}
+    steering: SteeringVerdict | None = None  # set by the build
     # compare(): the reference's outputs per sample, kept in memory (not serialized) for the folder's probe set
     _reference_outputs: list[dict[str, np.ndarray]] = PrivateAttr(default_factory=list)
 
     @property
     def passed(self) -> bool:
         return not self.failures
+
+    @computed_field
+    @property
+    def verdict(self) -> str:
+        """"pass", "fail", or "insufficient": every failing check is a rate its samples are too few to certify."""
+        failing = [c for c in self.checks if not c.passed]
+        if not failing:
+            return "pass"
+        return "insufficient" if all(c.insufficient for c in failing) else "fail"
+
+    @computed_field
+    @property
+    def samples_needed(self) -> int | None:
+        """Held-out samples that, with none failing, would certify every rate this verdict found too few for."""
+        needed = [c.evidence.needed for c in self.checks if c.insufficient and c.evidence.needed]
+        return max(needed, default=None)
+
+    def verdict_at(self, confidence: float) -> str:
+        """The verdict if every bounded rate were judged at `confidence` (auto's family-wise level); point checks
+        are as judged."""
+        statuses = [c.evidence.status_at(confidence) if c.evidence is not None else ("pass" if c.passed else "fail")
+                    for c in self.checks]
+        if all(s == "pass" for s in statuses):
+            return "pass"
+        return "insufficient" if all(s in ("pass", "insufficient") for s in statuses) else "fail"
+
+    @property
+    def loss(self) -> float:
+        """How far the verdict is from passing, in units of each check's limit (1.0: at the limit; <= 1 passes): what
+        the rescue search lowers and auto's shortlist reads."""
+        tol = self.tolerance
+        ratios = [0.0]
+        for o in self.outputs:
+            if o.non_finite_count:
+                return float("inf")
+            if o.agreement is not None:  # exact outputs: the share of elements that differ against the allowed share
+                ratios.append((1 - o.agreement) / max(1 - tol.min_agreement, 1e-12))
+                continue
+            ratios += [o.error / tol.max_error, o.worst_sample_error / tol.max_sample_error,
+                       (1 - o.cosine) / max(1 - tol.min_cosine, 1e-12), abs(o.gain - 1) / tol.max_gain_error]
+            if o.worst_sample_cosine is not None:
+                ratios.append((1 - o.worst_sample_cosine) / max(1 - tol.min_sample_cosine, 1e-12))
+        for metric in self.task_metrics:
+            for key, limit in metric.thresholds.items():
+                value = metric.values.get(key)
+                if value is None:
+                    continue
+                # every task threshold is a minimum (agreement, precision, recall, cosine) on a 0..1 scale
+                ratios.append((1 - value) / max(1 - limit, 1e-12))
+        return max(ratios)
 
     @property
     def worst_cosine(self) -> float:

@@ -22,7 +22,7 @@ from accel_opt.data import DataSummary, load_samples
 from accel_opt.errors import InputRejected, UsageError
 from accel_opt.graph.inspect import io_specs
 from accel_opt.machine.cpu import available_cpus
-from accel_opt.recipe import Recipe
+from accel_opt.recipe import Precision, Recipe
 from accel_opt.runtime import Deployment, read_manifest
 
 SYNTHETIC_SAMPLES = 16
@@ -80,9 +80,11 @@ def run_comparison(baseline: Deployment, candidate: Deployment, reference: Path,
     names = data.names[: len(samples)]
     threads = config.threads or available_cpus()
 
+    # A reduced-precision side is judged as its build was: every rate by its lower bound at the recipe's confidence.
     reports = [compare(reference_runner(reference, threads), side.runner(_dtypes(own)), samples, recipe.tolerance,
                        recipe.accuracy.task_metrics, names=names, batch_size=side.batch_size, batch_axes=side.batch_axes,
-                       candidate_samples=own, noise_reference=reference_runner(reference, threads, optimize=True))
+                       candidate_samples=own, noise_reference=reference_runner(reference, threads, optimize=True),
+                       confidence=recipe.accuracy.confidence, bounded=side.config.precision is not Precision.fp32)
                for side, own in zip((baseline, candidate), fed, strict=True)]
     sizes = sorted({baseline.batch_size, candidate.batch_size})
     targets = [deployment_target(baseline, _dtypes(fed[0]), label="baseline", samples=fed[0]),
@@ -100,9 +102,11 @@ def run_comparison(baseline: Deployment, candidate: Deployment, reference: Path,
     ratio = cand.throughput_per_s / base.throughput_per_s
     regression = (base.throughput_per_s / cand.throughput_per_s - 1) * 100
     drop = base.quality - cand.quality
+    verdicts = {"pass": "candidate within the tolerance against the reference",
+                "insufficient": f"too few samples to certify the candidate ({cand.accuracy.samples_needed} needed)"}
     checks = [Check(name="candidate signs off", passed=cand.accuracy.passed,
-                    line="candidate within the tolerance against the reference" if cand.accuracy.passed
-                    else f"candidate fails the gate: {cand.accuracy.failures[0]}")]
+                    line=verdicts.get(cand.accuracy.verdict, "candidate fails the gate")
+                    + ("" if cand.accuracy.passed else f": {cand.accuracy.failures[0]}"))]
     if max_latency_regression_pct is not None:
         ok = regression <= max_latency_regression_pct
         checks.append(Check(name="latency regression", passed=ok,
@@ -160,5 +164,12 @@ def comparison_markdown(c: Comparison) -> str:
     out += [f"| {label} | {Path(s.artifact).name} | {s.backend} | {s.precision} | {s.batch_size} | {s.latency_p50_ms:.2f} | "
             f"{s.throughput_per_s:.1f} | {s.quality:.4f} | {'yes' if s.accuracy.passed else 'no'} |" for s, label in rows]
     out += ["", f"Throughput ratio candidate / baseline: {c.throughput_ratio:.2f}x; accuracy drop {c.accuracy_drop:.4f}.", ""]
+    for side, label in rows:  # each rate with its bound and counts: what these samples can certify
+        rates = [ch.evidence.line() for ch in side.accuracy.checks if ch.evidence is not None and ch.evidence.minimum < 1]
+        how = (f"by the lower bound at {side.accuracy.confidence:.0%} confidence ({side.accuracy.method})"
+               if side.accuracy.bounded else "as observed (fp32)")
+        if rates:
+            out.append(f"- {label}'s rates on {side.accuracy.sample_count} samples, judged {how}: " + "; ".join(rates))
+    out.append("")
     out += [f"- {'pass' if check.passed else 'FAIL'}: {check.name}: {check.line}" for check in c.checks]
     return "\n".join(out) + "\n"

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 import numpy as np
 from polygraphy.backend.base import BaseRunner
 
+from accel_opt.accuracy.evidence import DEFAULT_CONFIDENCE
 from accel_opt.accuracy.judge import judge, quiet_polygraphy
 from accel_opt.accuracy.models import FP32_NOISE_ULPS, NOISE_FLOOR_MARGIN, NOISE_SAMPLES, AccuracyReport, Evaluation
 from accel_opt.data import (
@@ -44,6 +45,8 @@ def compare(
     noise_floor: dict[str, float] | None = None,
     reference_outputs: list[dict[str, np.ndarray]] | None = None,
     padding: Padding | None = None,
+    confidence: float = DEFAULT_CONFIDENCE,
+    bounded: bool = False,
 ) -> AccuracyReport:
     """Run the reference per sample and the candidate in batches of `batch_size` rows (along
     `batch_axes`; default: axis 0 of every input that has one), then judge every output of every sample.
@@ -54,7 +57,8 @@ def compare(
     `reference_outputs`: the reference's outputs on these samples from an earlier call (report._reference_outputs),
     for callers that judge many candidates against one reference; the reference is then not run again.
     `padding`: texts of several lengths (preprocess.text.Padding): the candidate's batches are padded as the job pads
-    them, while the reference runs each text alone, so an answer that depends on its batch-mates fails the gate."""
+    them, while the reference runs each text alone, so an answer that depends on its batch-mates fails the gate.
+    `bounded`: rates are judged by their lower bound at `confidence` (judge()): a sign-off on held-out samples."""
     names = names or [f"sample-{i:04d}" for i in range(len(samples))]
     if reference_outputs is not None:
         ref_outs = reference_outputs
@@ -68,7 +72,7 @@ def compare(
     with quiet_polygraphy(), candidate:
         cand_outs, evaluation = run_candidate(candidate, fed, ref_outs, batch_size, axes, padding)
     report = judge(ref_outs, cand_outs, names, tolerance, task_metrics, reference.name, candidate.name, evaluation,
-                   noise_floor)
+                   noise_floor, confidence, bounded)
     report._reference_outputs = ref_outs
     return report
 

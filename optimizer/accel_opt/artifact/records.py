@@ -29,7 +29,7 @@ from accel_opt.machine.gpu import gpu_class
 from accel_opt.recipe import BenchmarkConfig
 from accel_opt.report.html import layer_error_png, render
 from accel_opt.report.markdown import benchmark_markdown, signoff_markdown
-from accel_opt.report.results import BuildResult, DataRecord, StageResult, fill_headline
+from accel_opt.report.results import BuildResult, DataRecord, StageResult, fill_headline, verdict_of
 from accel_opt.runtime import ResourceConfig
 
 if TYPE_CHECKING:
@@ -55,7 +55,8 @@ def reuse(ctx: BuildContext, final: Path, model: str, stages: list[StageResult],
         on_stage(stages[-1])
     result = BuildResult(
         model=model, precision=manifest.precision, backend=manifest.backend, signed_off=manifest.signed_off,
-        exit_code=manifest.exit_code, artifact_dir=str(final), failures=accuracy.failures + bench.failures, stages=stages,
+        exit_code=manifest.exit_code, verdict=verdict_of(accuracy, bench.failures),
+        samples_needed=accuracy.samples_needed, artifact_dir=str(final), failures=accuracy.failures + bench.failures, stages=stages,
         worst_cosine=accuracy.worst_cosine, data=data_record(ctx), evaluated=accuracy.evaluation.deployment, reused=True,
     )
     fill_headline(result, bench)
@@ -106,6 +107,7 @@ def artifact_name(ctx: BuildContext) -> str:
     cpu = cpu_info()
     identity = json.dumps(
         {"model": ctx.model_sha256, "external_data": ctx.external_data_sha256, "recipe": ctx.recipe.fingerprint(), "data": ctx.data.sha256,
+         "eval_data": ctx.eval_data.sha256 if ctx.eval_data is not None else None,
          "tools": tool_versions(), "hardware": {k: cpu[k] for k in ("model", "machine", "flags", "available_cpus")}},
         sort_keys=True,
     )
@@ -123,8 +125,11 @@ def input_record(ctx: BuildContext) -> dict[str, Any]:
 
 
 def data_record(ctx: BuildContext) -> DataRecord:
-    return DataRecord(source=ctx.data.source, path=ctx.data.path, synthetic=ctx.data.synthetic, samples=ctx.data.count,
-                      evaluation_samples=len(ctx.eval_samples), calibration_samples=len(ctx.calibration_samples))
+    held = ctx.eval_data if ctx.eval_data is not None and ctx.eval_data is not ctx.data else None
+    return DataRecord(source=ctx.data.source, path=ctx.data.path, synthetic=ctx.data.synthetic,
+                      samples=ctx.data.count + (held.count if held else 0), evaluation_samples=len(ctx.eval_samples),
+                      calibration_samples=len(ctx.calibration_samples), steering_samples=len(ctx.steering_samples),
+                      eval_path=ctx.eval_data.path if ctx.eval_data is not None else None)
 
 
 def write_manifest(ctx: BuildContext, folder: Path, result: BuildResult) -> None:
@@ -136,7 +141,10 @@ def write_manifest(ctx: BuildContext, folder: Path, result: BuildResult) -> None
         backend=ctx.backend.name,
         input_model=input_record(ctx),
         recipe={"name": ctx.recipe.name, "fingerprint": ctx.recipe.fingerprint(), "resolved": ctx.recipe.model_dump(mode="json")},
-        data={**ctx.data.model_dump(mode="json", exclude={"names"}), **result.data.model_dump(mode="json")},
+        # Which sample had which role, by name: no sample in two (checked by anyone reading this file).
+        data={**ctx.data.model_dump(mode="json", exclude={"names"}), **result.data.model_dump(mode="json"),
+              "eval_data_sha256": ctx.eval_data.sha256 if ctx.eval_data is not None else None,
+              "split": {"seed": ctx.split.seed, **ctx.split.names(ctx.sample_names)}},
         artifacts=file_hashes(folder),
         stages=[s.model_dump() for s in result.stages],
         tools=tool_versions(),

@@ -26,6 +26,9 @@ from accel_opt.errors import (
 @click.option("--recipe", "recipe_path", help="Recipe YAML file or bundled name (recipes/NAME.yaml). Default: default.")
 @click.option("--data", "data_dir", type=click.Path(path_type=Path), help="Folder of .npz feed dicts (or images with a "
               "preprocessing recipe; a text file, or a folder of them, with a text recipe).")
+@click.option("--eval-data", "eval_data_dir", type=click.Path(path_type=Path), help="Held-out samples (as --data takes "
+              "them) that judge the verdict and nothing else; --data then only calibrates and steers. Default: a share "
+              "of --data (recipe accuracy.split).")
 @click.option("--tokenizer", type=click.Path(path_type=Path), help="A text recipe's tokenizer.json (default: the "
               "recipe's text.tokenizer, the factory's hint, or tokenizer.json beside the model).")
 @click.option("--shapes", help="Fix dynamic dims, trtexec-style: NAME:1x3x224x224[,NAME:...].")
@@ -37,6 +40,8 @@ from accel_opt.errors import (
 @click.option("--calibration", type=click.Choice(["minmax", "entropy", "percentile"]), help="int8 calibration method.")
 @click.option("--target-cpu", type=click.Choice(["host", "avx2", "avx512", "avx_vnni", "avx512_vnni", "amx", "arm64"]),
               help="int8: the CPU class to build for (default: this one); avx2/avx512 without VNNI get 7-bit weights.")
+@click.option("--time-budget", "time_budget_s", type=float, help="--precision/--backend auto: seconds for every "
+              "candidate's build together (recipe selection.time_budget_s, default 900); what it leaves untried is said.")
 @click.option("--no-fallback", is_flag=True, help="int8/fp16/bf16: ship the naive build even when it fails (no measured search for a calibration or layers kept in float).")
 @click.option("--threads", type=int, help="Intra-op threads (default: CPUs available).")
 @click.option("--out", "out_dir", type=click.Path(path_type=Path), default=Path("artifacts"), show_default=True, help="Where build folders go.")
@@ -44,8 +49,8 @@ from accel_opt.errors import (
 @click.option("--junit", "junit_file", type=click.Path(path_type=Path), help="Write the gate's checks as JUnit XML here (for CI).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout (for CI).")
 @click.option("-v", "--verbose", is_flag=True, help="Log progress and show tracebacks.")
-def build(model, precision, backend, device, recipe_path, data_dir, tokenizer, shapes, batch_axes, max_shapes, require_data,
-          keep_io_types, providers, calibration, target_cpu, no_fallback, threads, out_dir, force, junit_file, as_json,
+def build(model, precision, backend, device, recipe_path, data_dir, eval_data_dir, tokenizer, shapes, batch_axes, max_shapes, require_data,
+          keep_io_types, providers, calibration, target_cpu, time_budget_s, no_fallback, threads, out_dir, force, junit_file, as_json,
           verbose):
     """Build MODEL (.onnx, or a PyTorch factory FILE.py:FACTORY) through cleanup, precision, compile, accuracy gate
     and benchmark."""
@@ -67,6 +72,7 @@ def build(model, precision, backend, device, recipe_path, data_dir, tokenizer, s
                 "precision_options.calibration.method": calibration,
                 "precision_options.calibration.target_cpu": target_cpu,
                 "precision_options.fallback.enabled": False if no_fallback else None,
+                "selection.time_budget_s": time_budget_s,
                 "onnxruntime.providers": providers.split(",") if providers else None,
                 "torch.device": device,
                 "benchmark.threads": threads,
@@ -85,10 +91,11 @@ def build(model, precision, backend, device, recipe_path, data_dir, tokenizer, s
 
             result, selection = build_auto(
                 model, recipe, backend or recipe.backend.value, precision or recipe.precision.value, data_dir, out_dir,
-                on_candidate=_print_candidate if show_progress else None, on_stage=on_stage, force=force,
+                on_progress=_print_progress if show_progress else None, force=force, eval_data_dir=eval_data_dir,
             )
         else:
-            result = run_build(model, recipe, data_dir=data_dir, out_dir=out_dir, on_stage=on_stage, force=force)
+            result = run_build(model, recipe, data_dir=data_dir, out_dir=out_dir, on_stage=on_stage, force=force,
+                               eval_data_dir=eval_data_dir)
     except (AccelOptError, MemoryError, Exception) as exc:  # noqa: BLE001 - every error maps to an exit code
         if junit_file:
             write_junit(junit_file, [(Path(str(model)).stem, [], f"build failed: {exc}")])
@@ -141,8 +148,8 @@ def _junit_suites(model, result, selection) -> list:
              None if c.artifact_dir else c.verdict) for c in selection.candidates]
 
 
-def _print_candidate(candidate) -> None:
-    click.echo(f"candidate {candidate.backend} {candidate.precision}: {candidate.verdict or 'built'}", err=True)
+def _print_progress(event) -> None:
+    click.echo(event.line(), err=True)
 
 
 @click.command("export", epilog="Loading a factory imports and runs its Python file: only export code you trust.\n\n" + EXIT_CODES_HELP)
@@ -222,7 +229,10 @@ def _print_result(result) -> None:
                       *(f"{r:.2f}x" if r is not None else "-" for r in ratios))
     console.print(table)
     verdict = "[green]SIGNED OFF[/green]" if result.signed_off else "[red]NOT SIGNED OFF[/red]"
-    console.print(f"accuracy: {verdict}")
+    if result.verdict == "insufficient evidence":
+        verdict += (f": not enough held-out samples to certify it ({result.samples_needed} needed with none failing); "
+                    "give --data with more samples, or held-out ones with --eval-data")
+    console.print(f"accuracy: {verdict}", highlight=False)
     for failure in result.failures:
-        console.print(f"  - {failure}")
+        console.print(f"  - {failure}", highlight=False)
     console.print(f"artifacts: {result.artifact_dir}" + (" (reused: an identical build verified; --force rebuilds)" if result.reused else ""))

@@ -35,6 +35,7 @@ Exit codes:
   3  input rejected (model or data invalid or unsafe)
   4  unsupported here (backend, device, precision or op)
   5  resource exhausted (memory, disk, time)
+  6  built, but too few held-out samples to certify it (the number needed is printed; reports written)
   70 internal error (a bug; the log path is printed)"""
 
 

@@ -52,18 +52,20 @@ def verify_command(artifact, accuracy, as_json, public_key, certificate_chain):
     exit_code = 3 if any(p.exit_code == 3 for p in problems) else 4 if problems else 0
     if recheck is not None and not recheck.passed:
         exit_code = 1
-    judged = None
+    judged, reach = None, []
     if recheck is not None:
-        from accel_opt.runtime.probe import probe_evaluated
+        from accel_opt.runtime.probe import probe_evaluated, recheck_reach
 
         evaluated = probe_evaluated(artifact)
         judged = f"{recheck.sample_count} probe samples" + (f" of the {evaluated} the build judged" if evaluated else "")
+        reach = recheck_reach(recheck, evaluated)
     if as_json:
         click.echo(json.dumps({"artifact_dir": str(artifact), "ok": exit_code == 0, "exit_code": exit_code,
                                "signature_checked": trust is not None, "problems": [p.model_dump() for p in problems],
                                "cpu_class": scope.model_dump() if scope else None,
                                "recheck": {**recheck.model_dump(mode="json", include={"sample_count", "failures", "checks"}),
-                                           "passed": recheck.passed, "judged": judged} if recheck else None}))
+                                           "passed": recheck.passed, "judged": judged, "confirms": reach}
+                               if recheck else None}))
     elif problems:
         for problem in problems:
             click.echo(f"accel-opt: {artifact}: {problem.line}", err=True)
@@ -80,6 +82,8 @@ def verify_command(artifact, accuracy, as_json, public_key, certificate_chain):
             verdict = "passed" if recheck.passed else "FAILED: " + "; ".join(recheck.failures)
             click.echo(f"accuracy re-checked here ({scope.here}) on {judged}, worst cosine "
                        f"{recheck.worst_cosine:.6f}: {verdict}", err=not recheck.passed)
+            for line in reach:
+                click.echo(f"  {line}")
     sys.exit(exit_code)
 
 

@@ -23,7 +23,7 @@ from accel_opt.graph.inspect import io_specs, with_batch
 from accel_opt.precision import fallback, transform
 from accel_opt.precision.diagnose import Diagnosis, diagnose, emulate_bfloat16
 from accel_opt.precision.report import PrecisionReport
-from accel_opt.precision.search import CALIBRATION_REMEDIES, probe_loss
+from accel_opt.precision.search import CALIBRATION_REMEDIES
 from accel_opt.recipe import BenchmarkConfig, Precision
 
 if TYPE_CHECKING:
@@ -41,11 +41,10 @@ def fallback_actions(ctx: BuildContext, probes: list[Sample], shapes: dict[str, 
     precision, recipe = ctx.recipe.precision, ctx.recipe
     calibration_cache = ctx.cache_dir / "calibration" if ctx.cache_dir else None
 
-    tolerance = (recipe.tolerance, recipe.accuracy.task_metrics)
+    gate, metrics, _ = ctx.steering_gate()  # the rates the held-out verdict can certify
+    tolerance = (fallback.stricter(gate), metrics)
     padding = ctx.text_encoder.padding if ctx.text_encoder is not None else None  # texts of several lengths
     timed = padding.same_length(probes) if padding is not None else probes  # timed batches have one shape
-    if precision is Precision.int8:  # in-sample probes: judged with half the slack
-        tolerance = fallback.stricter(*tolerance)
 
     def build(keep: list[str], out: Path, calibration: str | None = None) -> PrecisionReport:
         chosen = recipe if calibration is None else recipe.with_overrides(
@@ -65,7 +64,7 @@ def fallback_actions(ctx: BuildContext, probes: list[Sample], shapes: dict[str, 
         noise_floor.update({o.name: o.noise_floor for o in result.outputs})
         reference_outputs[:] = result._reference_outputs
         return fallback.ProbeVerdict(passed=result.passed, worst_cosine=result.worst_cosine, failures=result.failures[:3],
-                                     loss=probe_loss(result))
+                                     loss=result.loss)
 
     compiled: dict[Path, object] = {}  # each build compiled once: judged, then perhaps timed
 

@@ -32,33 +32,7 @@ from typing import Literal
 
 from pydantic import BaseModel
 
-from accel_opt.accuracy import AccuracyReport
-
 CALIBRATION_REMEDIES = ("percentile", "entropy")
-
-
-def probe_loss(report: AccuracyReport) -> float:
-    """How far a verdict is from passing, in units of each check's threshold (1.0: at the limit; <= 1 passes)."""
-    tol = report.tolerance
-    ratios = [0.0]
-    for o in report.outputs:
-        if o.non_finite_count:
-            return float("inf")
-        if o.agreement is not None:  # exact outputs: the share of elements that differ against the allowed share
-            ratios.append((1 - o.agreement) / max(1 - tol.min_agreement, 1e-12))
-            continue
-        ratios += [o.error / tol.max_error, o.worst_sample_error / tol.max_sample_error,
-                   (1 - o.cosine) / max(1 - tol.min_cosine, 1e-12), abs(o.gain - 1) / tol.max_gain_error]
-        if o.worst_sample_cosine is not None:
-            ratios.append((1 - o.worst_sample_cosine) / max(1 - tol.min_sample_cosine, 1e-12))
-    for metric in report.task_metrics:
-        for key, limit in metric.thresholds.items():
-            value = metric.values.get(key)
-            if value is None:
-                continue
-            # every task threshold is a minimum (agreement, precision, recall, cosine) on a 0..1 scale
-            ratios.append((1 - value) / max(1 - limit, 1e-12))
-    return max(ratios)
 
 
 @dataclass
@@ -109,7 +83,7 @@ class SearchActions:
 
 @dataclass
 class SearchResult:
-    status: Literal["rescued", "budget exhausted", "no speed-up", "time budget"]
+    status: Literal["rescued", "budget exhausted", "no speed-up", "time budget", "cannot win"]
     reason: str
     best: Build
     kept: list[str]
@@ -120,8 +94,12 @@ class SearchResult:
 
 def search(naive: Build, units: Sequence[Unit], actions: SearchActions, work: Path, *, time_budget_s: float,
            min_speedup: float, max_additions: int, calibration_remedies: Sequence[str] = (),
-           max_flops_fraction: float = 1.0, total_flops: int = 1) -> SearchResult:
-    """Search for a passing build from the failing `naive` one (see the module's docstring)."""
+           max_flops_fraction: float = 1.0, total_flops: int = 1,
+           cannot_win: Callable[[float | None], str | None] | None = None,
+           on_step: Callable[[SearchStep], None] | None = None) -> SearchResult:
+    """Search for a passing build from the failing `naive` one (see the module's docstring). `cannot_win`: given the
+    naive build's speed-up, why no rescue of it could win (auto's other candidates); the search then stops there.
+    `on_step`: called with every step as it is recorded (the live progress line)."""
     deadline = time.monotonic() + time_budget_s
     steps: list[SearchStep] = []
 
@@ -130,6 +108,8 @@ def search(naive: Build, units: Sequence[Unit], actions: SearchActions, work: Pa
                           passed=build.passed if build else None, speedup=speedup, decision=decision,
                           seconds=round(time.monotonic() - started, 2) if started else 0.0)
         steps.append(step)
+        if on_step is not None:
+            on_step(step)
         return step
 
     def out_of_time() -> bool:
@@ -148,6 +128,9 @@ def search(naive: Build, units: Sequence[Unit], actions: SearchActions, work: Pa
         return result("no speed-up", f"the naive build runs {speed:.2f}x the fp32 build's speed on this machine's "
                       f"kernels (the search needs >= {min_speedup:.2f}x): keeping layers in float only slows it "
                       "further, so nothing was searched", naive, [], None)
+    why = cannot_win(speed) if cannot_win is not None else None
+    if why:
+        return result("cannot win", why, naive, [], None)
 
     base, calibration = naive, None
     for method in calibration_remedies:  # 2. another calibration, no layer leaves the reduced precision

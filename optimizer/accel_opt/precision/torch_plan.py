@@ -17,9 +17,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from accel_opt.backends.torch_package import PLAN_SUFFIX, REDUCED_DTYPES, PrecisionPlan, write_plan
-from accel_opt.precision.fallback import FallbackReport, ProbeVerdict
+from accel_opt.precision.fallback import PROBE_MARGIN, FallbackReport, ProbeVerdict, stricter
 from accel_opt.precision.report import KeptNode, PrecisionReport
-from accel_opt.precision.search import Build, SearchActions, Unit, probe_loss, search
+from accel_opt.precision.search import Build, SearchActions, Unit, search
 from accel_opt.recipe import Precision
 from accel_opt.report.results import StageStatus
 
@@ -48,18 +48,26 @@ def torch_precision(ctx: BuildContext) -> tuple[StageStatus, str]:
 
 
 def _fallback(ctx: BuildContext, plan: PrecisionPlan) -> PrecisionPlan:
-    """The naive plan judged on the first evaluation samples; the search when it fails (ctx.fallback: its report)."""
+    """The naive plan judged on the steering samples; the search when it fails (ctx.fallback: its report)."""
     from accel_opt.accuracy import compare
     from accel_opt.backends.torch import TorchRunner
     from accel_opt.backends.torch_modules import leaf_modules, precision_module
 
-    config, recipe = ctx.recipe.precision_options.fallback, ctx.recipe
-    probes = ctx.eval_samples[: config.probe_samples]
+    config = ctx.recipe.precision_options.fallback
+    probes = ctx.steering_samples[: config.probe_samples]  # never the held-out samples that judge the verdict
     names = [o.name for o in ctx.outputs]
     report = FallbackReport(status="not needed", reason="", precision=plan.precision.value, probe_samples=len(probes),
-                            probe_source="the first evaluation samples (eager PyTorch)", max_rounds=config.max_rounds,
+                            probe_source="steering samples (eager PyTorch)", max_rounds=config.max_rounds,
                             max_fp32_flops_fraction=config.max_fp32_flops_fraction, time_budget_s=config.time_budget_s,
-                            min_speedup=config.min_speedup)
+                            min_speedup=config.min_speedup, probe_slack=PROBE_MARGIN)
+    tolerance, metrics, hopeless = ctx.steering_gate()
+    if hopeless or not probes:
+        report.status = "insufficient evidence" if hopeless else "disabled"
+        report.reason = (f"not searched: {hopeless[0]}, so no plan it found could sign off" if hopeless else
+                         "not searched: no steering samples to judge plans on (give --data with more samples)")
+        ctx.fallback = report
+        return plan
+    tolerance = stricter(tolerance)
 
     reference = TorchRunner(ctx.torch_module, ctx.inputs, names, threads=ctx.threads, name="reference-pytorch")
     reference_outputs: list[dict] = []  # the eager fp32 module's, run once: every variant is judged against them
@@ -67,11 +75,11 @@ def _fallback(ctx: BuildContext, plan: PrecisionPlan) -> PrecisionPlan:
     def build_and_judge(keep: list[str], path: Path, calibration: str | None = None) -> Build:
         candidate = TorchRunner(precision_module(ctx.torch_module, plan.precision, keep), ctx.inputs, names,
                                 threads=ctx.threads, name=f"eager-{plan.precision.value}")
-        verdict = compare(reference, candidate, probes, recipe.tolerance, recipe.accuracy.task_metrics,
-                          batch_axes=ctx.shapes.batch_axes, reference_outputs=reference_outputs or None)
+        verdict = compare(reference, candidate, probes, tolerance, metrics, batch_axes=ctx.shapes.batch_axes,
+                          reference_outputs=reference_outputs or None)
         reference_outputs[:] = verdict._reference_outputs
         write_plan(path.with_suffix(PLAN_SUFFIX), PrecisionPlan(precision=plan.precision, keep_fp32=keep))
-        return Build(path=path, loss=probe_loss(verdict), passed=verdict.passed, failures=verdict.failures[:3],
+        return Build(path=path, loss=verdict.loss, passed=verdict.passed, failures=verdict.failures[:3],
                      worst_cosine=verdict.worst_cosine)
 
     naive = build_and_judge([], ctx.workdir / "naive")
@@ -87,9 +95,10 @@ def _fallback(ctx: BuildContext, plan: PrecisionPlan) -> PrecisionPlan:
         groups.setdefault(f"{type(module).__name__} {shapes}", []).append(name)
     units = [Unit(key=key, nodes=members) for key, members in groups.items()][: config.max_measured_units]
     started = time.monotonic()
+    budget_s = ctx.limits.search_budget_s if ctx.limits is not None else config.time_budget_s
     found = search(naive, units, SearchActions(build_and_judge=build_and_judge, speedup=lambda path: None),
-                   ctx.workdir / "search", time_budget_s=config.time_budget_s, min_speedup=config.min_speedup,
-                   max_additions=config.max_rounds)
+                   ctx.workdir / "search", time_budget_s=budget_s, min_speedup=config.min_speedup,
+                   max_additions=config.max_rounds, on_step=ctx.limits.on_step if ctx.limits is not None else None)
     report.search_seconds = round(time.monotonic() - started, 1)
     report.status, report.reason, report.steps = found.status, found.reason, found.steps
     report.kept = [KeptNode(node=n, op_type=_unit_of(n, units), reason="restored to float32 by the measured search")

@@ -18,7 +18,15 @@ from typing import Any
 
 import numpy as np
 
-from accel_opt.report.markdown import number_cell, output_cells, output_columns
+from accel_opt.report.markdown import (
+    TASK_COLUMNS,
+    evidence_lines,
+    number_cell,
+    output_cells,
+    output_columns,
+    task_rows,
+    verdict_headline,
+)
 
 REPORTS = ("accuracy.json", "benchmark.json", "resource_config.json", "build.json")
 STYLE = """
@@ -47,7 +55,7 @@ def render(folder: str | Path, title: str | None = None) -> str:
     parts = [f"<h1>Accuracy sign-off: {escape(name)}</h1>",
              f'<div class="muted">{escape(config["backend"])} {escape(config["precision"])} &middot; '
              f"{escape(build.get('created_utc', ''))}</div>",
-             f'<div class="verdict {"pass" if passed else "fail"}">{"SIGNED OFF" if passed else "NOT SIGNED OFF"}'
+             f'<div class="verdict {"pass" if passed else "fail"}">{escape(verdict_headline(passed, acc))}'
              f" &mdash; {sum(c['passed'] for c in checks)} of {len(checks)} checks passed</div>"]
     if not passed:
         parts.append("<h2>Failed checks</h2>" + _list(failures))
@@ -87,8 +95,8 @@ def _rests_on(acc: dict, build: dict) -> str:
         f"Candidate <code>{escape(acc['candidate'])}</code>, loaded from the artifact as deployed: "
         f"{escape(ev.get('deployment') or '')}; run {escape(how)}",
         f"Reference <code>{escape(acc['reference'])}</code>, one sample per call",
-        f"{acc['sample_count']} evaluation samples from {escape(str(data.get('source')))} "
-        f"{escape(str(data.get('path') or ''))} ({data.get('count', '?')} read); every sample and every output is judged",
+        *map(escape, evidence_lines(acc, f"{data.get('source')} from {data.get('path') or ''}, {data.get('count', '?')} "
+                                            "read; every sample and every output is judged")),
         f"Errors are |candidate &minus; reference| in units of each output's scale (its reference standard deviation): "
         f"{escape(tol['error_stat'])} error &le; {tol['max_error']:g} over all samples, &le; {tol['max_sample_error']:g} "
         f"within each; cosine &ge; {tol['min_cosine']} overall and &ge; {tol['min_sample_cosine']} per sample; gain within "
@@ -122,13 +130,12 @@ def _worst(acc: dict) -> str:
 def _tasks(acc: dict) -> str:
     if not acc["task_metrics"]:
         return ""
-    rows = [[escape(f"{m['kind']}:{k}"), escape(m["output"]), number_cell(m["values"][k], ".4f"), v, _mark(m["values"][k] is not None and m["values"][k] >= v)]
-            for m in acc["task_metrics"] for k, v in m["thresholds"].items()]
+    rows = [[*map(escape, row[:-1]), _mark(row[-1] == "pass") if row[-1] in ("pass", "FAIL") else escape(row[-1])]
+            for row in task_rows(acc)]
     notes = [f"{m['kind']}: {m['note']}" for m in acc["task_metrics"] if m.get("note")]
     notes += [f"{m['kind']}: changed or worst samples: {', '.join(m['worst_samples'])}"
               for m in acc["task_metrics"] if m.get("worst_samples")]
-    return "<h2>Task metrics</h2>" + _table(["metric", "output", "value", "minimum", "verdict"], rows, {2, 3}) + (
-        _list(notes) if notes else "")
+    return "<h2>Task metrics</h2>" + _table(TASK_COLUMNS, rows, {2, 3, 4}) + (_list(notes) if notes else "")
 
 
 def _fallback(build: dict) -> str:

@@ -12,7 +12,7 @@ from accel_opt.precision.fallback import FallbackReport
 from accel_opt.recipe import OBJECTIVES
 
 if TYPE_CHECKING:
-    from accel_opt.auto import AutoSelection
+    from accel_opt.selection import AutoSelection
 
 REFERENCES = {
     "reference-fp32": "the original model in fp32 on ONNX Runtime's CPU EP, graph optimizations off",
@@ -48,6 +48,56 @@ def output_cells(o: dict, sample_count: int) -> list[str]:
             number_cell(o["max_abs_error"], ".3g"), str(o["non_finite_count"]), f"{o['failed_samples']} of {sample_count}"]
 
 
+def verdict_headline(signed_off: bool, accuracy: dict) -> str:
+    """SIGNED OFF, NOT SIGNED OFF, or why not when the held-out samples were too few to certify the build (`accuracy`:
+    an AccuracyReport as JSON, markdown and HTML alike)."""
+    if signed_off:
+        return "SIGNED OFF"
+    if accuracy.get("verdict") == "insufficient":
+        return f"NOT SIGNED OFF: not enough held-out samples ({accuracy.get('samples_needed')} needed)"
+    return "NOT SIGNED OFF"
+
+
+def evidence_lines(accuracy: dict, data_line: str) -> list[str]:
+    """What the verdict rests on, statistically: the split into roles, how rates are judged, the steering check."""
+    roles, confidence, method = accuracy.get("roles") or {}, accuracy.get("confidence", 0.95), accuracy.get("method", "")
+    lines = [f"Samples: {accuracy['sample_count']} held out ({data_line}): they judged this verdict and nothing else; "
+             f"{roles.get('calibration', 0)} calibrated the build and {roles.get('steering', 0)} steered its choices "
+             "(the fallback's search, the cleanup check, auto's shortlist); no sample in two roles (each role's "
+             "samples are listed in manifest.json)"]
+    if accuracy.get("bounded"):
+        lines.append(f"Rates (the share of samples within tolerance, task metrics' agreement) are judged by their one-sided "
+                     f"lower bound at {confidence:.0%} confidence ({method}): the build signs off only where every bound "
+                     "clears its minimum, and too few held-out samples is its own verdict")
+    else:
+        lines.append(f"fp32: judged against the float32 noise floor on the observed rates (never refused for few "
+                     f"samples); each rate's lower bound at {confidence:.0%} confidence ({method}) is shown")
+    steering = accuracy.get("steering")
+    if steering:
+        lines.append(f"On the {steering['sample_count']} steering samples the deployed build "
+                     f"{'passes' if steering['passed'] else 'fails'} the gate aimed at what the held-out samples can "
+                     f"certify (loss {number_cell(steering['loss'], '.3g')}; 1 is the limit)"
+                     + (f": {'; '.join(steering['failures'])}" if steering["failures"] else ""))
+    return lines
+
+
+TASK_COLUMNS = ["metric", "output", "observed", "lower bound", "minimum", "counted", "verdict"]
+
+
+def task_rows(accuracy: dict) -> list[list[str]]:
+    """The task-metrics table: each value with its lower bound and counts where it is a rate (markdown and HTML)."""
+    rows = []
+    for m in accuracy["task_metrics"]:
+        for key, minimum in m["thresholds"].items():
+            ev, value = (m.get("evidence") or {}).get(key), m["values"][key]
+            verdict = ({"pass": "pass", "fail": "FAIL", "insufficient": "too few samples"}[ev["status"]] if ev
+                       else "pass" if value is not None and value >= minimum else "FAIL")
+            rows.append([f"{m['kind']}:{key}", m["output"], number_cell(value, ".4f"),
+                         f"{ev['lower']:.4f}" if ev else "-", f"{minimum}",
+                         f"{ev['failures']} {ev['failure']} of {ev['trials']} {ev['unit']}" if ev else "-", verdict])
+    return rows
+
+
 def signoff_markdown(
     model_name: str,
     signed_off: bool,
@@ -59,7 +109,8 @@ def signoff_markdown(
     fallback: FallbackReport | None = None,
     bench: BenchmarkReport | None = None,
 ) -> str:
-    verdict = "SIGNED OFF" if signed_off else "NOT SIGNED OFF"
+    as_json = accuracy.model_dump(mode="json")
+    verdict = verdict_headline(signed_off, as_json)
     tol, ev = accuracy.tolerance, accuracy.evaluation
     how = (f"in {ev.calls} calls of batch {ev.batch_size}, cut back into samples" if ev.mode == "batched"
            else f"one sample per call{f' ({ev.note})' if ev.note else ''}")
@@ -73,7 +124,7 @@ def signoff_markdown(
         f"- Candidate: `{accuracy.candidate}`{f', loaded from the artifact as deployed: {ev.deployment}' if ev.deployment else ''}; "
         f"run {how}",
         f"- Reference: `{accuracy.reference}` ({REFERENCES.get(accuracy.reference, 'fp32')}), one sample per call",
-        f"- Evaluation samples: {accuracy.sample_count} ({_data_line(eval_data)}); every sample and every output is judged",
+        *(f"- {line}" for line in evidence_lines(as_json, _data_line(eval_data))),
     ]
     if eval_data.source == "synthetic":
         out.append("- **Synthetic data was used**: inputs were random, not real data; the numeric check holds, "
@@ -85,7 +136,7 @@ def signoff_markdown(
             out.append(
                 f"- Calibration: {cal.method}, preset {cal.preset} ({cal.preset_reason}); activations {cal.activation_type}, "
                 f"weights {cal.weight_type}{' per-channel' if cal.per_channel else ''}; {cal.sample_count} calibration samples, "
-                f"disjoint from the {accuracy.sample_count} evaluation samples (calibration cache {'hit' if cal.cache_hit else 'miss'})"
+                f"disjoint from the {accuracy.sample_count} held-out samples (calibration cache {'hit' if cal.cache_hit else 'miss'})"
             )
     elif calibration_count:
         out.append(f"- Calibration samples: {calibration_count}")
@@ -96,7 +147,9 @@ def signoff_markdown(
         f"of its reference values). {tol.error_stat.capitalize()} error <= {tol.max_error:g} over all samples and "
         f"<= {tol.max_sample_error:g} within each; cosine >= {tol.min_cosine} over all samples and >= "
         f"{tol.min_sample_cosine} per sample (skipped where the reference is ~all zeros); gain within "
-        f"1 +- {tol.max_gain_error:g} (a systematic scale error); no NaN/Inf{absolute}",
+        f"1 +- {tol.max_gain_error:g} (a systematic scale error); no NaN/Inf{absolute}; "
+        + ("no sample may fail the per-sample limits" if tol.max_failing_fraction == 0 else
+           f"at most {tol.max_failing_fraction:.1%} of samples may fail the per-sample limits"),
         "",
         "## Outputs",
         "",
@@ -118,13 +171,7 @@ def signoff_markdown(
         ))
     if accuracy.task_metrics:
         out += ["", "## Task metrics", ""]
-        out.append(
-            _table(
-                ["metric", "output", "value", "minimum", "verdict"],
-                [[f"{m.kind}:{k}", m.output, f"{m.values[k]:.4f}", f"{v}", "pass" if m.values[k] >= v else "FAIL"]
-                 for m in accuracy.task_metrics for k, v in m.thresholds.items()],
-            )
-        )
+        out.append(_table(TASK_COLUMNS, task_rows(as_json)))
         metric_notes = [f"- {m.kind}: {m.note}" for m in accuracy.task_metrics if m.note]
         metric_notes += [f"- {m.kind}: changed or worst samples: {', '.join(m.worst_samples)}"
                          for m in accuracy.task_metrics if m.worst_samples]
@@ -265,24 +312,55 @@ def benchmark_markdown(model_name: str, bench: BenchmarkReport) -> str:
 
 def selection_markdown(name: str, selection: AutoSelection) -> str:
     budget = f"p99 <= {selection.latency_budget_ms} ms" if selection.latency_budget_ms else "none"
+    time_budget = f"{selection.time_budget_s:.0f} s" if selection.time_budget_s else "none"
     out = [
         f"# Automatic choice: {name}",
         "",
         f"Objective: {selection.objective} ({OBJECTIVES.get(selection.objective, '')}); target batch "
         f"{selection.target_batch_size}; latency budget {budget}. Backend: {selection.backend_reason}.",
         f"Timing: {selection.timing}. A candidate not better than fp32 on the objective never wins.",
+        f"Choice: the shortlist is made on the steering samples only; down the runoff's ranking, each reduced "
+        f"candidate's held-out verdict is read at the family-wise level (Bonferroni), so the winner's verdict holds at "
+        f"{selection.confidence:.0%} confidence ({selection.method}) whichever candidate it is.",
+        f"Time: {selection.seconds:.0f} s of a {time_budget} budget.",
         "",
     ]
 
     def fmt(value: float | None, spec: str) -> str:
         return format(value, spec) if value is not None else "-"
 
+    def steering(c) -> str:
+        if c.steering_passed is None:
+            return "-"
+        return ("pass" if c.steering_passed else "FAIL") + (f" (loss {_error(c.steering_loss)})" if c.steering_loss is not None else "")
+
+    def held_out(c) -> str:
+        if c.held_out is None:
+            return "-"
+        shown = [r for r in c.rates if r.minimum < 1] or c.rates[:1]
+        rates = "; ".join(f"{r.what} >= {r.lower:.1%} ({r.failures} {r.failure} of {r.trials})" for r in shown)
+        level = f" at {c.family_confidence:.2%}" if c.family_confidence else ""
+        return f"{c.held_out}{level}" + (f": {rates}" if rates else "")
+
     out.append(_table(
-        ["backend", "precision", "signed off", "p50 ms", "p50 ms in its build", "samples/s", "worst cosine", "verdict"],
-        [[c.backend, c.precision, "yes" if c.signed_off else "no", fmt(c.latency_p50_ms, ".2f"),
-          fmt(c.build_latency_p50_ms, ".2f"), fmt(c.throughput_per_s, ".1f"), fmt(c.cosine, ".5f"), c.verdict]
+        ["backend", "precision", "steering", "held-out verdict", "p50 ms", "p50 ms in its build", "samples/s",
+         "worst cosine", "build s", "search budget s", "verdict"],
+        [[c.backend, c.precision, steering(c), held_out(c), fmt(c.latency_p50_ms, ".2f"), fmt(c.build_latency_p50_ms, ".2f"),
+          fmt(c.throughput_per_s, ".1f"), fmt(c.cosine, ".5f"), f"{c.seconds:.0f}", fmt(c.search_budget_s, ".0f"), c.verdict]
          for c in selection.candidates],
     ))
+    shown = selection.winner or next((c for c in selection.candidates if c.samples), None)
+    if shown is not None and shown.samples:
+        out += ["", f"Samples of the {shown.label} build: " + ", ".join(f"{count} {role}" for role, count in shown.samples.items())
+                + "; every candidate is steered by the same steering samples, and only int8 builds calibrate."]
+    spent = [c for c in selection.candidates if c.stage_seconds]
+    if spent:
+        stages = list(dict.fromkeys(name for c in spent for name in c.stage_seconds))
+        out += ["", "Where the minutes went (seconds per stage of each build):", ""]
+        out.append(_table(["candidate", *stages, "total"], [[c.label, *(fmt(c.stage_seconds.get(n), ".0f") for n in stages),
+                                                              f"{c.seconds:.0f}"] for c in spent]))
+    if selection.untried:
+        out += ["", "Left untried for lack of time:", ""] + [f"- {line}" for line in selection.untried]
     winner = selection.winner
     out += ["", f"Winner: {winner.backend} {winner.precision} -> {winner.artifact_dir}" if winner
             else f"No winner: {selection.no_winner_reason()} (see the verdicts)."]
@@ -308,6 +386,7 @@ def junit_xml(suites: list[tuple[str, list[Check], str | None]]) -> str:
             if check.passed:
                 ET.SubElement(case, "system-out").text = check.line
             else:
-                ET.SubElement(case, "failure", message=check.line, type="GateFailed").text = check.line
+                kind = "InsufficientEvidence" if check.insufficient else "GateFailed"  # too few held-out samples, or failed
+                ET.SubElement(case, "failure", message=check.line, type=kind).text = check.line
     ET.indent(root)
     return '<?xml version="1.0" encoding="UTF-8"?>\n' + ET.tostring(root, encoding="unicode") + "\n"

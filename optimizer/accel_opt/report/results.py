@@ -10,6 +10,9 @@ from accel_opt.bench import BenchmarkReport
 from accel_opt.data import Sample
 
 StageStatus = Literal["passed", "failed", "skipped"]
+# A build's answer: signed off (exit 0), a gate failed (exit 1), or too few held-out samples to certify it (exit 6).
+Verdict = Literal["signed off", "gate failed", "insufficient evidence"]
+EXIT_CODES: dict[str, int] = {"signed off": 0, "gate failed": 1, "insufficient evidence": 6}
 
 
 class StageResult(BaseModel):
@@ -34,8 +37,10 @@ class DataRecord(BaseModel):
     path: str | None
     synthetic: bool  # random inputs: the numeric gate holds, task quality was not measured
     samples: int  # read or generated
-    evaluation_samples: int
+    evaluation_samples: int  # held out: they judged the verdict and nothing else
     calibration_samples: int
+    steering_samples: int = 0  # steered the build's choices (fallback search, cleanup check, auto's shortlist)
+    eval_path: str | None = None  # --eval-data, when the held-out samples came from there
 
 
 class BuildResult(BaseModel):
@@ -44,6 +49,8 @@ class BuildResult(BaseModel):
     backend: str
     signed_off: bool
     exit_code: int
+    verdict: Verdict = "signed off"
+    samples_needed: int | None = None  # insufficient evidence: held-out samples that would be enough with no failure
     artifact_dir: str | None = None
     latency_p50_ms: float | None = None  # at the smallest benchmarked batch
     throughput_per_s: float | None = None  # at the largest benchmarked batch
@@ -60,6 +67,17 @@ class BuildResult(BaseModel):
     @property
     def eval_samples(self) -> list[Sample]:
         return self._eval_samples
+
+
+def verdict_of(accuracy, bench_failures: list[str]) -> Verdict:
+    """The build's answer from its accuracy report and its benchmark gate's failures."""
+    if not accuracy.failures and not bench_failures:
+        return "signed off"
+    return "insufficient evidence" if accuracy.verdict == "insufficient" and not bench_failures else "gate failed"
+
+
+def exit_code_of(accuracy, bench_failures: list[str]) -> int:
+    return EXIT_CODES[verdict_of(accuracy, bench_failures)]
 
 
 def fill_headline(result: BuildResult, bench: BenchmarkReport | None) -> None:

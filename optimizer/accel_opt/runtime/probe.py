@@ -207,6 +207,23 @@ def recheck(deployment):
     return report
 
 
+def recheck_reach(report, evaluated: int | None) -> list[str]:
+    """What a re-check on the probe set can and cannot confirm: it judges the observed rates against the build's
+    minimums (a regression shows), but its few samples bound each rate only so far; the sign-off's own bound rests on
+    the `evaluated` held-out samples of the build."""
+    lines = []
+    for check in report.checks:
+        ev = check.evidence
+        if ev is None or ev.minimum >= 1.0:
+            continue
+        reach = f"{ev.what} >= {ev.lower:.1%} at {ev.confidence:.0%} confidence ({ev.failures} {ev.failure} of {ev.trials})"
+        if ev.needed and ev.trials < ev.needed:
+            reach += (f"; it cannot confirm the minimum {ev.minimum:.1%} alone ({ev.needed} needed)"
+                      + (f": that rests on the {evaluated} held-out samples the build judged" if evaluated else ""))
+        lines.append(f"the probe set confirms {reach}")
+    return lines
+
+
 def probe_evaluated(folder: Path) -> int | None:
     """How many samples the build's gate judged, as the probe set records it (None: not recorded)."""
     try:

@@ -1,0 +1,156 @@
+"""A sign-off holds on samples none of the build's stages saw: the split into roles is recorded and disjoint, every
+rate is judged by its confidence bound, and too few held-out samples is its own answer (exit 6).
+
+The constructed case: a classifier whose int8 error is concentrated on a known subset of inputs. Its input carries a
+constant channel of 100 that sets the input's int8 range (a step of ~0.4), while for the "hard" inputs a feature of
+-0.1 alone decides between two otherwise tied classes; int8 rounds it to 0, so every hard input's top-1 changes, and no other
+input's does (their classes are decided by margins of 5-6). Hard inputs are put where the split deals held-out
+samples only: the steering samples (what a small judged set would see) show no change, the held-out ones do."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+from onnx import TensorProto, helper, numpy_helper
+
+from accel_opt.cli import main
+from accel_opt.data import split_roles
+from accel_opt.pipeline import build
+from accel_opt.recipe import SplitConfig
+
+from .conftest import FAST_BENCH, make_model, save
+
+TOP1_95 = {"accuracy.task_metrics": [{"kind": "topk", "min_agreement": {1: 0.95}}],
+           "precision_options.fallback.enabled": False}
+
+
+def tie_classifier() -> object:
+    """x [batch, 4] -> logits [batch, 2]: logit0 = x2 + x1, logit1 = x3 - x1 (x0 only sets the range; weights of +-1
+    are exact in int8)."""
+    w = np.array([[0, 0], [1, -1], [1, 0], [0, 1]], np.float32)
+    return make_model([helper.make_node("MatMul", ["x", "W"], ["logits"], name="head")],
+                      [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4])],
+                      [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", 2])],
+                      [numpy_helper.from_array(w, "W")])
+
+
+def write_data(folder: Path, count: int, hard_share: float = 0.0, calibrates: bool = True,
+               seed: int = 0) -> tuple[Path, set[int]]:
+    """`count` distinct samples; `hard_share` of them hard (int8 changes their top-1), all among the held-out samples."""
+    split = split_roles([str(i) for i in range(count)], SplitConfig(), calibrates, 64, 300, seed=0)
+    rng = np.random.default_rng(seed)
+    hard = set(split.verdict[: round(hard_share * count)])
+    folder.mkdir(parents=True)
+    for i in range(count):
+        x = np.array([100.0, 0.0, 20.0, 20.0], np.float32) + np.array([0, 0, 1, 1], np.float32) * rng.random()
+        if i in hard:
+            x[1] = -0.1  # class 1 by 0.2 in fp32; int8 rounds the feature to 0: a tie, and argmax says class 0
+        else:
+            x[2 + int(rng.integers(2))] += 5.0 + rng.random()  # a clear class either way
+        np.savez(folder / f"s{i:03d}.npz", x=x[None])
+    return folder, hard
+
+
+@pytest.fixture()
+def recipe(fast_recipe):
+    return fast_recipe.with_overrides(precision="int8", **TOP1_95)
+
+
+def test_a_build_that_passes_on_the_steering_samples_is_not_signed_off_when_held_out_ones_fail(recipe, tmp_path):
+    model = save(tie_classifier(), tmp_path / "tie.onnx")
+    data, hard = write_data(tmp_path / "data", 120, hard_share=0.1)
+    result = build(model, recipe, data_dir=data, out_dir=tmp_path / "out")
+    assert not result.signed_off and result.exit_code == 1 and result.verdict == "gate failed"
+    accuracy = json.loads((Path(result.artifact_dir) / "accuracy.json").read_text())
+    assert accuracy["steering"]["passed"]  # what a small judged set saw: no change at all
+    (top1,) = [c for c in accuracy["checks"] if c["name"].endswith("top1")]
+    assert top1["evidence"]["failures"] == len(hard) and top1["evidence"]["trials"] == accuracy["sample_count"]
+    assert not top1["passed"] and f"({len(hard)} changed of {accuracy['sample_count']} held-out rows) < 95.0%" in top1["line"]
+
+
+def test_the_manifest_records_a_split_with_no_sample_in_two_roles(recipe, tmp_path):
+    model = save(tie_classifier(), tmp_path / "tie.onnx")
+    data, _ = write_data(tmp_path / "data", 110)
+    result = build(model, recipe, data_dir=data, out_dir=tmp_path / "out")
+    assert result.signed_off, result.failures
+    split = json.loads((Path(result.artifact_dir) / "manifest.json").read_text())["data"]["split"]
+    roles = {role: set(split[role]) for role in ("calibration", "steering", "verdict")}
+    assert all(not (roles[a] & roles[b]) for a in roles for b in roles if a < b)  # disjoint
+    assert set().union(*roles.values()) == {p.name for p in data.iterdir()}  # every sample has exactly one role
+    assert {role: len(names) for role, names in roles.items()} == {"calibration": 28, "steering": 17, "verdict": 65}
+    assert split["seed"] == 0 and result.data.evaluation_samples == 65 and result.data.steering_samples == 17
+    accuracy = json.loads((Path(result.artifact_dir) / "accuracy.json").read_text())
+    assert {w["sample"] for w in accuracy["worst_samples"]} <= roles["verdict"]  # judged: held-out samples only
+    signoff = (Path(result.artifact_dir) / "signoff.md").read_text()
+    assert "Samples: 65 held out" in signoff and "28 calibrated the build and 17 steered its choices" in signoff
+    assert "| topk:top1 | logits | 1.0000 | 0.9550 | 0.95 | 0 changed of 65 rows | pass |" in signoff
+
+
+def test_sixteen_held_out_rows_against_95_percent_are_not_enough_evidence(recipe, tmp_path):
+    """28 samples: 7 calibrate, 5 steer, 16 are held out; with none changed they show top-1 agreement >= 82.9% only:
+    not signed off, exit 6, and the number that would do (59) in one line, in the JSON and in the reports."""
+    import yaml
+
+    model = save(tie_classifier(), tmp_path / "tie.onnx")
+    data, _ = write_data(tmp_path / "data", 28)
+    recipe_file = tmp_path / "r.yaml"
+    recipe_file.write_text(yaml.safe_dump(recipe.model_dump(mode="json")))
+    done = CliRunner().invoke(main, ["build", str(model), "--recipe", str(recipe_file), "--data", str(data), "--out",
+                                     str(tmp_path / "out"), "--json"])
+    assert done.exit_code == 6, done.output
+    payload = json.loads(done.stdout)
+    assert payload["verdict"] == "insufficient evidence" and payload["samples_needed"] == 59 and not payload["signed_off"]
+    assert payload["data"]["evaluation_samples"] == 16
+    assert payload["failures"] == ["task metric topk on logits: top-1 agreement: 16 held-out rows cannot show >= 95.0% "
+                                   "at 95% confidence even with none changed (82.9% is the most they can); 59 needed"]
+    folder = Path(payload["artifact_dir"])
+    assert json.loads((folder / "manifest.json").read_text())["exit_code"] == 6
+    assert "NOT SIGNED OFF: not enough held-out samples (59 needed)" in (folder / "signoff.md").read_text()
+    assert "NOT SIGNED OFF: not enough held-out samples (59 needed)" in (folder / "signoff.html").read_text()
+    human = CliRunner().invoke(main, ["build", str(model), "--recipe", str(recipe_file), "--data", str(data), "--out",
+                                      str(tmp_path / "out")])
+    said = " ".join(human.stdout.split())  # rich wraps long lines
+    assert human.exit_code == 6 and "not enough held-out samples to certify it (59 needed with none failing)" in said
+
+
+def test_held_out_samples_can_come_from_eval_data(recipe, tmp_path):
+    """--eval-data: --data only calibrates and steers; the verdict is judged on the other folder, and a file that is in
+    both (the same bytes) is not counted as held out."""
+    model = save(tie_classifier(), tmp_path / "tie.onnx")
+    data, _ = write_data(tmp_path / "data", 20)
+    held, _ = write_data(tmp_path / "held", 70, calibrates=False, seed=1)
+    (held / "copy.npz").write_bytes((data / "s000.npz").read_bytes())
+    result = build(model, recipe, data_dir=data, eval_data_dir=held, out_dir=tmp_path / "out")
+    assert result.signed_off, result.failures
+    split = json.loads((Path(result.artifact_dir) / "manifest.json").read_text())["data"]["split"]
+    assert len(split["verdict"]) == 70 and all(name.startswith("held/") for name in split["verdict"])
+    assert "held/copy.npz" in split["unused"] and result.data.eval_path == str(held)
+    assert not set(split["calibration"] + split["steering"]) & set(split["verdict"])
+
+
+def test_fp32_is_never_refused_for_few_samples(fast_recipe, tmp_path):
+    model = save(tie_classifier(), tmp_path / "tie.onnx")
+    data, _ = write_data(tmp_path / "data", 10, calibrates=False)
+    result = build(model, fast_recipe.with_overrides(**TOP1_95), data_dir=data, out_dir=tmp_path / "out")
+    assert result.signed_off and result.exit_code == 0  # 8 rows cannot certify 95%; fp32 is judged as observed
+    accuracy = json.loads((Path(result.artifact_dir) / "accuracy.json").read_text())
+    assert not accuracy["bounded"] and accuracy["task_metrics"][0]["evidence"]["top1"]["status"] == "pass"
+
+
+def test_auto_does_not_ship_a_candidate_whose_held_out_verdict_fails(tmp_path, fast_recipe):
+    """The issue's case: int8 passes on the steering samples (the shortlist) but changes 10% of held-out answers. Auto
+    reads its held-out verdict before shipping it, and ships fp32."""
+    from accel_opt.auto import build_auto
+
+    model = save(tie_classifier(), tmp_path / "tie.onnx")
+    data, _ = write_data(tmp_path / "data", 120, hard_share=0.1)
+    recipe = fast_recipe.with_overrides(benchmark=FAST_BENCH, **TOP1_95, **{"selection.target_batch_size": 2})
+    result, selection = build_auto(model, recipe, "onnxruntime", "auto", data, tmp_path / "out")
+    fp32, int8 = selection.candidates
+    assert int8.steering_passed and int8.held_out == "fail" and not int8.signed_off
+    assert result is not None and result.precision == "fp32" and selection.winner is fp32
+    assert int8.verdict.startswith(("fastest left, but its held-out verdict", "not faster than fp32")), int8.verdict
