@@ -287,3 +287,35 @@ def test_reading_several_held_out_verdicts_costs_confidence():
     assert selection.choose([_candidate("fp32", [(8, 10.0, 11.0, 800.0)]), alone], "throughput", None, 8) is alone  # 95% alone
     too_few = _rated("int8", 3000.0, changed=0, rows=40)  # 40 rows cannot show 95%: fp32 ships
     assert selection.choose([fp32, too_few], "throughput", None, 8) is fp32 and "not enough evidence" in too_few.verdict
+
+
+def test_a_candidate_far_outside_the_gate_is_dropped_before_its_search(tmp_path):
+    """A small detector whose class scores pass 0.25 only in the tail of their logits: int8 moves that tail enough to
+    change many boxes, and the error comes from everywhere (the 8 layer groups the diagnosis blames most add about a
+    quarter of it). Its first measurement is far outside what restoring layers can recover: auto drops it before any
+    search (the speed budget is lifted, so the search would otherwise run on any CPU), saying why, in seconds."""
+    from PIL import Image
+
+    from accel_opt import zoo
+    from accel_opt.recipe import load_recipe
+
+    from .conftest import FAST_BENCH
+
+    model = zoo.save(zoo.detector(96, width=8, score_bias=-5.0), tmp_path / "det.onnx")
+    data = tmp_path / "data"
+    data.mkdir()
+    rng, photos = np.random.default_rng(0), zoo._skimage_photos()
+    for i in range(64):
+        side = int(96 * (1 + rng.random()))
+        x, y = (int(v) for v in rng.integers(0, side - 95, 2))
+        crop = Image.fromarray(photos[i % len(photos)]).convert("RGB").resize((side, side)).crop((x, y, x + 96, y + 96))
+        np.savez(data / f"p{i:03d}.npz", image=(np.asarray(crop, np.float32) / 255).transpose(2, 0, 1)[None].copy())
+    recipe = load_recipe("detector").with_overrides(benchmark=FAST_BENCH, **{
+        "selection.target_batch_size": 2, "precision_options.fallback.min_speedup": 0.01})
+    result, selection = build_auto(model, recipe, "onnxruntime", "auto", data, tmp_path / "out")
+    fp32, int8 = selection.candidates
+    assert result.precision == "fp32" and selection.winner is fp32
+    assert int8.artifact_dir is None and int8.verdict.startswith("dropped: its probes' loss is"), int8.verdict
+    assert "far outside what a rescue has recovered" in int8.verdict and int8.seconds < fp32.seconds
+    assert any(e.step == "precision" and "FAILED" in e.detail for e in selection.progress if e.candidate.startswith("onnxruntime int8"))
+    assert "dropped: its probes' loss is" in (tmp_path / "out" / "det-auto-selection.md").read_text()

@@ -12,7 +12,7 @@ from accel_opt.accuracy import AccuracyReport
 from accel_opt.accuracy.metrics import aimed_gate
 from accel_opt.backends import Backend, CompiledModel
 from accel_opt.bench import BenchmarkReport
-from accel_opt.data import DataSplit, DataSummary, Sample
+from accel_opt.data import DataSplit, DataSummary, Sample, rows_of
 from accel_opt.graph.cleanup import CleanupReport
 from accel_opt.graph.inspect import ResolvedShapes, TensorSpec
 from accel_opt.graph.load import LoadedModel
@@ -134,4 +134,6 @@ class BuildContext:
         tolerance, metrics = self.recipe.tolerance, list(self.recipe.accuracy.task_metrics)
         if not self.bounded:
             return tolerance, metrics, []
-        return aimed_gate(tolerance, metrics, len(self.eval_samples), self.recipe.accuracy.confidence)
+        axes = self.shapes.batch_axes if self.shapes is not None else {}
+        rows = rows_of(self.eval_samples[0], axes) if self.eval_samples and axes else 1
+        return aimed_gate(tolerance, metrics, len(self.eval_samples), self.recipe.accuracy.confidence, rows)

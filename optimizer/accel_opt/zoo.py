@@ -151,27 +151,32 @@ def detector(image_size: int = 640, num_classes: int = 8, width: int = 16, seed:
         x = block(x, c)
         if level >= 2:
             features.append((x, c))
-    heads = []
+    # YOLOv8's head: each scale's raw box and class maps concatenated, flattened and joined over the scales, then
+    # decoded at once, the boxes in pixels and the scores after a sigmoid concatenated into the one output.
+    raw, grids, strides = [], [], []
     for (feature, c_in), stride in zip(features, YOLO_STRIDES):
-        cells = image_size // stride
-        hidden = conv(feature, c_in, max(c_in // 2, 32))
-        box = conv(hidden, max(c_in // 2, 32), 4, k=1, act=False)
+        cells, hidden_c = image_size // stride, max(c_in // 2, 32)
+        hidden = conv(feature, c_in, hidden_c)
+        box = conv(hidden, hidden_c, 4, k=1, act=False)
         # Class logits normalized per image and class over the positions (InstanceNormalization), then N(bias, gain):
         # a class fires where the image excites its filters most, whatever the photo's overall brightness.
-        logits = conv(hidden, max(c_in // 2, 32), num_classes, k=1, act=False)
-        scores = op("Sigmoid", [op("InstanceNormalization", [logits, g.const("gain", np.full(num_classes, score_gain)),
-                                                             g.const("bias", np.full(num_classes, score_bias))])])
-        # (cx, cy) = (grid + sigmoid) * stride; (w, h) = stride * 4 * sigmoid^2 (up to 4 cells), as YOLOv5 decodes
-        grid = np.stack(np.meshgrid(np.arange(cells), np.arange(cells)), 0).reshape(1, 2, cells, cells)
-        sig = op("Sigmoid", [box])
-        xy_part, wh_part = g.name("xy"), g.name("wh")
-        g.nodes.append(helper.make_node("Split", [sig, g.const_int("split", np.array([2, 2]))], [xy_part, wh_part],
-                                        name=g.name("split"), axis=1))
-        xy = op("Mul", [op("Add", [xy_part, g.const("grid", grid)]), g.const("stride", np.array(float(stride)))])
-        wh = op("Mul", [op("Mul", [wh_part, wh_part]), g.const("size", np.array(4.0 * stride))])
+        logits = op("InstanceNormalization", [conv(hidden, hidden_c, num_classes, k=1, act=False),
+                                              g.const("gain", np.full(num_classes, score_gain)),
+                                              g.const("bias", np.full(num_classes, score_bias))])
         flat = g.const_int("shape", np.array([0, 4 + num_classes, cells * cells]))
-        heads.append(op("Reshape", [op("Concat", [xy, wh, scores], axis=1), flat]))
-    g.nodes.append(helper.make_node("Concat", heads, ["output0"], name="heads", axis=2))
+        raw.append(op("Reshape", [op("Concat", [box, logits], axis=1), flat]))
+        grids.append(np.stack(np.meshgrid(np.arange(cells), np.arange(cells)), 0).reshape(2, cells * cells))
+        strides.append(np.full(cells * cells, float(stride)))
+    joined = op("Concat", raw, axis=2)
+    txy, twh, cls = g.name("txy"), g.name("twh"), g.name("cls")
+    g.nodes.append(helper.make_node("Split", [joined, g.const_int("split", np.array([2, 2, num_classes]))],
+                                    [txy, twh, cls], name=g.name("split"), axis=1))
+    stride_map = g.const("strides", np.concatenate(strides)[None, None])
+    # (cx, cy) = (grid + sigmoid) * stride; (w, h) = stride * 4 * sigmoid^2 (up to 4 cells), as YOLOv5 decodes
+    xy = op("Mul", [op("Add", [op("Sigmoid", [txy]), g.const("grid", np.concatenate(grids, 1)[None])]), stride_map])
+    wh_sig = op("Sigmoid", [twh])
+    wh = op("Mul", [op("Mul", [wh_sig, wh_sig]), op("Mul", [stride_map, g.const("four", np.array(4.0))])])
+    g.nodes.append(helper.make_node("Concat", [xy, wh, op("Sigmoid", [cls])], ["output0"], name="heads", axis=1))
     graph = helper.make_graph(
         g.nodes, "detector",
         [helper.make_tensor_value_info("image", TensorProto.FLOAT, ["batch", 3, image_size, image_size])],

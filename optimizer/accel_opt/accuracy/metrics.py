@@ -117,34 +117,36 @@ def nearest_neighbours(rows: np.ndarray) -> np.ndarray:
     return similarity.argmax(axis=1)
 
 
-def aimed_gate(tolerance: Tolerance, metrics: list[TaskMetric], verdict_samples: int,
-               confidence: float) -> tuple[Tolerance, list[TaskMetric], list[str]]:
+def aimed_gate(tolerance: Tolerance, metrics: list[TaskMetric], verdict_samples: int, confidence: float,
+               rows_per_sample: int = 1) -> tuple[Tolerance, list[TaskMetric], list[str]]:
     """The gate as a choice made on other samples (a search's probes, auto's shortlist) must see it for the held-out
     verdict on `verdict_samples` to certify the result: each rate's minimum (task metrics, the share of samples
     within tolerance) raised to the observed rate that still clears the recipe's minimum by its bound
-    (evidence.aimed_minimum; rows and boxes counted as samples, the stricter reading). Returns (tolerance, metrics,
-    one line per rate that no result on that many held-out samples can certify)."""
+    (evidence.aimed_minimum). Returns (tolerance, metrics, one line per rate that no result on that many held-out
+    samples can certify). Rows are `rows_per_sample` per sample; a detector's boxes are not known before it runs, so its
+    rates are aimed as if each sample held one box (the stricter reading) and never declared out of reach."""
     aimed, hopeless = [], []
 
-    def aim(value: float, what: str) -> float:
-        target = aimed_minimum(value, verdict_samples, confidence)
-        if target is None:
-            hopeless.append(f"{what} >= {value:.1%} needs {trials_needed(value, confidence)} held-out samples at "
-                            f"{confidence:.0%} confidence, {verdict_samples} given")
-            return 1.0
-        return max(target, value)
+    def aim(value: float, what: str, trials: int | None) -> float:
+        target = aimed_minimum(value, trials or verdict_samples, confidence)
+        if target is None and trials is not None:
+            hopeless.append(f"{what} >= {value:.1%} needs {trials_needed(value, confidence)} held-out "
+                            f"{'samples' if rows_per_sample == 1 else 'rows'} at {confidence:.0%} confidence, {trials} given")
+        return value if target is None else max(target, value)
 
+    rows = verdict_samples * rows_per_sample
     for metric in metrics:
         if isinstance(metric, TopKMetric):
-            metric = metric.model_copy(update={"min_agreement": {k: aim(v, f"top-{k} agreement")
+            metric = metric.model_copy(update={"min_agreement": {k: aim(v, f"top-{k} agreement", rows)
                                                                  for k, v in metric.min_agreement.items()}})
         elif isinstance(metric, NeighbourMetric):
-            metric = metric.model_copy(update={"min_agreement": aim(metric.min_agreement, "nearest-neighbour agreement")})
+            metric = metric.model_copy(update={"min_agreement": aim(metric.min_agreement, "nearest-neighbour agreement",
+                                                                    rows)})
         elif isinstance(metric, DetectionMetric):
-            metric = metric.model_copy(update={"min_precision": aim(metric.min_precision, "detection precision"),
-                                               "min_recall": aim(metric.min_recall, "detection recall")})
+            metric = metric.model_copy(update={"min_precision": aim(metric.min_precision, "detection precision", None),
+                                               "min_recall": aim(metric.min_recall, "detection recall", None)})
         aimed.append(metric)
     if tolerance.max_failing_fraction > 0:
-        within = aim(1 - tolerance.max_failing_fraction, "samples within tolerance")
+        within = aim(1 - tolerance.max_failing_fraction, "samples within tolerance", verdict_samples)
         tolerance = tolerance.model_copy(update={"max_failing_fraction": 1 - within})
     return tolerance, aimed, hopeless
