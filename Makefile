@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 # The CPU build of torch: any other spec can pull a multi-GB CUDA build (measured: ~5 GB).
 TORCH_PIN := torch==2.13.0
 
-.PHONY: install demo test test-all lint bench gpu-check wheelhouse clean
+.PHONY: install demo test test-all lint bench gpu-install gpu-check gpu-rehearsal wheelhouse clean
 # A Python with a CUDA build of torch (the venv pins the CPU build); on a machine without a GPU the check says so, exit 0.
 GPU_PYTHON ?= $(BIN)/python
 
@@ -39,18 +39,31 @@ bench: install
 	$(BIN)/python -m benchmarks.e2e_job --model resnet50
 	$(BIN)/python -m benchmarks.e2e_job --model light
 
-# The GPU machine (an H200: Python 3.12, torch with CUDA, no registry) lacks these of the project's dependencies:
-# a wheelhouse for its Python, git-ignored, that travels with the run (about 4 MB).
+# The GPU kit (benchmarks/gpu_kit.py; docs/backends.md "The GPU kit"). The GPU machine (an H200: Python 3.12, a CUDA
+# torch and torchvision, no registry) lacks these of the project's dependencies: a wheelhouse for its Python,
+# git-ignored, that travels with the run (about 4 MB; the kit with it is measured by `make gpu-rehearsal`). setuptools
+# and wheel come along so that the editable install needs nothing from the machine itself.
 WHEELHOUSE := wheelhouse
+WHEELHOUSE_PYTHON ?= 3.12
+WHEEL_PLATFORMS := --only-binary=:all: --implementation cp --python-version $(WHEELHOUSE_PYTHON) \
+	--platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64
 wheelhouse:
-	$(PYTHON) -m pip download --quiet --only-binary=:all: --python-version 3.12 --implementation cp \
-	    --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 \
-	    -d $(WHEELHOUSE) polygraphy onnxslim "pydantic>=2.6" pydantic-core annotated-types typing-inspection
+	$(PYTHON) -m pip download --quiet $(WHEEL_PLATFORMS) --no-deps -d $(WHEELHOUSE) \
+	    polygraphy onnxslim colorama annotated-types typing-inspection setuptools wheel
+	$(PYTHON) -m pip download --quiet $(WHEEL_PLATFORMS) -d $(WHEELHOUSE) "pydantic>=2.6"
 
-# On the GPU machine: make gpu-check GPU_PYTHON=python3 (after installing the wheelhouse, see docs/backends.md).
+# On the GPU machine: make gpu-install gpu-check GPU_PYTHON=python3 [OUT=DIR]
+gpu-install:
+	$(GPU_PYTHON) -m pip install --no-index --no-deps $(WHEELHOUSE)/*.whl
+	$(GPU_PYTHON) -m pip install --no-index --no-deps --no-build-isolation -e .
+
 gpu-check:
-	$(GPU_PYTHON) -m benchmarks.gpu_check
-	$(GPU_PYTHON) -m benchmarks.device_job --device cuda
+	$(GPU_PYTHON) -m benchmarks.gpu_kit $(if $(OUT),--out $(OUT))
+
+# The kit rehearsed here, as CI runs it: a fresh venv with only the GPU machine's packages (this CPU torch standing in
+# for its CUDA one), the kit installed without a registry, `gpu_kit --device cpu`, every result file checked.
+gpu-rehearsal: install
+	$(BIN)/python scripts/gpu_rehearsal.py
 
 clean:
 	rm -rf $(VENV) artifacts/*/ .pytest_cache .ruff_cache

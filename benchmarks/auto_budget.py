@@ -70,6 +70,13 @@ def auto(model: Path, data: Path, recipe: str, budget: str | None, out: Path, sh
     return {"seconds": seconds, "exit_code": done.returncode, "payload": payload}
 
 
+def margin(run: dict) -> str:
+    """How far the runner-up was behind the winner in that run's runoff (timing noise decides a near tie)."""
+    candidates = (run["payload"].get("selection") or {}).get("candidates", [])
+    values = sorted((c["objective_value"] for c in candidates if c.get("objective_value")), reverse=True)
+    return f"the runner-up at {values[1] / values[0]:.2f}x the winner" if len(values) > 1 else "no runner-up"
+
+
 def report(name: str, label: str, run: dict) -> list[str]:
     selection = run["payload"].get("selection")
     if selection is None:
@@ -117,7 +124,8 @@ def main() -> int:
                 lines += block
             winners = [((r["payload"].get("selection") or {}).get("winner") or {}) for r in runs.values()]
             shipped = [(w.get("backend"), w.get("precision")) for w in winners]
-            verdict = "the same winner" if shipped[0] == shipped[1] else "DIFFERENT winners"
+            verdict = "the same winner" if shipped[0] == shipped[1] else "DIFFERENT winners (" + "; ".join(
+                f"{label}: {margin(r)}" for label, r in runs.items()) + ")"
             lines.append(f"{name}: {verdict} with and without the budget; wall time "
                          f"{runs['default budget']['seconds']:.0f} s vs {runs['no budget']['seconds']:.0f} s")
             print(lines[-1], flush=True)

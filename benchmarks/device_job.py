@@ -55,6 +55,13 @@ def main() -> int:
     parser.add_argument("--batch", type=int, default=32, help="the deployed batch of every build")
     parser.add_argument("--peers", default=None, help="CPU only: other backends' jobs beside (default: onnxruntime,openvino; '' for none)")
     parser.add_argument("--workdir", type=Path, help="keep files here (default: a temp dir)")
+    parser.add_argument("--jpegs", type=Path, help="a folder of JPEGs the job's files are cropped from (default: "
+                        "scikit-image's photos; the GPU kit carries benchmarks/data/kit)")
+    parser.add_argument("--recipe", default="image-classifier", help="the builds' recipe (default: image-classifier)")
+    parser.add_argument("--calibration", type=int, default=64, help="images the builds calibrate, steer and judge on")
+    parser.add_argument("--capacity-batch", type=int, help="each build's capacity run at this batch (--max-shapes)")
+    parser.add_argument("--strict-device", action=argparse.BooleanOptionalAction, default=None,
+                        help="every image of a device job decoded on the device, or the job fails (default: on cuda)")
     parser.add_argument("--out", type=Path, default=RESULTS, help="where the result file goes")
     args = parser.parse_args()
 
@@ -80,13 +87,18 @@ def main() -> int:
     print("\n".join(lines), flush=True)
 
     jobs = work / "job"
+    sources = sorted(args.jpegs.glob("*.jpg")) if args.jpegs else None
     if not jobs.exists():
-        make_jpegs(jobs, count, seed=1)
-        make_jpegs(work / "calib", 64, seed=2)
+        make_jpegs(jobs, count, seed=1, sources=sources)
+        make_jpegs(work / "calib", args.calibration, seed=2, sources=sources)
     files = sorted(jobs.iterdir())
+    strict = cuda if args.strict_device is None else args.strict_device
 
-    builds = {f"torch {p}": _build(factory, shape, "torch", p, device, args.batch, work) for p in precisions}
-    builds.update({f"{b} fp32": _build(factory, shape, b, "fp32", device, args.batch, work) for b in peers})
+    def build(backend: str, precision: str) -> tuple[Path, float]:
+        return _build(factory, shape, backend, precision, device, args.batch, work, args.recipe, args.capacity_batch)
+
+    builds = {f"torch {p}": build("torch", p) for p in precisions}
+    builds.update({f"{b} fp32": build(b, "fp32") for b in peers})
     for name, (folder, built_s) in builds.items():
         print(f"built {name} in {built_s:.0f} s: {folder.name}", flush=True)
 
@@ -98,7 +110,7 @@ def main() -> int:
                "host preprocessing": _host_job(builds["torch fp32"][0], files)}
     for name, (folder, _) in builds.items():
         results[f"device: accel-opt run {name}" if name.startswith("torch") else f"accel-opt run {name}"] = \
-            _run_job(folder, jobs, work / f"{name.replace(' ', '-')}.jsonl")
+            _run_job(folder, jobs, work / f"{name.replace(' ', '-')}.jsonl", strict and name.startswith("torch"))
     naive = results["naive"]
     lines += ["", f"{'job (from loading the model to the last answer)':58} {'seconds':>8} {'images/s':>9} "
               f"{'vs naive':>9} {'top-1 = naive':>14}"]
@@ -123,7 +135,9 @@ def main() -> int:
         compute_rate = count / max(stages["compute"], 1e-9)
         lines.append(f"{name}: stages (s; read is summed over reader threads) "
                      + ", ".join(f"{k} {v:.2f}" for k, v in stages.items())
-                     + f"; slowest: {slowest}; host-decoded {job['summary']['host_decoded']} of {count}; the job at "
+                     + f"; slowest: {slowest}; host-decoded {job['summary']['host_decoded']} of {count}"
+                     + (f" ({job['summary']['host_decoded_reasons']})" if job['summary']['host_decoded'] else "")
+                     + "; the job at "
                      f"{job_rate / limits['decode'][0]:.0%} of the decode limit, its compute at "
                      f"{compute_rate / limits['model']:.0%} of the package alone")
     text = "\n".join(lines)
@@ -136,12 +150,15 @@ def main() -> int:
     return 0
 
 
-def _build(factory: str, shape: list[int], backend: str, precision: str, device: str, batch: int, work: Path):
+def _build(factory: str, shape: list[int], backend: str, precision: str, device: str, batch: int, work: Path,
+           recipe_name: str = "image-classifier", capacity_batch: int | None = None):
     from accel_opt.pipeline import build
     from accel_opt.recipe import load_recipe
 
-    recipe = load_recipe("image-classifier").with_overrides(
-        backend=backend, precision=precision, shapes={"image": shape}, benchmark={**QUICK_BENCH, "batch_sizes": [batch]},
+    capacity = {"image": [capacity_batch, *shape[1:]]} if capacity_batch else {}
+    recipe = load_recipe(recipe_name).with_overrides(
+        backend=backend, precision=precision, shapes={"image": shape},
+        benchmark={**QUICK_BENCH, "batch_sizes": [batch], "max_shapes": capacity},
         **{"selection.target_batch_size": batch, "torch.device": device if backend == "torch" else None,
            "precision_options.fallback.enabled": False})
     started = time.perf_counter()
@@ -151,12 +168,12 @@ def _build(factory: str, shape: list[int], backend: str, precision: str, device:
     return Path(result.artifact_dir), time.perf_counter() - started
 
 
-def _run_job(folder: Path, jobs: Path, out: Path) -> dict:
+def _run_job(folder: Path, jobs: Path, out: Path, strict_device: bool = False) -> dict:
     from accel_opt import runtime
     from accel_opt.runtime.job import run_job
 
     started = time.perf_counter()
-    summary = run_job(runtime.load(folder), [jobs], out, overwrite=True)
+    summary = run_job(runtime.load(folder), [jobs], out, overwrite=True, strict_device=strict_device)
     seconds = time.perf_counter() - started
     return {"seconds": seconds, "summary": summary.model_dump(), "top1": _top1s(out)}
 

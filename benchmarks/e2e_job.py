@@ -55,10 +55,11 @@ with open(out, "w") as f:
 """
 
 
-def make_jpegs(folder: Path, count: int, seed: int) -> list[int]:
-    """`count` JPEGs of 320-800 px (longer side): random crops of the photos; returns each file's photo."""
+def make_jpegs(folder: Path, count: int, seed: int, sources: list[Path] | None = None) -> list[int]:
+    """`count` JPEGs of 320-800 px (longer side): random crops of the photos (scikit-image's, or the image files
+    `sources`: the GPU kit carries its own); returns each file's photo."""
     folder.mkdir(parents=True)
-    photos = [Image.fromarray(p) for p in zoo._skimage_photos()]
+    photos = [Image.open(p).convert("RGB") for p in sources] if sources else [Image.fromarray(p) for p in zoo._skimage_photos()]
     rng = np.random.default_rng(seed)
     labels = []
     for i in range(count):

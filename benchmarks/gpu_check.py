@@ -9,7 +9,9 @@ spent. Accuracy of fp16/bf16 against the fp32 outputs on the same inputs: cosine
 top-1 agreement. TensorRT and ONNX Runtime's CUDA EP are reported as skipped, with why, when they
 are not installed. Without a CUDA GPU it prints why and exits 0.
 
-Self-contained: needs torch (a CUDA build) and numpy only; accel-opt need not be installed.
+Self-contained: needs torch (a CUDA build) and numpy only; accel-opt need not be installed, except for --package
+FOLDER, which also times a torch build's AOTInductor package loaded through accel-opt's runtime (the GPU kit passes
+its fp16 build).
 Run from the repository root: python -m benchmarks.gpu_check [--quick]; writes
 benchmarks/results/gpu_check.json and gpu_check.txt. Budget: under 8 minutes (a deadline skips what
 is left, saying so).
@@ -77,8 +79,9 @@ def _autocast(torch, precision: str):
     return torch.autocast("cuda", dtype=dtype) if dtype else torch.autocast("cuda", enabled=False)
 
 
-def measure(torch, model, precision: str, batch: int, warmup_s: float, measure_s: float) -> Timing:
-    """Per call: pinned H2D, forward, D2H into pinned memory, each between CUDA events on one stream."""
+def measure(torch, model, precision: str, batch: int, warmup_s: float, measure_s: float, autocast: bool = True) -> Timing:
+    """Per call: pinned H2D, forward, D2H into pinned memory, each between CUDA events on one stream. `model` is any
+    callable on a CUDA tensor (the eager module under autocast, or a built package with its own precision)."""
     stream = torch.cuda.Stream()
     host_in = torch.randn(batch, 3, 224, 224).pin_memory()
     device_in = torch.empty_like(host_in, device="cuda")
@@ -88,7 +91,7 @@ def measure(torch, model, precision: str, batch: int, warmup_s: float, measure_s
     torch.cuda.reset_peak_memory_stats()
     h2d, compute, d2h, total = [], [], [], []
     start = time.perf_counter()
-    with torch.inference_mode(), torch.cuda.stream(stream), _autocast(torch, precision):
+    with torch.inference_mode(), torch.cuda.stream(stream), _autocast(torch, precision if autocast else "fp32"):
         while True:
             events[0].record(stream)
             device_in.copy_(host_in, non_blocking=True)
@@ -118,6 +121,20 @@ def accuracy(torch, model, precision: str, reference, inputs) -> Accuracy:
     cosine = float(torch.dot(a, b) / (a.norm() * b.norm()))
     top1 = float((got.argmax(1) == reference.argmax(1)).float().mean())
     return Accuracy(precision, cosine, float((got - reference).abs().max()), top1)
+
+
+def package_timings(torch, folder: Path, warmup_s: float, measure_s: float) -> list[Timing]:
+    """A torch build's AOTInductor package (an `accel-opt build --backend torch --device cuda` folder), loaded through
+    accel-opt's runtime as deployed, timed like the eager module at every batch."""
+    from accel_opt import runtime
+
+    deployment = runtime.load(folder)
+    label = f"package {deployment.config.precision.value}"
+    with deployment.runner() as runner:
+        def forward(x):
+            return runner.infer_tensors([x])[0]
+
+        return [measure(torch, forward, label, batch, warmup_s, measure_s, autocast=False) for batch in BATCHES]
 
 
 def other_runtimes() -> dict[str, str]:
@@ -175,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="0.3 s warm-up and 0.5 s per point")
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--package", type=Path, help="also time this torch build's AOTInductor package (a built folder)")
     args = parser.parse_args(argv)
     began = time.monotonic()
     try:
@@ -215,6 +233,11 @@ def main(argv: list[str] | None = None) -> int:
             except torch.cuda.OutOfMemoryError:
                 report.notes.append(f"{precision} batch {batch}: out of GPU memory")
                 torch.cuda.empty_cache()
+    if args.package is not None:
+        try:
+            report.timings += package_timings(torch, args.package, warmup_s, measure_s)
+        except Exception as exc:  # noqa: BLE001 - the eager timings stand; say why the package's do not
+            report.notes.append(f"package {args.package.name}: {type(exc).__name__}: {exc}")
     report.skipped.update(other_runtimes())
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "gpu_check.json").write_text(json.dumps(asdict(report), indent=2) + "\n")

@@ -327,7 +327,11 @@ def _stage_compile(ctx: BuildContext) -> tuple[StageStatus, str]:
             path.unlink()
         stage_deployment(ctx, ctx.shapes.shapes)
     c = ctx.compiled
-    return "passed", f"{c.backend} on {c.device} via {', '.join(c.providers)}, {c.threads} threads, {c.build_seconds:.2f} s"
+    detail = f"{c.backend} on {c.device} via {', '.join(c.providers)}, {c.threads} threads, {c.build_seconds:.2f} s"
+    if "int8_check" in c.settings:  # what the package's kernels compute in (torch: PT2E int8)
+        ctx.notes.append(f"Kernels of the int8 package: {c.settings['int8_check']}.")
+        detail += f"; {c.settings['int8_check']}"
+    return "passed", detail
 
 
 def _stage_accuracy(ctx: BuildContext) -> tuple[StageStatus, str]:

@@ -171,6 +171,29 @@ def test_int8_takes_pt2e_where_torchao_provides_it(photos, tmp_path):
     build_record = json.loads((folder / "build.json").read_text())
     assert "PT2E static int8" in build_record["precision"]["transform"]
     assert result.signed_off, result.failures  # the tiny CNN quantizes well: top-1 agreement holds
+    # Really int8: with Inductor's freezing the package calls oneDNN's int8 kernels, and no float convolution is left.
+    settings = json.loads((folder / "resource_config.json").read_text())["settings"]
+    assert settings["int8_check"].startswith("int8 kernels run: _qconv_pointwise"), settings["compute_kernels"]
+    assert not {op for op in settings["compute_kernels"] if not op.startswith("_q")}
+    assert any("Kernels of the int8 package: int8 kernels run" in n for n in build_record["notes"])
+
+
+def test_an_int8_package_whose_convolutions_stay_float_says_so(tmp_path):
+    """What PT2E without freezing compiles to (measured): dequantize kernels feeding float convolutions."""
+    import zipfile
+
+    from accel_opt.backends.torch_package import compute_kernels, int8_check
+
+    wrapper = ("AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_cpu_convolution(buf0, arg1, ...));\n"
+               "AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_cpu_convolution(buf2, arg3, ...));\n"
+               "AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_cpu_addmm_out(buf4, ...));\n"
+               "cpp_fused_dequantize_per_channel_dequantize_per_tensor_quantize_per_tensor_0(...);\n")
+    with zipfile.ZipFile(tmp_path / "model.pt2", "w") as archive:
+        archive.writestr("model/data/aotinductor/model/x.wrapper.cpp", wrapper)
+    kernels = compute_kernels(tmp_path / "model.pt2")
+    assert kernels == {"addmm": 1, "convolution": 2}
+    assert int8_check(kernels) == "the compute stays in fp32: no int8 kernel in the package (addmm x1, convolution x2)"
+    assert int8_check({"_qconv_pointwise_tensor": 2, "addmm": 1}).startswith("partly int8")
 
 
 def test_auto_runs_torch_off_against_the_onnx_backends_for_a_factory():

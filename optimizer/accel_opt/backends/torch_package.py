@@ -172,8 +172,12 @@ class TorchBackend:
             if plan.precision is Precision.int8:
                 program = self._quantize(torch, program, examples)
             package = workdir / PACKAGE
+            # int8: freezing folds the weights into constants, so Inductor's quantization passes can fuse each
+            # dequantize -> conv/linear -> quantize into a oneDNN int8 kernel (without it the convs stay float).
+            freezing = torch._inductor.config.patch(freezing=True) if plan.precision is Precision.int8 \
+                else contextlib.nullcontext()
             try:
-                with torch.no_grad():
+                with torch.no_grad(), freezing:
                     torch._inductor.aoti_compile_and_package(program, package_path=str(package))
             except Exception as exc:  # noqa: BLE001 - Inductor's lowering and the C++ compiler raise many types
                 raise Unsupported(f"AOTInductor could not compile the exported program for {self.device}: "
@@ -181,6 +185,10 @@ class TorchBackend:
         if self.device.startswith("cuda"):
             self._module.to("cpu")
         metadata = package_metadata(package)
+        kernels = compute_kernels(package)
+        checked = {"compute_kernels": kernels}
+        if plan.precision is Precision.int8:
+            checked["int8_check"] = int8_check(kernels)
         return CompiledModel(
             backend=self.name, path=package, precision=precision, device=self.device,
             providers=[f"aotinductor-{'cuda' if self.device.startswith('cuda') else 'cpu'}"],
@@ -189,7 +197,8 @@ class TorchBackend:
                       "dtype": REDUCED_DTYPES.get(plan.precision, "float32" if plan.precision is Precision.fp32 else "int8"),
                       "io_dtype": "float32", "dynamic_batch": {n: a for n, a in self._batch_axes.items() if a is not None},
                       "max_batch": MAX_BATCH, "aoti": metadata, "tf32": False,
-                      "inputs": [s.model_dump(mode="json") for s in self._inputs], "output_names": self._output_names},
+                      "inputs": [s.model_dump(mode="json") for s in self._inputs], "output_names": self._output_names,
+                      **checked},
         )
 
     def _examples(self, torch: Any, shapes: dict[str, list[int]]) -> list[Any]:
@@ -270,16 +279,53 @@ class AotiRunner(TorchRunner):
         return loaded
 
 
+# The package's C++ wrapper calls each compute op Inductor did not generate itself as aoti_torch_<device>_<op>: oneDNN's
+# int8 kernels are _qconv_pointwise / _qlinear_pointwise; convolution, addmm, mm, bmm are float (measured with torch
+# 2.13: PT2E int8 compiled without Inductor's freezing kept aoti_torch_cpu_convolution and _addmm_out, fed by fused
+# dequantize kernels; with freezing, _qconv_pointwise_tensor and _qlinear_pointwise_tensor).
+KERNEL_CALL = re.compile(r"\baoti_torch_(?:cpu|cuda)_(\w+?)(?:_out)?\(")
+COMPUTE_OP = re.compile(r"conv|linear|mm$|^mm|addmm|bmm|matmul")
+
+
+def compute_kernels(package: Path) -> dict[str, int]:
+    """{op: calls} of the compute ops (convolutions, matrix products) the package's wrapper calls by name; the ones
+    Inductor generated itself (Triton, C++ loops) are not listed."""
+    counts: dict[str, int] = {}
+    with zipfile.ZipFile(package) as archive:
+        for name in archive.namelist():
+            if name.endswith("wrapper.cpp"):
+                for op in KERNEL_CALL.findall(archive.read(name).decode(errors="replace")):
+                    if COMPUTE_OP.search(op):
+                        counts[op] = counts.get(op, 0) + 1
+    return dict(sorted(counts.items()))
+
+
+def int8_check(kernels: dict[str, int]) -> str:
+    """Whether an int8 package computes in int8: its quantized kernel calls, and any float compute beside them."""
+    quantized = {op: n for op, n in kernels.items() if op.startswith("_q")}
+    in_float = {op: n for op, n in kernels.items() if not op.startswith("_q")}
+    listed = ", ".join(f"{op} x{n}" for op, n in quantized.items())
+    if quantized and not in_float:
+        return f"int8 kernels run: {listed}"
+    floats = ", ".join(f"{op} x{n}" for op, n in in_float.items())
+    if not quantized:
+        return f"the compute stays in fp32: no int8 kernel in the package ({floats or 'no compute call'})"
+    return f"partly int8: {listed}; in float: {floats}"
+
+
 def load_package(torch: Any, package: Path, device_index: int = -1) -> Any:
     """The package as a callable. `aoti_load_package` imports all of Inductor first (4.6 s measured here, for a job
     that only runs the package), so the C++ loader it wraps is used directly, with the same flattening of arguments
     and results by the call spec the package records; where this torch lacks that loader, aoti_load_package."""
     loader_class = getattr(getattr(torch._C, "_aoti", None), "AOTIModelPackageLoader", None)
-    if loader_class is None:
-        from torch._inductor import aoti_load_package
+    if loader_class is not None and hasattr(loader_class, "boxed_run"):
+        try:  # (path, model name, run single-threaded, runners, device index): torch 2.7 and newer
+            return _Package(torch, loader_class(str(package), "model", False, 1, device_index))
+        except TypeError:  # another release's constructor (the GPU machine runs 2.11, development 2.13)
+            pass
+    from torch._inductor import aoti_load_package
 
-        return aoti_load_package(str(package), device_index=device_index)
-    return _Package(torch, loader_class(str(package), "model", False, 1, device_index))
+    return aoti_load_package(str(package), device_index=device_index)
 
 
 class _Package:

@@ -37,12 +37,15 @@ Exit codes:
 @click.option("--overwrite", is_flag=True, help="Replace an existing PREDICTIONS file.")
 @click.option("--workers", type=click.IntRange(min=1), help="Reader threads decoding and preprocessing inputs (default: CPUs available).")
 @click.option("--json", "as_json", is_flag=True, help="Print the job summary as one JSON object on stdout.")
+@click.option("--strict-device", is_flag=True, help="A torch artifact on a GPU: every image must be decoded on the "
+              "device (nvJPEG); a device without a decoder is exit 4, an image it does not decode is rejected (exit 3). "
+              "Without it, such images are decoded on the host and the summary says how many and why.")
 @click.option("--no-recheck", is_flag=True, help="On another CPU class than the sign-off's, run without re-checking "
               "the folder's probe set here first (the default re-checks, once, and refuses a failed re-check).")
 @trust_options
 @ray_options
 @click.option("-v", "--verbose", is_flag=True)
-def run_command(artifact, inputs, predictions, resume, overwrite, workers, as_json, no_recheck, public_key,
+def run_command(artifact, inputs, predictions, resume, overwrite, workers, as_json, strict_device, no_recheck, public_key,
                 certificate_chain, verbose, engine, **ray_args):
     """Run a built ARTIFACT folder on INPUTS: image files, .npz feed dicts, or for an artifact with a text stage
     text files (.txt a text per line, .jsonl, .parquet, .csv), folders of them (read recursively), globs
@@ -79,7 +82,7 @@ def run_command(artifact, inputs, predictions, resume, overwrite, workers, as_js
         show_progress = not as_json and sys.stderr.isatty()
         with progress(show_progress) as on_progress:
             summary = run_job(deployment, inputs, predictions, resume=resume, overwrite=overwrite, workers=workers,
-                              on_progress=on_progress, started=started)
+                              on_progress=on_progress, started=started, strict_device=strict_device)
     except (AccelOptError, MemoryError, Exception) as exc:  # noqa: BLE001 - every error maps to an exit code
         fail(exc, verbose, as_json)
         return
@@ -92,5 +95,15 @@ def run_command(artifact, inputs, predictions, resume, overwrite, workers, as_js
         skipped += f", {summary.duplicates} given twice (answered once)" if summary.duplicates else ""
         rejected = f", {summary.rejected} rejected (see {summary.errors})" if summary.rejected else ""
         click.echo(f"predicted {summary.predicted} of {summary.inputs} inputs{skipped}{rejected} in "
-                   f"{summary.seconds:.1f} s ({summary.inputs_per_s:.1f} inputs/s) -> {summary.predictions}", err=True)
+                   f"{summary.seconds:.1f} s ({summary.inputs_per_s:.1f} inputs/s) -> {summary.predictions}"
+                   + host_decoding_note(summary), err=True)
     sys.exit(summary.exit_code)
+
+
+def host_decoding_note(summary) -> str:
+    """A GPU job's images decoded on the host instead of the device: how many and why (on a CPU that is the design)."""
+    if not summary.device.startswith("cuda") or not summary.host_decoded:
+        return ""
+    why = ", ".join(f"{count} {reason}" for reason, count in summary.host_decoded_reasons.items())
+    return (f"; {summary.host_decoded} of {summary.predicted + summary.rejected} decoded on the host, not the device "
+            f"({why}; --strict-device refuses them)")

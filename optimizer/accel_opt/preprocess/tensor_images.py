@@ -40,18 +40,31 @@ def device_decoder_available(device: str) -> bool:
     return True
 
 
+NOT_JPEG = "not a JPEG (the device decodes JPEGs only)"
+DEVICE_REFUSED = "the device decoder refused it (nvJPEG: a progressive, CMYK or broken JPEG)"
+
+
+def no_device_decoder(device: str) -> str:
+    """Why every image of a job on `device` is decoded on the host."""
+    if not device.startswith("cuda"):
+        return "a CPU artifact: the host is its device"
+    return "no device decoder: torchvision's decode_jpeg does not load beside this torch"
+
+
 @dataclass
 class DecodedBatch:
     images: list[torch.Tensor]  # uint8 HWC (RGB), one per input, on the device or the host
     host_decoded: int = 0  # inputs the device decoder did not take (not JPEG, or rejected): decoded on the host
     rejected: dict[int, str] = field(default_factory=dict)  # index -> reason (not an image at all)
+    host_reasons: dict[int, str] = field(default_factory=dict)  # index -> why the host decoded it
 
 
 class TensorImagePath:
     """Decode and preprocess images for a model on `device` ("cpu", "cuda[:N]") with the recipe's preprocessing."""
 
-    def __init__(self, pre: Preprocessing, device: str = "cpu"):
-        self.pre, self.device = pre, torch.device(device)
+    def __init__(self, pre: Preprocessing, device: str = "cpu", strict: bool = False):
+        """`strict`: an image the device does not decode is rejected, not decoded on the host (--strict-device)."""
+        self.pre, self.device, self.strict = pre, torch.device(device), strict
         self.on_device_decoder = device_decoder_available(device)
         std = torch.tensor(pre.std, dtype=torch.float32)
         # (x / 255 - mean) / std as one multiply and one subtract, the host path's float32 arithmetic (to_model_input)
@@ -75,9 +88,15 @@ class TensorImagePath:
                     batch.images[i] = image.permute(1, 2, 0)  # CHW -> HWC
         for i, blob in enumerate(files):
             if batch.images[i] is None:
+                why = (DEVICE_REFUSED if i in on_device else NOT_JPEG if self.on_device_decoder
+                       else no_device_decoder(str(self.device)))
+                if self.strict:
+                    batch.rejected[i] = f"decoded on the host, not the device: {why} (--strict-device)"
+                    continue
                 try:
                     batch.images[i] = torch.from_numpy(np.array(host_decode(blob, self.pre)))
                     batch.host_decoded += 1
+                    batch.host_reasons[i] = why
                 except InputRejected as exc:
                     batch.rejected[i] = str(exc)
         return batch

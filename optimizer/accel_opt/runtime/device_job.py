@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from accel_opt.errors import InputRejected
+from accel_opt.errors import InputRejected, Unsupported, UsageError
 from accel_opt.machine.cpu import available_cpus
 from accel_opt.runtime import Deployment
 from accel_opt.runtime.inputs import NPZ, local_path
@@ -51,6 +51,7 @@ class _Item:
     blob: bytes | None  # for the device decoder
     pixels: Any = None  # host-decoded uint8 HWC tensor (pinned on a GPU), when the device does not decode it
     cropped: bool = False  # `pixels` is the crop already (readers crop on a CPU)
+    host_reason: str | None = None  # why the host decoded it
 
 
 @dataclass
@@ -92,18 +93,53 @@ class _Clock:
         self._open = []
 
 
+@dataclass
+class DeviceJob:
+    """What predict_on_device did: counts, stage seconds, reader threads, batch size, and the inputs the host decoded
+    instead of the device, by reason (a GPU job's summary says so: nothing silent)."""
+
+    predicted: int
+    rejected: int
+    stages: dict[str, float]
+    workers: int
+    batch_size: int
+    host_decoded: dict[str, int]
+
+
+def refuse_host_decoding(deployment: Deployment) -> None:
+    """--strict-device, before anything is written: the artifact must run images on a device that decodes them (exit 2
+    for an artifact without the device path, exit 4 for a device without a decoder)."""
+    from accel_opt.preprocess.tensor_images import device_decoder_available, no_device_decoder
+
+    device = deployment.config.device
+    if not takes_device_path(deployment):
+        raise UsageError(f"--strict-device: {deployment.folder.name} does not run images on a device (a torch artifact "
+                         "with image preprocessing does)")
+    if not device_decoder_available(device):
+        raise Unsupported(f"--strict-device: {deployment.folder.name} runs on {device}, {no_device_decoder(device)}: "
+                          "every image would be decoded on the host")
+
+
 def predict_on_device(deployment: Deployment, remaining: list[str], outputs: Outputs, workers: int | None,
-                      on_progress: Callable[[int, int], None] | None) -> tuple[tuple[int, int], dict[str, float], int, int, int]:
-    """The job over `remaining`: ((predicted, rejected), stage seconds, reader threads, batch size, inputs the host
-    decoded instead of the device)."""
+                      on_progress: Callable[[int, int], None] | None, strict: bool = False) -> DeviceJob:
+    """The job over `remaining`. `strict` (--strict-device; refuse_host_decoding first): an image the device does not
+    decode (not a JPEG, refused by nvJPEG) is rejected into the errors file instead of decoded on the host."""
     import torch
 
-    from accel_opt.preprocess.tensor_images import JPEG_SUFFIXES, TensorImagePath, host_decode, top_k_on_device
+    from accel_opt.preprocess.tensor_images import (
+        JPEG_SUFFIXES,
+        NOT_JPEG,
+        TensorImagePath,
+        host_decode,
+        no_device_decoder,
+        top_k_on_device,
+    )
+
 
     config = deployment.config
     pre, device = config.preprocessing, config.device
     cuda = device.startswith("cuda")
-    path = TensorImagePath(pre, device)
+    path = TensorImagePath(pre, device, strict=strict)
     writer = Writer(outputs, config.postprocess, config.outputs[0].name)
     batch_size = config.batch_size if config.output_batch_axes else 1
     workers = workers or max(1, available_cpus())
@@ -111,7 +147,7 @@ def predict_on_device(deployment: Deployment, remaining: list[str], outputs: Out
     compute_stream = torch.cuda.current_stream(device) if cuda else None
     copy_stream = torch.cuda.Stream(device) if cuda else None
     read_seconds: list[float] = []
-    host_decoded = 0
+    host_decoded: dict[str, int] = {}
 
     def read(item_path: str) -> _Item:  # a reader thread
         start = time.perf_counter()
@@ -124,28 +160,32 @@ def predict_on_device(deployment: Deployment, remaining: list[str], outputs: Out
             blob = file.read_bytes()
             if path.on_device_decoder and file.suffix.lower() in JPEG_SUFFIXES:
                 return _Item(item_path, file.name, blob)
+            why = NOT_JPEG if path.on_device_decoder else no_device_decoder(device)
+            if strict:
+                raise InputRejected(f"decoded on the host, not the device: {why} (--strict-device)")
             pixels = torch.from_numpy(np.array(host_decode(blob, pre)))
             if not cuda:
-                return _Item(item_path, file.name, None, path.crop(pixels), cropped=True)
-            return _Item(item_path, file.name, None, pixels.pin_memory())
+                return _Item(item_path, file.name, None, path.crop(pixels), cropped=True, host_reason=why)
+            return _Item(item_path, file.name, None, pixels.pin_memory(), host_reason=why)
         finally:
             read_seconds.append(time.perf_counter() - start)
 
     def stage(items: list[_Item]) -> _Staged:
         """Decode on the device what it decodes; copy the host-decoded rest on the side stream."""
-        nonlocal host_decoded
         staged = _Staged(items, [None] * len(items))
-        host_decoded += sum(item.blob is None for item in items)
+        reasons = [item.host_reason for item in items if item.host_reason]
         on_device = [i for i, item in enumerate(items) if item.blob is not None]
         if on_device:
             decoded = clock.run("decode", compute_stream, lambda: path.decode([items[i].blob for i in on_device],
                                                                                  [items[i].name for i in on_device]))
-            host_decoded += decoded.host_decoded
+            reasons += decoded.host_reasons.values()
             for j, i in enumerate(on_device):
                 if j in decoded.rejected:
                     staged.rejected[i] = decoded.rejected[j]
                 else:
                     staged.images[i] = decoded.images[j]
+        for why in reasons:
+            host_decoded[why] = host_decoded.get(why, 0) + 1
         host = [i for i, item in enumerate(items) if item.blob is None]
         if host:
             copied = clock.run("h2d", copy_stream, lambda: [items[i].pixels.to(device, non_blocking=True) for i in host])
@@ -243,4 +283,4 @@ def predict_on_device(deployment: Deployment, remaining: list[str], outputs: Out
                         on_progress(predicted + rejected, len(remaining))
                 previous = launch(staged, runner) if staged is not None else None
     stages = {"read": sum(read_seconds), "wait_for_inputs": waited, **clock.seconds, "write": written}
-    return (predicted, rejected), stages, workers, batch_size, host_decoded
+    return DeviceJob(predicted, rejected, stages, workers, batch_size, host_decoded)

@@ -27,7 +27,7 @@ from accel_opt.errors import InputRejected, UsageError
 from accel_opt.machine.cpu import available_cpus
 from accel_opt.preprocess.images import preprocess_image, read_image
 from accel_opt.runtime import Deployment
-from accel_opt.runtime.device_job import predict_on_device, takes_device_path
+from accel_opt.runtime.device_job import predict_on_device, refuse_host_decoding, takes_device_path
 from accel_opt.runtime.inputs import NPZ, job_inputs, local_path, unique_inputs
 from accel_opt.runtime.output import Outputs, Writer, input_key, topk_record
 
@@ -71,7 +71,9 @@ class JobSummary(BaseModel):
     stages_seconds: dict[str, float]
     bottleneck: str  # "reading" when inference waited longer for inputs than it computed, else the slowest stage
     path: str = "host"  # "host": Pillow and numpy; "device": the torch artifact's tensor path; "text": tokenized texts
+    device: str = "cpu"  # where the artifact runs
     host_decoded: int = 0  # device path: inputs the host decoded instead (not JPEG, or the device decoder refused them)
+    host_decoded_reasons: dict[str, int] = {}  # why, with how many each
     exit_code: int  # 0: every input predicted; 3: some rejected
     text: TextSummary | None = None  # text jobs: tokens and padding
 
@@ -90,9 +92,11 @@ def run_job(
     workers: int | None = None,
     on_progress: Callable[[int, int], None] | None = None,
     started: float | None = None,
+    strict_device: bool = False,
 ) -> JobSummary:
     """Predict every input with `deployment`; `on_progress(done, total)` after each batch. Refuses (exit 2)
-    another job writing the same files, `--resume` over another artifact's answers, and an --out among the inputs."""
+    another job writing the same files, `--resume` over another artifact's answers, and an --out among the inputs.
+    `strict_device`: a torch artifact's images must all be decoded on its device (see predict_on_device)."""
     started = started or time.perf_counter()
     inputs = list(inputs)
     outputs = Outputs(Path(predictions))
@@ -101,12 +105,14 @@ def run_job(
     given, texts = job_inputs(config, deployment.folder.name, inputs, remote=False)  # texts: each text is an input
     read_seconds = time.perf_counter() - started_reading
     outputs.refuse_bad_paths(inputs, resume, overwrite)
+    if strict_device:
+        refuse_host_decoding(deployment)
     text_stats = None
     with outputs.exclusive():
         answered = outputs.start(deployment.folder, deployment.identity, resume, overwrite)
         todo = unique_inputs(given)
         remaining = [p for p in todo if input_key(p) not in answered]
-        host_decoded, job_path = 0, "host"
+        host_decoded, job_path = {}, "host"
         if config.text is not None:
             from accel_opt.runtime.text_job import predict_texts, write_embeddings_file
 
@@ -116,9 +122,9 @@ def run_job(
             workers, batch_size, job_path = 1, deployment.batch_size, "text"
             write_embeddings_file(outputs, config.postprocess)
         elif takes_device_path(deployment):
-            counts, stages, workers, batch_size, host_decoded = predict_on_device(deployment, remaining, outputs, workers,
-                                                                                  on_progress)
-            job_path = "device"
+            done = predict_on_device(deployment, remaining, outputs, workers, on_progress, strict_device)
+            counts, stages, workers, batch_size = (done.predicted, done.rejected), done.stages, done.workers, done.batch_size
+            host_decoded, job_path = done.host_decoded, "device"
         else:
             counts, stages, workers, batch_size = _predict(deployment, remaining, outputs, workers, on_progress)
     predicted, rejected = counts
@@ -131,7 +137,8 @@ def run_job(
         inputs_per_s=(predicted + rejected) / seconds if seconds > 0 else 0.0,
         stages_seconds={k: round(v, 4) for k, v in stages.items()},
         bottleneck="reading" if stages["wait_for_inputs"] > stages[busiest] else busiest, path=job_path,
-        host_decoded=host_decoded, exit_code=3 if rejected else 0,
+        device=config.device, host_decoded=sum(host_decoded.values()), host_decoded_reasons=host_decoded,
+        exit_code=3 if rejected else 0,
         text=None if text_stats is None else TextSummary.of(text_stats),
     )
 
