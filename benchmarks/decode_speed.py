@@ -24,7 +24,7 @@ import numpy as np
 from PIL import Image
 
 from accel_opt.preprocess.images import decode_image, preprocess_image
-from accel_opt.recipe import Preprocessing
+from accel_opt.recipe.deployed import Preprocessing
 from accel_opt.zoo import _skimage_photos
 from benchmarks._common import wait_for_idle
 

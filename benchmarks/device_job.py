@@ -152,8 +152,8 @@ def main() -> int:
 
 def _build(factory: str, shape: list[int], backend: str, precision: str, device: str, batch: int, work: Path,
            recipe_name: str = "image-classifier", capacity_batch: int | None = None):
-    from accel_opt.pipeline import build
-    from accel_opt.recipe import load_recipe
+    from accel_opt.builder.pipeline import build
+    from accel_opt.recipe.load import load_recipe
 
     capacity = {"image": [capacity_batch, *shape[1:]]} if capacity_batch else {}
     recipe = load_recipe(recipe_name).with_overrides(
@@ -170,7 +170,7 @@ def _build(factory: str, shape: list[int], backend: str, precision: str, device:
 
 def _run_job(folder: Path, jobs: Path, out: Path, strict_device: bool = False) -> dict:
     from accel_opt import runtime
-    from accel_opt.runtime.job import run_job
+    from accel_opt.runtime.local.job import run_job
 
     started = time.perf_counter()
     summary = run_job(runtime.load(folder), [jobs], out, overwrite=True, strict_device=strict_device)
@@ -191,7 +191,7 @@ def _naive_job(factory: str, folder: Path, files: list[Path], device: str) -> di
     from PIL import Image
 
     from accel_opt import runtime
-    from accel_opt.backends.torch import load_factory
+    from accel_opt.backends.torch.backend import load_factory
     from accel_opt.preprocess.images import preprocess_image
 
     pre = runtime.load(folder).config.preprocessing

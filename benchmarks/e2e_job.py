@@ -30,7 +30,7 @@ from PIL import Image
 
 from accel_opt import zoo
 from accel_opt.machine.cpu import available_cpus, cpu_info
-from accel_opt.recipe import load_recipe
+from accel_opt.recipe.load import load_recipe
 from benchmarks._common import wait_for_idle
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -96,8 +96,8 @@ def cpu_ms_per_image(folder: Path, artifact: str, count: int = 100) -> dict[str,
     """Where a job's CPU goes, per image on one core: decoding, the deployed host preprocessing after it
     (resize, crop and whatever is not fused), and the model (its p50 at the deployed batch from the build's
     benchmark, times its threads: the cores it holds while it runs)."""
+    from accel_opt.artifact.config import RESOURCE_CONFIG, ResourceConfig
     from accel_opt.preprocess.images import decode_image, preprocess_image
-    from accel_opt.runtime import RESOURCE_CONFIG, ResourceConfig
 
     config = ResourceConfig.model_validate_json((Path(artifact) / RESOURCE_CONFIG).read_text())
     pre = config.preprocessing

@@ -17,10 +17,11 @@ import numpy as np
 import onnxruntime as ort
 
 from accel_opt import zoo
-from accel_opt.backends.onnxruntime import OnnxRuntimeBackend
+from accel_opt.backends.onnxruntime.backend import OnnxRuntimeBackend
 from accel_opt.bench import Target, infer_and_sync, latency_stats, timed_calls
 from accel_opt.machine.cpu import available_cpus
-from accel_opt.recipe import Precision, load_recipe
+from accel_opt.recipe.load import load_recipe
+from accel_opt.recipe.types import Precision
 from benchmarks._common import wait_for_idle
 
 LIMIT = 1.05

@@ -29,7 +29,7 @@ import numpy as np
 from accel_opt import zoo
 from accel_opt.machine.cpu import available_cpus, cpu_class, cpu_info
 from accel_opt.precision.int8 import quantize
-from accel_opt.recipe import CalibrationConfig
+from accel_opt.recipe.stages import CalibrationConfig
 
 REPEATS = 30  # timed calls per variant and round
 ROUNDS = 3  # interleaved rounds; the median of the round medians is printed

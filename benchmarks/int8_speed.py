@@ -23,10 +23,10 @@ import onnx
 from onnx import TensorProto, helper
 
 from accel_opt import zoo
-from accel_opt.backends.onnxruntime import CPU_PROVIDER, create_session
+from accel_opt.backends.onnxruntime.backend import CPU_PROVIDER, create_session
 from accel_opt.data import batch_of
 from accel_opt.precision.int8 import quantize
-from accel_opt.recipe import CalibrationConfig
+from accel_opt.recipe.stages import CalibrationConfig
 from benchmarks._common import wait_for_idle
 
 SIZE = 224

@@ -23,9 +23,9 @@ from pathlib import Path
 import numpy as np
 
 from accel_opt import runtime
-from accel_opt.auto import build_auto
 from accel_opt.bench import timed_calls
-from accel_opt.recipe import load_recipe
+from accel_opt.builder.auto import build_auto
+from accel_opt.recipe.load import load_recipe
 from benchmarks._common import wait_for_idle
 
 ROOT = Path(__file__).resolve().parent.parent

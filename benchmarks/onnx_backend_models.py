@@ -26,10 +26,11 @@ import onnx
 from onnx import numpy_helper
 
 from accel_opt import runtime
+from accel_opt.builder.pipeline import build
 from accel_opt.errors import AccelOptError, first_line
 from accel_opt.graph.inspect import io_specs
-from accel_opt.pipeline import build
-from accel_opt.recipe import Recipe, load_recipe
+from accel_opt.recipe.load import load_recipe
+from accel_opt.recipe.schema import Recipe
 
 SUITES = ("pytorch-converted", "pytorch-operator", "simple")
 RTOL, ATOL = 1e-3, 1e-5

@@ -26,9 +26,11 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from accel_opt import zoo
-from accel_opt.backends.onnxruntime import OnnxRuntimeBackend
-from accel_opt.backends.openvino import OpenVinoBackend
-from accel_opt.recipe import BenchmarkConfig, Precision, Recipe
+from accel_opt.backends.onnxruntime.backend import OnnxRuntimeBackend
+from accel_opt.backends.openvino.backend import OpenVinoBackend
+from accel_opt.recipe.schema import Recipe
+from accel_opt.recipe.stages import BenchmarkConfig
+from accel_opt.recipe.types import Precision
 from benchmarks._common import ContentionGate, wait_for_idle
 
 SIZE = 224
@@ -230,8 +232,8 @@ def accel_opt_auto_variant(fp32_path: Path, photos: list[dict[str, np.ndarray]],
     """What `accel-opt build --backend auto --precision auto --recipe image-classifier --data DIR` signs
     off on this machine: the winner's folder, loaded through the runtime as deployed."""
     from accel_opt import runtime
-    from accel_opt.auto import build_auto
-    from accel_opt.recipe import load_recipe
+    from accel_opt.builder.auto import build_auto
+    from accel_opt.recipe.load import load_recipe
 
     data = work / "photos"
     data.mkdir()

@@ -19,7 +19,9 @@ import numpy as np
 
 from accel_opt import zoo
 from accel_opt.precision.int8 import quantize
-from accel_opt.recipe import BenchmarkConfig, CalibrationConfig, Precision, Recipe
+from accel_opt.recipe.schema import Recipe
+from accel_opt.recipe.stages import BenchmarkConfig, CalibrationConfig
+from accel_opt.recipe.types import Precision
 from benchmarks.openvino_speed import SIZE, nncf_int8, ort_variant, ov_variant
 
 BATCH = 8

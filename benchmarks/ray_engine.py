@@ -27,7 +27,7 @@ import psutil
 
 from accel_opt import zoo
 from accel_opt.machine.cpu import available_cpus, cpu_info
-from accel_opt.recipe import load_recipe
+from accel_opt.recipe.load import load_recipe
 from benchmarks._common import cpu_busy_fraction, wait_for_idle
 from benchmarks.e2e_job import make_jpegs
 
@@ -36,7 +36,7 @@ FAST_BENCH = {"warmup_iterations": 1, "min_iterations": 5, "min_seconds": 0.05, 
 
 
 def build_artifact(work: Path, photos: Path) -> Path:
-    from accel_opt.pipeline import build
+    from accel_opt.builder.pipeline import build
 
     model = zoo.save(zoo.resnet(layout=(1, 1, 1, 1), width=8, num_classes=10, image_size=224, seed=0), work / "light.onnx")
     recipe = load_recipe().with_overrides(benchmark=FAST_BENCH, preprocessing={"resize": 256, "crop": 224},
@@ -109,7 +109,7 @@ def check_cost(rows: int, work: Path) -> dict[str, float]:
     import pyarrow as pa
 
     from accel_opt.runtime.output import input_key
-    from accel_opt.runtime.ray_job import ROWS_PER_PART, OutFolder
+    from accel_opt.runtime.ray.job import ROWS_PER_PART, OutFolder
 
     pa.table({"input": ["warm-up"]})  # imports and Arrow's allocator are not the listing's
     before = psutil.Process().memory_info().rss

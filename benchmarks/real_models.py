@@ -24,10 +24,10 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 
+from accel_opt.builder.pipeline import build
 from accel_opt.errors import AccelOptError
 from accel_opt.machine.cpu import cpu_info
-from accel_opt.pipeline import build
-from accel_opt.recipe import load_recipe
+from accel_opt.recipe.load import load_recipe
 
 PPOCR_MEAN, PPOCR_STD = np.array([0.485, 0.456, 0.406]), np.array([0.229, 0.224, 0.225])
 WORDS = ["invoice", "total", "amount", "date", "page", "table", "figure", "results", "method", "the", "of", "and", "model", "accuracy", "speed", "layout", "section", "abstract", "introduction", "2026", "42.0%", "revenue", "summary"]

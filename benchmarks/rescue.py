@@ -69,8 +69,8 @@ def main() -> int:
              f"{len(list(data.iterdir()))} crops, judged here on {len(held_labels)} held-out crops", ""]
     print("\n".join(lines), flush=True)
 
-    from accel_opt.pipeline import build
-    from accel_opt.recipe import load_recipe
+    from accel_opt.builder.pipeline import build
+    from accel_opt.recipe.load import load_recipe
 
     recipe = load_recipe("image-classifier").with_overrides(shapes={"image": [1, 3, 96, 96]}, benchmark=QUICK_BENCH)
     variants: dict[str, dict] = {}
@@ -136,9 +136,9 @@ def minilm(args) -> int:
     interleaved benchmark, and the search's steps and time."""
     import minilm as mini
 
+    from accel_opt.builder.pipeline import build
     from accel_opt.machine.cpu import kernel_class
-    from accel_opt.pipeline import build
-    from accel_opt.recipe import load_recipe
+    from accel_opt.recipe.load import load_recipe
 
     work = args.workdir or Path(tempfile.mkdtemp(prefix="accel-opt-rescue-minilm-"))
     feeds = work / "feeds"
@@ -184,7 +184,7 @@ def _nncf_accuracy_control(fp32_folder: Path, data: Path, work: Path) -> tuple[P
     import nncf
     import openvino as ov
 
-    from accel_opt.recipe import load_recipe
+    from accel_opt.recipe.load import load_recipe
 
     onnx_path = fp32_folder / "model.onnx"
     model = ov.Core().read_model(str(onnx_path))
@@ -208,10 +208,12 @@ def _evaluate(variants: dict[str, dict], samples: list[dict], work: Path) -> tup
     """Each variant's top-1 on the held-out samples, and its speed against its backend's fp32 at each timed batch, all
     targets of a backend timed in one interleaved run."""
     from accel_opt import runtime
-    from accel_opt.backends.openvino import OpenVinoBackend
+    from accel_opt.backends.openvino.backend import OpenVinoBackend
     from accel_opt.bench import Target, run_benchmark
     from accel_opt.machine.cpu import available_cpus
-    from accel_opt.recipe import BenchmarkConfig, Precision, Recipe
+    from accel_opt.recipe.schema import Recipe
+    from accel_opt.recipe.stages import BenchmarkConfig
+    from accel_opt.recipe.types import Precision
 
     runners = {}
     for name, v in variants.items():

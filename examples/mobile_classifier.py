@@ -112,7 +112,7 @@ def to_tensor(images: list) -> torch.Tensor:
     """The image-classifier recipe's preprocessing, fitted to 96x96 (shorter side to 110, center crop 96): what
     the builds feed the network."""
     from accel_opt.preprocess.images import preprocess_image
-    from accel_opt.recipe import Preprocessing
+    from accel_opt.recipe.deployed import Preprocessing
 
     pre = Preprocessing(resize=round(SIZE * 256 / 224), crop=SIZE, mean=list(MEAN), std=list(STD))
     return torch.from_numpy(np.concatenate([preprocess_image(i.convert("RGB"), pre) for i in images]))

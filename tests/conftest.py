@@ -10,7 +10,8 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from accel_opt import zoo
-from accel_opt.recipe import Recipe, load_recipe
+from accel_opt.recipe.load import load_recipe
+from accel_opt.recipe.schema import Recipe
 
 FAST_BENCH = {"warmup_iterations": 1, "min_iterations": 5, "min_seconds": 0.05, "max_iterations": 50, "batch_sizes": [1, 2],
               "concurrency": [1], "window_seconds": 0.02, "max_windows": 4}
@@ -43,7 +44,7 @@ def photos(tmp_path_factory) -> Path:
 def classifier(tiny_cnn_path, photos, tmp_path_factory) -> Path:
     """The tiny CNN built from the photos with a classifier's preprocessing and top-k postprocess (batch 4).
     Shared: tests that change the folder work on a copy."""
-    from accel_opt.pipeline import build
+    from accel_opt.builder.pipeline import build
 
     recipe = load_recipe().with_overrides(benchmark=FAST_BENCH, preprocessing=CLASSIFIER_PRE, postprocess={"topk": 3},
                                           **{"selection.target_batch_size": 4})

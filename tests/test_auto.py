@@ -9,13 +9,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from accel_opt import auto, selection
 from accel_opt.artifact.folder import MANIFEST
-from accel_opt.auto import build_auto, plan
 from accel_opt.backends.select import auto_backend, candidate_precisions
+from accel_opt.builder import auto, choice
+from accel_opt.builder.auto import build_auto, plan
 from accel_opt.errors import InputRejected, Unsupported
-from accel_opt.recipe import BackendName, Recipe
-from accel_opt.selection import AutoSelection
+from accel_opt.recipe.schema import Recipe
+from accel_opt.recipe.types import BackendName
+from accel_opt.report import selection
+from accel_opt.report.selection import AutoSelection
 
 TARGET = 2  # a batch size FAST_BENCH measures
 
@@ -49,7 +51,7 @@ def test_plan_auto_tries_every_sensible_pair_with_a_reason():
 
 
 def test_plan_without_data_skips_int8(caplog):
-    with caplog.at_level(logging.WARNING, logger="accel_opt.auto"):
+    with caplog.at_level(logging.WARNING, logger="accel_opt.builder.auto"):
         pairs, _ = plan(Recipe(), "auto", "auto", has_data=False)
     with_data, _ = plan(Recipe(), "auto", "auto", has_data=True)
     assert pairs == [pair for pair in with_data if pair[1] != "int8"]
@@ -219,11 +221,11 @@ def test_a_candidate_slower_than_fp32_on_the_objective_never_wins():
                 _candidate("int8", [(1, 2.4, 2.9, 417.0), (8, 5.0, 6.0, 1600.0)])]
 
     latency = pair()
-    winner = selection.choose(latency, "latency", None, 8)
+    winner = choice.choose(latency, "latency", None, 8)
     assert winner.precision == "fp32" and winner.objective_value == 2.0
     assert latency[1].verdict.startswith("not faster than fp32 on the objective: 2.40 vs onnxruntime fp32 2.00 ms p50")
     throughput = pair()
-    assert selection.choose(throughput, "throughput", None, 8).precision == "int8"
+    assert choice.choose(throughput, "throughput", None, 8).precision == "int8"
     assert throughput[0].verdict.startswith("lost: ")
 
 
@@ -233,24 +235,24 @@ def test_without_a_signed_off_fp32_build_the_failed_fp32_builds_are_the_speed_fl
     fp32 = _candidate("fp32", [(8, 5.0, 6.0, 1566.0)], backend="openvino")
     fp32.signed_off, fp32.verdict, fp32.artifact_dir = False, "failed the gate: logits: max error 0.414", "x"
     slow = _candidate("int8", [(8, 11.0, 12.0, 712.0)])
-    assert selection.speed_floors([fp32, slow]) == [fp32]
-    assert selection.choose([fp32, slow], "throughput", None, 8) is None
+    assert choice.speed_floors([fp32, slow]) == [fp32]
+    assert choice.choose([fp32, slow], "throughput", None, 8) is None
     assert slow.verdict.endswith("1566.00 samples/s (that fp32 build failed the gate)")
     assert fp32.verdict.startswith("failed the gate") and "speed floor" in fp32.verdict
     fast = _candidate("bf16", [(8, 3.0, 3.5, 2561.0)], backend="openvino")
-    assert selection.choose([fp32, slow, fast], "throughput", None, 8) is fast
+    assert choice.choose([fp32, slow, fast], "throughput", None, 8) is fast
     signed_fp32 = _candidate("fp32", [(8, 10.0, 11.0, 800.0)])  # a signed-off fp32 build is the floor again
-    assert selection.speed_floors([fp32, signed_fp32, slow]) == []
-    assert selection.choose([fp32, signed_fp32, slow], "throughput", None, 8) is signed_fp32
+    assert choice.speed_floors([fp32, signed_fp32, slow]) == []
+    assert choice.choose([fp32, signed_fp32, slow], "throughput", None, 8) is signed_fp32
 
 
 def test_throughput_within_p99_takes_the_best_point_under_the_budget():
     candidates = [_candidate("fp32", [(1, 2.0, 2.5, 500.0), (8, 12.0, 13.0, 667.0)]),
                   _candidate("int8", [(1, 1.0, 1.2, 1000.0), (8, 5.0, 11.0, 1600.0)])]
-    winner = selection.choose(candidates, "throughput_within_p99", 10.0, 8)
+    winner = choice.choose(candidates, "throughput_within_p99", 10.0, 8)
     assert winner.precision == "int8" and winner.objective_batch == 1  # batch 8's p99 of 11 ms is over budget
     assert candidates[0].objective_batch == 1  # fp32 at batch 8: p99 13 ms
-    assert selection.choose([_candidate("fp32", [(1, 20.0, 25.0, 50.0)])], "throughput_within_p99", 10.0, 8) is None
+    assert choice.choose([_candidate("fp32", [(1, 20.0, 25.0, 50.0)])], "throughput_within_p99", 10.0, 8) is None
 
 
 def test_p99_objective_needs_a_budget():
@@ -278,15 +280,15 @@ def test_reading_several_held_out_verdicts_costs_confidence():
     lucky, steady = _rated("int8", 3000.0, changed=4, rows=200), _rated("bf16", 2000.0, changed=0, rows=120)
     lucky.backend = "openvino"
     assert lucky.held_out_at(0.95) == "pass" and lucky.held_out_at(0.975) == "fail"
-    winner = selection.choose([fp32, lucky, steady], "throughput", None, 8, confidence=0.95)
+    winner = choice.choose([fp32, lucky, steady], "throughput", None, 8, confidence=0.95)
     assert winner is steady and steady.family_confidence == lucky.family_confidence == 0.975
     assert lucky.verdict.startswith("fastest left, but its held-out verdict at 97.50% (95% family-wise over 2 candidates) "
                                     "is a failure: top-1 agreement >= 9")
     assert steady.verdict.startswith("won: ") and "held-out verdict passes at 97.50%" in steady.verdict
     alone = _rated("int8", 3000.0, changed=4, rows=200)
-    assert selection.choose([_candidate("fp32", [(8, 10.0, 11.0, 800.0)]), alone], "throughput", None, 8) is alone  # 95% alone
+    assert choice.choose([_candidate("fp32", [(8, 10.0, 11.0, 800.0)]), alone], "throughput", None, 8) is alone  # 95% alone
     too_few = _rated("int8", 3000.0, changed=0, rows=40)  # 40 rows cannot show 95%: fp32 ships
-    assert selection.choose([fp32, too_few], "throughput", None, 8) is fp32 and "not enough evidence" in too_few.verdict
+    assert choice.choose([fp32, too_few], "throughput", None, 8) is fp32 and "not enough evidence" in too_few.verdict
 
 
 def test_a_candidate_far_outside_the_gate_is_dropped_before_its_search(tmp_path):
@@ -297,7 +299,7 @@ def test_a_candidate_far_outside_the_gate_is_dropped_before_its_search(tmp_path)
     from PIL import Image
 
     from accel_opt import zoo
-    from accel_opt.recipe import load_recipe
+    from accel_opt.recipe.load import load_recipe
 
     from .conftest import FAST_BENCH
 

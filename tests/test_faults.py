@@ -14,9 +14,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from accel_opt.artifact.folder import MANIFEST, sha256_file
+from accel_opt.artifact.folder import MANIFEST
+from accel_opt.builder.pipeline import build
 from accel_opt.errors import ResourceExhausted, UsageError
-from accel_opt.pipeline import build
+from accel_opt.files import sha256_file
 
 from .conftest import FAST_BENCH, matmul_model, save
 

@@ -13,7 +13,7 @@ from click.testing import CliRunner
 
 from accel_opt.cli import main
 from accel_opt.cli.run import host_decoding_note
-from accel_opt.runtime.job import JobSummary
+from accel_opt.runtime.local.job import JobSummary
 from benchmarks.gpu_kit import kit_bytes
 
 ROOT = Path(__file__).resolve().parents[1]

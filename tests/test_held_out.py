@@ -17,10 +17,10 @@ import pytest
 from click.testing import CliRunner
 from onnx import TensorProto, helper, numpy_helper
 
+from accel_opt.builder.pipeline import build
 from accel_opt.cli import main
 from accel_opt.data import split_roles
-from accel_opt.pipeline import build
-from accel_opt.recipe import SplitConfig
+from accel_opt.recipe.gate import SplitConfig
 
 from .conftest import FAST_BENCH, make_model, save
 
@@ -144,7 +144,7 @@ def test_fp32_is_never_refused_for_few_samples(fast_recipe, tmp_path):
 def test_auto_does_not_ship_a_candidate_whose_held_out_verdict_fails(tmp_path, fast_recipe):
     """The issue's case: int8 passes on the steering samples (the shortlist) but changes 10% of held-out answers. Auto
     reads its held-out verdict before shipping it, and ships fp32."""
-    from accel_opt.auto import build_auto
+    from accel_opt.builder.auto import build_auto
 
     model = save(tie_classifier(), tmp_path / "tie.onnx")
     data, _ = write_data(tmp_path / "data", 120, hard_share=0.1)

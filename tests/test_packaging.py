@@ -11,9 +11,9 @@ def test_import_after_onnxruntime_quantization_in_a_fresh_interpreter(tmp_path):
     # onnxruntime.quantization appends onnxruntime/transformers (which holds optimizer.py) to sys.path.
     code = ("import onnxruntime.quantization, sys\n"
             "from accel_opt import build, load_recipe\n"
-            "import accel_opt.pipeline\n"
+            "import accel_opt.builder.pipeline\n"
             "assert callable(build) and callable(load_recipe)\n"
-            "assert accel_opt.pipeline.__file__.startswith(sys.argv[1]), accel_opt.pipeline.__file__\n")
+            "assert accel_opt.builder.pipeline.__file__.startswith(sys.argv[1]), accel_opt.builder.pipeline.__file__\n")
     done = subprocess.run([sys.executable, "-c", code, str(ROOT / "optimizer" / "accel_opt")], cwd=tmp_path, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
 

@@ -6,15 +6,15 @@ import numpy as np
 import onnx
 import pytest
 
+from accel_opt.builder.pipeline import build
 from accel_opt.data import split_roles
-from accel_opt.pipeline import build
 
 
 def _write_data(folder, count=16, calibration_scale=1.0, seed=0):
     """Random images; the ones the pipeline will pick for calibration are scaled by `calibration_scale`."""
     rng = np.random.default_rng(seed)
     images = [rng.standard_normal((1, 3, 32, 32)).astype(np.float32) for _ in range(count)]
-    from accel_opt.recipe import SplitConfig
+    from accel_opt.recipe.gate import SplitConfig
 
     # The split the pipeline makes (recipe seed 0): by index, the images being distinct.
     calibration_ids = set(split_roles([str(i) for i in range(count)], SplitConfig(), True, 64, 300, seed=0).calibration)
@@ -114,9 +114,10 @@ def test_int8_build_records_the_integer_kernels_ort_runs(tiny_cnn_path, fast_rec
 
 def test_quantized_op_left_in_float_by_ort_is_refused(tmp_path):
     """A Q/DQ Conv without a QuantizeLinear after it: ORT cannot fuse it and would run it in float."""
-    from accel_opt.backends.onnxruntime import OnnxRuntimeBackend
+    from accel_opt.backends.onnxruntime.backend import OnnxRuntimeBackend
     from accel_opt.errors import Unsupported
-    from accel_opt.recipe import Precision, Recipe
+    from accel_opt.recipe.schema import Recipe
+    from accel_opt.recipe.types import Precision
 
     from .conftest import lonely_qdq_conv
 

@@ -1,7 +1,8 @@
 import pytest
 
 from accel_opt.errors import UsageError
-from accel_opt.recipe import Precision, load_recipe, parse_shapes
+from accel_opt.recipe.load import load_recipe, parse_shapes
+from accel_opt.recipe.types import Precision
 
 
 def test_default_recipe_loads_by_name():
@@ -12,7 +13,7 @@ def test_default_recipe_loads_by_name():
 
 
 def test_every_bundled_recipe_validates():
-    from accel_opt.recipe import RECIPES_DIR
+    from accel_opt.recipe.load import RECIPES_DIR
 
     names = sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
     assert "default" in names

@@ -107,7 +107,7 @@ def test_images_need_preprocessing(tmp_path):
 
 
 def test_split_is_disjoint_deterministic_and_gives_the_verdict_most_samples():
-    from accel_opt.recipe import SplitConfig
+    from accel_opt.recipe.gate import SplitConfig
 
     keys = [sample_key({"x": np.full((1,), i, np.float32)}) for i in range(300)]
     split = split_roles(keys, SplitConfig(), calibrates=True, calibration_max=64, verdict_max=1000, seed=0)
@@ -122,7 +122,7 @@ def test_split_is_disjoint_deterministic_and_gives_the_verdict_most_samples():
 
 
 def test_identical_inputs_count_once_and_never_in_two_roles():
-    from accel_opt.recipe import SplitConfig
+    from accel_opt.recipe.gate import SplitConfig
 
     keys = [f"k{i % 10}" for i in range(40)]  # every input four times
     split = split_roles(keys, SplitConfig(), calibrates=True, calibration_max=64, verdict_max=1000, seed=0)
@@ -133,7 +133,7 @@ def test_identical_inputs_count_once_and_never_in_two_roles():
 
 
 def test_too_few_samples_to_calibrate_and_judge_is_rejected():
-    from accel_opt.recipe import SplitConfig
+    from accel_opt.recipe.gate import SplitConfig
 
     with pytest.raises(InputRejected, match="at least 2 samples"):
         split_roles(["a"], SplitConfig(), calibrates=True, calibration_max=64, verdict_max=10, seed=0)
@@ -159,7 +159,7 @@ def test_batch_of_cycles_samples():
 def test_model_input_matches_the_textbook_normalization(layout, dtype):
     """The fast in-place normalization computes (x / 255 - mean) / std, laid out and typed as asked."""
     from accel_opt.preprocess.images import to_model_input
-    from accel_opt.recipe import Preprocessing
+    from accel_opt.recipe.deployed import Preprocessing
 
     pre = Preprocessing(layout=layout, dtype=dtype)
     crops = np.random.default_rng(0).integers(0, 256, (2, 6, 5, 3), dtype=np.uint8)
@@ -178,7 +178,7 @@ def test_crop_region_resize_matches_resizing_the_whole_image():
     from PIL import Image
 
     from accel_opt.preprocess.images import preprocess_image
-    from accel_opt.recipe import Preprocessing
+    from accel_opt.recipe.deployed import Preprocessing
 
     pre = Preprocessing(resize=64, crop=56, dtype="uint8", layout="NHWC")
     rng = np.random.default_rng(1)

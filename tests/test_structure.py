@@ -1,9 +1,13 @@
-"""The house rules a reader relies on: no runtime import circle inside the package, and no module past ~400 lines
-unless its docstring says why it must be one."""
+"""The house rules a reader relies on: the layers import one way (import-linter's contracts in pyproject.toml), no
+runtime import circle inside the package, and no module past ~400 lines unless its docstring says why it must be one."""
 
 from __future__ import annotations
 
 import ast
+import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 SOURCES = Path(__file__).resolve().parents[1] / "optimizer" / "accel_opt"  # the import package
@@ -126,3 +130,31 @@ def test_no_submodule_shadows_a_name_its_package_exports():
                     if node.module not in (f"{name}.{n}", name.rpartition(".")[0] or None) and node.module != name}
         clashes += [f"{name}.{child.stem}" for child in path.parent.glob("*.py") if child.stem in exported]
     assert not clashes, f"submodules named like a name their package exports: {clashes}"
+
+
+ROOT = SOURCES.parents[1]
+
+
+def _lint_imports(cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([str(Path(sys.executable).with_name("lint-imports")), "--no-cache"], cwd=cwd,
+                          capture_output=True, text=True, env=env, timeout=300)
+
+
+def test_the_layers_contract_holds():
+    """pyproject.toml's import-linter contracts: one direction of imports (cli, builder, ..., recipe, files, errors),
+    and the local and Ray engines independent of each other."""
+    done = _lint_imports(ROOT)
+    assert done.returncode == 0 and "2 kept, 0 broken" in done.stdout, done.stdout[-2000:]
+
+
+def test_the_layers_contract_fails_when_a_lower_layer_imports_a_higher_one(tmp_path):
+    """The same contracts on a copy of the package where the recipe (near the bottom) imports the command line (the
+    top), inside a function: broken, naming the import."""
+    shutil.copytree(SOURCES, tmp_path / "accel_opt", ignore=shutil.ignore_patterns("__pycache__"))
+    with open(tmp_path / "accel_opt" / "recipe" / "types.py", "a") as module:
+        module.write("\n\ndef _upwards():\n    import accel_opt.cli  # noqa: F401\n")
+    config = (ROOT / "pyproject.toml").read_text()
+    (tmp_path / "pyproject.toml").write_text(config[config.index("[tool.importlinter]"):config.index("[tool.ruff]")])
+    done = _lint_imports(tmp_path, env={**os.environ, "PYTHONPATH": str(tmp_path)})
+    assert done.returncode != 0 and "One direction of imports BROKEN" in done.stdout, done.stdout[-2000:]
+    assert "accel_opt.recipe.types -> accel_opt.cli" in done.stdout

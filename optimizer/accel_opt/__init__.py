@@ -16,14 +16,16 @@ __version__ = "0.1.0"
 __all__ = ["BuildResult", "Precision", "Recipe", "__version__", "build", "load_recipe"]
 
 if TYPE_CHECKING:
-    from accel_opt.pipeline import build
-    from accel_opt.recipe import Precision, Recipe, load_recipe
+    from accel_opt.builder.pipeline import build
+    from accel_opt.recipe.load import load_recipe
+    from accel_opt.recipe.schema import Recipe
+    from accel_opt.recipe.types import Precision
     from accel_opt.report.results import BuildResult
 
 
 def __getattr__(name: str) -> Any:
     if name == "build":
-        from accel_opt.pipeline import build
+        from accel_opt.builder.pipeline import build
 
         return build
     if name == "BuildResult":

@@ -18,11 +18,12 @@ from typing import TYPE_CHECKING
 import numpy as np
 from pydantic import BaseModel
 
-from accel_opt.artifact.folder import sha256_file
 from accel_opt.errors import InputRejected, UsageError, first_line
+from accel_opt.files import sha256_file
 from accel_opt.graph.inspect import TensorSpec
 from accel_opt.preprocess.images import IMAGE_SUFFIXES, preprocess_image, read_image
-from accel_opt.recipe import Preprocessing, SplitConfig
+from accel_opt.recipe.deployed import Preprocessing
+from accel_opt.recipe.gate import SplitConfig
 
 if TYPE_CHECKING:
     from accel_opt.preprocess.text import TextEncoder

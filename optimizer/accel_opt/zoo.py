@@ -253,7 +253,7 @@ def photo_dataset(size: int = 224, per_photo: int = 48, seed: int = 0) -> tuple[
     from PIL import Image
 
     from accel_opt.preprocess.images import preprocess_image
-    from accel_opt.recipe import Preprocessing
+    from accel_opt.recipe.deployed import Preprocessing
 
     rng = np.random.default_rng(seed)
     pre = Preprocessing(resize=round(size * 256 / 224), crop=size)

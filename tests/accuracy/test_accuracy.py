@@ -6,9 +6,11 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from accel_opt.accuracy import compare, judge
-from accel_opt.backends.onnxruntime import reference_runner
+from accel_opt.backends.onnxruntime.backend import reference_runner
 from accel_opt.data import DataSummary
-from accel_opt.recipe import CosineMetric, DetectionMetric, Precision, Tolerance, TopKMetric, load_recipe
+from accel_opt.recipe.gate import CosineMetric, DetectionMetric, Tolerance, TopKMetric
+from accel_opt.recipe.load import load_recipe
+from accel_opt.recipe.types import Precision
 from accel_opt.report.markdown import signoff_markdown
 
 from ..conftest import matmul_model, save

@@ -11,8 +11,8 @@ import pytest
 
 from accel_opt import zoo
 from accel_opt.accuracy import compare
-from accel_opt.backends.onnxruntime import reference_runner
-from accel_opt.backends.openvino import (
+from accel_opt.backends.onnxruntime.backend import reference_runner
+from accel_opt.backends.openvino.backend import (
     HINTS,
     OpenVinoBackend,
     OpenVinoRunner,
@@ -24,10 +24,11 @@ from accel_opt.backends.openvino import (
     throughput,
 )
 from accel_opt.backends.select import auto_backend, candidate_precisions
+from accel_opt.builder.pipeline import build
 from accel_opt.errors import InputRejected, Unsupported
 from accel_opt.machine.cpu import cpu_flags
-from accel_opt.pipeline import build
-from accel_opt.recipe import BackendName, Precision, Recipe
+from accel_opt.recipe.schema import Recipe
+from accel_opt.recipe.types import BackendName, Precision
 
 needs_openvino = pytest.mark.skipif(importlib.util.find_spec("openvino") is None, reason="openvino is not installed")
 

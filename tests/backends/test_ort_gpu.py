@@ -17,11 +17,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from accel_opt.backends import get_backend, ort_gpu
+from accel_opt.backends import get_backend
 from accel_opt.backends.base import CastInputsRunner, CompiledModel
 from accel_opt.backends.gpu_timing import STAGE_KEYS, StageClock, last_stage_ms, median_stage_ms
-from accel_opt.backends.onnxruntime import OnnxRuntimeBackend, create_session, open_session
-from accel_opt.backends.ort_gpu import (
+from accel_opt.backends.onnxruntime import gpu as ort_gpu
+from accel_opt.backends.onnxruntime.backend import OnnxRuntimeBackend, create_session, open_session
+from accel_opt.backends.onnxruntime.gpu import (
     CPU_PROVIDER,
     CUDA_PROVIDER,
     TENSORRT_PROVIDER,
@@ -31,12 +32,13 @@ from accel_opt.backends.ort_gpu import (
     trt_cache_mismatch,
     trt_ep_options,
 )
-from accel_opt.backends.ort_iobinding import OrtIoBindingRunner, SessionFactory
-from accel_opt.backends.trt_build_config import ShapeRange
+from accel_opt.backends.onnxruntime.iobinding import OrtIoBindingRunner, SessionFactory
+from accel_opt.backends.tensorrt.build_config import ShapeRange
 from accel_opt.errors import Unsupported
 from accel_opt.machine import gpu as cuda_device
 from accel_opt.machine.gpu import CudaDevice, CudaProbe
-from accel_opt.recipe import Precision, Recipe
+from accel_opt.recipe.schema import Recipe
+from accel_opt.recipe.types import Precision
 
 from ..conftest import matmul_model, save
 

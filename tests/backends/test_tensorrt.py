@@ -22,11 +22,11 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
-from accel_opt.backends import tensorrt as trt_backend
 from accel_opt.backends.select import AcceleratorFacts, auto_backend_choice
-from accel_opt.backends.trt_build_config import ShapeRange, derive_profiles, profile_bounds, trtexec_command
-from accel_opt.backends.trt_inspect import engine_layers, graph_tensor_dtypes, tensor_dtype, wider_layers
-from accel_opt.backends.trt_plan import (
+from accel_opt.backends.tensorrt import backend as trt_backend
+from accel_opt.backends.tensorrt.build_config import ShapeRange, derive_profiles, profile_bounds, trtexec_command
+from accel_opt.backends.tensorrt.inspector import engine_layers, graph_tensor_dtypes, tensor_dtype, wider_layers
+from accel_opt.backends.tensorrt.plan import (
     PLAN_MAGIC,
     check_engine_compatible,
     plan_mismatch,
@@ -37,7 +37,8 @@ from accel_opt.backends.trt_plan import (
 from accel_opt.errors import InputRejected, InternalError, ResourceExhausted, UsageError
 from accel_opt.graph.inspect import TensorSpec
 from accel_opt.machine.gpu import CudaDevice, CudaProbe
-from accel_opt.recipe import BackendName, Precision, Recipe
+from accel_opt.recipe.schema import Recipe
+from accel_opt.recipe.types import BackendName, Precision
 
 DATA = Path(__file__).parents[1] / "data" / "trt_inspector"
 IMAGE = TensorSpec(name="image", dtype="float32", shape=["batch", 3, 224, 224])
@@ -309,7 +310,7 @@ def test_the_real_child_without_tensorrt_reports_a_crash(tmp_path):
 
 
 def test_the_oom_pattern_matches_tensorrt_wording():
-    from accel_opt.backends.tensorrt_build import OUT_OF_MEMORY
+    from accel_opt.backends.tensorrt.build import OUT_OF_MEMORY
 
     for line in ("[defaultAllocator.cpp::allocate::20] Error Code 1: Cuda Runtime (out of memory)",
                  "Error Code 2: OutOfMemory (Requested size was 17179869184 bytes.)",

@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from accel_opt.builder.pipeline import build
 from accel_opt.cli import main
-from accel_opt.pipeline import build
 
 pytest.importorskip("torch")
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"

@@ -12,7 +12,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from accel_opt.backends.gpu_timing import STAGE_KEYS, last_stage_ms  # noqa: E402
-from accel_opt.backends.torch import TorchRunner  # noqa: E402
+from accel_opt.backends.torch.runner import TorchRunner  # noqa: E402
 from accel_opt.errors import Unsupported, UsageError  # noqa: E402
 from accel_opt.graph.inspect import TensorSpec  # noqa: E402
 

@@ -16,11 +16,12 @@ torch = pytest.importorskip("torch", reason="the torch extra: pip install 'accel
 
 from accel_opt import runtime  # noqa: E402
 from accel_opt.artifact.folder import MANIFEST, file_hashes  # noqa: E402
+from accel_opt.builder.pipeline import build  # noqa: E402
 from accel_opt.cli import main  # noqa: E402
-from accel_opt.pipeline import build  # noqa: E402
 from accel_opt.preprocess.images import preprocess_image  # noqa: E402
-from accel_opt.recipe import Preprocessing, load_recipe  # noqa: E402
-from accel_opt.runtime.job import run_job  # noqa: E402
+from accel_opt.recipe.deployed import Preprocessing  # noqa: E402
+from accel_opt.recipe.load import load_recipe  # noqa: E402
+from accel_opt.runtime.local.job import run_job  # noqa: E402
 
 from ..conftest import CLASSIFIER_PRE, FAST_BENCH  # noqa: E402
 
@@ -95,7 +96,7 @@ def test_the_package_runs_jpegs_on_its_tensor_path_and_agrees_with_pillow(torch_
 
 
 def _module():
-    from accel_opt.backends.torch import load_factory
+    from accel_opt.backends.torch.backend import load_factory
 
     return load_factory(CNN)()
 
@@ -152,7 +153,7 @@ def test_a_tampered_package_is_refused_before_it_loads(torch_builds, photos, tmp
 
 @pytest.mark.slow
 def test_a_package_for_another_cpu_isa_is_refused_naming_it(torch_builds, tmp_path):
-    from accel_opt.backends.torch_package import environment_problems
+    from accel_opt.backends.torch.package import environment_problems
 
     settings = json.loads((torch_builds["fp32"] / "resource_config.json").read_text())["settings"]
     assert environment_problems(settings) == []
@@ -182,7 +183,7 @@ def test_an_int8_package_whose_convolutions_stay_float_says_so(tmp_path):
     """What PT2E without freezing compiles to (measured): dequantize kernels feeding float convolutions."""
     import zipfile
 
-    from accel_opt.backends.torch_package import compute_kernels, int8_check
+    from accel_opt.backends.torch.kernels import compute_kernels, int8_check
 
     wrapper = ("AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_cpu_convolution(buf0, arg1, ...));\n"
                "AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_cpu_convolution(buf2, arg3, ...));\n"
@@ -197,8 +198,8 @@ def test_an_int8_package_whose_convolutions_stay_float_says_so(tmp_path):
 
 
 def test_auto_runs_torch_off_against_the_onnx_backends_for_a_factory():
-    from accel_opt.auto import plan
     from accel_opt.backends.select import torch_candidate_precisions
+    from accel_opt.builder.auto import plan
 
     pairs, reason = plan(load_recipe(), "auto", "fp32", has_data=False, torch_source=True)
     assert ("torch", "fp32") in {(b, p) for b, p, _ in pairs} and "runs off on torch" in reason

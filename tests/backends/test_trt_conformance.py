@@ -30,7 +30,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 NAMES_DIR = ROOT / "tests" / "data" / "trt_names"
 BACKENDS = ROOT / "optimizer" / "accel_opt" / "backends"
-SOURCES = [BACKENDS / "tensorrt.py", BACKENDS / "tensorrt_build.py"]
+SOURCES = [BACKENDS / "tensorrt" / "backend.py", BACKENDS / "tensorrt" / "build.py"]
 MODULE_ALIASES = {"trt", "tensorrt"}  # `import tensorrt as trt`, `import tensorrt`, or a parameter named trt
 PY_CLASSES = {"Builder": "IBuilder", "Runtime": "IRuntime", "OnnxParser": "IParser", "Logger": "ILogger",
               "ILogger": "ILogger", "EngineInspector": "IEngineInspector"}

@@ -1,8 +1,8 @@
 import numpy as np
 
-from accel_opt.backends.onnxruntime import reference_runner
+from accel_opt.backends.onnxruntime.backend import reference_runner
 from accel_opt.bench import Target, latency_stats, run_benchmark, timed_calls
-from accel_opt.recipe import BenchmarkConfig
+from accel_opt.recipe.stages import BenchmarkConfig
 
 from ..conftest import matmul_model, save
 

@@ -8,10 +8,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from accel_opt.backends.onnxruntime import reference_runner
+from accel_opt.backends.onnxruntime.backend import reference_runner
 from accel_opt.bench.sweep import SweepPoint, capacity, recommend, sweep
-from accel_opt.pipeline import build
-from accel_opt.recipe import BenchmarkConfig
+from accel_opt.builder.pipeline import build
+from accel_opt.recipe.stages import BenchmarkConfig
 
 from ..conftest import FAST_BENCH, matmul_model, save
 

@@ -100,7 +100,7 @@ def test_bad_recipe_exit_2(tmp_path):
 
 
 def _tensorrt_here() -> bool:
-    from accel_opt.backends.tensorrt import TensorRtBackend
+    from accel_opt.backends.tensorrt.backend import TensorRtBackend
 
     return bool(TensorRtBackend().available())
 

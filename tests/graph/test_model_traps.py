@@ -12,8 +12,8 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
+from accel_opt.builder.pipeline import build
 from accel_opt.errors import UsageError
-from accel_opt.pipeline import build
 
 from ..conftest import make_model, matmul_model, save
 
@@ -112,7 +112,8 @@ def test_unused_custom_domain_import_survives_the_bf16_opset_upgrade(tiny_cnn_pa
     """The bf16 transform lifts opset 17 to 22 (ONNX admits bfloat16 on Conv from 22): a Paddle import that
     onnx.helper cannot look up must not break it. The graph transform runs on every CPU; only running bf16 needs one."""
     from accel_opt.precision.fp16 import convert_float
-    from accel_opt.recipe import Precision, PrecisionConfig
+    from accel_opt.recipe.stages import PrecisionConfig
+    from accel_opt.recipe.types import Precision
 
     model = _with_unused_paddle_import(tmp_path, onnx.load(str(tiny_cnn_path)))
     report = convert_float(model, Precision.bf16, PrecisionConfig(), tmp_path / "bf16.onnx")
@@ -159,7 +160,7 @@ def detector_model(size: int = 64, classes: int = 3) -> onnx.ModelProto:
 
 
 def test_detector_recipe_gates_on_matched_boxes(tmp_path):
-    from accel_opt.recipe import load_recipe
+    from accel_opt.recipe.load import load_recipe
 
     from ..conftest import FAST_BENCH
 

@@ -11,11 +11,11 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from accel_opt import runtime
+from accel_opt.builder.pipeline import build
 from accel_opt.errors import Unsupported
 from accel_opt.graph.inspect import index_bounds
 from accel_opt.graph.lift import LIFT_TO_OPSET, lift_if_unimplemented, missing_kernel
 from accel_opt.graph.load import load_model
-from accel_opt.pipeline import build
 
 from ..conftest import make_model, save
 

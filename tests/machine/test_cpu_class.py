@@ -21,7 +21,8 @@ from accel_opt.artifact.folder import MANIFEST
 from accel_opt.machine.cpu import cpu_class, kernel_class, saturating_int8
 from accel_opt.precision.int8 import quantize
 from accel_opt.precision.int8_presets import ORT_CPU, TENSORRT, weight_range
-from accel_opt.recipe import CalibrationConfig, load_recipe
+from accel_opt.recipe.load import load_recipe
+from accel_opt.recipe.stages import CalibrationConfig
 
 from ..conftest import FAST_BENCH, make_model, save
 
@@ -100,7 +101,7 @@ def test_the_noise_floor_keeps_fp32_reordering_from_failing_a_near_constant_outp
 
 def test_an_unmodified_fp32_model_with_a_near_constant_output_signs_off(tmp_path, fast_recipe):
     """Sigmoid of a deep negative logit: values ~1e-5, std tiny; the measured floor keeps the fp32 build signed off."""
-    from accel_opt.pipeline import build
+    from accel_opt.builder.pipeline import build
 
     rng = np.random.default_rng(0)
     w = (rng.standard_normal((16, 3, 3, 3)) * 0.5).astype(np.float32)
@@ -139,7 +140,7 @@ def saturating_builds(tmp_path_factory):
     kernels) and 7-bit ones (for AVX2). Built here and recorded as built on AMX, so every host, whatever its own
     class, re-checks them under oneDNN's AVX2 cap: real saturating kernels, on this one machine."""
     pytest.importorskip("openvino")
-    from accel_opt.pipeline import build
+    from accel_opt.builder.pipeline import build
 
     root = tmp_path_factory.mktemp("saturating")
     model, data = save(zoo.saturating_conv(), root / "sat.onnx"), saturating_data(root / "data")

@@ -11,12 +11,14 @@ import pytest
 from click.testing import CliRunner
 from onnx import TensorProto, helper, numpy_helper
 
+from accel_opt.builder.pipeline import build
 from accel_opt.cli import main
-from accel_opt.pipeline import build
 from accel_opt.precision.diagnose import diagnose, map_tensors
 from accel_opt.precision.fp16 import convert_float
 from accel_opt.precision.int8 import quantize
-from accel_opt.recipe import CalibrationConfig, Precision, Recipe
+from accel_opt.recipe.schema import Recipe
+from accel_opt.recipe.stages import CalibrationConfig
+from accel_opt.recipe.types import Precision
 
 from ..conftest import image_npz_folder, lonely_qdq_conv, make_model, save, spiky_cnn
 
@@ -166,7 +168,7 @@ def test_fp16_overflow_is_kept_in_fp32_before_any_build_is_judged(tmp_path, fast
 def test_float_by_design_nodes_pass_the_int8_kernel_check(tmp_path):
     """The ORT int8-kernel check still refuses a float-run quantized op, unless the model records that
     the fallback left it in float on purpose."""
-    from accel_opt.backends.onnxruntime import OnnxRuntimeBackend, float_run_quantized_ops
+    from accel_opt.backends.onnxruntime.backend import OnnxRuntimeBackend, float_run_quantized_ops
     from accel_opt.errors import Unsupported
     from accel_opt.precision.fallback import mark_float_by_design
 
@@ -206,7 +208,7 @@ def test_an_output_mixing_pixels_and_scores_keeps_its_concat_float(tmp_path):
     assert [k.node for k in report.kept_in_higher_precision] == ["head"]
     graph = onnx.load(str(tmp_path / "q.onnx")).graph
     assert next(n for n in graph.node if "y" in n.output).op_type == "Concat"  # not a DequantizeLinear
-    from accel_opt.backends.onnxruntime import CPU_PROVIDER, create_session
+    from accel_opt.backends.onnxruntime.backend import CPU_PROVIDER, create_session
 
     ref = create_session(model, [CPU_PROVIDER], 1).run(None, samples[0])[0]
     cand = create_session(tmp_path / "q.onnx", [CPU_PROVIDER], 1).run(None, samples[0])[0]
@@ -244,7 +246,7 @@ def test_a_variant_the_converter_cannot_write_leaves_the_build_before_it(tiny_cn
     from accel_opt.precision import PrecisionReport
     from accel_opt.precision.diagnose import Diagnosis, LayerError
     from accel_opt.precision.fallback import Actions, ProbeVerdict, run
-    from accel_opt.recipe import FallbackConfig
+    from accel_opt.recipe.stages import FallbackConfig
 
     first = onnx.load(str(tiny_cnn_path)).graph.node[0]
 

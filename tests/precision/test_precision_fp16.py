@@ -12,10 +12,11 @@ from onnx.reference import ReferenceEvaluator
 
 import accel_opt.graph.save
 from accel_opt import zoo
-from accel_opt.backends.onnxruntime import CPU_PROVIDER, create_session
+from accel_opt.backends.onnxruntime.backend import CPU_PROVIDER, create_session
 from accel_opt.graph.inspect import opset_of
 from accel_opt.precision.fp16 import convert_float
-from accel_opt.recipe import Precision, PrecisionConfig
+from accel_opt.recipe.stages import PrecisionConfig
+from accel_opt.recipe.types import Precision
 
 from ..conftest import save
 

@@ -10,12 +10,14 @@ import pytest
 from onnx import TensorProto, numpy_helper
 
 from accel_opt import zoo
-from accel_opt.backends.onnxruntime import CPU_PROVIDER, create_session
+from accel_opt.backends.onnxruntime.backend import CPU_PROVIDER, create_session
 from accel_opt.errors import Unsupported
 from accel_opt.precision import transform
 from accel_opt.precision.int8 import quantize
 from accel_opt.precision.int8_presets import OPENVINO, ORT_CPU, TENSORRT, resolve_preset
-from accel_opt.recipe import CalibrationConfig, CalibrationMethod, Precision, QuantTarget, Recipe
+from accel_opt.recipe.schema import Recipe
+from accel_opt.recipe.stages import CalibrationConfig
+from accel_opt.recipe.types import CalibrationMethod, Precision, QuantTarget
 
 SIZE = 32
 

@@ -14,12 +14,12 @@ from onnx import TensorProto, helper, numpy_helper
 from PIL import Image
 
 from accel_opt import runtime
+from accel_opt.builder.pipeline import build
 from accel_opt.cli import main
 from accel_opt.errors import UsageError
 from accel_opt.graph.inspect import TensorSpec
-from accel_opt.pipeline import build
 from accel_opt.preprocess.fit import fit_preprocessing
-from accel_opt.recipe import load_recipe
+from accel_opt.recipe.load import load_recipe
 
 from ..conftest import FAST_BENCH, image_npz_folder, make_model, save
 

@@ -20,16 +20,16 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from accel_opt.runtime.ray_cluster import LOOPBACK_ENV, pin_loopback
+from accel_opt.runtime.ray.cluster import LOOPBACK_ENV, pin_loopback
 
 pin_loopback()  # before ray is imported below
 ray = pytest.importorskip("ray", reason="Ray Data is the `ray` extra: pip install 'accel-opt[ray]'")
 
 from accel_opt import runtime  # noqa: E402
 from accel_opt.cli import main  # noqa: E402
-from accel_opt.runtime.job import run_job  # noqa: E402
+from accel_opt.runtime.local.job import run_job  # noqa: E402
 from accel_opt.runtime.output import Outputs  # noqa: E402
-from accel_opt.runtime.ray_job import SUMMARY, OutFolder  # noqa: E402
+from accel_opt.runtime.ray.job import SUMMARY, OutFolder  # noqa: E402
 
 NODE = {"node_ip_address": "127.0.0.1", "object_store_memory": 100 << 20}
 # A killed node is marked dead after 3 missed health checks 0.5 s apart (Ray's default: 5 x 3 s).
@@ -144,8 +144,8 @@ def test_predictor_in_a_users_own_ray_pipeline(classifier, photos, tmp_path):
     naming that node (exit code 3's error), not a hang or a silent retry."""
     from ray.data import ActorPoolStrategy
 
-    from accel_opt.runtime.distributed import Predictor, predict
-    from accel_opt.runtime.ray_cluster import as_accel_opt_error
+    from accel_opt.runtime.ray.cluster import as_accel_opt_error
+    from accel_opt.runtime.ray.predictor import Predictor, predict
 
     temp_dir = tempfile.mkdtemp(prefix="aoray-", dir="/tmp")
     ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=100 << 20, _temp_dir=temp_dir,
@@ -164,7 +164,7 @@ def test_predictor_in_a_users_own_ray_pipeline(classifier, photos, tmp_path):
         assert {r["input"]: r["top1"] for r in as_bytes} == reference  # read by Ray, decoded by the actor alike
         # A second answer of one input (what a batch Ray runs twice yields) is dropped by key before publishing,
         # and the check over the published parts catches an input answered twice or not at all.
-        from accel_opt.runtime.ray_job import _stream
+        from accel_opt.runtime.ray.job import _stream
 
         folder = OutFolder(tmp_path / "dedup")
         folder.folder.mkdir()
@@ -184,8 +184,8 @@ def test_predictor_in_a_users_own_ray_pipeline(classifier, photos, tmp_path):
 @pytest.fixture(scope="module")
 def raw_outputs(tiny_cnn_path, photos, tmp_path_factory) -> Path:
     """The `classifier` without a postprocess: every answer is an .npz of the outputs, not a JSON top-k."""
-    from accel_opt.pipeline import build
-    from accel_opt.recipe import load_recipe
+    from accel_opt.builder.pipeline import build
+    from accel_opt.recipe.load import load_recipe
 
     from ..conftest import CLASSIFIER_PRE, FAST_BENCH
 

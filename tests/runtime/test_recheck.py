@@ -18,10 +18,10 @@ from PIL import Image
 
 from accel_opt import zoo
 from accel_opt.artifact.folder import MANIFEST, file_hashes
+from accel_opt.builder.pipeline import build
 from accel_opt.machine.cpu import kernel_class
 from accel_opt.machine.gpu import CudaDevice, CudaProbe
-from accel_opt.pipeline import build
-from accel_opt.recipe import load_recipe
+from accel_opt.recipe.load import load_recipe
 from accel_opt.runtime.probe import PROBE_JSON, PROBE_NPZ, UINT8_IMAGE, _record_path
 
 from ..conftest import CLASSIFIER_PRE, FAST_BENCH

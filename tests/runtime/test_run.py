@@ -12,13 +12,13 @@ from click.testing import CliRunner
 from PIL import Image
 
 from accel_opt import runtime
+from accel_opt.builder.pipeline import build
 from accel_opt.cli import main
 from accel_opt.data import load_samples
 from accel_opt.errors import InputRejected, UsageError
-from accel_opt.pipeline import build
 from accel_opt.preprocess.images import preprocess_image
-from accel_opt.recipe import Postprocess, Preprocessing
-from accel_opt.runtime.job import errors_path, run_job
+from accel_opt.recipe.deployed import Postprocess, Preprocessing
+from accel_opt.runtime.local.job import errors_path, run_job
 from accel_opt.runtime.output import Outputs
 
 from ..conftest import CLASSIFIER_PRE, image_npz_folder
@@ -151,7 +151,7 @@ def test_bad_out_paths_are_usage_errors_and_resume_leaves_a_foreign_file_alone(c
 
 
 def test_feeds_without_postprocess_get_an_npz_each(tiny_cnn_path, tmp_path):
-    from accel_opt.recipe import load_recipe
+    from accel_opt.recipe.load import load_recipe
 
     from ..conftest import FAST_BENCH
 
@@ -172,7 +172,7 @@ def test_feeds_without_postprocess_get_an_npz_each(tiny_cnn_path, tmp_path):
 
 
 def test_images_need_recorded_preprocessing(tiny_cnn_path, photos, tmp_path):
-    from accel_opt.recipe import load_recipe
+    from accel_opt.recipe.load import load_recipe
 
     from ..conftest import FAST_BENCH
 
@@ -235,7 +235,7 @@ def test_build_from_images_measures_the_application_not_only_the_model(classifie
 def test_fused_preprocessing_takes_uint8_crops_and_is_checked_against_the_host_pipeline(tiny_cnn_path, photos, tmp_path):
     import onnx
 
-    from accel_opt.recipe import load_recipe
+    from accel_opt.recipe.load import load_recipe
 
     from ..conftest import FAST_BENCH
 
@@ -270,7 +270,7 @@ def test_fused_preprocessing_takes_uint8_crops_and_is_checked_against_the_host_p
 @pytest.mark.slow
 @pytest.mark.skipif(__import__("importlib").util.find_spec("openvino") is None, reason="openvino is not installed")
 def test_fused_preprocessing_on_openvino_int8_keeps_its_fp32_baseline_unfused(tiny_cnn_path, photos, tmp_path):
-    from accel_opt.recipe import load_recipe
+    from accel_opt.recipe.load import load_recipe
 
     from ..conftest import FAST_BENCH
 
@@ -288,7 +288,8 @@ def test_draft_decoding_is_checked_by_the_gate_against_full_decodes(tiny_cnn_pat
     """draft_decode: JPEGs decode at a reduced DCT scale (less work), and the gate runs the candidate on
     those inputs against the reference on full decodes: the pixels differ, so the gate's error is not 0."""
     from accel_opt.preprocess.images import decode_image
-    from accel_opt.recipe import Preprocessing, load_recipe
+    from accel_opt.recipe.deployed import Preprocessing
+    from accel_opt.recipe.load import load_recipe
 
     from ..conftest import FAST_BENCH
 

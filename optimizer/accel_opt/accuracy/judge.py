@@ -25,7 +25,7 @@ from accel_opt.accuracy.models import (
     SampleAccuracy,
 )
 from accel_opt.errors import InputRejected
-from accel_opt.recipe import TaskMetric, Tolerance
+from accel_opt.recipe.gate import TaskMetric, Tolerance
 
 log = logging.getLogger(__name__)
 

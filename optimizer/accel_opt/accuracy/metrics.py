@@ -9,7 +9,7 @@ import numpy as np
 
 from accel_opt.accuracy.evidence import DEFAULT_CONFIDENCE, RateEvidence, aimed_minimum, trials_needed
 from accel_opt.accuracy.models import MAX_LISTED_SAMPLES, TaskMetricResult
-from accel_opt.recipe import CosineMetric, DetectionMetric, NeighbourMetric, TaskMetric, Tolerance, TopKMetric
+from accel_opt.recipe.gate import CosineMetric, DetectionMetric, NeighbourMetric, TaskMetric, Tolerance, TopKMetric
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ import numpy as np
 from pydantic import BaseModel, PrivateAttr, computed_field
 
 from accel_opt.accuracy.evidence import DEFAULT_CONFIDENCE, METHOD, RateEvidence
-from accel_opt.recipe import Tolerance
+from accel_opt.recipe.gate import Tolerance
 
 log = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ from accel_opt.data import (
 )
 from accel_opt.errors import AccelOptError, InputRejected, first_line
 from accel_opt.preprocess.text import Padding
-from accel_opt.recipe import TaskMetric, Tolerance
+from accel_opt.recipe.gate import TaskMetric, Tolerance
 
 log = logging.getLogger(__name__)
 

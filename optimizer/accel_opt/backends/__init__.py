@@ -5,9 +5,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from accel_opt.backends.base import Availability, Backend, CompiledModel
+from accel_opt.backends.base import Backend, CompiledModel
 from accel_opt.errors import Unsupported
-from accel_opt.recipe import BackendName, Precision, Recipe
+from accel_opt.machine.support import Availability
+from accel_opt.recipe.schema import Recipe
+from accel_opt.recipe.types import BackendName, Precision
 
 __all__ = ["Availability", "Backend", "CompiledModel", "compile_for", "get_backend"]
 
@@ -22,20 +24,20 @@ def get_backend(name: BackendName | str, providers: Sequence[str] | None = None,
     torch sees one, else the CPU). Other backends ignore them."""
     name = BackendName(name)
     if name is BackendName.torch:
-        from accel_opt.backends.torch_package import TorchBackend
+        from accel_opt.backends.torch.package import TorchBackend
 
         backend: Backend = TorchBackend(device)
     elif name is BackendName.onnxruntime:
-        from accel_opt.backends.onnxruntime import OnnxRuntimeBackend
+        from accel_opt.backends.onnxruntime.backend import OnnxRuntimeBackend
 
         backend = OnnxRuntimeBackend(list(providers) if providers else None, allow_cpu_nodes=allow_cpu_nodes)
     elif name is BackendName.openvino:
-        from accel_opt.backends.openvino import OpenVinoBackend
+        from accel_opt.backends.openvino.backend import OpenVinoBackend
 
         backend = OpenVinoBackend()
     else:
         # Finds a CUDA device before importing tensorrt (its runtime can crash a process without a GPU).
-        from accel_opt.backends.tensorrt import TensorRtBackend
+        from accel_opt.backends.tensorrt.backend import TensorRtBackend
 
         backend = TensorRtBackend()
     availability = backend.available()

@@ -11,7 +11,9 @@ from polygraphy.backend.base import BaseRunner
 from polygraphy.common import TensorMetadata
 from polygraphy.datatype import DataType
 
-from accel_opt.recipe import Precision, Recipe
+from accel_opt.machine.support import Availability
+from accel_opt.recipe.schema import Recipe
+from accel_opt.recipe.types import Precision
 
 # The command that adds each optional backend (doctor and the backends' 'not installed' errors say it).
 TORCH_INSTALL = "pip install 'accel-opt[torch]' torch==2.13.0"
@@ -21,15 +23,6 @@ INSTALL = {
     "onnxruntime-gpu": "pip uninstall -y onnxruntime && pip install 'accel-opt[gpu]'",
     "tensorrt": "pip install 'accel-opt[tensorrt]' (TensorRT's libraries come from NVIDIA's own package index)",
 }
-
-
-@dataclass(frozen=True)
-class Availability:
-    ok: bool
-    reason: str = ""
-
-    def __bool__(self) -> bool:
-        return self.ok
 
 
 @dataclass

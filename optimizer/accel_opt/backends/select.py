@@ -13,9 +13,9 @@ import importlib.util
 import platform
 from dataclasses import dataclass
 
-from accel_opt.backends.openvino import precision_support
+from accel_opt.backends.openvino.backend import precision_support
 from accel_opt.machine.cpu import cpu_flags
-from accel_opt.recipe import BackendName, Precision
+from accel_opt.recipe.types import BackendName, Precision
 
 X86 = ("x86_64", "amd64", "i686", "i386")
 
@@ -58,7 +58,7 @@ def candidate_precisions(
         ]
     if backend is BackendName.openvino:
         if capabilities is None:
-            from accel_opt.backends.openvino import capabilities as ov_capabilities
+            from accel_opt.backends.openvino.backend import capabilities as ov_capabilities
 
             capabilities = ov_capabilities()
         out = [(Precision.fp32, "reference precision (INFERENCE_PRECISION_HINT=f32)")]
@@ -130,7 +130,7 @@ def accelerator_facts() -> AcceleratorFacts:
     probe = cuda_devices()
     if not probe:
         return AcceleratorFacts(None, False, probe.reason, providers)
-    from accel_opt.backends.tensorrt import TensorRtBackend
+    from accel_opt.backends.tensorrt.backend import TensorRtBackend
 
     availability = TensorRtBackend().available()
     return AcceleratorFacts(probe.devices[0].name, bool(availability), availability.reason, providers)

@@ -26,7 +26,7 @@ from accel_opt.bench.memory import peak_rss_mib, reset_peak_rss_mib
 from accel_opt.bench.sweep import Capacity, Recommendation, SweepPoint
 from accel_opt.bench.text_capacity import LengthBucket
 from accel_opt.data import BatchAxes, Sample, batch_of
-from accel_opt.recipe import BenchmarkConfig
+from accel_opt.recipe.stages import BenchmarkConfig
 
 log = logging.getLogger(__name__)
 ROUNDS = 5  # interleaved rounds per batch size

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import io
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
@@ -21,7 +20,7 @@ from polygraphy.backend.base import BaseRunner
 from pydantic import BaseModel
 
 from accel_opt.preprocess.images import IMAGE_SUFFIXES, decode_image, preprocess_image
-from accel_opt.recipe import Postprocess, Preprocessing
+from accel_opt.recipe.deployed import Postprocess, Preprocessing
 
 STAGE_FILES = 32  # files the host stages are timed on
 JOB_FILES = 64  # files the naive and the accel-opt job each process
@@ -91,7 +90,7 @@ def naive_text_job(files: list[Path], runner: BaseRunner, encoder, batch: int) -
             rows = [feed for feed, _, _ in encoder.encode(texts[first:first + batch]) if feed is not None]
             runner.infer(pad_batch(rows, encoder.padding.values, (length,)), check_inputs=False)  # every row to max_length
     seconds = time.perf_counter() - start
-    return _timing("naive", f"texts tokenized per batch of {batch} and padded to max_length {length}, the fp32 model on "
+    return timing("naive", f"texts tokenized per batch of {batch} and padded to max_length {length}, the fp32 model on "
                    "ONNX Runtime, in input order", len(texts), seconds, "compute on padding")
 
 
@@ -123,7 +122,7 @@ def host_stage_ms(files: list[Path], pre: Preprocessing | None) -> dict[str, flo
 
 def postprocess_ms(outputs: dict[str, np.ndarray], post: Postprocess | None, first_output: str, batch: int) -> float:
     """ms to turn one batch's outputs into per-input answers (top-k, an embedding, or one .npz each)."""
-    from accel_opt.runtime.output import embedding_record, topk_record
+    from accel_opt.preprocess.postprocess import embedding_record, topk_record
 
     rows = [{name: np.asarray(a)[i:i + 1] if np.ndim(a) and np.shape(a)[0] == batch else a for name, a in outputs.items()}
             for i in range(batch)]
@@ -163,23 +162,11 @@ def naive_job(files: list[Path], runner: BaseRunner, pre: Preprocessing | None, 
                     feed = {input_name: preprocess_image(img.convert("RGB"), pre)}
             runner.infer(feed, check_inputs=False)
     seconds = time.perf_counter() - start
-    return _timing("naive", "read, decode, preprocess and the fp32 model at batch 1, one input after another",
+    return timing("naive", "read, decode, preprocess and the fp32 model at batch 1, one input after another",
                    len(files), seconds, "compute and host stages in series")
 
 
-def accel_opt_job(files: list[Path], deployment) -> JobTiming:
-    from accel_opt.runtime.job import run_job
-
-    with tempfile.TemporaryDirectory(prefix="accel-opt-job-") as tmp:
-        start = time.perf_counter()
-        summary = run_job(deployment, files, Path(tmp) / "predictions.jsonl")
-        seconds = time.perf_counter() - start
-    how = (f"texts sorted by length in windows, batches of {summary.batch_size} padded to their longest"
-           if summary.text is not None else f"reader threads ({summary.workers}) overlapping batches of {summary.batch_size}")
-    return _timing("accel-opt run", how + " on the deployed artifact", summary.inputs, seconds, summary.bottleneck)
-
-
-def _timing(pipeline: str, description: str, inputs: int, seconds: float, bottleneck: str) -> JobTiming:
+def timing(pipeline: str, description: str, inputs: int, seconds: float, bottleneck: str) -> JobTiming:
     return JobTiming(pipeline=pipeline, description=description, inputs=inputs, seconds=seconds,
                      per_input_ms=seconds / inputs * 1e3, inputs_per_s=inputs / seconds, bottleneck=bottleneck)
 

@@ -23,7 +23,7 @@ from pydantic import BaseModel
 from accel_opt.bench.memory import peak_rss_mib, reset_peak_rss_mib
 from accel_opt.data import BatchAxes, Sample, batch_of
 from accel_opt.errors import first_line
-from accel_opt.recipe import BenchmarkConfig
+from accel_opt.recipe.stages import BenchmarkConfig
 
 log = logging.getLogger(__name__)
 

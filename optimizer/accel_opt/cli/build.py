@@ -56,8 +56,8 @@ def build(model, precision, backend, device, recipe_path, data_dir, eval_data_di
     and benchmark."""
     setup_logging(verbose)
     try:
-        from accel_opt.pipeline import build as run_build
-        from accel_opt.recipe import load_recipe, parse_batch_axes, parse_shapes
+        from accel_opt.builder.pipeline import build as run_build
+        from accel_opt.recipe.load import load_recipe, parse_batch_axes, parse_shapes
 
         if require_data and data_dir is None:
             raise UsageError("--require-data: give --data DIR; a sign-off on synthetic inputs says nothing about real ones")
@@ -87,7 +87,7 @@ def build(model, precision, backend, device, recipe_path, data_dir, eval_data_di
         on_stage = _print_stage if show_progress else None
         selection = None
         if auto:
-            from accel_opt.auto import build_auto
+            from accel_opt.builder.auto import build_auto
 
             result, selection = build_auto(
                 model, recipe, backend or recipe.backend.value, precision or recipe.precision.value, data_dir, out_dir,
@@ -108,7 +108,7 @@ def build(model, precision, backend, device, recipe_path, data_dir, eval_data_di
     exit_code = result.exit_code if result else 1
     no_winner = None
     if result is None and selection is not None:
-        from accel_opt.auto import selection_report_path
+        from accel_opt.builder.auto import selection_report_path
 
         no_winner = (f"no winner: {selection.no_winner_reason()}; every candidate's verdict is in "
                      f"{selection_report_path(out_dir, model)}")
@@ -169,8 +169,10 @@ def export_command(factory, shapes, output, dynamic, opset, as_json, verbose):
     """
     setup_logging(verbose)
     try:
-        from accel_opt.graph.export import export, load_factory, verify
-        from accel_opt.recipe import parse_shapes
+        from accel_opt.accuracy.export_check import verify
+        from accel_opt.backends.torch.backend import load_factory
+        from accel_opt.backends.torch.export import export
+        from accel_opt.recipe.load import parse_shapes
 
         example_shapes = parse_shapes(shapes)
         loaded = load_factory(factory)

@@ -85,7 +85,7 @@ def interrupted(exc: KeyboardInterrupt, what: str = "no artifact was written") -
 
 
 def write_junit(path: Path, suites: list) -> None:
-    from accel_opt.artifact.folder import write_text
+    from accel_opt.files import write_text
     from accel_opt.report.markdown import junit_xml
 
     path.parent.mkdir(parents=True, exist_ok=True)

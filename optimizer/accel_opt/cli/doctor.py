@@ -14,7 +14,7 @@ import click
 def doctor_command(as_json, no_probe, refresh):
     """What this machine can build and run: CPU features and class, GPUs, backends, which precisions are faster
     than fp32 here (measured once per CPU by a short probe, then cached), what is missing."""
-    from accel_opt.machine.doctor import diagnose
+    from accel_opt.builder.doctor import diagnose
 
     report = diagnose(probe=not no_probe, refresh=refresh)
     if as_json:

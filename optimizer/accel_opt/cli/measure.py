@@ -52,7 +52,7 @@ def bench_command(artifact, data_dir, batch_sizes, max_p99_ms, min_throughput, n
     suite = f"bench {Path(artifact).name}"
     try:
         from accel_opt import runtime
-        from accel_opt.artifact.folder import write_json
+        from accel_opt.files import write_json
         from accel_opt.report.markdown import benchmark_markdown
         from accel_opt.runtime.measure import benchmark_artifact, limit_checks, sign_off_check, verified_check
 
@@ -116,7 +116,7 @@ def compare_command(baseline, candidate, data_dir, reference, max_latency_regres
     setup_logging(verbose)
     try:
         from accel_opt import runtime
-        from accel_opt.accuracy.regression import comparison_markdown, reference_of, run_comparison
+        from accel_opt.builder.regression import comparison_markdown, reference_of, run_comparison
         from accel_opt.runtime.probe import signed_off_here
 
         trust = trust_from(public_key, certificate_chain)  # both folders must carry it

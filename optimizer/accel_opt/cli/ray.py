@@ -68,8 +68,8 @@ def run_on_ray(artifact, inputs, out_dir, resume, overwrite, as_json, no_recheck
             raise UsageError("--workers is for --engine local: with --engine ray, give --actors and --cpus-per-actor")
         from accel_opt import runtime
         from accel_opt.runtime.probe import signed_off_here
-        from accel_opt.runtime.ray_cluster import as_accel_opt_error
-        from accel_opt.runtime.ray_job import run_ray_job
+        from accel_opt.runtime.ray.cluster import as_accel_opt_error
+        from accel_opt.runtime.ray.job import run_ray_job
 
         pool = parse_actors(actors)
         deployment = runtime.load(artifact, trust=trust_of())

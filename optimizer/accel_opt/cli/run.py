@@ -74,7 +74,7 @@ def run_command(artifact, inputs, predictions, resume, overwrite, workers, as_js
     try:
         refuse_ray_options(**ray_args)
         from accel_opt import runtime
-        from accel_opt.runtime.job import run_job
+        from accel_opt.runtime.local.job import run_job
         from accel_opt.runtime.probe import signed_off_here
 
         deployment = runtime.load(artifact, trust=trust_from(public_key, certificate_chain))

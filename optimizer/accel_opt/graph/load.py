@@ -17,8 +17,8 @@ import onnx
 from google.protobuf.message import DecodeError
 from onnx import external_data_helper
 
-from accel_opt.artifact.folder import ensure_free_space
 from accel_opt.errors import InputRejected, Unsupported, first_line
+from accel_opt.files import ensure_free_space
 from accel_opt.graph.inspect import index_bounds, opset_of
 from accel_opt.graph.lift import lift_if_unimplemented
 from accel_opt.graph.save import save_model

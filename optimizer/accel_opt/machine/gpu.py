@@ -17,8 +17,8 @@ from functools import lru_cache
 
 from pydantic import BaseModel
 
-from accel_opt.backends.base import Availability
-from accel_opt.recipe import Precision
+from accel_opt.machine.support import Availability
+from accel_opt.recipe.types import Precision
 
 LIBCUDA = ("libcuda.so.1", "libcuda.so")
 # CUdevice_attribute values (cuda.h): the compute capability's major and minor number.
@@ -142,7 +142,7 @@ def find_gpus() -> tuple[list[Gpu], str]:
 
 def gpu_precision_support(precision: Precision) -> Availability:
     """Whether CUDA device 0 has tensor cores for `precision` (both GPU backends ask)."""
-    from accel_opt.backends.trt_plan import version_tuple
+    from accel_opt.machine.support import version_tuple
 
     need, probe = GPU_PRECISION_MIN_CC.get(precision.value), cuda_devices()
     if need is None or not probe:

@@ -12,7 +12,8 @@ from pathlib import Path
 
 from accel_opt.data import Sample
 from accel_opt.precision.report import CalibrationReport, KeptNode, PrecisionReport
-from accel_opt.recipe import Precision, Recipe
+from accel_opt.recipe.schema import Recipe
+from accel_opt.recipe.types import Precision
 
 __all__ = ["CalibrationReport", "KeptNode", "PrecisionReport", "transform"]
 

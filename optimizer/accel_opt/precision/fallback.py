@@ -31,7 +31,9 @@ from accel_opt.errors import CandidateDropped, Unsupported, first_line
 from accel_opt.precision.diagnose import Diagnosis
 from accel_opt.precision.report import KeptNode, PrecisionReport
 from accel_opt.precision.search import Build, SearchActions, SearchStep, Unit, search
-from accel_opt.recipe import FallbackConfig, Precision, Tolerance
+from accel_opt.recipe.gate import Tolerance
+from accel_opt.recipe.stages import FallbackConfig
+from accel_opt.recipe.types import Precision
 
 FP16_MAX = 65504.0
 FLOAT_BY_DESIGN = "accel_opt.float_by_design"  # metadata key: nodes the fallback left in float on purpose

@@ -17,11 +17,12 @@ import numpy as np
 import onnx
 from onnx import TensorProto, external_data_helper, numpy_helper
 
-from accel_opt.errors import InputRejected, Unsupported, first_line
+from accel_opt.errors import Unsupported, first_line
 from accel_opt.graph.inspect import opset_of
 from accel_opt.graph.save import save_model, upgrade_opset
 from accel_opt.precision.report import KeptNode, PrecisionReport
-from accel_opt.recipe import Precision, PrecisionConfig
+from accel_opt.recipe.stages import PrecisionConfig
+from accel_opt.recipe.types import Precision
 
 log = logging.getLogger(__name__)
 
@@ -119,13 +120,15 @@ def validate(path: Path, run_session: bool, tmp: Path) -> None:
     finally:
         (tmp / "validated.onnx").unlink(missing_ok=True)
     if run_session:
-        from accel_opt.backends.onnxruntime import CPU_PROVIDER, create_session
+        import onnxruntime as ort
 
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = 1
         try:
-            create_session(path, [CPU_PROVIDER], threads=1)
-        except InputRejected as exc:  # the input was valid: the conversion made a model ORT refuses
+            ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+        except Exception as exc:  # noqa: BLE001 - ORT's own error types: the input was valid, the conversion is not
             raise Unsupported(f"the float16 converter wrote a model ONNX Runtime refuses ({path.name}; the subgraphs "
-                              f"of If/Loop/Scan nodes are a known case): {str(exc).removeprefix('ONNX Runtime could not load the model: ')}") from None
+                              f"of If/Loop/Scan nodes are a known case): {first_line(exc)}") from None
 
 
 def _detach_echoed_outputs(model: onnx.ModelProto) -> list[tuple[int, str]]:

@@ -25,15 +25,16 @@ import numpy as np
 import onnx
 from onnx import external_data_helper
 
-from accel_opt.artifact.folder import copy_file, sha256_file
 from accel_opt.data import Sample
 from accel_opt.errors import InputRejected, Unsupported
+from accel_opt.files import copy_file, sha256_file
 from accel_opt.graph.inspect import opset_of
 from accel_opt.graph.save import EXTERNAL_DATA_ABOVE_BYTES, upgrade_opset
 from accel_opt.precision.fp16 import validate
 from accel_opt.precision.int8_presets import QuantPreset, resolve_preset, weight_range
 from accel_opt.precision.report import CalibrationReport, KeptNode, PrecisionReport
-from accel_opt.recipe import CalibrationConfig, CalibrationMethod, Precision
+from accel_opt.recipe.stages import CalibrationConfig
+from accel_opt.recipe.types import CalibrationMethod, Precision
 
 log = logging.getLogger(__name__)
 

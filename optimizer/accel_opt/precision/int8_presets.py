@@ -9,7 +9,8 @@ from typing import Literal
 
 from accel_opt.errors import Unsupported
 from accel_opt.machine.cpu import cpu_class, saturating_int8
-from accel_opt.recipe import CalibrationConfig, QuantTarget
+from accel_opt.recipe.stages import CalibrationConfig
+from accel_opt.recipe.types import QuantTarget
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel
 
-from accel_opt.recipe import Precision
+from accel_opt.recipe.types import Precision
 
 
 class KeptNode(BaseModel):

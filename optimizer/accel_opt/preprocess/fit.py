@@ -9,13 +9,12 @@ image. Two steps close that gap:
   model (resize scaled by the same ratio, 256/224 at 224 -> 146 at 128), with a build note; what no
   crop can fix (rank not 4, not 3 channels where the layout puts them, another dtype, a fixed batch
   above 1) is refused in one line (UsageError).
-- `exercise_image_path` (after the gate): `accel-opt run`'s own job runs the staged artifact on a few
+- `builder.checks.exercise_image_path` (after the gate): `accel-opt run`'s own job runs the staged artifact on a few
   generated images, so a signed-off folder always takes the images it says it takes.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 
@@ -23,7 +22,8 @@ import numpy as np
 
 from accel_opt.errors import UsageError
 from accel_opt.graph.inspect import TensorSpec
-from accel_opt.recipe import Preprocessing, Recipe
+from accel_opt.recipe.deployed import Preprocessing
+from accel_opt.recipe.schema import Recipe
 
 log = logging.getLogger(__name__)
 
@@ -107,33 +107,6 @@ def generated_images(folder: Path, pre: Preprocessing, count: int = IMAGE_CHECK_
         field.save(path)
         paths.append(path)
     return paths
-
-
-def exercise_image_path(deployment, data_source: str, workdir: Path, seed: int = 0) -> list[str]:
-    """Run `accel-opt run`'s job (its reader, batching and the deployed model) on generated images when
-    the artifact takes images (`preprocessing`) but the build's data were not images (.npz feed dicts
-    or synthetic); returns the build note ([] when not needed). Raises UsageError, in one line, when
-    the recorded preprocessing does not make what the artifact takes."""
-    from accel_opt.preprocess.images import preprocess_image, read_image
-    from accel_opt.runtime.job import errors_path, run_job
-
-    pre = deployment.config.preprocessing
-    if pre is None or data_source == "images":
-        return []
-    images = generated_images(workdir / "image-check", pre, seed=seed)
-    spec = image_input(pre, list(deployment.config.inputs))
-    made = preprocess_image(read_image(images[0], pre), pre.host_part())
-    if made.dtype.name != spec.dtype:
-        raise UsageError(f"the recorded preprocessing makes {spec.name} as {made.dtype.name}, the artifact takes {spec.dtype}")
-    predictions = workdir / "image-check.jsonl"
-    summary = run_job(deployment, [images[0].parent], predictions, overwrite=True, workers=1)
-    if summary.rejected:
-        first = errors_path(predictions).read_text().splitlines()[0]
-        raise UsageError(f"the artifact does not take images with its recorded preprocessing (resize {pre.resize}, "
-                         f"crop {pre.crop}): {json.loads(first)['error']}")
-    return [f"The image path was exercised: `accel-opt run`'s job (decode, resize {pre.resize}, crop {pre.crop}, "
-            f"normalize, {pre.layout}) ran the artifact on {summary.predicted} generated images, as the build's data "
-            f"were {'synthetic' if data_source == 'synthetic' else data_source + ' feed dicts'}."]
 
 
 def _fmt(shape: list) -> str:

@@ -18,7 +18,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from accel_opt.errors import UsageError
 from accel_opt.graph.save import save_model
-from accel_opt.recipe import Preprocessing
+from accel_opt.recipe.deployed import Preprocessing
 
 
 def fused_shape(shape: list[int], layout: str) -> list[int]:

@@ -11,7 +11,7 @@ from typing import BinaryIO
 import numpy as np
 
 from accel_opt.errors import InputRejected, first_line
-from accel_opt.recipe import Preprocessing
+from accel_opt.recipe.deployed import Preprocessing
 
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff"}
 

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from accel_opt.errors import InputRejected
 from accel_opt.preprocess.images import crop_geometry, read_image
-from accel_opt.recipe import Preprocessing
+from accel_opt.recipe.deployed import Preprocessing
 
 JPEG_SUFFIXES = (".jpg", ".jpeg")
 

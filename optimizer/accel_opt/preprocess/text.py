@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from accel_opt.errors import InputRejected, UsageError, first_line
-from accel_opt.recipe import EmbeddingOutput, TextStage
+from accel_opt.recipe.deployed import EmbeddingOutput, TextStage
 
 TEXT_SUFFIXES = (".txt", ".jsonl", ".parquet", ".csv")
 LINE_SUFFIXES = (".txt", ".jsonl")  # one text per line; the others are tables read through pyarrow

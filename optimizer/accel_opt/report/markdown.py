@@ -9,10 +9,10 @@ from accel_opt.bench import BenchmarkReport
 from accel_opt.data import DataSummary
 from accel_opt.precision import PrecisionReport
 from accel_opt.precision.fallback import FallbackReport
-from accel_opt.recipe import OBJECTIVES
+from accel_opt.recipe.stages import OBJECTIVES
 
 if TYPE_CHECKING:
-    from accel_opt.selection import AutoSelection
+    from accel_opt.report.selection import AutoSelection
 
 REFERENCES = {
     "reference-fp32": "the original model in fp32 on ONNX Runtime's CPU EP, graph optimizations off",

@@ -21,60 +21,17 @@ import numpy as np
 from polygraphy.backend.base import BaseRunner
 from pydantic import BaseModel, ValidationError
 
-from accel_opt.artifact.folder import MANIFEST, SIGNATURE, Manifest, sha256_file
+from accel_opt.artifact.config import RESOURCE_CONFIG, ResourceConfig
+from accel_opt.artifact.folder import MANIFEST, SIGNATURE, Manifest
 from accel_opt.backends import Backend, CompiledModel, get_backend
 from accel_opt.backends.base import casting_inputs
 from accel_opt.data import DataSummary, Sample, load_samples, synthetic_samples
 from accel_opt.errors import InputRejected, Unsupported, UsageError, first_line
-from accel_opt.graph.inspect import TensorSpec, with_batch
-from accel_opt.recipe import Postprocess, Precision, Preprocessing, TextStage
+from accel_opt.files import sha256_file
+from accel_opt.graph.inspect import with_batch
 
 if TYPE_CHECKING:  # signing (model-signing) is imported only where a trusted key is given
     from accel_opt.artifact.signing import Trust
-
-RESOURCE_CONFIG = "resource_config.json"
-
-
-class DeployedInput(TensorSpec):
-    shape_used: list[int]  # at the deployed batch size
-    batch_axis: int | None = None  # None: not batched (a scalar, a fixed table)
-
-
-class ResourceConfig(BaseModel):
-    """`resource_config.json`: how to run the artifact (read by the runtime) and what it measured."""
-
-    format: int = 1
-    backend: str
-    device: str
-    providers: list[str]
-    precision: Precision
-    threads: int
-    settings: dict[str, Any]  # session / compile options, recorded verbatim
-    model_file: str
-    extra_files: list[str] = []
-    inputs: list[DeployedInput]
-    outputs: list[TensorSpec]
-    batch_size: int  # rows per call as deployed and as the gate evaluated it
-    batch_dynamic: bool  # the model accepts other batch sizes (the benchmark sweeps them)
-    preprocessing: Preprocessing | None = None  # the recipe's, for image inputs
-    text: TextStage | None = None  # the recipe's, for text inputs (the folder carries tokenizer.json)
-    postprocess: Postprocess | None = None  # the recipe's: what `accel-opt run` writes per input
-    # Found by the build's gate: where each output holds the samples of a batch (-1: the same for all).
-    output_batch_axes: dict[str, int] = {}
-    # Measured by the build's benchmark:
-    batch_sizes_measured: list[int] = []
-    memory: dict[str, float] | None = None
-    session_load_ms: float | None = None
-    recommended: dict[str, Any] | None = None
-
-    @property
-    def batch_axes(self) -> dict[str, int | None]:
-        return {i.name: i.batch_axis for i in self.inputs}
-
-    @property
-    def shapes(self) -> dict[str, list[int]]:
-        return {i.name: list(i.shape_used) for i in self.inputs}
-
 
 def verify_files(folder: Path, expected: dict[str, str]) -> list[str]:
     """One line per problem: a file missing, changed (sha256) or not part of the artifact. A signature
@@ -305,12 +262,12 @@ def _environment_problems(folder: Path, config: ResourceConfig) -> list[str]:
 
         recorded, here = config.settings.get("openvino_version"), openvino.get_version()
     elif config.backend == "torch":  # a package runs only on the torch release, CPU ISA and GPU capability it was built for
-        from accel_opt.backends.torch_package import environment_problems
+        from accel_opt.backends.torch.package import environment_problems
 
         return environment_problems(config.settings)
     elif config.backend == "tensorrt":  # an engine runs only on the GPU model and TensorRT version that built it
-        from accel_opt.backends.tensorrt import here_facts
-        from accel_opt.backends.trt_plan import check_engine_compatible
+        from accel_opt.backends.tensorrt.backend import here_facts
+        from accel_opt.backends.tensorrt.plan import check_engine_compatible
 
         reason = check_engine_compatible(config.settings, here_facts())
         return [f"{config.model_file}: {reason}"] if reason else []

@@ -14,7 +14,8 @@ from accel_opt.bench import BenchmarkReport, deployment_target, run_benchmark
 from accel_opt.data import DataSummary
 from accel_opt.errors import GateFailed, UsageError
 from accel_opt.machine.cpu import available_cpus
-from accel_opt.recipe import BenchmarkConfig, Recipe
+from accel_opt.recipe.schema import Recipe
+from accel_opt.recipe.stages import BenchmarkConfig
 from accel_opt.runtime import Deployment, read_manifest
 
 SYNTHETIC_SAMPLES = 8

@@ -30,9 +30,10 @@ from typing import Any
 import numpy as np
 from pydantic import BaseModel, ValidationError
 
-from accel_opt.artifact.folder import now_utc, write_bytes, write_json
 from accel_opt.errors import InputRejected, UsageError, no_space_error
-from accel_opt.recipe import Postprocess
+from accel_opt.files import now_utc, write_bytes, write_json
+from accel_opt.preprocess.postprocess import embedding_record, topk_record
+from accel_opt.recipe.deployed import Postprocess
 
 log = logging.getLogger(__name__)
 
@@ -242,24 +243,6 @@ class LineFile:
             os.ftruncate(self._fd, self.whole_bytes)
         except OSError as exc:  # not a regular file (a pipe): nothing to cut
             log.warning("could not cut %s back to its last whole line: %s", self.path, exc)
-
-
-def topk_record(post: Postprocess, outputs: dict[str, np.ndarray], first_output: str) -> dict[str, Any]:
-    """A classifier's answer for one input: top1 and the top-k [class, score] pairs."""
-    scores = np.asarray(outputs[post.output or first_output], dtype=np.float64).ravel()
-    if post.softmax:
-        scores = np.exp(scores - scores.max())
-        scores /= scores.sum()
-    top = np.argsort(-scores, kind="stable")[: post.topk]
-    return {"top1": int(top[0]), "topk": [[int(i), round(float(scores[i]), 6)] for i in top]}
-
-
-EMBEDDING_DECIMALS = 7  # a normalized vector's values are in [-1, 1]: 5e-8 of rounding, far below float32 kernels' noise
-
-
-def embedding_record(vector: np.ndarray) -> dict[str, Any]:
-    """An embedding's answer for one input: its vector, pooled and normalized."""
-    return {"embedding": np.round(np.asarray(vector, dtype=np.float64).ravel(), EMBEDDING_DECIMALS).tolist()}
 
 
 class Writer:

@@ -29,20 +29,13 @@ from pathlib import Path
 import numpy as np
 from pydantic import BaseModel, ValidationError
 
-from accel_opt.artifact.folder import (
-    MANIFEST,
-    Manifest,
-    now_utc,
-    sha256_file,
-    tool_versions,
-    user_cache_dir,
-    write_bytes,
-    write_json,
-)
+from accel_opt.artifact.folder import MANIFEST, Manifest
 from accel_opt.errors import InputRejected, first_line
+from accel_opt.files import now_utc, sha256_file, tool_versions, user_cache_dir, write_bytes, write_json
 from accel_opt.machine.cpu import cpu_class, kernel_class
 from accel_opt.preprocess.images import to_model_input
-from accel_opt.recipe import Preprocessing, TaskMetric, Tolerance
+from accel_opt.recipe.deployed import Preprocessing
+from accel_opt.recipe.gate import TaskMetric, Tolerance
 
 log = logging.getLogger(__name__)
 

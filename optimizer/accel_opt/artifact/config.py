@@ -1,0 +1,56 @@
+"""`resource_config.json`: how an artifact runs, as the build recorded it (backend, precision, threads, shapes, batch,
+pre- and postprocessing) and what its benchmark measured. Part of the folder's format: the build writes it, the runtime
+reads it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel
+
+from accel_opt.graph.inspect import TensorSpec
+from accel_opt.recipe.deployed import Postprocess, Preprocessing, TextStage
+from accel_opt.recipe.types import Precision
+
+RESOURCE_CONFIG = "resource_config.json"
+
+
+class DeployedInput(TensorSpec):
+    shape_used: list[int]  # at the deployed batch size
+    batch_axis: int | None = None  # None: not batched (a scalar, a fixed table)
+
+
+class ResourceConfig(BaseModel):
+    """`resource_config.json`: how to run the artifact (read by the runtime) and what it measured."""
+
+    format: int = 1
+    backend: str
+    device: str
+    providers: list[str]
+    precision: Precision
+    threads: int
+    settings: dict[str, Any]  # session / compile options, recorded verbatim
+    model_file: str
+    extra_files: list[str] = []
+    inputs: list[DeployedInput]
+    outputs: list[TensorSpec]
+    batch_size: int  # rows per call as deployed and as the gate evaluated it
+    batch_dynamic: bool  # the model accepts other batch sizes (the benchmark sweeps them)
+    preprocessing: Preprocessing | None = None  # the recipe's, for image inputs
+    text: TextStage | None = None  # the recipe's, for text inputs (the folder carries tokenizer.json)
+    postprocess: Postprocess | None = None  # the recipe's: what `accel-opt run` writes per input
+    # Found by the build's gate: where each output holds the samples of a batch (-1: the same for all).
+    output_batch_axes: dict[str, int] = {}
+    # Measured by the build's benchmark:
+    batch_sizes_measured: list[int] = []
+    memory: dict[str, float] | None = None
+    session_load_ms: float | None = None
+    recommended: dict[str, Any] | None = None
+
+    @property
+    def batch_axes(self) -> dict[str, int | None]:
+        return {i.name: i.batch_axis for i in self.inputs}
+
+    @property
+    def shapes(self) -> dict[str, list[int]]:
+        return {i.name: list(i.shape_used) for i in self.inputs}

@@ -1,0 +1,69 @@
+"""Checks a build makes of its own intermediate results, with the gate's rules: the simplified graph against the
+original (cleanup), and the artifact's image path on generated images where the build's data were not images."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+from accel_opt.accuracy import compare
+from accel_opt.backends.onnxruntime.backend import reference_runner
+from accel_opt.data import Sample
+from accel_opt.errors import AccelOptError, UsageError
+from accel_opt.graph.cleanup import CleanupReport, simplify
+from accel_opt.preprocess.fit import generated_images, image_input
+from accel_opt.preprocess.images import preprocess_image, read_image
+from accel_opt.recipe.gate import Tolerance
+from accel_opt.runtime.local.job import errors_path, run_job
+
+log = logging.getLogger(__name__)
+
+
+def cleanup(
+    model_path: Path, total_bytes: int, samples: list[Sample], tolerance: Tolerance, threads: int, out_path: Path
+) -> tuple[Path, CleanupReport]:
+    """Return (model to use, report): `out_path` when the simplified model matches the original within the recipe's
+    fp32 tolerance on `samples` (both run unoptimized on the ORT CPU EP, judged like any build), else `model_path`."""
+    simplified, partial = simplify(model_path, total_bytes, out_path)
+    if simplified is None:
+        return model_path, partial
+    counts = partial.model_dump(include={"nodes_before", "nodes_after", "ops_before", "ops_after"})
+    try:
+        report = compare(reference_runner(model_path, threads), reference_runner(out_path, threads), samples, tolerance,
+                         noise_reference=reference_runner(model_path, threads, optimize=True))
+    except AccelOptError as exc:
+        reason = f"simplified model does not load ({exc}); original kept"
+        return model_path, CleanupReport(applied=False, reason=reason, **counts)
+    max_abs = max((o.max_abs_error for o in report.outputs), default=0.0)
+    cosine = report.worst_cosine
+    if not report.passed:
+        reason = f"simplified model differs from the original ({'; '.join(report.failures)}); original kept"
+        log.warning(reason)
+        return model_path, CleanupReport(applied=False, reason=reason, max_abs_error=max_abs, cosine=cosine, **counts)
+    reason = f"verified on {report.sample_count} samples (max abs error {max_abs:.3g})"
+    return out_path, CleanupReport(applied=True, reason=reason, max_abs_error=max_abs, cosine=cosine, **counts)
+
+
+def exercise_image_path(deployment, data_source: str, workdir: Path, seed: int = 0) -> list[str]:
+    """Run `accel-opt run`'s job (its reader, batching and the deployed model) on generated images when
+    the artifact takes images (`preprocessing`) but the build's data were not images (.npz feed dicts
+    or synthetic); returns the build note ([] when not needed). Raises UsageError, in one line, when
+    the recorded preprocessing does not make what the artifact takes."""
+    pre = deployment.config.preprocessing
+    if pre is None or data_source == "images":
+        return []
+    images = generated_images(workdir / "image-check", pre, seed=seed)
+    spec = image_input(pre, list(deployment.config.inputs))
+    made = preprocess_image(read_image(images[0], pre), pre.host_part())
+    if made.dtype.name != spec.dtype:
+        raise UsageError(f"the recorded preprocessing makes {spec.name} as {made.dtype.name}, the artifact takes {spec.dtype}")
+    predictions = workdir / "image-check.jsonl"
+    summary = run_job(deployment, [images[0].parent], predictions, overwrite=True, workers=1)
+    if summary.rejected:
+        first = errors_path(predictions).read_text().splitlines()[0]
+        raise UsageError(f"the artifact does not take images with its recorded preprocessing (resize {pre.resize}, "
+                         f"crop {pre.crop}): {json.loads(first)['error']}")
+    return [f"The image path was exercised: `accel-opt run`'s job (decode, resize {pre.resize}, crop {pre.crop}, "
+            f"normalize, {pre.layout}) ran the artifact on {summary.predicted} generated images, as the build's data "
+            f"were {'synthetic' if data_source == 'synthetic' else data_source + ' feed dicts'}."]

@@ -1,0 +1,142 @@
+"""What one build knows as its stages run: the context pipeline.build() threads through them (its own module, so
+the stage bodies beside their domains can name its type without importing the pipeline)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from accel_opt.accuracy import AccuracyReport
+from accel_opt.accuracy.metrics import aimed_gate
+from accel_opt.artifact.config import ResourceConfig
+from accel_opt.backends import Backend, CompiledModel
+from accel_opt.bench import BenchmarkReport
+from accel_opt.data import DataSplit, DataSummary, Sample, rows_of
+from accel_opt.graph.cleanup import CleanupReport
+from accel_opt.graph.inspect import ResolvedShapes, TensorSpec
+from accel_opt.graph.load import LoadedModel
+from accel_opt.precision import PrecisionReport, fallback
+from accel_opt.recipe.gate import TaskMetric, Tolerance
+from accel_opt.recipe.schema import Recipe
+from accel_opt.recipe.types import Precision
+from accel_opt.runtime import Deployment
+
+
+@dataclass
+class CandidateLimits:
+    """What `--precision auto` tells one candidate's build (None for a plain build): its share of the time budget for
+    the rescue search, the throughput it must be able to beat, and where the search's steps are reported."""
+
+    label: str  # "openvino int8"
+    search_budget_s: float  # replaces precision_options.fallback.time_budget_s for this candidate
+    beat_per_s: float | None = None  # the best throughput at the target batch among the candidates signed off so far
+    beat_label: str = ""
+    fp32_per_s: float | None = None  # this backend's fp32 throughput at the target batch (its fp32 candidate's build)
+    on_step: Callable[[Any], None] | None = None  # called with each SearchStep as the search records it
+
+    def cannot_win(self, speedup: float | None) -> str | None:
+        """Why a build whose naive form runs `speedup` x its backend's fp32 cannot win even if fully rescued: the naive
+        build is the fastest any rescue makes it, and it is not faster than what is already signed off (with a 10%
+        margin for the two having been timed in separate builds). None: it can."""
+        if speedup is None or self.beat_per_s is None or self.fp32_per_s is None:
+            return None
+        best_case = speedup * self.fp32_per_s
+        if best_case >= CANNOT_WIN_MARGIN * self.beat_per_s:
+            return None
+        return (f"even fully rescued it would run at most {best_case:.1f} samples/s (its naive build: {speedup:.2f}x "
+                f"its fp32's {self.fp32_per_s:.1f}), below {self.beat_label}'s {self.beat_per_s:.1f} already signed off")
+
+
+CANNOT_WIN_MARGIN = 0.9
+
+
+@dataclass
+class BuildContext:
+    model_path: Path
+    recipe: Recipe
+    data_dir: Path | None
+    workdir: Path
+    staging: Path
+    cache_dir: Path | None
+    backend: Backend
+    threads: int
+    notes: list[str] = field(default_factory=list)
+    factory: Any = None  # a torch ModuleFactory when the input is FILE.py:FACTORY
+    torch_module: Any = None  # the exported module: the accuracy reference and a baseline row
+    export: dict[str, Any] | None = None  # export + verification reports
+    loaded: LoadedModel | None = None
+    source_path: Path | None = None  # the ONNX file given (or exported); model_path may become a cleaned copy
+    model_sha256: str = ""
+    external_data_sha256: dict[str, str] = field(default_factory=dict)
+    inputs: list[TensorSpec] = field(default_factory=list)
+    outputs: list[TensorSpec] = field(default_factory=list)
+    shapes: ResolvedShapes | None = None
+    deploy_batch: int = 1  # rows per call of the shipped model: what the gate evaluates and `run` uses
+    data: DataSummary | None = None
+    eval_data_dir: Path | None = None  # --eval-data: the held-out samples, instead of a share of --data
+    eval_data: DataSummary | None = None
+    split: DataSplit | None = None  # which sample has which role (calibration, steering, verdict): the manifest records it
+    sample_names: list[str] = field(default_factory=list)  # every sample read, in index order (split's indices)
+    calibration_samples: list[Sample] = field(default_factory=list)
+    # Samples that steer choices (the fallback's search, the cleanup check, auto's shortlist), never judged for the verdict
+    steering_samples: list[Sample] = field(default_factory=list)
+    steering_names: list[str] = field(default_factory=list)
+    steering_deploy: list[Sample] = field(default_factory=list)  # as the artifact takes them (see deploy_samples)
+    eval_samples: list[Sample] = field(default_factory=list)  # the held-out samples: they judge the verdict only
+    eval_names: list[str] = field(default_factory=list)
+    deploy_samples: list[Sample] = field(default_factory=list)  # the eval samples as the artifact takes them (fused: uint8 crops)
+    host_crops: list[Sample] = field(default_factory=list)  # fused preprocessing: every --data image as uint8 HWC crops
+    # Every --data image as the artifact's own job makes it where that is not the reference's host path (draft
+    # decoding; the torch backend's tensor path): the candidate's inputs, judged against the reference on full decodes.
+    job_samples: list[Sample] = field(default_factory=list)
+    max_feed: Sample | None = None  # a feed at --max-shapes, for the capacity check
+    text_encoder: Any = None  # the recipe's text stage with its tokenizer (preprocess.text.TextEncoder)
+    tokenizer_path: Path | None = None  # the tokenizer file the artifact folder carries
+    cleanup: CleanupReport | None = None
+    fp32_path: Path | None = None  # after cleanup: the baseline every precision is compared with
+    precision: PrecisionReport | None = None
+    fallback: fallback.FallbackReport | None = None
+    candidate_path: Path | None = None
+    compiled: CompiledModel | None = None  # the compile in the workdir (its settings go to the resource config)
+    resource_config: ResourceConfig | None = None
+    deployment: Deployment | None = None  # the staged artifact, loaded as a user would: what is checked and timed
+    deployed_hashes: dict[str, str] = field(default_factory=dict)  # its files' sha256 when it was loaded
+    accuracy: AccuracyReport | None = None
+    bench: BenchmarkReport | None = None
+    limits: CandidateLimits | None = None  # set when this build is a candidate of --precision auto
+
+    @property
+    def torch(self) -> bool:
+        """The build ships the PyTorch module (--backend torch), not an ONNX graph."""
+        return self.backend.name == "torch"
+
+    @property
+    def fused(self) -> bool:
+        """Normalization is fused into the model: the artifact takes the host's uint8 crops."""
+        return self.recipe.preprocessing is not None and self.recipe.preprocessing.fused
+
+    @property
+    def image_input(self) -> str:
+        """The input the image preprocessing feeds (the model's first when the recipe names none)."""
+        from accel_opt.preprocess.fit import image_input
+
+        pre = self.recipe.preprocessing
+        return image_input(pre, self.inputs).name if pre else self.inputs[0].name
+
+    @property
+    def bounded(self) -> bool:
+        """Whether the verdict's rates must clear their minimums by their confidence bound: every reduced precision.
+        An fp32 build is judged against the float32 noise floor by its observed rates, never refused for few samples."""
+        return self.recipe.precision is not Precision.fp32
+
+    def steering_gate(self) -> tuple[Tolerance, list[TaskMetric], list[str]]:
+        """(tolerance, task metrics, hopeless lines) a choice made on the steering samples judges by: for a bounded
+        verdict, the rates the held-out samples can certify (accuracy.metrics.aimed_gate); else the recipe's own."""
+        tolerance, metrics = self.recipe.tolerance, list(self.recipe.accuracy.task_metrics)
+        if not self.bounded:
+            return tolerance, metrics, []
+        axes = self.shapes.batch_axes if self.shapes is not None else {}
+        rows = rows_of(self.eval_samples[0], axes) if self.eval_samples and axes else 1
+        return aimed_gate(tolerance, metrics, len(self.eval_samples), self.recipe.accuracy.confidence, rows)

@@ -1,0 +1,115 @@
+"""The fallback's actions for one build: how it builds a variant (the recipe's transform), judges it (the gate's
+tolerance on the probes, on the build's backend and, for int8, with Q/DQ emulated in float), diagnoses it layer by
+layer and counts its FLOPs. fallback.py decides what to keep; this wires those decisions to the build's context."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import onnx
+
+from accel_opt import runtime
+from accel_opt.accuracy import compare
+from accel_opt.backends import compile_for
+from accel_opt.backends.base import casting_inputs
+from accel_opt.backends.onnxruntime.backend import OnnxRuntimeBackend, float_run_quantized_ops, reference_runner
+from accel_opt.bench import Target, run_benchmark
+from accel_opt.bench.efficiency import node_flops
+from accel_opt.data import Sample
+from accel_opt.errors import first_line
+from accel_opt.graph.inspect import io_specs, with_batch
+from accel_opt.precision import fallback, transform
+from accel_opt.precision.diagnose import Diagnosis, diagnose, emulate_bfloat16
+from accel_opt.precision.report import PrecisionReport
+from accel_opt.precision.search import CALIBRATION_REMEDIES
+from accel_opt.recipe.stages import BenchmarkConfig
+from accel_opt.recipe.types import Precision
+
+if TYPE_CHECKING:
+    from accel_opt.builder.context import BuildContext
+
+log = logging.getLogger(__name__)
+
+# The search's speed check: short, interleaved rounds of the build and its fp32 at the deployed batch.
+SPEED_CHECK = BenchmarkConfig(warmup_iterations=3, min_iterations=20, min_seconds=0.5, max_iterations=400)
+
+
+def fallback_actions(ctx: BuildContext, probes: list[Sample], shapes: dict[str, list[int]]) -> fallback.Actions:
+    """The fallback's build / judge / diagnose: the recipe's transform, the gate's tolerance on the probes
+    run on the build's backend (compiled for `shapes`), and the per-layer diagnosis on ONNX Runtime (bf16 emulated)."""
+    precision, recipe = ctx.recipe.precision, ctx.recipe
+    calibration_cache = ctx.cache_dir / "calibration" if ctx.cache_dir else None
+
+    gate, metrics, _ = ctx.steering_gate()  # the rates the held-out verdict can certify
+    tolerance = (fallback.stricter(gate), metrics)
+    padding = ctx.text_encoder.padding if ctx.text_encoder is not None else None  # texts of several lengths
+    timed = padding.same_length(probes) if padding is not None else probes  # timed batches have one shape
+
+    def build(keep: list[str], out: Path, calibration: str | None = None) -> PrecisionReport:
+        chosen = recipe if calibration is None else recipe.with_overrides(
+            **{"precision_options.calibration.method": calibration})
+        return transform(ctx.fp32_path, precision, chosen, ctx.backend.name, ctx.calibration_samples, out,
+                         calibration_cache, keep_float=keep)
+
+    # The fp32 model's outputs and float32 noise on the probes: measured once, every build of the search reuses them.
+    noise_floor: dict[str, float] = {}
+    reference_outputs: list[dict] = []
+
+    def verdict(candidate) -> fallback.ProbeVerdict:
+        result = compare(reference_runner(ctx.fp32_path, ctx.threads), candidate, probes, *tolerance, batch_size=ctx.deploy_batch,
+                         batch_axes=ctx.shapes.batch_axes, noise_floor=noise_floor or None,
+                         noise_reference=None if noise_floor else reference_runner(ctx.fp32_path, ctx.threads, optimize=True),
+                         reference_outputs=reference_outputs or None, padding=padding)
+        noise_floor.update({o.name: o.noise_floor for o in result.outputs})
+        reference_outputs[:] = result._reference_outputs
+        return fallback.ProbeVerdict(passed=result.passed, worst_cosine=result.worst_cosine, failures=result.failures[:3],
+                                     loss=result.loss)
+
+    compiled: dict[Path, object] = {}  # each build compiled once: judged, then perhaps timed
+
+    def deployed_runner(path: Path, as_precision: Precision = precision):
+        if path not in compiled:
+            compiled[path] = compile_for(ctx.backend, path, as_precision, recipe, ctx.workdir / "probe" / path.stem, shapes)
+        deployed = {spec.name: spec.dtype for spec in io_specs(onnx.load(str(path), load_external_data=False))[0]}
+        return casting_inputs(ctx.backend.runner(compiled[path]), runtime.feed_dtypes_of(probes), deployed)
+
+    def judge(path: Path) -> fallback.ProbeVerdict:
+        return verdict(deployed_runner(path))
+
+    def speedup(path: Path) -> float | None:
+        """The build against the same backend's fp32 build, on the deployed kernels at the deployed batch, timed
+        interleaved (the host's noise hits both alike): fp32's p50 over the build's."""
+        targets = [Target("candidate", deployed_runner(path), ctx.backend.synchronize),
+                   Target("fp32", deployed_runner(ctx.fp32_path, Precision.fp32), ctx.backend.synchronize)]
+        report = run_benchmark(targets, timed, [ctx.deploy_batch], SPEED_CHECK, ctx.threads, ctx.shapes.batch_axes)
+        candidate, fp32 = (m.batches[0].latency.p50_ms for m in report.models)
+        return fp32 / candidate if candidate > 0 else None
+
+    def judge_emulated(path: Path) -> fallback.ProbeVerdict:  # Q/DQ in float, graph optimizations off: as diagnosed
+        return verdict(reference_runner(path, ctx.threads))
+
+    def examine(path: Path) -> Diagnosis:
+        if precision is Precision.bf16:
+            (ctx.workdir / "probe").mkdir(parents=True, exist_ok=True)
+            path = emulate_bfloat16(path, ctx.workdir / "probe" / f"emulated-{path.name}")
+        return diagnose(ctx.fp32_path, path, probes[: recipe.precision_options.fallback.diagnosis_samples], ctx.threads)
+
+    batch1 = with_batch(ctx.shapes.shapes, 1, ctx.shapes.batch_axes) if ctx.shapes.batch_dynamic else ctx.shapes.shapes
+
+    def flops_of(path: Path) -> dict[str, int]:
+        try:
+            return node_flops(path, batch1)
+        except (ValueError, RuntimeError, onnx.shape_inference.InferenceError) as exc:  # > 2 GB protos, odd graphs
+            log.warning("no FLOP counts for the fallback budget: %s", first_line(exc))
+            return {}
+    companions = None
+    if precision is Precision.int8 and isinstance(ctx.backend, OnnxRuntimeBackend):
+        def companions(path: Path) -> list[str]:
+            return float_run_quantized_ops(path, ctx.threads)
+    remedies = tuple(m for m in CALIBRATION_REMEDIES if m != recipe.precision_options.calibration.method.value) \
+        if precision is Precision.int8 else ()
+    return fallback.Actions(build=build, judge=judge, diagnose=examine, flops_of=flops_of, companions=companions,
+                            judge_emulated=judge_emulated if precision is Precision.int8 else None, speedup=speedup,
+                            calibration_remedies=remedies)

@@ -1,0 +1,197 @@
+"""What a build records about itself and how it finds a finished twin: the measured resource config, the
+artifact's identity (its folder name), the manifest, and the reuse of a complete, verified folder."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from accel_opt import runtime
+from accel_opt.accuracy import AccuracyReport
+from accel_opt.artifact.config import RESOURCE_CONFIG, ResourceConfig
+from accel_opt.artifact.folder import MANIFEST, Manifest, file_hashes
+from accel_opt.backends import CompiledModel
+from accel_opt.bench import BenchmarkReport
+from accel_opt.files import command_line, now_utc, sha256_file, tool_versions, write_json, write_text
+from accel_opt.machine.cpu import cpu_info, kernel_class
+from accel_opt.machine.gpu import gpu_class
+from accel_opt.recipe.stages import BenchmarkConfig
+from accel_opt.report.html import layer_error_png, render
+from accel_opt.report.markdown import benchmark_markdown, signoff_markdown
+from accel_opt.report.results import BuildResult, DataRecord, StageResult, fill_headline, verdict_of
+
+if TYPE_CHECKING:
+    from accel_opt.builder.context import BuildContext
+
+log = logging.getLogger(__name__)
+
+
+def reuse(ctx: BuildContext, final: Path, model: str, stages: list[StageResult], on_stage) -> BuildResult | None:
+    """The BuildResult of an identical, complete folder that verifies here; None: build it (again).
+    A folder that fails verification is never reused: the new build replaces it."""
+    if not final.is_dir():
+        return None
+    problems = runtime.check(final)
+    if problems:
+        log.info("not reusing %s: %s", final, problems[0].line)
+        return None
+    manifest = runtime.read_manifest(final)
+    accuracy = AccuracyReport.model_validate_json((final / "accuracy.json").read_text())
+    bench = BenchmarkReport.model_validate_json((final / "benchmark.json").read_text())
+    stages.append(StageResult(name="reuse", status="passed", detail=f"an identical build verified: {final}"))
+    if on_stage:
+        on_stage(stages[-1])
+    result = BuildResult(
+        model=model, precision=manifest.precision, backend=manifest.backend, signed_off=manifest.signed_off,
+        exit_code=manifest.exit_code, verdict=verdict_of(accuracy, bench.failures),
+        samples_needed=accuracy.samples_needed, artifact_dir=str(final), failures=accuracy.failures + bench.failures, stages=stages,
+        worst_cosine=accuracy.worst_cosine, data=data_record(ctx), evaluated=accuracy.evaluation.deployment, reused=True,
+    )
+    fill_headline(result, bench)
+    result._eval_samples = ctx.deploy_samples
+    return result
+
+
+def measured_config(ctx: BuildContext) -> ResourceConfig:
+    """The resource config the runtime read, with what the benchmark measured added (nothing it reads changes)."""
+    candidate = ctx.bench.models[0]
+    return ctx.resource_config.model_copy(update={
+        "output_batch_axes": ctx.deployment.config.output_batch_axes,
+        "batch_sizes_measured": [b.batch_size for b in candidate.batches],
+        "memory": {
+            "peak_rss_mib": candidate.peak_rss_mib,
+            "model_memory_mib": candidate.model_memory_mib,
+            "measured_at_batch": max(b.batch_size for b in candidate.batches),
+        },
+        "session_load_ms": candidate.session_load_ms,
+        "recommended": recommended(ctx.compiled, ctx.bench, ctx.recipe.benchmark),
+    })
+
+
+def recommended(compiled: CompiledModel, bench: BenchmarkReport, config: BenchmarkConfig) -> dict[str, Any]:
+    """What the sweep found best within the budgets (the deployed `batch_size` is what `run` uses)."""
+    rec = bench.recommended
+    recommended: dict[str, Any] = {
+        "batch_size": rec.batch_size if rec else None, "concurrency": rec.concurrency if rec else None,
+        "threads": compiled.threads, "throughput_per_s": rec.throughput_per_s if rec else None,
+        "p99_ms": rec.p99_ms if rec else None, "peak_memory_mib": rec.peak_memory_mib if rec else None,
+        "budgets": {"p99_ms": config.p99_budget_ms, "memory_mib": config.memory_budget_mib},
+        "reason": bench.recommendation,
+    }
+    if bench.length_buckets:  # text: the batch that fits the memory budget at each length (None: no budget given)
+        recommended["batch_per_length"] = {str(b.length): b.recommended_batch for b in bench.length_buckets}
+        recommended["memory_per_length_mib"] = {str(b.length): {"peak": b.peak_memory_mib, "per_row": b.per_row_mib}
+                                                for b in bench.length_buckets}
+    if bench.concurrency:
+        best = max(bench.concurrency, key=lambda row: row["samples_per_s"])
+        recommended.update(performance_hint=best["hint"], threads=best["threads"], streams=best["streams"],
+                           requests_in_flight=best["requests"],
+                           concurrency_reason=f"{best['samples_per_s']:.1f} samples/s at batch {best['batch_size']}, "
+                                              "the best of the threads x streams x hint sweep")
+    return recommended
+
+
+def artifact_name(ctx: BuildContext) -> str:
+    cpu = cpu_info()
+    identity = json.dumps(
+        {"model": ctx.model_sha256, "external_data": ctx.external_data_sha256, "recipe": ctx.recipe.fingerprint(), "data": ctx.data.sha256,
+         "eval_data": ctx.eval_data.sha256 if ctx.eval_data is not None else None,
+         "tools": tool_versions(), "hardware": {k: cpu[k] for k in ("model", "machine", "flags", "available_cpus")}},
+        sort_keys=True,
+    )
+    digest = hashlib.sha256(identity.encode()).hexdigest()[:10]
+    return f"{ctx.model_path.stem}-{ctx.recipe.precision.value}-{ctx.backend.name}-{digest}"
+
+
+def input_record(ctx: BuildContext) -> dict[str, Any]:
+    record: dict[str, Any] = {"path": str(ctx.source_path), "sha256": ctx.model_sha256, "external_data": ctx.external_data_sha256}
+    if ctx.factory is not None:
+        source = Path(ctx.factory.spec.rpartition(":")[0])
+        record = {"factory": ctx.factory.spec, "exported_onnx_sha256": ctx.model_sha256,
+                  "source_sha256": sha256_file(source) if source.is_file() else None}
+    return record
+
+
+def data_record(ctx: BuildContext) -> DataRecord:
+    held = ctx.eval_data if ctx.eval_data is not None and ctx.eval_data is not ctx.data else None
+    return DataRecord(source=ctx.data.source, path=ctx.data.path, synthetic=ctx.data.synthetic,
+                      samples=ctx.data.count + (held.count if held else 0), evaluation_samples=len(ctx.eval_samples),
+                      calibration_samples=len(ctx.calibration_samples), steering_samples=len(ctx.steering_samples),
+                      eval_path=ctx.eval_data.path if ctx.eval_data is not None else None)
+
+
+def write_manifest(ctx: BuildContext, folder: Path, result: BuildResult) -> None:
+    manifest = Manifest(
+        created_utc=now_utc(),
+        signed_off=result.signed_off,
+        exit_code=result.exit_code,
+        precision=ctx.recipe.precision.value,
+        backend=ctx.backend.name,
+        input_model=input_record(ctx),
+        recipe={"name": ctx.recipe.name, "fingerprint": ctx.recipe.fingerprint(), "resolved": ctx.recipe.model_dump(mode="json")},
+        # Which sample had which role, by name: no sample in two (checked by anyone reading this file).
+        data={**ctx.data.model_dump(mode="json", exclude={"names"}), **result.data.model_dump(mode="json"),
+              "eval_data_sha256": ctx.eval_data.sha256 if ctx.eval_data is not None else None,
+              "split": {"seed": ctx.split.seed, **ctx.split.names(ctx.sample_names)}},
+        artifacts=file_hashes(folder),
+        stages=[s.model_dump() for s in result.stages],
+        tools=tool_versions(),
+        cpu=cpu_info(),
+        command_line=command_line(),
+        cpu_class=kernel_class(ctx.backend.name),
+        gpu=gpu_class(ctx.compiled.device) if ctx.compiled.device.startswith("cuda") else None,
+    )
+    write_json(folder / MANIFEST, manifest)
+
+
+def write_probe_set(ctx: BuildContext, folder: Path) -> int:
+    """The folder's probe set: the first evaluation samples as the artifact takes them, the reference's outputs on
+    them and the gate's tolerance, so another CPU can re-check the sign-off (runtime.probe)."""
+    from accel_opt.runtime import probe
+
+    noise = {o.name: o.noise_floor for o in ctx.accuracy.outputs if o.noise_floor}
+    count = probe.probe_count(len(ctx.eval_names), ctx.recipe.accuracy.probe_samples)
+    preprocessing = ctx.resource_config.preprocessing
+    return probe.write_probe(folder, ctx.deploy_samples, ctx.accuracy._reference_outputs, ctx.eval_names, count,
+                             ctx.recipe.tolerance, ctx.recipe.accuracy.task_metrics, noise,
+                             runtime.machine_class(ctx.resource_config), preprocessing.host_part() if preprocessing else None)
+
+
+def write_reports(ctx: BuildContext) -> str:
+    """Every report of the staged folder, JSON first and the rest rendered from it, the probe set and build.json
+    (the manifest comes after, in write_manifest); returns the stage's one-line detail."""
+    staging, name = ctx.staging, ctx.model_path.stem
+    signed_off = ctx.accuracy.passed and not ctx.bench.failures
+    write_json(staging / "accuracy.json", ctx.accuracy)
+    write_text(
+        staging / "signoff.md",
+        signoff_markdown(name, signed_off, ctx.accuracy, ctx.precision, ctx.data, len(ctx.calibration_samples),
+                                ctx.notes + (ctx.precision.notes if ctx.precision else [])
+                                + [f"Benchmark gate failed: {line}" for line in ctx.bench.failures],
+                                fallback=ctx.fallback, bench=ctx.bench),
+    )
+    if ctx.fallback is not None and ctx.fallback.naive_profile:
+        (staging / "layer_error.png").write_bytes(layer_error_png(ctx.fallback.model_dump(mode="json")))
+    write_json(staging / "benchmark.json", ctx.bench)
+    write_text(staging / "benchmark.md", benchmark_markdown(name, ctx.bench))
+    write_json(staging / RESOURCE_CONFIG, measured_config(ctx))
+    config = ctx.resource_config
+    build_info = {
+        "model_name": name,
+        "created_utc": now_utc(),
+        "cleanup": ctx.cleanup.model_dump(mode="json") if ctx.cleanup else None,
+        "precision": ctx.precision.model_dump(mode="json") if ctx.precision else None,
+        "fallback": ctx.fallback.model_dump(mode="json") if ctx.fallback else None,
+        "data": ctx.data.model_dump(mode="json"),
+        "export": ctx.export,
+        "notes": ctx.notes,
+        "environment": {"tools": tool_versions(), "cpu": cpu_info()},
+        "files_sha256": {f: ctx.deployed_hashes[f] for f in [config.model_file, *config.extra_files]},
+    }
+    write_probe_set(ctx, staging)
+    write_json(staging / "build.json", build_info)
+    write_text(staging / "signoff.html", render(staging))  # from the JSON reports above only
+    return f"{len(list(staging.iterdir()))} files"

@@ -1,0 +1,113 @@
+"""The load stage's samples: --data (and --eval-data) read as the model and the artifact take them, and dealt into
+disjoint roles (data.split_roles): calibration, steering, and the held-out verdict."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from accel_opt.builder.context import BuildContext
+from accel_opt.data import (
+    DataSplit,
+    DataSummary,
+    Sample,
+    check_sample,
+    load_samples,
+    sample_key,
+    shapes_of,
+    split_roles,
+    synthetic_samples,
+)
+from accel_opt.errors import UsageError
+from accel_opt.graph.inspect import TensorSpec, resolve_shapes
+from accel_opt.preprocess.images import to_model_input
+from accel_opt.recipe.types import Precision
+
+
+def read_and_split(ctx: BuildContext) -> list[Sample]:
+    """Every sample read (--data, then --eval-data; synthetic without either), the shapes they resolve, and their
+    split into roles (ctx.split, ctx.sample_names); sets ctx.data / ctx.eval_data. Returns the samples."""
+    recipe = ctx.recipe
+    accuracy = recipe.accuracy
+    if ctx.data_dir is None and ctx.eval_data_dir is None:
+        steering = min(accuracy.split.max_steering, accuracy.synthetic_samples)
+        ctx.shapes = resolve_shapes(ctx.inputs, recipe.shapes, given_batch_axes=recipe.batch_axes)
+        samples, ctx.data = synthetic_samples(ctx.inputs, ctx.shapes.shapes, steering + accuracy.synthetic_samples,
+                                              accuracy.seed, ctx.loaded.index_bounds)
+        ctx.sample_names = ctx.data.names
+        ctx.split = DataSplit(seed=accuracy.seed, steering=list(range(steering)),
+                              verdict=list(range(steering, len(samples))))
+        ctx.notes.append(f"No --data given: {len(samples)} synthetic samples (seed {accuracy.seed}) were used: "
+                         f"{accuracy.synthetic_samples} for the accuracy check, {steering} to steer choices.")
+        return samples
+    samples: list[Sample] = []
+    held_out = None
+    if ctx.data_dir is not None:
+        samples, ctx.data = _read_data(ctx, ctx.data_dir)
+        ctx.sample_names = list(ctx.data.names)
+    if ctx.eval_data_dir is not None:
+        held, ctx.eval_data = _read_data(ctx, ctx.eval_data_dir)
+        if ctx.data is not None and ctx.eval_data.source != ctx.data.source:
+            raise UsageError(f"--eval-data holds {ctx.eval_data.source}, --data {ctx.data.source}: give the same kind")
+        held_out = [sample_key(s) for s in held]
+        ctx.sample_names += [f"{ctx.eval_data_dir.name}/{name}" for name in ctx.eval_data.names]
+        samples = samples + held
+        ctx.data = ctx.data or ctx.eval_data
+    ctx.shapes = resolve_shapes(ctx.inputs, recipe.shapes, shapes_of(samples), recipe.batch_axes)
+    given = len(samples) - len(held_out or [])
+    verdict_max = _verdict_memory_cap(ctx, accuracy.max_samples)
+    ctx.split = split_roles([sample_key(s) for s in samples[:given]], accuracy.split,
+                            recipe.precision is Precision.int8, recipe.precision_options.calibration.samples,
+                            verdict_max, accuracy.seed, held_out)
+    return samples
+
+
+VERDICT_MEMORY_MIB = 4096  # what the judged outputs may take: the reference's and the candidate's, in float64 copies
+JUDGE_BYTES_PER_ELEMENT = 56  # float32 outputs of both, and about six float64 copies while judging
+
+
+def _verdict_memory_cap(ctx: BuildContext, max_samples: int) -> int:
+    """accuracy.max_samples, lowered where every judged sample's outputs would not fit VERDICT_MEMORY_MIB (outputs
+    with static dims only: a 640x640 detector head of 705,600 values takes ~38 MiB per sample to judge)."""
+    elements = 0
+    for spec in ctx.outputs:
+        if not all(isinstance(d, int) for d in spec.shape[1:]):
+            return max_samples  # a dynamic dim besides the batch: the size is not known before the model runs
+        batch = spec.shape[0] if spec.shape and isinstance(spec.shape[0], int) else 1
+        elements += batch * math.prod(spec.shape[1:])
+    cap = max(1, VERDICT_MEMORY_MIB * 2**20 // max(1, elements * JUDGE_BYTES_PER_ELEMENT))
+    if cap < max_samples:
+        ctx.notes.append(f"Held-out samples judged at most {cap} (not accuracy.max_samples {max_samples}): each sample's "
+                         f"outputs take {elements * JUDGE_BYTES_PER_ELEMENT / 2**20:.1f} MiB to judge, within "
+                         f"{VERDICT_MEMORY_MIB} MiB.")
+    return min(cap, max_samples)
+
+
+def _read_data(ctx: BuildContext, folder: Path) -> tuple[list[Sample], DataSummary]:
+    """The samples of `folder` as the model takes them. With fused preprocessing the images are decoded once,
+    to the host's uint8 crops (appended to ctx.host_crops: what the fused artifact takes), and normalized from those;
+    where the job's inputs differ from the reference's (draft decoding, the torch backend's tensor path) they are
+    appended to ctx.job_samples (so both stay aligned with the samples when --eval-data follows --data)."""
+    pre = ctx.recipe.preprocessing
+    draft = pre is not None and pre.draft_decode and not any(folder.glob("*.npz"))
+    reference_pre = pre.model_copy(update={"draft_decode": False}) if draft else pre
+    if not ctx.fused:
+        samples, data = load_samples(folder, ctx.inputs, reference_pre, text=ctx.text_encoder)
+        if ctx.torch and data.source == "images":  # the candidate takes what its job's tensor path makes
+            from accel_opt.preprocess.tensor_images import tensor_path_samples
+
+            files = [folder / name for name in data.names]
+            ctx.job_samples += tensor_path_samples(files, pre, ctx.image_input, ctx.backend.device)
+        elif draft:  # the candidate takes what `accel-opt run` will feed it; the reference, full decodes
+            ctx.job_samples += load_samples(folder, ctx.inputs, pre)[0]
+        return samples, data
+    name = ctx.image_input
+    spec = TensorSpec(name=name, dtype="uint8", shape=["batch", pre.crop, pre.crop, 3])
+    crops, data = load_samples(folder, [spec], pre.host_part().model_copy(update={"input": name}))
+    ctx.host_crops += crops
+    if draft:
+        crops = load_samples(folder, [spec], reference_pre.host_part().model_copy(update={"input": name}))[0]
+    samples = [{name: to_model_input(c[name], pre)} for c in crops]
+    for sample, where in zip(samples, data.names):
+        check_sample(sample, ctx.inputs, f"--data {where}")
+    return samples, data

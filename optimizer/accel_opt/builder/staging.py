@@ -1,0 +1,79 @@
+"""The compile stage's work on the staged folder: the backend's compile, its files and the resource config written into
+the artifact, loaded back through the runtime (from there on the build checks and times that folder), and the check
+that the deployment runs a batch of its size."""
+
+from __future__ import annotations
+
+import shutil
+from typing import TYPE_CHECKING
+
+import onnx
+
+from accel_opt import runtime
+from accel_opt.artifact.config import RESOURCE_CONFIG, DeployedInput, ResourceConfig
+from accel_opt.artifact.folder import file_hashes
+from accel_opt.backends import compile_for
+from accel_opt.data import batch_of
+from accel_opt.errors import AccelOptError, first_line
+from accel_opt.files import write_json
+from accel_opt.graph.inspect import io_specs
+from accel_opt.graph.save import save_model
+from accel_opt.preprocess.fit import image_input
+from accel_opt.preprocess.fuse import fuse_normalize
+from accel_opt.recipe.types import BackendName
+
+if TYPE_CHECKING:
+    from accel_opt.builder.context import BuildContext
+
+
+def stage_deployment(ctx: BuildContext, shapes: dict[str, list[int]]) -> None:
+    """Write the model, the backend's compiled files and the resource config into the staged artifact,
+    then load it back through the runtime: from here on the build checks and times that folder."""
+    pre = ctx.recipe.preprocessing
+    if ctx.backend.name == BackendName.torch.value:  # the AOTInductor package is what ships; its inputs and outputs are the exported module's
+        ctx.compiled = c = compile_for(ctx.backend, ctx.candidate_path, ctx.recipe.precision, ctx.recipe,
+                                       ctx.workdir / "torch", shapes)
+        shutil.copy2(c.path, ctx.staging / c.path.name)
+        deployed_inputs, deployed_outputs = ctx.inputs, ctx.outputs
+    else:
+        model_file = ctx.staging / "model.onnx"
+        source = ctx.candidate_path
+        if pre is not None and pre.fused:
+            source = fuse_normalize(source, image_input(pre, ctx.inputs).name, pre, ctx.workdir / "fused" / source.name)
+        save_model(onnx.load(str(source)), model_file)  # external data resolved next to the source
+        ctx.compiled = c = compile_for(ctx.backend, model_file, ctx.recipe.precision, ctx.recipe, ctx.workdir, shapes)
+        deployed_inputs, deployed_outputs = io_specs(onnx.load(str(model_file), load_external_data=False))
+    for extra in c.extra_files:
+        if extra.parent != ctx.staging:
+            shutil.copy2(extra, ctx.staging / extra.name)
+    if ctx.tokenizer_path is not None:  # the folder runs as it was checked: its own tokenizer, hashed like every file
+        from accel_opt.preprocess.text import TOKENIZER_FILE
+
+        shutil.copy2(ctx.tokenizer_path, ctx.staging / TOKENIZER_FILE)
+    ctx.resource_config = ResourceConfig(
+        backend=c.backend, device=c.device, providers=c.providers, precision=c.precision, threads=c.threads,
+        settings=c.settings, model_file=c.path.name, extra_files=[p.name for p in c.extra_files],
+        inputs=[DeployedInput(**s.model_dump(), shape_used=shapes[s.name], batch_axis=ctx.shapes.batch_axes.get(s.name))
+                for s in deployed_inputs],
+        outputs=deployed_outputs, batch_size=ctx.deploy_batch, batch_dynamic=ctx.shapes.batch_dynamic,
+        preprocessing=ctx.recipe.preprocessing, text=ctx.recipe.text, postprocess=ctx.recipe.postprocess,
+    )
+    write_json(ctx.staging / RESOURCE_CONFIG, ctx.resource_config)
+    ctx.deployed_hashes = file_hashes(ctx.staging)  # hashed once: build.json reuses them
+    ctx.deployment = runtime.load(ctx.staging, expected_files=ctx.deployed_hashes)
+
+
+def batch_problem(ctx: BuildContext) -> str | None:
+    """Why the deployment cannot run a batch of its size (None: it can, or nothing needs checking).
+    Only checked when some input is left unbatched: that is when a batch axis may have gone unseen."""
+    axes = ctx.shapes.batch_axes
+    if ctx.deploy_batch == 1 or all(a is not None for a in axes.values()):
+        return None
+    try:
+        with ctx.deployment.runner(runtime.feed_dtypes_of(ctx.deploy_samples)) as runner:
+            runner.infer(batch_of(ctx.deploy_samples, ctx.deploy_batch, axes), check_inputs=False)
+    except AccelOptError:
+        raise
+    except Exception as exc:  # the runtime's own error types
+        return first_line(exc, limit=200)
+    return None

@@ -1,0 +1,164 @@
+"""The accuracy gate's keys: per-precision tolerances (the one definition of "within tolerance"), the task metrics,
+the split of --data into calibration, steering and held-out samples, and the confidence a sign-off is stated at."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, model_validator
+
+from accel_opt.recipe.types import ErrorStat, Precision, _Strict
+
+
+class Tolerance(_Strict):
+    """The numeric gate of one precision. Every output of every evaluation sample is judged; this is
+    the one definition of "within tolerance" the project uses (build gate, cleanup check, export check).
+
+    Errors are measured in units of the output's *scale*: |candidate - reference| divided by the
+    standard deviation of that reference output over all evaluation samples (its largest |value| if
+    it is constant, 1 if it is all zeros). A box coordinate in pixels and a probability are judged
+    alike: 0.01 means "1% of the spread of that output's values".
+
+    - `max_error`: the `error_stat` of the scaled error over all samples together.
+    - `max_sample_error`: the same statistic within each sample; every sample must hold it.
+    - `min_cosine`: cosine similarity of candidate and reference over all samples together.
+    - `min_sample_cosine`: each sample's cosine. A sample whose reference is ~all zeros (RMS below
+      1% of the output's RMS) has no meaningful direction: it is skipped, and the report says so;
+      its scaled error is still judged.
+    - `max_gain_error`: |g - 1| for the least-squares gain g = <cand, ref> / <ref, ref> over all
+      samples: a systematic scale error, which cosine cannot see (cand = 1.09 * ref has cosine 1).
+    - `atol`/`rtol` (optional, in the output's own units): Polygraphy's element rule
+      |cand - ref| <= atol + rtol * |ref|, aggregated with `error_stat`; checked only when given.
+    - NaN or Inf in a candidate output always fails.
+    - `min_agreement`: integer and boolean outputs (class ids from an ArgMax, masks, indices) are compared
+      exactly, not by distance: the fraction of their elements equal to the reference, over all samples.
+      A near-tie argmax flips under any rounding, so one changed id must not fail a build by itself.
+    - `max_failing_fraction`: the share of samples that may fail the per-sample limits. 0 (the default) is strict:
+      one failing sample fails the build. Above 0, a reduced-precision build signs off only where the one-sided
+      upper confidence bound of the failing share (accuracy.confidence) stays within it, on held-out samples.
+    """
+
+    max_error: float = Field(ge=0)
+    max_sample_error: float = Field(ge=0)
+    min_cosine: float = Field(ge=-1, le=1)
+    min_sample_cosine: float = Field(ge=-1, le=1)
+    max_gain_error: float = Field(ge=0)
+    error_stat: ErrorStat = "mean"
+    atol: float | None = Field(default=None, ge=0)
+    rtol: float | None = Field(default=None, ge=0)
+    min_agreement: float = Field(default=0.98, ge=0, le=1)
+    max_failing_fraction: float = Field(default=0.0, ge=0, lt=1)
+
+
+def _default_tolerances() -> dict[Precision, Tolerance]:
+    return {
+        # fp32: only graph rewrites and kernel choice differ from the reference (~1e-6 of the scale, but fused
+        # re-parameterized blocks reach more: PP-OCRv4 det on ORT, optimized vs not, 2.3e-3 at the worst pixel).
+        Precision.fp32: Tolerance(max_error=1e-2, max_sample_error=1e-2, min_cosine=0.99999, min_sample_cosine=0.9999,
+                                  max_gain_error=1e-4, error_stat="max", min_agreement=0.999),
+        # fp16: 10-bit mantissa, ~1e-3 relative per op, accumulating through depth.
+        Precision.fp16: Tolerance(max_error=1e-2, max_sample_error=2e-2, min_cosine=0.999, min_sample_cosine=0.99,
+                                  max_gain_error=5e-3, min_agreement=0.99),
+        # bf16: 7-bit mantissa, ~8x coarser than fp16 (YOLOv8n on OpenVINO bf16: 6e-4 of the scale, cosine 0.99999).
+        Precision.bf16: Tolerance(max_error=4e-2, max_sample_error=8e-2, min_cosine=0.99, min_sample_cosine=0.98,
+                                  max_gain_error=2e-2),
+        # int8: ~1/255 of each tensor's range per step, compounded over depth (ResNet-50 here: cosine
+        # 0.998, ~0.05 of the scale); a gain 5% off is a calibration fault, not rounding noise.
+        Precision.int8: Tolerance(max_error=0.1, max_sample_error=0.2, min_cosine=0.99, min_sample_cosine=0.98,
+                                  max_gain_error=0.05),
+    }
+
+
+class TopKMetric(_Strict):
+    """Classifier agreement: fraction of samples whose reference top-1 class is in the candidate's top-k."""
+
+    kind: Literal["topk"] = "topk"
+    output: str | None = None  # default: the first output
+    min_agreement: dict[int, float] = Field(default_factory=lambda: {1: 0.99, 5: 0.999})
+
+
+class CosineMetric(_Strict):
+    """Embedding agreement: per-sample cosine similarity between reference and candidate rows."""
+
+    kind: Literal["cosine"] = "cosine"
+    output: str | None = None
+    min_mean_cosine: float = 0.99
+    min_worst_cosine: float = 0.95
+
+
+class NeighbourMetric(_Strict):
+    """Retrieval agreement: for each evaluation sample, its nearest neighbour (cosine) among the other samples'
+    candidate embeddings is the one the fp32 reference's embeddings name. Needs at least 3 samples."""
+
+    kind: Literal["neighbours"] = "neighbours"
+    output: str | None = None
+    min_agreement: float = Field(default=0.9, ge=0, le=1)
+
+
+class DetectionMetric(_Strict):
+    """Detector agreement: the candidate's boxes matched one-to-one to the reference's (same class,
+    IoU >= `match_iou`), pooled over samples: precision = matched / candidate boxes, recall =
+    matched / reference boxes. The reference's detections stand in for ground truth.
+
+    `output` is the dense head ([1, 4+C, N] as YOLOv8 exports it, or [N, 4+C]), decoded with
+    `box_format`, `has_objectness` and `score_threshold`, then class-aware NMS at `nms_iou`. A model
+    that applies its own NMS sets `decoded: true`: rows are [x1, y1, x2, y2, score, class].
+    """
+
+    kind: Literal["detection"] = "detection"
+    output: str | None = None
+    decoded: bool = False
+    box_format: Literal["cxcywh", "xyxy"] = "cxcywh"
+    layout: Literal["auto", "rows", "columns"] = "auto"  # auto: columns ([attrs, N]) when attrs < N
+    has_objectness: bool = False
+    score_threshold: float = Field(default=0.25, ge=0, le=1)
+    nms_iou: float = Field(default=0.45, gt=0, le=1)
+    match_iou: float = Field(default=0.5, gt=0, le=1)
+    min_precision: float = Field(default=0.95, ge=0, le=1)
+    min_recall: float = Field(default=0.95, ge=0, le=1)
+
+
+TaskMetric = Annotated[TopKMetric | CosineMetric | NeighbourMetric | DetectionMetric, Field(discriminator="kind")]
+
+
+class SplitConfig(_Strict):
+    """How --data is divided into three disjoint roles, deterministically (accuracy.seed) and recorded in the
+    manifest: samples that calibrate int8 ranges, samples that steer choices (the fallback's search, auto's
+    shortlist, the cleanup check) and held-out samples that only judge the final verdict. Calibration needs far
+    fewer samples than a verdict sized by its confidence bound, so the verdict gets the rest. A build that does not
+    calibrate (fp32, fp16, bf16) gives the calibration share to the verdict; the steering share is the same for
+    every candidate of one `--precision auto` run. `--eval-data` replaces the verdict share with its own samples."""
+
+    # Of --data, at most precision_options.calibration.samples: min/max ranges settle on a few dozen images.
+    calibration_fraction: float = Field(default=0.25, gt=0, lt=1)
+    steering_fraction: float = Field(default=0.15, ge=0, lt=1)
+    max_steering: int = Field(default=32, ge=0)  # a search judges every variant on these: more costs time
+
+
+class AccuracyConfig(_Strict):
+    tolerances: dict[Precision, Tolerance] = Field(default_factory=_default_tolerances)
+    task_metrics: list[TaskMetric] = Field(default_factory=list)
+    # Held-out samples judged at most. Every judged sample's outputs are held for the verdict (the reference's and
+    # the candidate's): a classifier's logits take KiB, a 640x640 detector's head ~11 MiB per sample in float64.
+    max_samples: int = Field(default=300, ge=1)
+    synthetic_samples: int = Field(default=8, ge=1)  # held-out samples generated when no --data is given
+    seed: int = 0  # fixes the split into calibration, steering and held-out samples
+    # A reduced-precision build signs off only where every rate's one-sided lower bound at this confidence clears its
+    # minimum (Clopper-Pearson); too few held-out samples for that is its own verdict, with the number needed.
+    confidence: float = Field(default=0.95, gt=0.5, lt=1)
+    split: SplitConfig = Field(default_factory=SplitConfig)
+    # Evaluation samples the folder's probe set keeps for re-checks on another machine class (all of them when the
+    # gate judged fewer): a per-sample gate needs enough samples for one broken sample to show.
+    probe_samples: int = Field(default=16, ge=1)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _merge_tolerances(cls, data: Any) -> Any:
+        # A recipe that tightens fp16's cosine keeps fp16's other defaults and the other precisions'.
+        if isinstance(data, dict) and isinstance(data.get("tolerances"), dict):
+            merged = {p.value: t.model_dump() for p, t in _default_tolerances().items()}
+            for precision, given in data["tolerances"].items():
+                key = precision.value if isinstance(precision, Precision) else precision
+                merged[key] = {**merged.get(key, {}), **given} if isinstance(given, dict) else given
+            data = {**data, "tolerances": merged}
+        return data

@@ -1,0 +1,66 @@
+"""Recipes from YAML (safe loading; a path or a bundled name from recipes/) and the command line's trtexec-style
+shapes and batch axes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+from accel_opt.errors import UsageError, first_line
+from accel_opt.recipe.schema import DEFAULT_RECIPE_NAME, Recipe, _validate
+
+RECIPES_DIR = Path(__file__).resolve().parents[3] / "recipes"
+
+
+def load_recipe(path_or_name: str | Path | None = None) -> Recipe:
+    """Load a recipe from a YAML path or a bundled name (`recipes/<name>.yaml`); None: the default."""
+    if path_or_name is None:
+        path_or_name = DEFAULT_RECIPE_NAME
+    path = Path(path_or_name)
+    if not path.suffix and not path.exists():
+        path = RECIPES_DIR / f"{path_or_name}.yaml"
+    if not path.is_file():
+        bundled = sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
+        raise UsageError(f"recipe not found: {path_or_name} (bundled: {', '.join(bundled)})")
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (yaml.YAMLError, UnicodeDecodeError) as exc:
+        raise UsageError(f"recipe {path}: not valid YAML: {first_line(exc)}") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise UsageError(f"recipe {path}: expected a mapping at the top level, got {type(data).__name__}")
+    return _validate(data, source=str(path))
+
+
+def parse_batch_axes(text: str) -> dict[str, int | None]:
+    """Parse 'state:1,sr:none': the batch axis per input, `none` for an input that is not batched."""
+    axes: dict[str, int | None] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, sep, axis = item.rpartition(":")
+        if not sep or not name or not (axis.isdigit() or axis.lower() == "none"):
+            raise UsageError(f"--batch-axes: expected NAME:AXIS or NAME:none, got {item!r}")
+        axes[name] = None if axis.lower() == "none" else int(axis)
+    if not axes:
+        raise UsageError("--batch-axes: no axes given")
+    return axes
+
+
+def parse_shapes(text: str) -> dict[str, list[int]]:
+    """Parse trtexec-style shapes: 'input:1x3x224x224,mask:1x128'. Input names may contain ':'."""
+    shapes: dict[str, list[int]] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, sep, dims = item.rpartition(":")
+        if not sep or not name:
+            raise UsageError(f"--shapes: expected NAME:DIMxDIM..., got {item!r}")
+        try:
+            values = [int(d) for d in dims.lower().split("x")]
+        except ValueError:
+            raise UsageError(f"--shapes: dimensions of {name!r} must be integers, got {dims!r}") from None
+        if any(v < 1 for v in values):
+            raise UsageError(f"--shapes: dimensions of {name!r} must be >= 1, got {dims!r}")
+        shapes[name] = values
+    if not shapes:
+        raise UsageError("--shapes: no shapes given")
+    return shapes

@@ -1,0 +1,152 @@
+"""The build's keys stage by stage: cleanup, the precision transform (calibration, the rescue search), the benchmark,
+`--precision auto`'s selection, and each backend's options."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import Field, model_validator
+
+from accel_opt.recipe.types import CalibrationMethod, QuantTarget, TargetCpu, _Strict
+
+
+class BenchmarkConfig(_Strict):
+    batch_sizes: list[Annotated[int, Field(ge=1)]] = Field(default_factory=lambda: [1, 8])
+    warmup_iterations: int = Field(default=10, ge=0)
+    min_iterations: int = Field(default=50, ge=1)
+    max_iterations: int = Field(default=2000, ge=1)
+    min_seconds: float = Field(default=2.0, ge=0)  # per batch size, after warm-up
+    threads: int | None = Field(default=None, ge=1)  # intra-op threads; default: CPUs available
+    # The sweep: every batch size x concurrency (workers with a session each, requests back to back),
+    # each point measured in windows until the last 3 windows' throughput is within stability_pct of
+    # their mean (perf_analyzer's criterion), at most max_windows.
+    concurrency: list[Annotated[int, Field(ge=1)]] = Field(default_factory=lambda: [1, 2])
+    window_seconds: float = Field(default=0.5, gt=0)
+    stability_pct: float = Field(default=10.0, gt=0)
+    max_windows: int = Field(default=8, ge=4)
+    # Budgets the recommended configuration must meet; one nothing meets fails the build (exit 1).
+    p99_budget_ms: float | None = Field(default=None, gt=0)
+    memory_budget_mib: float | None = Field(default=None, gt=0)  # peak process memory at any point, capacity included
+    # The largest shapes the deployment must take (trtexec's --maxShapes): the capacity point runs at them.
+    max_shapes: dict[str, list[Annotated[int, Field(ge=1)]]] = Field(default_factory=dict)
+
+
+class CleanupConfig(_Strict):
+    # The simplified model is used only if it matches the original within the fp32 tolerance.
+    enabled: bool = True
+
+
+class CalibrationConfig(_Strict):
+    method: CalibrationMethod = CalibrationMethod.minmax
+    samples: int = Field(default=64, ge=1)
+    target: QuantTarget = QuantTarget.auto
+    percentile: float = Field(default=99.999, gt=90, le=100)
+    num_bins: int = Field(default=2048, ge=128)  # entropy / percentile histogram bins
+    per_channel: bool = True
+    # Op types that get Q/DQ; None: every op ONNX Runtime has a Q/DQ kernel for (CNNs gain from
+    # quantized Add/Pool too). Transformers: [MatMul, Gemm] keeps masks, softmax and norms in float.
+    op_types: list[str] | None = None
+    # The CPU class the int8 graph is built for (its kernels decide the weights' range): "host" is this machine.
+    # On avx2 / avx512 without VNNI the u8 x s8 kernels sum pairs in int16 and saturate: 7-bit weights there.
+    target_cpu: TargetCpu = "host"
+    # 7-bit weights: None follows target_cpu (on where the kernels saturate); true/false overrides that.
+    reduce_range: bool | None = None
+
+
+class FallbackConfig(_Strict):
+    """Accuracy-driven fallback for int8/fp16/bf16: when the reduced build fails the recipe's tolerance and task
+    metrics on the probe samples, a measured search (other calibrations, then groups of layers restored to float in
+    the order of their measured gain) looks for a build that passes while it still pays in speed."""
+
+    enabled: bool = True
+    max_rounds: int = Field(default=8, ge=1)  # groups of layers added to the float set, at most
+    # The speed budget: the search keeps nothing in float that would take the build below this speed-up over the same
+    # backend's fp32 build (timed on the deployed kernels), and does not search at all for a build that starts below it.
+    min_speedup: float = Field(default=1.1, gt=0)
+    # The time budget of the search, wall clock, checked before each build: a mobile classifier's search fits in
+    # about ten minutes on two cores.
+    time_budget_s: float = Field(default=600.0, gt=0)
+    # Groups measured one by one (each a build); with more, those the per-layer diagnosis blames most.
+    max_measured_units: int = Field(default=32, ge=1)
+    # An optional cap on the Conv/MatMul/Gemm FLOPs left in float; the speed budget decides by default.
+    max_fp32_flops_fraction: float = Field(default=1.0, gt=0, le=1)
+    probe_samples: int = Field(default=16, ge=1)  # the first steering samples, judged for every variant of the search
+    diagnosis_samples: int = Field(default=4, ge=1)  # the first probes, run layer by layer (the costly part)
+    # fp16: nodes whose fp32 activations exceed this on a probe sample stay fp32 before any build is judged
+    # (float16 holds at most 65504; the margin covers inputs larger than the probes).
+    fp16_activation_max: float = Field(default=8192.0, gt=0, le=65504)
+
+
+class PrecisionConfig(_Strict):
+    keep_io_types: bool = True  # fp16/bf16: inputs and outputs stay fp32
+    # fp16/bf16: op types kept in fp32 (overflow-prone reductions and normalizations).
+    block_ops: list[str] = Field(
+        default_factory=lambda: [
+            "LayerNormalization", "InstanceNormalization", "GroupNormalization",
+            "Softmax", "LogSoftmax", "Exp", "Pow", "ReduceMean", "ReduceSum",
+            "ReduceSumSquare", "ReduceL2", "ReduceLogSumExp", "Resize", "Range", "CumSum",
+        ]
+    )
+    block_nodes: list[str] = Field(default_factory=list)
+    calibration: CalibrationConfig = Field(default_factory=CalibrationConfig)
+    fallback: FallbackConfig = Field(default_factory=FallbackConfig)
+
+
+# What each `selection.objective` counts (the selection report says it).
+OBJECTIVES = {
+    "latency": "lowest p50 at batch 1",
+    "throughput": "most samples/s at the target batch",
+    "throughput_within_p99": "most samples/s at any benchmarked batch whose p99 meets the budget",
+}
+
+
+class SelectionConfig(_Strict):
+    """How `--backend auto` / `--precision auto` pick among signed-off candidates."""
+
+    # What `--precision auto` optimizes, every candidate timed on it in one interleaved runoff:
+    #   latency: p50 at batch 1; throughput: samples/s at target_batch_size;
+    #   throughput_within_p99: the best samples/s over benchmark.batch_sizes whose p99 <= latency_budget_ms.
+    objective: Literal["latency", "throughput", "throughput_within_p99"] = "throughput"
+    target_batch_size: int = Field(default=8, ge=1)  # the deployed batch (dynamic batch) and the throughput objective's
+    latency_budget_ms: float | None = Field(default=None, gt=0)  # p99 per call; candidates over it lose
+    # Wall clock for every candidate's build together (--time-budget); null: no limit. The fp32 builds run first;
+    # reduced candidates share what is left for their rescue searches, and what the budget leaves untried is said.
+    # 15 minutes: a 640x640 detector's four candidates (two fp32 builds, two int8 with a search) on 2 cores.
+    time_budget_s: float | None = Field(default=900.0, gt=0)
+
+    @model_validator(mode="after")
+    def _budget_for_p99_objective(self) -> SelectionConfig:
+        if self.objective == "throughput_within_p99" and self.latency_budget_ms is None:
+            raise ValueError("objective throughput_within_p99 needs latency_budget_ms")
+        return self
+
+
+class TensorRtConfig(_Strict):
+    """Native TensorRT builds (--backend tensorrt). Profiles default to batch 1 .. the largest benchmarked
+    batch at the resolved shapes; the *_shapes here override them per input."""
+
+    workspace_mib: int = Field(default=4096, ge=1)
+    optimization_level: int = Field(default=3, ge=0, le=5)  # builder optimization level (TensorRT's default 3)
+    build_timeout_s: float = Field(default=3600, gt=0)
+    min_shapes: dict[str, list[Annotated[int, Field(ge=1)]]] = Field(default_factory=dict)
+    opt_shapes: dict[str, list[Annotated[int, Field(ge=1)]]] = Field(default_factory=dict)
+    max_shapes: dict[str, list[Annotated[int, Field(ge=1)]]] = Field(default_factory=dict)
+    timing_cache_dir: str | None = None  # reused only on the same GPU and TensorRT version
+
+
+class TorchConfig(_Strict):
+    """The torch backend (--backend torch): an AOTInductor package compiled for one device. `device`: "cpu" or
+    "cuda[:N]"; null picks the GPU when torch sees one, else the CPU (the choice is recorded in the manifest)."""
+
+    device: str | None = Field(default=None, pattern=r"^(cpu|cuda(:\d+)?)$")
+
+
+class OnnxRuntimeConfig(_Strict):
+    """ONNX Runtime's execution provider (--backend onnxruntime). providers[0] runs the model; CUDA/TensorRT
+    EPs need an NVIDIA GPU and onnxruntime-gpu (pip uninstall -y onnxruntime && pip install 'accel-opt[gpu]'),
+    the TensorRT EP also TensorRT's libraries. Later entries are not fallbacks."""
+
+    providers: list[Literal["CPUExecutionProvider", "CUDAExecutionProvider", "TensorrtExecutionProvider"]] = Field(
+        default_factory=lambda: ["CPUExecutionProvider"], min_length=1)
+    # Off: a GPU build whose EP would leave any node to the CPU EP is refused (exit 4), naming the ops.
+    allow_cpu_nodes: bool = False
