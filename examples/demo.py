@@ -70,7 +70,7 @@ def main() -> int:
             f"{by_batch[1].latency_p50_ms:.2f}" if 1 in by_batch else "-",
             f"{by_batch[8].latency_p50_ms:.2f}" if 8 in by_batch else "-",
             speedups or "-",
-            "signed off" if result.signed_off else "NOT signed off: " + "; ".join(result.failures),
+            ("signed off" if result.signed_off else f"NOT signed off ({result.verdict})") + top1_evidence(result),
             result.artifact_dir,
         ))
 
@@ -80,6 +80,20 @@ def main() -> int:
         print("  ".join(str(cell).ljust(w) for cell, w in zip(row, widths)))
     # A gate that fails is a result the table shows, not a failed demo; errors are.
     return exit_code
+
+
+def top1_evidence(result) -> str:
+    """What the held-out verdict rests on: top-1 agreement's lower bound and its counts (fp32: the observed rate)."""
+    import json
+
+    accuracy = json.loads((Path(result.artifact_dir) / "accuracy.json").read_text())
+    top1 = next((c["evidence"] for c in accuracy["checks"] if c["name"].endswith(": top1") and c["evidence"]), None)
+    if top1 is None:
+        return ""
+    if top1["status"] == "insufficient":
+        return f": {top1['trials']} held-out rows cannot show top-1 >= {top1['minimum']:.0%}, {top1['needed']} needed"
+    return (f": top-1 >= {top1['lower']:.1%} at {top1['confidence']:.0%} confidence ({top1['failures']} changed of "
+            f"{top1['trials']} held-out)")
 
 
 if __name__ == "__main__":
