@@ -49,7 +49,7 @@ def test_the_kit_installs_and_runs_in_the_gpu_machines_package_set(tmp_path):
     done = subprocess.run([sys.executable, "scripts/gpu_rehearsal.py", "--work", str(tmp_path)], cwd=ROOT,
                           capture_output=True, text=True, timeout=1800)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "gpu_rehearsal: passed" in done.stdout and " MiB of the 64 MiB a run may carry" in done.stdout
+    assert "gpu_rehearsal: passed" in done.stdout and "MiB) of the 64 MiB a run may carry" in done.stdout
     summary = json.loads((tmp_path / "results" / "summary.json").read_text())
     steps = {s["name"]: s["status"] for s in summary["steps"]}
     assert steps["device-job"] == "passed" and steps["doctor"] == "passed" and steps["builds"] == "passed"

@@ -154,3 +154,25 @@ def test_auto_does_not_ship_a_candidate_whose_held_out_verdict_fails(tmp_path, f
     assert int8.steering_passed and int8.held_out == "fail" and not int8.signed_off
     assert result is not None and result.precision == "fp32" and selection.winner is fp32
     assert int8.verdict.startswith(("fastest left, but its held-out verdict", "not faster than fp32")), int8.verdict
+
+
+def test_verify_and_compare_say_what_their_samples_can_confirm(recipe, fast_recipe, tmp_path):
+    """`verify --accuracy` re-checks on the folder's 16 probe samples: the observed rates hold, and the line says the
+    sign-off's 95% rests on the build's held-out samples, which 16 cannot show. `compare` judges a reduced candidate
+    by its bound: on 20 samples it cannot be certified, and says how many would do."""
+    model = save(tie_classifier(), tmp_path / "tie.onnx")
+    data, _ = write_data(tmp_path / "data", 110)
+    int8 = build(model, recipe, data_dir=data, out_dir=tmp_path / "out")
+    fp32 = build(model, fast_recipe.with_overrides(**TOP1_95), data_dir=data, out_dir=tmp_path / "out")
+    assert int8.signed_off and fp32.signed_off, int8.failures + fp32.failures
+    done = CliRunner().invoke(main, ["verify", int8.artifact_dir, "--accuracy", "--json"])
+    assert done.exit_code == 0, done.output
+    (confirms,) = json.loads(done.stdout)["recheck"]["confirms"]
+    assert confirms.startswith("the probe set confirms top-1 agreement >= 82.9% at 95% confidence (0 changed of 16)")
+    assert confirms.endswith("cannot confirm the minimum 95.0% alone (59 needed): that rests on the 65 held-out "
+                             "samples the build judged")
+    few, _ = write_data(tmp_path / "few", 20, seed=3)
+    compared = CliRunner().invoke(main, ["compare", fp32.artifact_dir, int8.artifact_dir, "--data", str(few), "--json"])
+    assert compared.exit_code == 1, compared.output
+    (signs_off,) = [c for c in json.loads(compared.stdout)["checks"] if c["name"] == "candidate signs off"]
+    assert signs_off["line"].startswith("too few samples to certify the candidate (59 needed): task metric topk")

@@ -278,3 +278,19 @@ def test_detection_metric_matches_boxes_to_the_reference():
     result = report.task_metrics[0]
     assert result.values["recall"] == pytest.approx(11 / 12) and result.values["precision"] == 1.0
     assert not report.passed and result.worst_samples[0].startswith("frame2")
+
+
+def test_the_reference_runs_once_per_sample_for_every_candidate_of_an_auto_run(tmp_path):
+    """run_reference with a cache (one --precision auto run's): a second call with the same inputs takes the outputs
+    from it, and does not even activate its runner (this one points at a model that does not exist)."""
+    from accel_opt.accuracy.run import ReferenceCache, run_reference
+
+    ref = save(matmul_model(), tmp_path / "m.onnx")
+    samples = [{"x": s["x"]} for s in _samples(5)]
+    names = [f"s{i}" for i in range(5)]
+    cache = ReferenceCache("reference-fp32:m")
+    first = run_reference(reference_runner(ref, 1), samples, names, cache)
+    again = run_reference(reference_runner(tmp_path / "gone.onnx", 1), samples[2:], names[2:], cache)
+    assert all(np.array_equal(a["y"], b["y"]) for a, b in zip(first[2:], again))
+    with pytest.raises(Exception):  # noqa: B017 - a sample it has not run needs the runner, which cannot load
+        run_reference(reference_runner(tmp_path / "gone.onnx", 1), [{"x": samples[0]["x"] * 2}], ["new"], cache)

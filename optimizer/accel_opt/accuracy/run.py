@@ -21,6 +21,7 @@ from accel_opt.data import (
     output_batch_axis,
     pack_batches,
     rows_of,
+    sample_key,
     split_output,
 )
 from accel_opt.errors import AccelOptError, InputRejected, first_line
@@ -47,6 +48,7 @@ def compare(
     padding: Padding | None = None,
     confidence: float = DEFAULT_CONFIDENCE,
     bounded: bool = False,
+    reference_cache: ReferenceCache | None = None,
 ) -> AccuracyReport:
     """Run the reference per sample and the candidate in batches of `batch_size` rows (along
     `batch_axes`; default: axis 0 of every input that has one), then judge every output of every sample.
@@ -58,13 +60,14 @@ def compare(
     for callers that judge many candidates against one reference; the reference is then not run again.
     `padding`: texts of several lengths (preprocess.text.Padding): the candidate's batches are padded as the job pads
     them, while the reference runs each text alone, so an answer that depends on its batch-mates fails the gate.
-    `bounded`: rates are judged by their lower bound at `confidence` (judge()): a sign-off on held-out samples."""
+    `bounded`: rates are judged by their lower bound at `confidence` (judge()): a sign-off on held-out samples.
+    `reference_cache`: the reference's outputs kept across calls (one --precision auto run's candidates): samples it
+    already ran are not run again."""
     names = names or [f"sample-{i:04d}" for i in range(len(samples))]
     if reference_outputs is not None:
         ref_outs = reference_outputs
     else:
-        with quiet_polygraphy(), reference:
-            ref_outs = [_infer(reference, s, name) for s, name in zip(samples, names)]
+        ref_outs = run_reference(reference, samples, names, reference_cache)
     if noise_floor is None and noise_reference is not None:
         noise_floor = fp32_noise_floor(noise_reference, samples, ref_outs)
     fed = candidate_samples if candidate_samples is not None else samples
@@ -75,6 +78,35 @@ def compare(
                    noise_floor, confidence, bounded)
     report._reference_outputs = ref_outs
     return report
+
+
+class ReferenceCache:
+    """The reference's outputs by (reference, input content): one --precision auto run builds every candidate against
+    the same reference on (mostly) the same samples, so each sample runs through it once. `identity` names the
+    reference (its model's sha256 and kind); an entry is a sample's content hash (data.sample_key)."""
+
+    def __init__(self, identity: str):
+        self.identity, self.outputs = identity, {}
+
+    def get(self, sample: Sample) -> dict[str, np.ndarray] | None:
+        return self.outputs.get(sample_key(sample))
+
+    def put(self, sample: Sample, outputs: dict[str, np.ndarray]) -> None:
+        self.outputs[sample_key(sample)] = outputs
+
+
+def run_reference(reference: BaseRunner, samples: list[Sample], names: list[str],
+                  cache: ReferenceCache | None = None) -> list[dict[str, np.ndarray]]:
+    """The reference's outputs on every sample, one sample per call; from `cache` where it has them."""
+    outputs = [cache.get(s) if cache is not None else None for s in samples]
+    missing = [i for i, out in enumerate(outputs) if out is None]
+    if missing:
+        with quiet_polygraphy(), reference:
+            for i in missing:
+                outputs[i] = _infer(reference, samples[i], names[i])
+                if cache is not None:
+                    cache.put(samples[i], outputs[i])
+    return outputs
 
 
 def fp32_noise_floor(other_fp32: BaseRunner, samples: list[Sample],

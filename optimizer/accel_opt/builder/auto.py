@@ -4,7 +4,8 @@ one time budget for the whole run, and ship the fastest build whose held-out ver
 The choice is made without looking at the held-out samples, then the verdict is looked at once per choice:
 1. Each candidate is an ordinary build (its own folder, its own sign-off on the held-out samples), fp32 first: they
    are the speed floors, cost no search, and tell how long a build takes here. Every candidate of one run is steered by
-   the same steering samples (data.split_roles), and int8 candidates share one calibration (the content-keyed cache).
+   the same steering samples (data.split_roles), int8 candidates share one calibration (the content-keyed cache), and
+   the reference runs once per sample for all of them (accuracy.run.ReferenceCache).
 2. The shortlist is made on the steering samples only: a candidate whose deployed build fails the gate there, aimed
    at what the held-out samples can certify (accuracy.metrics.aimed_gate), is out. The shortlisted builds are timed
    against each other in interleaved rounds (a runoff), since on a shared machine a build that happened to run in a
@@ -146,6 +147,7 @@ def build_auto(
     candidates = [Candidate(backend=b, precision=p, why_tried=why) for b, p, why in build_order(pairs)]
     errors: list[BaseException] = []
     untried: list[str] = []
+    references: dict = {}  # the reference's outputs, run once per sample for every candidate (pipeline.build)
     for number, candidate in enumerate(candidates, start=1):
         tag = f"{candidate.label} ({number}/{len(candidates)})"
         left_out = _out_of_time(candidate, candidates, clock)
@@ -168,7 +170,7 @@ def build_auto(
         try:
             result = build(model, recipe.with_overrides(backend=candidate.backend, precision=candidate.precision),
                            data_dir=data_dir, out_dir=out_dir, on_stage=staged, force=force,
-                           eval_data_dir=eval_data_dir, limits=limits)
+                           eval_data_dir=eval_data_dir, limits=limits, reference_caches=references)
         except UsageError:  # the command line or the recipe is wrong: no candidate will do better
             raise
         except CandidateDropped as exc:

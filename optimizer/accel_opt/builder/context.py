@@ -106,6 +106,7 @@ class BuildContext:
     accuracy: AccuracyReport | None = None
     bench: BenchmarkReport | None = None
     limits: CandidateLimits | None = None  # set when this build is a candidate of --precision auto
+    reference_caches: dict | None = None  # auto: the reference's outputs by reference, shared by its candidates
 
     @property
     def torch(self) -> bool:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from accel_opt import runtime
 from accel_opt.accuracy import SteeringVerdict, compare
+from accel_opt.accuracy.run import ReferenceCache
 from accel_opt.artifact.folder import build_folder, publish
 from accel_opt.backends import get_backend
 from accel_opt.backends.onnxruntime.backend import reference_runner
@@ -62,13 +63,15 @@ def build(
     force: bool = False,
     eval_data_dir: str | Path | None = None,
     limits: CandidateLimits | None = None,
+    reference_caches: dict[str, ReferenceCache] | None = None,
 ) -> BuildResult:
     """Build, check, benchmark and package `model`; never raises for a failed gate (exit_code 1) or for held-out
     samples too few to certify it (exit_code 6).
 
     `data_dir` is split into samples that calibrate, steer and judge (recipe accuracy.split); `eval_data_dir`, when
     given, holds the held-out samples that judge the verdict instead of a share of `data_dir`. `limits`: the build is a
-    candidate of --precision auto (auto.py), which may stop it early (CandidateDropped) and bounds its search's time.
+    candidate of --precision auto (auto.py), which may stop it early (CandidateDropped) and bounds its search's time;
+    `reference_caches` (auto: one for all its candidates) keeps the reference's outputs, run once per sample.
 
     A complete folder of the same identity (model, recipe, data, tool versions, CPU) under `out_dir`
     that verifies is reused instead of rebuilt (`reused` is set), unless `force`. Raises
@@ -97,6 +100,7 @@ def build(
                 staging=staging, cache_dir=Path(cache_dir) if cache_dir else out_dir / ".cache", backend=backend,
                 threads=recipe.benchmark.threads or available_cpus(), factory=factory,
                 eval_data_dir=Path(eval_data_dir) if eval_data_dir else None, limits=limits,
+                reference_caches=reference_caches,
             )
             if model_path.is_file():  # the staged artifact holds at least a copy of the model
                 ensure_free_space(work, model_path.stat().st_size)
@@ -341,6 +345,9 @@ def _stage_compile(ctx: BuildContext) -> tuple[StageStatus, str]:
 def _stage_accuracy(ctx: BuildContext) -> tuple[StageStatus, str]:
     recipe, deployment = ctx.recipe, ctx.deployment
     reference = _reference(ctx)
+    identity = f"{reference.name}:{ctx.model_sha256}"
+    cache = ctx.reference_caches.setdefault(identity, ReferenceCache(identity)) if ctx.reference_caches is not None \
+        else None
     candidate = deployment.runner(runtime.feed_dtypes_of(ctx.deploy_samples))
     ctx.accuracy = compare(
         reference,
@@ -356,6 +363,7 @@ def _stage_accuracy(ctx: BuildContext) -> tuple[StageStatus, str]:
         padding=deployment.padding,
         confidence=recipe.accuracy.confidence,
         bounded=ctx.bounded,
+        reference_cache=cache,
     )
     ctx.accuracy.roles = ctx.split.counts()
     if ctx.steering_samples:  # what auto's shortlist reads: the deployed build on samples the verdict never sees
@@ -363,7 +371,7 @@ def _stage_accuracy(ctx: BuildContext) -> tuple[StageStatus, str]:
         steered = compare(reference, candidate, ctx.steering_samples, tolerance, metrics, names=ctx.steering_names,
                           batch_size=deployment.batch_size, batch_axes=deployment.batch_axes,
                           candidate_samples=ctx.steering_deploy, padding=deployment.padding,
-                          noise_floor={o.name: o.noise_floor for o in ctx.accuracy.outputs})
+                          noise_floor={o.name: o.noise_floor for o in ctx.accuracy.outputs}, reference_cache=cache)
         ctx.accuracy.steering = SteeringVerdict(sample_count=steered.sample_count, passed=steered.passed and not hopeless,
                                                 loss=steered.loss, worst_cosine=steered.worst_cosine,
                                                 failures=(hopeless + steered.failures)[:3])
