@@ -134,6 +134,7 @@ def test_build_auto_picks_the_fastest_candidate_whose_held_out_verdict_holds(tin
     assert "family-wise level (Bonferroni)" in markdown and "Where the minutes went" in markdown
     assert sum(line.startswith(("| onnxruntime | ", "| openvino | ")) for line in markdown.splitlines()) == len(pairs)
     assert f"Winner: {winner.backend} {winner.precision} -> {winner.artifact_dir}" in markdown
+    assert "| pass: samples within tolerance: 0 failed of 9, none may fail |" in markdown  # the strict per-sample check
 
 
 def test_a_time_budget_builds_the_floor_and_says_what_it_left_untried(tiny_cnn_path, recipe, data_dir, tmp_path):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from xml.etree import ElementTree
 
 import numpy as np
 import pytest
@@ -99,9 +100,15 @@ def test_sixteen_held_out_rows_against_95_percent_are_not_enough_evidence(recipe
     data, _ = write_data(tmp_path / "data", 28)
     recipe_file = tmp_path / "r.yaml"
     recipe_file.write_text(yaml.safe_dump(recipe.model_dump(mode="json")))
+    junit = tmp_path / "junit.xml"
     done = CliRunner().invoke(main, ["build", str(model), "--recipe", str(recipe_file), "--data", str(data), "--out",
-                                     str(tmp_path / "out"), "--json"])
+                                     str(tmp_path / "out"), "--json", "--junit", str(junit)])
     assert done.exit_code == 6, done.output
+    (case,) = [c for c in ElementTree.parse(junit).getroot().iter("testcase") if c.get("name").endswith("top1")]
+    assert case.find("failure").get("type") == "InsufficientEvidence"
+    said = {p.get("name"): p.get("value") for p in case.iter("property")}
+    assert said["method"] == "Clopper-Pearson (exact binomial), one-sided" and said["status"] == "insufficient"
+    assert (said["trials"], said["failures"], said["minimum"], said["confidence"]) == ("16", "0", "0.95", "0.95")
     payload = json.loads(done.stdout)
     assert payload["verdict"] == "insufficient evidence" and payload["samples_needed"] == 59 and not payload["signed_off"]
     assert payload["data"]["evaluation_samples"] == 16
@@ -154,6 +161,11 @@ def test_auto_does_not_ship_a_candidate_whose_held_out_verdict_fails(tmp_path, f
     assert int8.steering_passed and int8.held_out == "fail" and not int8.signed_off
     assert result is not None and result.precision == "fp32" and selection.winner is fp32
     assert int8.verdict.startswith(("fastest left, but its held-out verdict", "not faster than fp32")), int8.verdict
+    # Auto's table puts each held-out rate beside its minimum: the bound for int8, the observed rate for fp32.
+    table = (tmp_path / "out" / "tie-auto-selection.md").read_text()
+    top1 = next(r for r in int8.rates if r.what == "top-1 agreement")
+    assert f"top-1 agreement >= {top1.lower:.1%} vs 95.0% ({top1.failures} changed of {top1.trials})" in table
+    assert "top-1 agreement 100.0% observed vs 95.0% (0 changed of" in table
 
 
 def test_verify_and_compare_say_what_their_samples_can_confirm(recipe, fast_recipe, tmp_path):
