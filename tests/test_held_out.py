@@ -111,7 +111,8 @@ def test_sixteen_held_out_rows_against_95_percent_are_not_enough_evidence(recipe
     assert (said["trials"], said["failures"], said["minimum"], said["confidence"]) == ("16", "0", "0.95", "0.95")
     payload = json.loads(done.stdout)
     assert payload["verdict"] == "insufficient evidence" and payload["samples_needed"] == 59 and not payload["signed_off"]
-    assert payload["data"]["evaluation_samples"] == 16
+    assert payload["data"]["evaluation_samples"] == 16 and payload["data"]["held_out_max"] == 300
+    assert payload["data_samples_needed"] == 99  # 99 distinct samples: 25 calibrate, 15 steer, 59 held out
     assert payload["failures"] == ["task metric topk on logits: top-1 agreement: 16 held-out rows cannot show >= 95.0% "
                                    "at 95% confidence even with none changed (82.9% is the most they can); 59 needed"]
     folder = Path(payload["artifact_dir"])
@@ -121,7 +122,9 @@ def test_sixteen_held_out_rows_against_95_percent_are_not_enough_evidence(recipe
     human = CliRunner().invoke(main, ["build", str(model), "--recipe", str(recipe_file), "--data", str(data), "--out",
                                       str(tmp_path / "out")])
     said = " ".join(human.stdout.split())  # rich wraps long lines
-    assert human.exit_code == 6 and "not enough held-out samples to certify it (59 needed with none failing)" in said
+    assert human.exit_code == 6 and ("not enough held-out samples to certify it (59 needed with none failing): give "
+                                     "--data with at least 99 distinct samples (this recipe's split holds 59 out) or 59 "
+                                     "held-out ones with --eval-data") in said
 
 
 def test_held_out_samples_can_come_from_eval_data(recipe, tmp_path):
@@ -188,3 +191,27 @@ def test_verify_and_compare_say_what_their_samples_can_confirm(recipe, fast_reci
     assert compared.exit_code == 1, compared.output
     (signs_off,) = [c for c in json.loads(compared.stdout)["checks"] if c["name"] == "candidate signs off"]
     assert signs_off["line"].startswith("too few samples to certify the candidate (59 needed): task metric topk")
+
+
+@pytest.mark.parametrize("calibrates", [True, False])
+@pytest.mark.parametrize("held_out", [5, 59, 99, 149, 299])
+def test_the_data_a_user_is_told_to_give_is_the_fewest_that_hold_enough_out(held_out, calibrates):
+    from accel_opt.data import data_samples_for
+
+    count = data_samples_for(held_out, SplitConfig(), calibrates, 64)
+    def verdict_of(n):
+        return len(split_roles([str(i) for i in range(n)], SplitConfig(), calibrates, 64, 10**6, seed=0).verdict)
+    assert verdict_of(count) >= held_out > verdict_of(count - 1)
+
+
+def test_too_few_says_when_the_judged_cap_must_be_raised_too():
+    from accel_opt.report.results import BuildResult, DataRecord
+
+    data = DataRecord(source="npz", path="d", synthetic=False, samples=800, evaluation_samples=300,
+                      calibration_samples=64, steering_samples=32, held_out_max=300)
+    result = BuildResult(model="m", precision="int8", backend="onnxruntime", signed_off=False, exit_code=6,
+                         verdict="insufficient evidence", samples_needed=598, data_samples_needed=694, data=data)
+    assert result.too_few_line().endswith("; this build judges at most 300 held-out samples: raise "
+                                          "accuracy.max_samples to 598 (its notes say where the memory its outputs "
+                                          "take to judge lowers it)")
+    assert BuildResult(model="m", precision="fp32", backend="onnxruntime", signed_off=True, exit_code=0).too_few_line() is None

@@ -240,13 +240,7 @@ def split_roles(keys: list[str], config: SplitConfig, calibrates: bool, calibrat
         raise InputRejected(f"--data needs at least 2 samples to calibrate and judge on disjoint sets, got {count}")
     order = [int(i) for i in np.random.default_rng(seed).permutation(count)]
     rest = "verdict" if held_out is None else "unused"
-    n_calib = min(calibration_max, math.ceil(config.calibration_fraction * count))
-    n_calib = max(1, n_calib) if calibrates else n_calib
-    reserve = 1 if held_out is None else 0  # keep one verdict sample: steering gives way first, then calibration
-    n_steer = max(0, min(config.max_steering, math.ceil(config.steering_fraction * count),
-                         count - reserve - (n_calib if calibrates else 0)))
-    if calibrates:
-        n_calib = min(n_calib, count - reserve - n_steer)
+    n_calib, n_steer = _role_counts(count, config, calibrates, calibration_max, reserve=1 if held_out is None else 0)
     # The calibration share goes to the rest when the build does not calibrate: steering is the same samples either way.
     dealt = [("calibration" if calibrates else rest, order[:n_calib]), ("steering", order[n_calib:n_calib + n_steer]),
              (rest, order[n_calib + n_steer:])]
@@ -263,6 +257,30 @@ def split_roles(keys: list[str], config: SplitConfig, calibrates: bool, calibrat
     for role in ("calibration", "steering", "verdict", "unused"):
         getattr(split, role).sort()
     return split
+
+
+def _role_counts(count: int, config: SplitConfig, calibrates: bool, calibration_max: int,
+                 reserve: int) -> tuple[int, int]:
+    """How many of `count` samples calibrate and steer (split_roles); `reserve` verdict samples are kept: steering
+    gives way first, then calibration."""
+    n_calib = min(calibration_max, math.ceil(config.calibration_fraction * count))
+    n_calib = max(1, n_calib) if calibrates else n_calib
+    n_steer = max(0, min(config.max_steering, math.ceil(config.steering_fraction * count),
+                         count - reserve - (n_calib if calibrates else 0)))
+    if calibrates:
+        n_calib = min(n_calib, count - reserve - n_steer)
+    return n_calib, n_steer
+
+
+def data_samples_for(held_out: int, config: SplitConfig, calibrates: bool, calibration_max: int) -> int:
+    """The fewest distinct --data samples that split_roles deals `held_out` verdict samples from (no --eval-data):
+    what to tell a user whose held-out samples were too few."""
+    count = max(held_out, 2 if calibrates else 1)  # calibrating needs one sample besides the verdict's
+    while True:
+        n_calib, n_steer = _role_counts(count, config, calibrates, calibration_max, reserve=1)
+        if count - n_steer - (n_calib if calibrates else 0) >= held_out:
+            return count
+        count += 1
 
 
 BatchAxes = dict[str, int | None]

@@ -78,6 +78,7 @@ class BuildContext:
     eval_data_dir: Path | None = None  # --eval-data: the held-out samples, instead of a share of --data
     eval_data: DataSummary | None = None
     split: DataSplit | None = None  # which sample has which role (calibration, steering, verdict): the manifest records it
+    verdict_max: int | None = None  # held-out samples judged at most (accuracy.max_samples, or less for memory)
     sample_names: list[str] = field(default_factory=list)  # every sample read, in index order (split's indices)
     calibration_samples: list[Sample] = field(default_factory=list)
     # Samples that steer choices (the fallback's search, the cleanup check, auto's shortlist), never judged for the verdict

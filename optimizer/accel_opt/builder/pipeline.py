@@ -24,7 +24,7 @@ from accel_opt.builder.checks import cleanup, exercise_image_path
 from accel_opt.builder.context import BuildContext, CandidateLimits
 from accel_opt.builder.fallback_actions import fallback_actions
 from accel_opt.builder.records import artifact_name, data_record, reuse, write_manifest, write_reports
-from accel_opt.builder.samples import read_and_split
+from accel_opt.builder.samples import data_samples_needed, read_and_split
 from accel_opt.builder.staging import batch_problem, stage_deployment
 from accel_opt.builder.torch_plan import torch_precision
 from accel_opt.data import (
@@ -124,6 +124,7 @@ def build(
                 stages=stages, worst_cosine=ctx.accuracy.worst_cosine, data=data_record(ctx),
                 evaluated=ctx.accuracy.evaluation.deployment, verdict=verdict_of(ctx.accuracy, ctx.bench.failures),
                 samples_needed=ctx.accuracy.samples_needed,
+                data_samples_needed=data_samples_needed(ctx, ctx.accuracy.samples_needed),
             )
             fill_headline(result, ctx.bench)
             result._eval_samples = ctx.deploy_samples

@@ -15,6 +15,7 @@ from accel_opt.artifact.config import RESOURCE_CONFIG, ResourceConfig
 from accel_opt.artifact.folder import MANIFEST, Manifest, file_hashes
 from accel_opt.backends import CompiledModel
 from accel_opt.bench import BenchmarkReport
+from accel_opt.builder.samples import data_samples_needed
 from accel_opt.files import command_line, now_utc, sha256_file, tool_versions, write_json, write_text
 from accel_opt.machine.cpu import cpu_info, kernel_class
 from accel_opt.machine.gpu import gpu_class
@@ -47,7 +48,8 @@ def reuse(ctx: BuildContext, final: Path, model: str, stages: list[StageResult],
     result = BuildResult(
         model=model, precision=manifest.precision, backend=manifest.backend, signed_off=manifest.signed_off,
         exit_code=manifest.exit_code, verdict=verdict_of(accuracy, bench.failures),
-        samples_needed=accuracy.samples_needed, artifact_dir=str(final), failures=accuracy.failures + bench.failures, stages=stages,
+        samples_needed=accuracy.samples_needed, data_samples_needed=data_samples_needed(ctx, accuracy.samples_needed),
+        artifact_dir=str(final), failures=accuracy.failures + bench.failures, stages=stages,
         worst_cosine=accuracy.worst_cosine, data=data_record(ctx), evaluated=accuracy.evaluation.deployment, reused=True,
     )
     fill_headline(result, bench)
@@ -120,7 +122,7 @@ def data_record(ctx: BuildContext) -> DataRecord:
     return DataRecord(source=ctx.data.source, path=ctx.data.path, synthetic=ctx.data.synthetic,
                       samples=ctx.data.count + (held.count if held else 0), evaluation_samples=len(ctx.eval_samples),
                       calibration_samples=len(ctx.calibration_samples), steering_samples=len(ctx.steering_samples),
-                      eval_path=ctx.eval_data.path if ctx.eval_data is not None else None)
+                      eval_path=ctx.eval_data.path if ctx.eval_data is not None else None, held_out_max=ctx.verdict_max)
 
 
 def write_manifest(ctx: BuildContext, folder: Path, result: BuildResult) -> None:

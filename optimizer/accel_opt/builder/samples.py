@@ -12,6 +12,7 @@ from accel_opt.data import (
     DataSummary,
     Sample,
     check_sample,
+    data_samples_for,
     load_samples,
     sample_key,
     shapes_of,
@@ -55,11 +56,21 @@ def read_and_split(ctx: BuildContext) -> list[Sample]:
         ctx.data = ctx.data or ctx.eval_data
     ctx.shapes = resolve_shapes(ctx.inputs, recipe.shapes, shapes_of(samples), recipe.batch_axes)
     given = len(samples) - len(held_out or [])
-    verdict_max = _verdict_memory_cap(ctx, accuracy.max_samples)
+    ctx.verdict_max = _verdict_memory_cap(ctx, accuracy.max_samples)
     ctx.split = split_roles([sample_key(s) for s in samples[:given]], accuracy.split,
                             recipe.precision is Precision.int8, recipe.precision_options.calibration.samples,
-                            verdict_max, accuracy.seed, held_out)
+                            ctx.verdict_max, accuracy.seed, held_out)
     return samples
+
+
+def data_samples_needed(ctx: BuildContext, held_out_needed: int | None) -> int | None:
+    """The distinct --data samples this recipe's split deals `held_out_needed` held-out samples from (None: nothing
+    needed, or the held-out samples come from --eval-data)."""
+    if held_out_needed is None or ctx.eval_data_dir is not None:
+        return None
+    recipe = ctx.recipe
+    return data_samples_for(held_out_needed, recipe.accuracy.split, recipe.precision is Precision.int8,
+                            recipe.precision_options.calibration.samples)
 
 
 VERDICT_MEMORY_MIB = 4096  # what the judged outputs may take: the reference's and the candidate's, in float64 copies

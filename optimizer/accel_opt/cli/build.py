@@ -231,9 +231,8 @@ def _print_result(result) -> None:
                       *(f"{r:.2f}x" if r is not None else "-" for r in ratios))
     console.print(table)
     verdict = "[green]SIGNED OFF[/green]" if result.signed_off else "[red]NOT SIGNED OFF[/red]"
-    if result.verdict == "insufficient evidence":
-        verdict += (f": not enough held-out samples to certify it ({result.samples_needed} needed with none failing); "
-                    "give --data with more samples, or held-out ones with --eval-data")
+    if result.too_few_line():
+        verdict += ": " + result.too_few_line()
     console.print(f"accuracy: {verdict}", highlight=False)
     for failure in result.failures:
         console.print(f"  - {failure}", highlight=False)

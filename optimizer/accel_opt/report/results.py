@@ -41,6 +41,7 @@ class DataRecord(BaseModel):
     calibration_samples: int
     steering_samples: int = 0  # steered the build's choices (fallback search, cleanup check, auto's shortlist)
     eval_path: str | None = None  # --eval-data, when the held-out samples came from there
+    held_out_max: int | None = None  # held-out samples judged at most (accuracy.max_samples, or less for memory)
 
 
 class BuildResult(BaseModel):
@@ -51,6 +52,7 @@ class BuildResult(BaseModel):
     exit_code: int
     verdict: Verdict = "signed off"
     samples_needed: int | None = None  # insufficient evidence: held-out samples that would be enough with no failure
+    data_samples_needed: int | None = None  # ... and the --data samples this recipe's split deals them from
     artifact_dir: str | None = None
     latency_p50_ms: float | None = None  # at the smallest benchmarked batch
     throughput_per_s: float | None = None  # at the largest benchmarked batch
@@ -67,6 +69,21 @@ class BuildResult(BaseModel):
     @property
     def eval_samples(self) -> list[Sample]:
         return self._eval_samples
+
+    def too_few_line(self) -> str | None:
+        """Insufficient evidence: what would be enough, in words a user acts on; None otherwise."""
+        if self.verdict != "insufficient evidence" or self.samples_needed is None:
+            return None
+        needed = self.samples_needed
+        line = f"not enough held-out samples to certify it ({needed} needed with none failing): give "
+        if self.data_samples_needed is not None:
+            line += f"--data with at least {self.data_samples_needed} distinct samples (this recipe's split holds {needed} out) or "
+        line += f"{needed} held-out ones with --eval-data"
+        cap = self.data.held_out_max if self.data is not None else None
+        if cap is not None and cap < needed:
+            line += (f"; this build judges at most {cap} held-out samples: raise accuracy.max_samples to {needed} (its notes "
+                     "say where the memory its outputs take to judge lowers it)")
+        return line
 
 
 def verdict_of(accuracy, bench_failures: list[str]) -> Verdict:
