@@ -156,7 +156,8 @@ def test_cache_hit_on_second_call_and_key_follows_settings(model_path, calib, tm
     assert first.calibration.cache_key == second.calibration.cache_key
     assert (tmp_path / "a.onnx").read_bytes() == (tmp_path / "b.onnx").read_bytes()
     assert sorted(p.name for p in cache.iterdir() if p.is_file()) == [f"{first.calibration.cache_key}.onnx"]  # no temp files left
-    assert [p.name for p in (cache / "ranges" / first.calibration.cache_key).iterdir()] != []  # for fallback rebuilds
+    (ranges,) = (cache / "ranges").iterdir()  # the activation ranges, for fallback rebuilds
+    assert sorted(p.name for p in ranges.iterdir()) == ["prepared.onnx", "ranges.json"]
     other = quantize(model_path, calib, CalibrationConfig(samples=8, per_channel=False), "onnxruntime",
                      tmp_path / "c.onnx", cache)
     assert not other.calibration.cache_hit and other.calibration.cache_key != first.calibration.cache_key
@@ -212,6 +213,22 @@ def test_transform_entry_point_dispatches_int8_and_fp16(model_path, calib, tmp_p
     assert int8.precision is Precision.int8 and int8.calibration.sample_count == len(calib)
     half = transform(model_path, Precision.fp16, recipe, "onnxruntime", [], tmp_path / "h.onnx", None)
     assert half.precision is Precision.fp16 and half.calibration is None
+
+
+def test_onnx_runtime_and_openvino_presets_share_one_calibration(model_path, calib, tmp_path):
+    """The two presets make different graphs from the same activation ranges (OpenVINO's signed input is symmetric
+    int8): the second build reads the first one's ranges instead of calibrating again."""
+    config = CalibrationConfig(samples=8, method="percentile")
+    ort = quantize(model_path, calib, config, "onnxruntime", tmp_path / "ort.onnx", tmp_path / "cache")
+    ov = quantize(model_path, calib, config, "openvino", tmp_path / "ov.onnx", tmp_path / "cache")
+    assert ort.calibration.cache_key != ov.calibration.cache_key and not ov.calibration.cache_hit
+    assert len(list((tmp_path / "cache" / "ranges").iterdir())) == 1
+    assert any(n.startswith("activation ranges from the cache") for n in ov.notes)
+    assert (tmp_path / "ort.onnx").read_bytes() != (tmp_path / "ov.onnx").read_bytes()
+    symmetric = quantize(model_path, calib, config.model_copy(update={"target": "tensorrt"}), "onnxruntime",
+                         tmp_path / "trt.onnx", tmp_path / "cache")  # symmetric activations: other ranges
+    assert not any(n.startswith("activation ranges from the cache") for n in symmetric.notes)
+    assert len(list((tmp_path / "cache" / "ranges").iterdir())) == 2
 
 
 def test_excluded_nodes_stay_float_and_rebuilds_reuse_the_ranges(model_path, calib, tmp_path):

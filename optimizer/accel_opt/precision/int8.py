@@ -78,8 +78,11 @@ def quantize(
     target_cpu, reduce_range, reduce_range_reason = weight_range(preset, config)
     settings = QuantSettings(preset, config.method, config.per_channel, config.percentile, config.num_bins,
                              tuple(config.op_types) if config.op_types else None, reduce_range)
-    ranges_key = calibration_key(model_path, samples, settings)
-    key = ranges_key if not exclude else hashlib.sha256(f"{ranges_key}|{sorted(exclude)}".encode()).hexdigest()
+    key = calibration_key(model_path, samples, settings)
+    key = key if not exclude else hashlib.sha256(f"{key}|{sorted(exclude)}".encode()).hexdigest()
+    # The ranges depend only on what the calibrator reads: ONNX Runtime's and OpenVINO's presets differ in the graph
+    # they make from the ranges, not in the ranges, so auto's two int8 candidates calibrate once.
+    ranges_key = calibration_key(model_path, samples, settings, calibrator_only=True)
     opset_before = opset_of(onnx.load(str(model_path), load_external_data=False))
     notes: list[str] = []
     out_path.parent.mkdir(parents=True, exist_ok=True)
@@ -147,8 +150,10 @@ def quantize(
     )
 
 
-def calibration_key(model_path: Path, samples: list[Sample], settings: QuantSettings) -> str:
-    """Content hash of (model bytes + external data, sample bytes, settings, tool versions)."""
+def calibration_key(model_path: Path, samples: list[Sample], settings: QuantSettings,
+                    calibrator_only: bool = False) -> str:
+    """Content hash of (model bytes + external data, sample bytes, settings, tool versions). `calibrator_only`: of
+    the settings only those the calibrator reads (the key of the activation ranges, not of the quantized graph)."""
     import onnxruntime
 
     digest = hashlib.sha256()
@@ -160,6 +165,10 @@ def calibration_key(model_path: Path, samples: list[Sample], settings: QuantSett
             digest.update(f"{name}|{array.dtype.str}|{array.shape}".encode())
             digest.update(array.tobytes())
     fields = {**dataclasses.asdict(settings), "method": settings.method.value}
+    if calibrator_only:
+        fields = {"method": settings.method.value, "symmetric": settings.preset.symmetric_activations,
+                  "num_bins": settings.num_bins, "num_quantized_bins": settings.num_quantized_bins,
+                  "percentile": settings.percentile, "op_types": _op_types(settings)}
     tools = f"ort={onnxruntime.__version__}|onnx={onnx.__version__}|format={_CACHE_FORMAT}"
     digest.update(f"{sorted(fields.items())}|{tools}".encode())
     return digest.hexdigest()
@@ -186,6 +195,7 @@ def _prepared_and_ranges(model_path: Path, samples: list[Sample], settings: Quan
     when an earlier build of the same model, samples and settings left them (a fallback rebuild)."""
     entry = Path(cache_dir) / "ranges" / key if cache_dir is not None else None
     if entry is not None and (entry / "ranges.json").is_file():  # ranges.json is written last
+        notes.append(f"activation ranges from the cache (calibrated once for this model, samples and method): {entry.name}")
         return entry / "prepared.onnx", entry / "ranges.json", _tensor_bytes(entry / "prepared.onnx") > EXTERNAL_DATA_ABOVE_BYTES
     prepared = _prepare(model_path, tmp, notes)
     large = _tensor_bytes(prepared) > EXTERNAL_DATA_ABOVE_BYTES
