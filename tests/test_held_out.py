@@ -142,6 +142,29 @@ def test_held_out_samples_can_come_from_eval_data(recipe, tmp_path):
     assert not set(split["calibration"] + split["steering"]) & set(split["verdict"])
 
 
+def test_no_held_out_sample_left_is_a_clear_input_error(recipe, tmp_path):
+    """--eval-data that only repeats --data, or --data of one sample copied: nothing is left to judge (exit 3, one
+    line naming the option), and a missing --eval-data folder is named as --eval-data."""
+    model = save(tie_classifier(), tmp_path / "tie.onnx")
+    data, _ = write_data(tmp_path / "data", 20)
+    copies = tmp_path / "copies"
+    copies.mkdir()
+    for i in range(4):
+        (copies / f"c{i}.npz").write_bytes((data / "s000.npz").read_bytes())
+    cases = {("--data", str(data), "--eval-data", str(data)): "--eval-data holds no sample that --data does not",
+             ("--data", str(copies)): "--data holds only 1 distinct sample(s), all taken to calibrate and steer",
+             ("--data", str(data), "--eval-data", str(tmp_path / "nowhere")): "--eval-data must be a folder"}
+    import yaml
+
+    recipe_file = tmp_path / "r.yaml"
+    recipe_file.write_text(yaml.safe_dump(recipe.model_dump(mode="json")))
+    for flags, said in cases.items():
+        done = CliRunner().invoke(main, ["build", str(model), "--recipe", str(recipe_file), *flags, "--out",
+                                         str(tmp_path / "out")])
+        assert done.exit_code == 3 and said in done.stderr, (flags, done.output)
+    assert not any((tmp_path / "out").glob("tie-*"))  # nothing half-written
+
+
 def test_fp32_is_never_refused_for_few_samples(fast_recipe, tmp_path):
     model = save(tie_classifier(), tmp_path / "tie.onnx")
     data, _ = write_data(tmp_path / "data", 10, calibrates=False)

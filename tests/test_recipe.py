@@ -31,6 +31,7 @@ def test_every_bundled_recipe_validates():
         ("- just\n- a list\n", "mapping"),
         ("key: [unclosed\n", "not valid YAML"),
         ("!!python/object/apply:os.system ['true']\n", "not valid YAML"),
+        ("accuracy:\n  split: {calibration_fraction: 0.9, steering_fraction: 0.5}\n", "at least a tenth of --data is held out"),
     ],
 )
 def test_bad_recipe_is_a_usage_error(tmp_path, text, message):

@@ -48,26 +48,28 @@ class DataSummary(BaseModel):
 
 def load_samples(
     data_dir: str | Path, inputs: list[TensorSpec], preprocessing: Preprocessing | None, text: TextEncoder | None = None,
+    flag: str = "--data",
 ) -> tuple[list[Sample], DataSummary]:
     """Read every sample in `data_dir`, checked against the model inputs; sorted by file name. With `text` (a text
-    stage's encoder), `data_dir` is a text file or a folder of them, and each text is a sample of its own length."""
+    stage's encoder), `data_dir` is a text file or a folder of them, and each text is a sample of its own length.
+    `flag`: the option that named the folder, for the errors (--data, --eval-data)."""
     if text is not None:
-        return _load_texts(Path(data_dir), text)
+        return _load_texts(Path(data_dir), text, flag)
     root = Path(data_dir)
     if not root.is_dir():
-        raise InputRejected(f"--data must be a folder of .npz files or images: {root}")
+        raise InputRejected(f"{flag} must be a folder of .npz files or images: {root}")
     npz_files = sorted(p for p in root.iterdir() if p.suffix == ".npz" and p.is_file())
     image_files = sorted(p for p in root.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file())
     if npz_files:
-        samples = [_read_npz(path, inputs) for path in npz_files]
+        samples = [_read_npz(path, inputs, flag) for path in npz_files]
         files, source = npz_files, "npz"
     elif image_files:
         if preprocessing is None:
-            raise UsageError(f"--data {root} holds images; the recipe must declare `preprocessing` to use them")
-        samples = [_read_image(path, inputs, preprocessing) for path in image_files]
+            raise UsageError(f"{flag} {root} holds images; the recipe must declare `preprocessing` to use them")
+        samples = [_read_image(path, inputs, preprocessing, flag) for path in image_files]
         files, source = image_files, "images"
     else:
-        raise InputRejected(f"--data {root} holds no .npz files or images")
+        raise InputRejected(f"{flag} {root} holds no .npz files or images")
     digest = hashlib.sha256()
     for path in files:
         digest.update(path.name.encode())
@@ -77,7 +79,7 @@ def load_samples(
     return samples, summary
 
 
-def _load_texts(root: Path, encoder: TextEncoder) -> tuple[list[Sample], DataSummary]:
+def _load_texts(root: Path, encoder: TextEncoder, flag: str) -> tuple[list[Sample], DataSummary]:
     """The texts of a text file (or of a folder's text files, by name), tokenized one sample each; texts the job
     would reject are left out, with a warning."""
     from accel_opt.preprocess.text import TEXT_SUFFIXES, read_texts
@@ -85,7 +87,7 @@ def _load_texts(root: Path, encoder: TextEncoder) -> tuple[list[Sample], DataSum
     files = [root] if root.is_file() else sorted(p for p in root.iterdir() if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES) \
         if root.is_dir() else []
     if not files:
-        raise InputRejected(f"--data {root}: no text files ({', '.join(TEXT_SUFFIXES)}) for the recipe's text stage")
+        raise InputRejected(f"{flag} {root}: no text files ({', '.join(TEXT_SUFFIXES)}) for the recipe's text stage")
     items = [item for path in files for item in read_texts(str(path), encoder.stage.field)]
     readable = [item for item in items if item.error is None]
     encoded = encoder.encode([item.text for item in readable])
@@ -94,9 +96,9 @@ def _load_texts(root: Path, encoder: TextEncoder) -> tuple[list[Sample], DataSum
     if len(samples) < len(items):
         first = next((f"{i.id}: {i.error}" for i in items if i.error), None) or next(
             f"{i.id}: {reason}" for i, (_, reason, _) in zip(readable, encoded) if reason)
-        log.warning("--data %s: %d of %d texts left out (first: %s)", root, len(items) - len(samples), len(items), first)
+        log.warning("%s %s: %d of %d texts left out (first: %s)", flag, root, len(items) - len(samples), len(items), first)
     if not samples:
-        raise InputRejected(f"--data {root}: no text the text stage can take")
+        raise InputRejected(f"{flag} {root}: no text the text stage can take")
     digest = hashlib.sha256()
     for path in files:
         digest.update(path.name.encode())
@@ -104,12 +106,12 @@ def _load_texts(root: Path, encoder: TextEncoder) -> tuple[list[Sample], DataSum
     return samples, DataSummary(source="text", path=str(root), count=len(samples), sha256=digest.hexdigest(), names=names)
 
 
-def _read_npz(path: Path, inputs: list[TensorSpec]) -> Sample:
+def _read_npz(path: Path, inputs: list[TensorSpec], flag: str) -> Sample:
     try:
         sample = read_npz(path)
     except InputRejected as exc:
-        raise InputRejected(f"--data {path.name}: {exc}") from None
-    check_sample(sample, inputs, where=f"--data {path.name}")
+        raise InputRejected(f"{flag} {path.name}: {exc}") from None
+    check_sample(sample, inputs, where=f"{flag} {path.name}")
     return sample
 
 
@@ -150,16 +152,16 @@ def check_sample(sample: Sample, inputs: list[TensorSpec], where: str | None = N
             raise InputRejected(f"{at}{name} contains NaN or Inf")
 
 
-def _read_image(path: Path, inputs: list[TensorSpec], pre: Preprocessing) -> Sample:
+def _read_image(path: Path, inputs: list[TensorSpec], pre: Preprocessing, flag: str) -> Sample:
     spec = next((s for s in inputs if s.name == pre.input), inputs[0]) if pre.input else inputs[0]
     if len(inputs) != 1 and pre.input is None:
         raise UsageError("preprocessing.input must name the image input of a model with several inputs")
     try:
         rgb = read_image(path, pre)
     except InputRejected as exc:
-        raise InputRejected(f"--data {path.name}: {exc}") from None
+        raise InputRejected(f"{flag} {path.name}: {exc}") from None
     sample = {spec.name: preprocess_image(rgb, pre)}
-    check_sample(sample, [spec], where=f"--data {path.name}")
+    check_sample(sample, [spec], where=f"{flag} {path.name}")
     return sample
 
 

@@ -19,7 +19,7 @@ from accel_opt.data import (
     split_roles,
     synthetic_samples,
 )
-from accel_opt.errors import UsageError
+from accel_opt.errors import InputRejected, UsageError
 from accel_opt.graph.inspect import TensorSpec, resolve_shapes
 from accel_opt.preprocess.images import to_model_input
 from accel_opt.recipe.types import Precision
@@ -44,10 +44,10 @@ def read_and_split(ctx: BuildContext) -> list[Sample]:
     samples: list[Sample] = []
     held_out = None
     if ctx.data_dir is not None:
-        samples, ctx.data = _read_data(ctx, ctx.data_dir)
+        samples, ctx.data = _read_data(ctx, ctx.data_dir, "--data")
         ctx.sample_names = list(ctx.data.names)
     if ctx.eval_data_dir is not None:
-        held, ctx.eval_data = _read_data(ctx, ctx.eval_data_dir)
+        held, ctx.eval_data = _read_data(ctx, ctx.eval_data_dir, "--eval-data")
         if ctx.data is not None and ctx.eval_data.source != ctx.data.source:
             raise UsageError(f"--eval-data holds {ctx.eval_data.source}, --data {ctx.data.source}: give the same kind")
         held_out = [sample_key(s) for s in held]
@@ -60,6 +60,11 @@ def read_and_split(ctx: BuildContext) -> list[Sample]:
     ctx.split = split_roles([sample_key(s) for s in samples[:given]], accuracy.split,
                             recipe.precision is Precision.int8, recipe.precision_options.calibration.samples,
                             ctx.verdict_max, accuracy.seed, held_out)
+    if not ctx.split.verdict:  # only copies of samples with another role: nothing is left to judge the build
+        raise InputRejected("--eval-data holds no sample that --data does not: every one is a copy of a --data sample"
+                            if held_out is not None else
+                            f"--data holds only {len(ctx.split.calibration + ctx.split.steering)} distinct sample(s), "
+                            "all taken to calibrate and steer: none is left to judge the build; give more distinct samples")
     return samples
 
 
@@ -94,7 +99,7 @@ def _verdict_memory_cap(ctx: BuildContext, max_samples: int) -> int:
     return min(cap, max_samples)
 
 
-def _read_data(ctx: BuildContext, folder: Path) -> tuple[list[Sample], DataSummary]:
+def _read_data(ctx: BuildContext, folder: Path, flag: str) -> tuple[list[Sample], DataSummary]:
     """The samples of `folder` as the model takes them. With fused preprocessing the images are decoded once,
     to the host's uint8 crops (appended to ctx.host_crops: what the fused artifact takes), and normalized from those;
     where the job's inputs differ from the reference's (draft decoding, the torch backend's tensor path) they are
@@ -103,22 +108,22 @@ def _read_data(ctx: BuildContext, folder: Path) -> tuple[list[Sample], DataSumma
     draft = pre is not None and pre.draft_decode and not any(folder.glob("*.npz"))
     reference_pre = pre.model_copy(update={"draft_decode": False}) if draft else pre
     if not ctx.fused:
-        samples, data = load_samples(folder, ctx.inputs, reference_pre, text=ctx.text_encoder)
+        samples, data = load_samples(folder, ctx.inputs, reference_pre, text=ctx.text_encoder, flag=flag)
         if ctx.torch and data.source == "images":  # the candidate takes what its job's tensor path makes
             from accel_opt.preprocess.tensor_images import tensor_path_samples
 
             files = [folder / name for name in data.names]
-            ctx.job_samples += tensor_path_samples(files, pre, ctx.image_input, ctx.backend.device)
+            ctx.job_samples += tensor_path_samples(files, pre, ctx.image_input, ctx.backend.device, flag)
         elif draft:  # the candidate takes what `accel-opt run` will feed it; the reference, full decodes
-            ctx.job_samples += load_samples(folder, ctx.inputs, pre)[0]
+            ctx.job_samples += load_samples(folder, ctx.inputs, pre, flag=flag)[0]
         return samples, data
     name = ctx.image_input
     spec = TensorSpec(name=name, dtype="uint8", shape=["batch", pre.crop, pre.crop, 3])
-    crops, data = load_samples(folder, [spec], pre.host_part().model_copy(update={"input": name}))
+    crops, data = load_samples(folder, [spec], pre.host_part().model_copy(update={"input": name}), flag=flag)
     ctx.host_crops += crops
     if draft:
-        crops = load_samples(folder, [spec], reference_pre.host_part().model_copy(update={"input": name}))[0]
+        crops = load_samples(folder, [spec], reference_pre.host_part().model_copy(update={"input": name}), flag=flag)[0]
     samples = [{name: to_model_input(c[name], pre)} for c in crops]
     for sample, where in zip(samples, data.names):
-        check_sample(sample, ctx.inputs, f"--data {where}")
+        check_sample(sample, ctx.inputs, f"{flag} {where}")
     return samples, data

@@ -146,14 +146,15 @@ def host_decode(blob: bytes, pre: Preprocessing):
     return read_image(io.BytesIO(blob), pre)
 
 
-def tensor_path_samples(files: list[Path], pre: Preprocessing, input_name: str, device: str = "cpu") -> list[dict]:
+def tensor_path_samples(files: list[Path], pre: Preprocessing, input_name: str, device: str = "cpu",
+                        flag: str = "--data") -> list[dict]:
     """The build's view of `files` through this path: one feed dict per file (numpy, batch of one), in file order."""
     path = TensorImagePath(pre, device)
     samples = []
     for file in files:
         decoded = path.decode([file.read_bytes()], [file.name])
         if decoded.rejected:
-            raise InputRejected(f"--data {file.name}: {decoded.rejected[0]}")
+            raise InputRejected(f"{flag} {file.name}: {decoded.rejected[0]}")
         samples.append({input_name: path.batch(decoded.images).cpu().numpy()})
     return samples
 

@@ -134,6 +134,14 @@ class SplitConfig(_Strict):
     steering_fraction: float = Field(default=0.15, ge=0, lt=1)
     max_steering: int = Field(default=32, ge=0)  # a search judges every variant on these: more costs time
 
+    @model_validator(mode="after")
+    def _leaves_a_verdict_share(self) -> SplitConfig:
+        if self.calibration_fraction + self.steering_fraction > 0.9:
+            raise ValueError(f"calibration_fraction + steering_fraction is {self.calibration_fraction + self.steering_fraction:g}: "
+                             "keep them at most 0.9 together, so that at least a tenth of --data is held out to judge "
+                             "the build")
+        return self
+
 
 class AccuracyConfig(_Strict):
     tolerances: dict[Precision, Tolerance] = Field(default_factory=_default_tolerances)
