@@ -27,6 +27,7 @@ from accel_opt.backends.select import auto_backend, candidate_precisions
 from accel_opt.builder.pipeline import build
 from accel_opt.errors import InputRejected, Unsupported
 from accel_opt.machine.cpu import cpu_flags
+from accel_opt.machine.support import Availability
 from accel_opt.recipe.schema import Recipe
 from accel_opt.recipe.types import BackendName, Precision
 
@@ -179,12 +180,25 @@ def test_fp32_build_runs_f32_and_matches_ort(fp32_model, tmp_path):
     assert report.passed, report.failures
 
 
+class _AnyPrecisionBackend(OpenVinoBackend):
+    """Skips the CPU-flag check, so that the compile's own read-back of what runs is what decides."""
+
+    def supports(self, precision: Precision):
+        return Availability(True)
+
+
 @needs_openvino
-def test_bf16_build_runs_bf16(fp32_model, tmp_path):
-    backend = OpenVinoBackend()
-    if not backend.supports(Precision.bf16):
-        pytest.skip(f"no native bf16 here: {backend.supports(Precision.bf16).reason}")
-    compiled = backend.compile(fp32_model, Precision.bf16, Recipe(), tmp_path)
+def test_bf16_build_runs_bf16_or_is_refused_by_what_runs(fp32_model, tmp_path):
+    """Runs on every CPU class: where the CPU has native bf16 the convolutions run bf16 kernels; where it has not,
+    OpenVINO silently keeps f32 under a bf16 hint, and the compile's read-back refuses the build (exit 4) instead
+    of shipping an fp32 build labelled bf16."""
+    native = bool(OpenVinoBackend().supports(Precision.bf16))
+    if not native:
+        with pytest.raises(Unsupported, match="OpenVINO runs f32 although bf16 was requested") as info:
+            _AnyPrecisionBackend().compile(fp32_model, Precision.bf16, Recipe(), tmp_path)
+        assert info.value.exit_code == 4
+        return
+    compiled = _AnyPrecisionBackend().compile(fp32_model, Precision.bf16, Recipe(), tmp_path)
     assert compiled.settings["inference_precision"] == "bf16"
     assert set(compiled.settings["execution_precision_by_layer_type"]["Convolution"]) == {"bf16"}
     assert all(k.endswith("bf16") for k in compiled.settings["kernels_by_layer_type"]["Convolution"])
