@@ -78,11 +78,8 @@ def quantize(
     target_cpu, reduce_range, reduce_range_reason = weight_range(preset, config)
     settings = QuantSettings(preset, config.method, config.per_channel, config.percentile, config.num_bins,
                              tuple(config.op_types) if config.op_types else None, reduce_range)
-    key = calibration_key(model_path, samples, settings)
+    key, ranges_key = calibration_keys(model_path, samples, settings)  # auto's two int8 candidates share the ranges
     key = key if not exclude else hashlib.sha256(f"{key}|{sorted(exclude)}".encode()).hexdigest()
-    # The ranges depend only on what the calibrator reads: ONNX Runtime's and OpenVINO's presets differ in the graph
-    # they make from the ranges, not in the ranges, so auto's two int8 candidates calibrate once.
-    ranges_key = calibration_key(model_path, samples, settings, calibrator_only=True)
     opset_before = opset_of(onnx.load(str(model_path), load_external_data=False))
     notes: list[str] = []
     out_path.parent.mkdir(parents=True, exist_ok=True)
@@ -150,28 +147,32 @@ def quantize(
     )
 
 
-def calibration_key(model_path: Path, samples: list[Sample], settings: QuantSettings,
-                    calibrator_only: bool = False) -> str:
-    """Content hash of (model bytes + external data, sample bytes, settings, tool versions). `calibrator_only`: of
-    the settings only those the calibrator reads (the key of the activation ranges, not of the quantized graph)."""
+def calibration_keys(model_path: Path, samples: list[Sample], settings: QuantSettings) -> tuple[str, str]:
+    """(the quantized graph's key, the activation ranges' key): content hashes of (model bytes + external data, sample
+    bytes, settings, tool versions), the model and samples hashed once. The ranges' key takes only the settings the
+    calibrator reads: ONNX Runtime's and OpenVINO's presets make different graphs from the same ranges."""
     import onnxruntime
 
-    digest = hashlib.sha256()
+    content = hashlib.sha256()
     for path in [model_path, *_external_files(model_path)]:
-        digest.update(f"{path.name}|{sha256_file(path)}".encode())
+        content.update(f"{path.name}|{sha256_file(path)}".encode())
     for sample in samples:
         for name in sorted(sample):
             array = sample[name]
-            digest.update(f"{name}|{array.dtype.str}|{array.shape}".encode())
-            digest.update(array.tobytes())
-    fields = {**dataclasses.asdict(settings), "method": settings.method.value}
-    if calibrator_only:
-        fields = {"method": settings.method.value, "symmetric": settings.preset.symmetric_activations,
+            content.update(f"{name}|{array.dtype.str}|{array.shape}".encode())
+            content.update(array.tobytes())
+    tools = f"ort={onnxruntime.__version__}|onnx={onnx.__version__}|format={_CACHE_FORMAT}"
+    graph = {**dataclasses.asdict(settings), "method": settings.method.value}
+    calibrator = {"method": settings.method.value, "symmetric": settings.preset.symmetric_activations,
                   "num_bins": settings.num_bins, "num_quantized_bins": settings.num_quantized_bins,
                   "percentile": settings.percentile, "op_types": _op_types(settings)}
-    tools = f"ort={onnxruntime.__version__}|onnx={onnx.__version__}|format={_CACHE_FORMAT}"
-    digest.update(f"{sorted(fields.items())}|{tools}".encode())
-    return digest.hexdigest()
+
+    def key(fields: dict) -> str:
+        digest = content.copy()
+        digest.update(f"{sorted(fields.items())}|{tools}".encode())
+        return digest.hexdigest()
+
+    return key(graph), key(calibrator)
 
 
 # Ops that move, squash or combine values elementwise: at a graph output their Q/DQ pair rounds what the
