@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from accel_opt import zoo
-from accel_opt.machine.cpu import cpu_info, kernel_class
+from accel_opt.machine.cpu import CpuProfile, cpu_info
 from benchmarks.real_models import ppocr_input, write_feeds
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -104,8 +104,8 @@ def main() -> int:
     parser.add_argument("--out", type=Path, help=f"results file (default: {RESULTS}/auto_budget-CLASS.txt)")
     args = parser.parse_args()
     cpu = cpu_info()
-    header = [f"auto_budget on {cpu['model']}, {cpu['available_cpus']} CPUs, class {kernel_class('onnxruntime')} "
-              f"(OpenVINO: {kernel_class('openvino')}); {args.images} images per model at {SIZE}x{SIZE}"]
+    header = [f"auto_budget on {cpu['model']}, {cpu['available_cpus']} CPUs, class {CpuProfile.here().kernel_class('onnxruntime')} "
+              f"(OpenVINO: {CpuProfile.here().kernel_class('openvino')}); {args.images} images per model at {SIZE}x{SIZE}"]
     print(header[0], flush=True)
     lines = list(header)
     with tempfile.TemporaryDirectory(prefix="accel-opt-auto-budget-") as tmp:
@@ -129,7 +129,7 @@ def main() -> int:
             lines.append(f"{name}: {verdict} with and without the budget; wall time "
                          f"{runs['default budget']['seconds']:.0f} s vs {runs['no budget']['seconds']:.0f} s")
             print(lines[-1], flush=True)
-    out = args.out or RESULTS / f"auto_budget-{kernel_class('onnxruntime')}.txt"
+    out = args.out or RESULTS / f"auto_budget-{CpuProfile.here().kernel_class('onnxruntime')}.txt"
     out.write_text("\n".join(lines) + "\n")
     print(f"written: {out}")
     return 0

@@ -44,7 +44,7 @@ QUICK_BENCH = {"warmup_iterations": 2, "min_iterations": 10, "min_seconds": 0.2,
 def main() -> int:
     import torch
 
-    from accel_opt.machine.cpu import cpu_info, kernel_class
+    from accel_opt.machine.cpu import CpuProfile, cpu_info
     from benchmarks.e2e_job import make_jpegs
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -80,7 +80,7 @@ def main() -> int:
     factory, shape = MODELS[args.model]
     where = (f"{torch.cuda.get_device_name()} (compute {'.'.join(map(str, torch.cuda.get_device_capability()))}, "
              f"driver CUDA {torch.version.cuda})" if cuda else f"{cpu['model']}, {cpu['available_cpus']} CPUs, class "
-             f"{kernel_class('onnxruntime')}")
+             f"{CpuProfile.here().kernel_class('onnxruntime')}")
     lines = [f"device_job on {device}: {where}; torch {torch.__version__}; {platform.python_version()}",
              f"model: {args.model} ({factory.rsplit('/', 1)[-1]}), input {shape[2]}x{shape[3]}; {count} JPEGs of "
              f"320-800 px; deployed batch {args.batch}"]
@@ -143,7 +143,7 @@ def main() -> int:
     text = "\n".join(lines)
     print("\n".join(lines[2:]))
     args.out.mkdir(parents=True, exist_ok=True)
-    label = torch.cuda.get_device_name().replace(" ", "_") if cuda else kernel_class("onnxruntime")
+    label = torch.cuda.get_device_name().replace(" ", "_") if cuda else CpuProfile.here().kernel_class("onnxruntime")
     out = args.out / f"device_job-{device}-{args.model}-{label}.txt"
     out.write_text(text + "\n")
     print(f"written: {out}")

@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from accel_opt import zoo
-from accel_opt.machine.cpu import available_cpus, cpu_class, cpu_info
+from accel_opt.machine.cpu import CpuProfile, available_cpus, cpu_info
 from accel_opt.precision.int8 import quantize
 from accel_opt.recipe.stages import CalibrationConfig
 
@@ -85,7 +85,8 @@ def prepare(name: str, model_path: Path, samples: list[dict[str, np.ndarray]], f
     models = {"fp32": model_path}
     for target, label in (("amx", "int8 8-bit"), ("avx2", "int8 7-bit")):
         out = folder / f"{name}-{target}.onnx"
-        quantize(model_path, samples[:32], CalibrationConfig(samples=32, target_cpu=target), "onnxruntime", out, None)
+        quantize(model_path, samples[:32], CalibrationConfig(samples=32, target_cpu=target), "onnxruntime", out, None,
+                 CpuProfile.here())
         models[label] = out
     return models
 
@@ -101,7 +102,7 @@ def main() -> None:
         print(json.dumps(measure({k: Path(v) for k, v in job["models"].items()}, job["kernels"], held_out)))
         return
 
-    print(f"CPU: {cpu_info()['model']}, class {cpu_class()}, {available_cpus()} CPUs")
+    print(f"CPU: {cpu_info()['model']}, class {CpuProfile.here().cpu_class}, {available_cpus()} CPUs")
     cases = {"saturating conv (zoo.saturating_conv)": (zoo.saturating_conv(), zoo.saturating_inputs(64))}
     if args.ppocr:
         from benchmarks.real_models import document_page, ppocr_input

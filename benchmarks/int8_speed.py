@@ -25,6 +25,7 @@ from onnx import TensorProto, helper
 from accel_opt import zoo
 from accel_opt.backends.onnxruntime.backend import CPU_PROVIDER, create_session
 from accel_opt.data import batch_of
+from accel_opt.machine.cpu import CpuProfile
 from accel_opt.precision.int8 import quantize
 from accel_opt.recipe.stages import CalibrationConfig
 from benchmarks._common import wait_for_idle
@@ -107,7 +108,7 @@ def main() -> int:
         wait_for_idle()
         start = time.perf_counter()
         report = quantize(fp32_path, calibration, CalibrationConfig(samples=len(calibration)), "onnxruntime",
-                          workdir / "resnet50-int8.onnx", cache_dir=None)
+                          workdir / "resnet50-int8.onnx", cache_dir=None, cpu=CpuProfile.here())
         quantize_s = time.perf_counter() - start
 
         sessions = {

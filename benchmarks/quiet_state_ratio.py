@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from accel_opt import zoo
+from accel_opt.machine.cpu import CpuProfile
 from accel_opt.precision.int8 import quantize
 from accel_opt.recipe.schema import Recipe
 from accel_opt.recipe.stages import BenchmarkConfig, CalibrationConfig
@@ -43,7 +44,8 @@ def main() -> None:
         fp32_path = zoo.save(zoo.resnet(head_training=(photos[:head], labels[:head])), work / "resnet50.onnx")
         # The int8 graph the pipeline builds for OpenVINO (ort_cpu preset, minmax, 64 photos).
         int8_path = work / "resnet50-int8.onnx"
-        quantize(fp32_path, calibration, CalibrationConfig(samples=len(calibration)), "openvino", int8_path, cache_dir=None)
+        quantize(fp32_path, calibration, CalibrationConfig(samples=len(calibration)), "openvino", int8_path, cache_dir=None,
+                 cpu=CpuProfile.here())
         nncf_path = nncf_int8(fp32_path, calibration, work / "resnet50.nncf.xml")
         variants = [
             ort_variant(fp32_path, recipe, work / "ort"),

@@ -50,7 +50,7 @@ def main() -> int:
         return minilm(args)
     import mobile_classifier as mc
 
-    from accel_opt.machine.cpu import cpu_info, kernel_class
+    from accel_opt.machine.cpu import CpuProfile, cpu_info
 
     work = args.workdir or Path(tempfile.mkdtemp(prefix="accel-opt-rescue-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -63,8 +63,8 @@ def main() -> int:
         json.loads((work / "held-out-labels.json").read_text())
     (work / "held-out-labels.json").write_text(json.dumps(held_labels))
     cpu = cpu_info()
-    lines = [f"rescue on {cpu['model']}, {cpu['available_cpus']} CPUs, class {kernel_class('onnxruntime')} "
-             f"(OpenVINO: {kernel_class('openvino')})",
+    lines = [f"rescue on {cpu['model']}, {cpu['available_cpus']} CPUs, class {CpuProfile.here().kernel_class('onnxruntime')} "
+             f"(OpenVINO: {CpuProfile.here().kernel_class('openvino')})",
              f"model: the trained mobile classifier (examples/mobile_classifier.py, 36 classes, 96x96); builds on "
              f"{len(list(data.iterdir()))} crops, judged here on {len(held_labels)} held-out crops", ""]
     print("\n".join(lines), flush=True)
@@ -123,7 +123,7 @@ def main() -> int:
     text = "\n".join(lines)
     print("\n".join(lines[3:]))
     args.out.mkdir(parents=True, exist_ok=True)
-    out = args.out / f"rescue-mobile-{kernel_class('onnxruntime')}.txt"
+    out = args.out / f"rescue-mobile-{CpuProfile.here().kernel_class('onnxruntime')}.txt"
     out.write_text(text + "\n")
     print(f"written: {out}")
     return 0
@@ -137,7 +137,7 @@ def minilm(args) -> int:
     import minilm as mini
 
     from accel_opt.builder.pipeline import build
-    from accel_opt.machine.cpu import kernel_class
+    from accel_opt.machine.cpu import CpuProfile
     from accel_opt.recipe.load import load_recipe
 
     work = args.workdir or Path(tempfile.mkdtemp(prefix="accel-opt-rescue-minilm-"))
@@ -149,7 +149,7 @@ def minilm(args) -> int:
         **{"precision_options.calibration.samples": 24})
     factory = f"{ROOT / 'examples' / 'minilm.py'}:minilm"
     lines = [f"rescue, all-MiniLM-L6-v2 on {len(list(feeds.iterdir()))} sentences (24 calibrate, the rest judge), "
-             f"{recipe.backend.value} int8 on class {kernel_class(recipe.backend)}", "",
+             f"{recipe.backend.value} int8 on class {CpuProfile.here().kernel_class(recipe.backend)}", "",
              f"{'variant':40} {'signed off':>10} {'worst cosine':>12} {'vs fp32 b1':>10} {'vs fp32 b8':>10} {'search s':>9}  fallback"]
     for label, overrides in (("int8 naive", {"precision_options.fallback.enabled": False}), ("int8 + search", {}),
                              ("int8 + search, speed budget lifted", {"precision_options.fallback.min_speedup": 0.01})):
@@ -162,7 +162,7 @@ def minilm(args) -> int:
                      + f" {fallback.get('search_seconds', 0):9.0f}  {fallback.get('status', '-')}: {fallback.get('reason', '')}")
         print(lines[-1], flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
-    out = args.out / f"rescue-minilm-{kernel_class(recipe.backend)}.txt"
+    out = args.out / f"rescue-minilm-{CpuProfile.here().kernel_class(recipe.backend)}.txt"
     out.write_text("\n".join(lines) + "\n")
     print(f"written: {out}")
     return 0

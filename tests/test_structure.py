@@ -158,3 +158,69 @@ def test_the_layers_contract_fails_when_a_lower_layer_imports_a_higher_one(tmp_p
     done = _lint_imports(tmp_path, env={**os.environ, "PYTHONPATH": str(tmp_path)})
     assert done.returncode != 0 and "One direction of imports BROKEN" in done.stdout, done.stdout[-2000:]
     assert "accel_opt.recipe.types -> accel_opt.cli" in done.stdout
+
+
+# --- who reads the host's CPU --------------------------------------------------------------------------------------
+# The host's CPU is read into one CpuProfile (machine.cpu) at the edge: the CLI and the public API entry points. Every
+# decision below takes the profile as an input, so tests make it under every class (tests/builder/test_cpu_profiles.py).
+HOST_READERS = {"cpu_flags", "cpu_info", "CPUINFO"}  # names that read this machine's CPU (CpuProfile.here too)
+HOST_READING_MODULES = {  # package modules that may read the host, each with why
+    "accel_opt.machine.cpu": "defines the readers",
+    "accel_opt.cli": "the command line: every command builds this machine's profile once",
+    "accel_opt.builder.pipeline": "build(), the public API: its default profile is this machine's",
+    "accel_opt.builder.auto": "build_auto(), the API of --precision auto: its default profile is this machine's",
+    "accel_opt.builder.doctor": "doctor describes this machine",
+    "accel_opt.runtime": "runtime.load() and check(), the API that runs a folder here: their default profile",
+    "accel_opt.backends.openvino.backend": "OpenVinoBackend() used directly: its default profile is this machine's",
+}
+HOST_READING_TESTS = {  # test modules that read the host, each with why (none may decide what to assert from it)
+    "tests/machine/test_cpu_class.py": "checks the host detection itself (CpuProfile.here and its oneDNN cap)",
+    "tests/test_structure.py": "spells out the readers it looks for",
+}
+
+
+def _host_reads(path: Path) -> list[str]:
+    """Where `path` reads the host's CPU: a reader named or imported, CpuProfile.here, or /proc/cpuinfo spelled out."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Name) and node.id in HOST_READERS:
+            found.append(f"{node.id} (line {node.lineno})")
+        elif isinstance(node, ast.alias) and node.name in HOST_READERS:
+            found.append(f"import {node.name}")
+        elif isinstance(node, ast.Attribute) and (node.attr in HOST_READERS or (
+                node.attr == "here" and isinstance(node.value, ast.Name) and node.value.id == "CpuProfile")):
+            found.append(f"{ast.unparse(node)} (line {node.lineno})")
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value == "/proc/cpuinfo":
+            found.append(f"'/proc/cpuinfo' (line {node.lineno})")
+    return found
+
+
+def _allowed(module: str) -> bool:
+    return any(module == m or module.startswith(m + ".") for m in HOST_READING_MODULES)
+
+
+def test_only_the_edge_reads_the_host_cpu():
+    """Below the CLI and the public API, every class-dependent decision takes a CpuProfile: no module reads the
+    host's flags itself."""
+    offenders = {name: reads for name, path in MODULES.items() if not _allowed(name) and (reads := _host_reads(path))}
+    assert not offenders, f"modules below the edge that read the host's CPU (take a CpuProfile instead): {offenders}"
+
+
+def test_no_test_decides_what_to_assert_from_the_host_cpu_class():
+    """A test asserts what holds on every CPU class; where behaviour depends on the class, it injects a CpuProfile
+    and runs under each. Reading the host's class in a test module is the way to write one that passes only where
+    it was written (twice it did: test_auto on an AVX-512 VNNI host)."""
+    tests = ROOT / "tests"
+    offenders = {str(p.relative_to(ROOT)): reads for p in sorted(tests.rglob("*.py"))
+                 if str(p.relative_to(ROOT)) not in HOST_READING_TESTS and (reads := _host_reads(p))}
+    assert not offenders, f"test modules that read the host's CPU (inject CpuProfile.of_class instead): {offenders}"
+
+
+def test_the_host_read_check_can_fail(tmp_path):
+    sneaky = tmp_path / "test_sneaky.py"
+    sneaky.write_text("from accel_opt.machine.cpu import CpuProfile, cpu_flags\n\n\ndef test_x():\n"
+                      "    if 'amx_int8' in cpu_flags() or CpuProfile.here().native_bf16:\n        assert True\n"
+                      "    open('/proc/cpuinfo')\n")
+    reads = _host_reads(sneaky)
+    assert reads[0] == "import cpu_flags" and len(reads) == 4, reads
+    assert not _host_reads(ROOT / "tests" / "builder" / "test_cpu_profiles.py")  # CpuProfile.of_class injects

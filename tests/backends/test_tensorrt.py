@@ -36,6 +36,7 @@ from accel_opt.backends.tensorrt.plan import (
 )
 from accel_opt.errors import InputRejected, InternalError, ResourceExhausted, UsageError
 from accel_opt.graph.inspect import TensorSpec
+from accel_opt.machine.cpu import CpuProfile
 from accel_opt.machine.gpu import CudaDevice, CudaProbe
 from accel_opt.recipe.schema import Recipe
 from accel_opt.recipe.types import BackendName, Precision
@@ -321,16 +322,16 @@ def test_the_oom_pattern_matches_tensorrt_wording():
 
 # --- --backend auto ---------------------------------------------------------------------------------
 
-CPU = {"flags": frozenset({"avx2"}), "machine": "x86_64", "openvino_importable": False}
+CPU = {"cpu": CpuProfile.of_class("avx2"), "openvino_importable": False}
 
 
 def test_auto_prefers_tensorrt_then_ort_cuda_then_the_cpu():
-    trt = auto_backend_choice(AcceleratorFacts("NVIDIA L4", True, "", ("CPUExecutionProvider",)), **CPU)
+    trt = auto_backend_choice(facts=AcceleratorFacts("NVIDIA L4", True, "", ("CPUExecutionProvider",)), **CPU)
     assert trt.backend is BackendName.tensorrt and "NVIDIA L4" in trt.reason
-    ort_gpu = auto_backend_choice(AcceleratorFacts("NVIDIA L4", False, "tensorrt is not installed",
+    ort_gpu = auto_backend_choice(facts=AcceleratorFacts("NVIDIA L4", False, "tensorrt is not installed",
                                                    ("CUDAExecutionProvider", "CPUExecutionProvider")), **CPU)
     assert ort_gpu.backend is BackendName.onnxruntime and ort_gpu.providers[0] == "CUDAExecutionProvider"
-    cpu = auto_backend_choice(AcceleratorFacts("NVIDIA L4", False, "tensorrt is not installed",
+    cpu = auto_backend_choice(facts=AcceleratorFacts("NVIDIA L4", False, "tensorrt is not installed",
                                                ("CPUExecutionProvider",)), **CPU)
     assert cpu.backend is BackendName.onnxruntime and cpu.providers == ("CPUExecutionProvider",)
     assert "NVIDIA GPU (NVIDIA L4) found" in cpu.reason and "ONNX Runtime" in cpu.reason
@@ -338,7 +339,7 @@ def test_auto_prefers_tensorrt_then_ort_cuda_then_the_cpu():
 
 def test_auto_ignores_a_cuda_ep_without_a_gpu():
     """onnxruntime-gpu lists CUDAExecutionProvider without CUDA and then silently runs on the CPU."""
-    choice = auto_backend_choice(AcceleratorFacts(None, False, "no GPU", ("CUDAExecutionProvider", "CPUExecutionProvider")),
+    choice = auto_backend_choice(facts=AcceleratorFacts(None, False, "no GPU", ("CUDAExecutionProvider", "CPUExecutionProvider")),
                                  **CPU)
     assert choice.backend is BackendName.onnxruntime and choice.providers == ("CPUExecutionProvider",)
 

@@ -18,6 +18,7 @@ from accel_opt import runtime  # noqa: E402
 from accel_opt.artifact.folder import MANIFEST, file_hashes  # noqa: E402
 from accel_opt.builder.pipeline import build  # noqa: E402
 from accel_opt.cli import main  # noqa: E402
+from accel_opt.machine.cpu import CpuProfile  # noqa: E402
 from accel_opt.preprocess.images import preprocess_image  # noqa: E402
 from accel_opt.recipe.deployed import Preprocessing  # noqa: E402
 from accel_opt.recipe.load import load_recipe  # noqa: E402
@@ -156,11 +157,15 @@ def test_a_package_for_another_cpu_isa_is_refused_naming_it(torch_builds, tmp_pa
     from accel_opt.backends.torch.package import environment_problems
 
     settings = json.loads((torch_builds["fp32"] / "resource_config.json").read_text())["settings"]
-    assert environment_problems(settings) == []
+    from accel_opt.backends.torch.package import ISA_FLAGS
+
+    isa = settings["aoti"].get("AOTI_CPU_ISA", "").lower().split()  # a CPU with just what the package's kernels use
+    cpu = CpuProfile(frozenset().union(*(ISA_FLAGS.get(word, {word}) for word in isa)))
+    assert environment_problems(settings, cpu) == []
     elsewhere = {**settings, "aoti": {**settings["aoti"], "AOTI_CPU_ISA": "AVX512 AVX512_VNNI AMX_TILE VNNI_NOT_HERE"}}
-    assert "rebuild here" in environment_problems(elsewhere)[0]
+    assert "rebuild here" in environment_problems(elsewhere, cpu)[0]
     older = {**settings, "torch_version": "2.1.0"}
-    assert "built and checked with torch 2.1.0" in environment_problems(older)[0]
+    assert "built and checked with torch 2.1.0" in environment_problems(older, cpu)[0]
 
 
 @pytest.mark.slow
@@ -201,13 +206,14 @@ def test_auto_runs_torch_off_against_the_onnx_backends_for_a_factory():
     from accel_opt.backends.select import torch_candidate_precisions
     from accel_opt.builder.auto import plan
 
-    pairs, reason = plan(load_recipe(), "auto", "fp32", has_data=False, torch_source=True)
+    cpu = CpuProfile.of_class("avx2")
+    pairs, reason = plan(load_recipe(), "auto", "fp32", has_data=False, cpu=cpu, torch_source=True)
     assert ("torch", "fp32") in {(b, p) for b, p, _ in pairs} and "runs off on torch" in reason
-    assert ("torch", "fp32") not in {(b, p) for b, p, _ in plan(load_recipe(), "auto", "fp32", False)[0]}
-    amx = frozenset({"avx512f", "amx_bf16", "amx_int8"})
+    assert ("torch", "fp32") not in {(b, p) for b, p, _ in plan(load_recipe(), "auto", "fp32", False, cpu)[0]}
+    amx = CpuProfile.of_class("amx")
     assert [p.value for p, _ in torch_candidate_precisions(amx, cuda=False, torchao=True)] == ["fp32", "bf16", "int8"]
-    assert [p.value for p, _ in torch_candidate_precisions(frozenset({"avx2"}), cuda=False, torchao=False)] == ["fp32"]
-    assert [p.value for p, _ in torch_candidate_precisions(frozenset(), cuda=True)] == ["fp32", "fp16", "bf16"]
+    assert [p.value for p, _ in torch_candidate_precisions(cpu, cuda=False, torchao=False)] == ["fp32"]
+    assert [p.value for p, _ in torch_candidate_precisions(cpu, cuda=True)] == ["fp32", "fp16", "bf16"]
 
 
 SHIFTED = '''

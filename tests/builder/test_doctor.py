@@ -26,6 +26,7 @@ def test_faster_precisions_are_measured_and_cached_per_cpu(tmp_path, monkeypatch
     """Whatever this CPU is: every precision is timed against its backend's fp32, the verdict follows the ratios,
     and a second doctor reads the cache instead of timing again."""
     from accel_opt.builder.cpu_probe import FASTER_ABOVE, faster_than_fp32, speedups
+    from accel_opt.machine.cpu import CpuProfile
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     result = CliRunner().invoke(main, ["doctor", "--json"])
@@ -43,7 +44,8 @@ def test_faster_precisions_are_measured_and_cached_per_cpu(tmp_path, monkeypatch
         assert all(f"{p} {r:.2f}x" in by_name[backend]["detail"] for p, r in ratios.items() if p != "fp32")
     cached = list((tmp_path / "accel-opt" / "cpu-probe").glob("*.json"))
     assert len(cached) == 1
-    assert speedups() == measured  # from the cache
+    doctor_cpu = CpuProfile(frozenset(report["cpu"]["flags"]), report["cpu"]["machine"])  # the CPU doctor reported
+    assert speedups(doctor_cpu) == measured  # from the cache
 
 
 def test_fast_precisions_follow_the_instruction_set():

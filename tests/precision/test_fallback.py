@@ -13,6 +13,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from accel_opt.builder.pipeline import build
 from accel_opt.cli import main
+from accel_opt.machine.cpu import CpuProfile
 from accel_opt.precision.diagnose import diagnose, map_tensors
 from accel_opt.precision.fp16 import convert_float
 from accel_opt.precision.int8 import quantize
@@ -21,6 +22,11 @@ from accel_opt.recipe.stages import CalibrationConfig
 from accel_opt.recipe.types import Precision
 
 from ..conftest import image_npz_folder, lonely_qdq_conv, make_model, save, spiky_cnn
+
+# int8 builds here run on this host's real kernels: 7-bit weights (an AVX2 target) compute exactly on every CPU
+# class, so what these tests assert holds on each; the class-dependent choice itself is tested in
+# tests/builder/test_cpu_profiles.py under every class.
+CPU = CpuProfile.of_class("avx2")
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +48,7 @@ def _folder(result) -> Path:
 def test_mapping_across_qdq_has_no_false_errors(tiny_cnn_path, samples, tmp_path):
     """A correctly quantized model: every mapped tensor's error is small, including the Relus ORT folds
     into their Conv's Q range (whose float output is the value before the Relu) and the renamed output."""
-    quantize(tiny_cnn_path, samples, CalibrationConfig(samples=8), "onnxruntime", tmp_path / "q.onnx", None)
+    quantize(tiny_cnn_path, samples, CalibrationConfig(samples=8), "onnxruntime", tmp_path / "q.onnx", None, cpu=CPU)
     diagnosis = diagnose(tiny_cnn_path, tmp_path / "q.onnx", samples[:4])
     assert diagnosis.tensors_compared >= 10
     assert max(e.error for e in diagnosis.layers) < 0.05, [(e.tensor, e.error) for e in diagnosis.layers]
@@ -63,7 +69,7 @@ def test_mapping_across_cast_inserted_fp16_graph(tiny_cnn_path, samples, tmp_pat
 
 def test_ranking_blames_the_node_that_adds_the_error(spiky, samples, tmp_path):
     model, _ = spiky
-    quantize(model, samples, CalibrationConfig(samples=8), "onnxruntime", tmp_path / "q.onnx", None)
+    quantize(model, samples, CalibrationConfig(samples=8), "onnxruntime", tmp_path / "q.onnx", None, cpu=CPU)
     ranked = diagnose(model, tmp_path / "q.onnx", samples[:4]).ranked()
     assert ranked[0].node == "c_after", [(e.node, e.added_error) for e in ranked[:4]]
     assert ranked[0].added_error > 0.3
@@ -204,7 +210,7 @@ def test_an_output_mixing_pixels_and_scores_keeps_its_concat_float(tmp_path):
         [numpy_helper.from_array(w, "w"), numpy_helper.from_array(np.array(500.0, np.float32), "stride")], opset=18,
     ), tmp_path / "head.onnx")
     samples = [{"x": rng.standard_normal((1, 3, 16, 16)).astype(np.float32)} for _ in range(8)]
-    report = quantize(model, samples, CalibrationConfig(samples=8), "onnxruntime", tmp_path / "q.onnx", None)
+    report = quantize(model, samples, CalibrationConfig(samples=8), "onnxruntime", tmp_path / "q.onnx", None, cpu=CPU)
     assert [k.node for k in report.kept_in_higher_precision] == ["head"]
     graph = onnx.load(str(tmp_path / "q.onnx")).graph
     assert next(n for n in graph.node if "y" in n.output).op_type == "Concat"  # not a DequantizeLinear
@@ -231,7 +237,7 @@ def test_layer_groups_see_weights_through_dequantize(tiny_cnn_path, samples, tmp
     """The same layer of repeated blocks (op + weight shape) groups in the fp32 and the Q/DQ graph alike."""
     from accel_opt.precision.fallback import layer_groups
 
-    quantize(tiny_cnn_path, samples, CalibrationConfig(samples=8), "onnxruntime", tmp_path / "q.onnx", None)
+    quantize(tiny_cnn_path, samples, CalibrationConfig(samples=8), "onnxruntime", tmp_path / "q.onnx", None, cpu=CPU)
     assert layer_groups(tiny_cnn_path) == layer_groups(tmp_path / "q.onnx")
     groups = layer_groups(tmp_path / "q.onnx")
     assert groups["fc"].startswith("Gemm ") and any(list(groups.values()).count(k) > 1 for k in groups.values())

@@ -12,6 +12,7 @@ from onnx import TensorProto, numpy_helper
 from accel_opt import zoo
 from accel_opt.backends.onnxruntime.backend import CPU_PROVIDER, create_session
 from accel_opt.errors import Unsupported
+from accel_opt.machine.cpu import CpuProfile
 from accel_opt.precision import transform
 from accel_opt.precision.int8 import quantize
 from accel_opt.precision.int8_presets import OPENVINO, ORT_CPU, TENSORRT, resolve_preset
@@ -22,6 +23,10 @@ from accel_opt.recipe.types import CalibrationMethod, Precision, QuantTarget
 SIZE = 32
 
 
+# int8 builds here run on this host's real kernels: 7-bit weights (an AVX2 target) compute exactly on every CPU
+# class, so what these tests assert holds on each; the class-dependent choice itself is tested in
+# tests/builder/test_cpu_profiles.py under every class.
+CPU = CpuProfile.of_class("avx2")
 @pytest.fixture(scope="module")
 def photos() -> list[dict[str, np.ndarray]]:
     return zoo.photo_samples(SIZE)
@@ -81,7 +86,7 @@ def test_calibration_methods_give_different_scales(model_path, calib, evaluation
     for method in CalibrationMethod:
         config = CalibrationConfig(method=method, num_bins=256, percentile=99.9, samples=16)
         out = tmp_path / f"{method.value}.onnx"
-        report = quantize(model_path, calib, config, "onnxruntime", out, cache_dir=None)
+        report = quantize(model_path, calib, config, "onnxruntime", out, cache_dir=None, cpu=CPU)
         assert report.calibration.method == method.value and report.calibration.sample_count == 16
         scales[method] = _activation_scales(out)
         errors[method] = _relative_error(_run(out, evaluation), _run(model_path, evaluation))
@@ -98,7 +103,7 @@ def test_calibration_methods_give_different_scales(model_path, calib, evaluation
 
 def test_ort_cpu_preset_uint8_activations_int8_per_channel_weights(model_path, calib, evaluation, tmp_path):
     out = tmp_path / "ort.onnx"
-    report = quantize(model_path, calib, CalibrationConfig(samples=8), "onnxruntime", out, cache_dir=None)
+    report = quantize(model_path, calib, CalibrationConfig(samples=8), "onnxruntime", out, cache_dir=None, cpu=CPU)
     cal = report.calibration
     assert (cal.preset, cal.activation_type, cal.weight_type, cal.symmetric_activations) == ("ort_cpu", "uint8", "int8", False)
     assert cal.sample_count == 8 and "uint8" in cal.preset_reason
@@ -114,7 +119,7 @@ def test_ort_cpu_preset_uint8_activations_int8_per_channel_weights(model_path, c
 
 def test_openvino_preset_quantizes_the_signed_image_input_symmetric_int8(model_path, calib, evaluation, tmp_path):
     out = tmp_path / "ov.onnx"
-    report = quantize(model_path, calib, CalibrationConfig(samples=8), "openvino", out, cache_dir=None)
+    report = quantize(model_path, calib, CalibrationConfig(samples=8), "openvino", out, cache_dir=None, cpu=CPU)
     assert report.calibration.preset == "openvino"
     model, inits = _quantize_ops(out)
     zero_points = {n.input[0]: inits[n.input[2]] for n in model.graph.node if n.op_type == "QuantizeLinear"}
@@ -127,7 +132,7 @@ def test_openvino_preset_quantizes_the_signed_image_input_symmetric_int8(model_p
 def test_tensorrt_preset_is_symmetric_int8_with_float_bias(model_path, calib, evaluation, tmp_path):
     out = tmp_path / "trt.onnx"
     config = CalibrationConfig(target=QuantTarget.tensorrt, samples=8)
-    report = quantize(model_path, calib, config, "onnxruntime", out, cache_dir=None)
+    report = quantize(model_path, calib, config, "onnxruntime", out, cache_dir=None, cpu=CPU)
     assert report.calibration.preset == "tensorrt" and report.calibration.symmetric_activations
     model, inits = _quantize_ops(out)
     zero_points = [inits[n.input[2]] for n in model.graph.node if n.op_type in ("QuantizeLinear", "DequantizeLinear")]
@@ -150,8 +155,8 @@ def test_auto_target_follows_backend():
 def test_cache_hit_on_second_call_and_key_follows_settings(model_path, calib, tmp_path):
     cache = tmp_path / "cache"
     config = CalibrationConfig(samples=8)
-    first = quantize(model_path, calib, config, "onnxruntime", tmp_path / "a.onnx", cache)
-    second = quantize(model_path, calib, config, "onnxruntime", tmp_path / "b.onnx", cache)
+    first = quantize(model_path, calib, config, "onnxruntime", tmp_path / "a.onnx", cache, cpu=CPU)
+    second = quantize(model_path, calib, config, "onnxruntime", tmp_path / "b.onnx", cache, cpu=CPU)
     assert not first.calibration.cache_hit and second.calibration.cache_hit
     assert first.calibration.cache_key == second.calibration.cache_key
     assert (tmp_path / "a.onnx").read_bytes() == (tmp_path / "b.onnx").read_bytes()
@@ -159,10 +164,10 @@ def test_cache_hit_on_second_call_and_key_follows_settings(model_path, calib, tm
     (ranges,) = (cache / "ranges").iterdir()  # the activation ranges, for fallback rebuilds
     assert sorted(p.name for p in ranges.iterdir()) == ["prepared.onnx", "ranges.json"]
     other = quantize(model_path, calib, CalibrationConfig(samples=8, per_channel=False), "onnxruntime",
-                     tmp_path / "c.onnx", cache)
+                     tmp_path / "c.onnx", cache, cpu=CPU)
     assert not other.calibration.cache_hit and other.calibration.cache_key != first.calibration.cache_key
     shifted = [{"image": s["image"] + 0.01} for s in calib]
-    assert quantize(model_path, shifted, config, "onnxruntime", tmp_path / "d.onnx", cache).calibration.cache_key \
+    assert quantize(model_path, shifted, config, "onnxruntime", tmp_path / "d.onnx", cache, cpu=CPU).calibration.cache_key \
         != first.calibration.cache_key
 
 
@@ -173,7 +178,7 @@ def test_opset12_model_is_upgraded_for_per_channel(model_path, calib, evaluation
     source = tmp_path / "opset12.onnx"
     onnx.save(model, str(source))
     out = tmp_path / "q.onnx"
-    report = quantize(source, calib, CalibrationConfig(samples=8, per_channel=True), "onnxruntime", out, None)
+    report = quantize(source, calib, CalibrationConfig(samples=8, per_channel=True), "onnxruntime", out, None, cpu=CPU)
     assert report.opset_before == 12 and report.opset_after >= 13
     assert any("opset 12 -> 13" in note for note in report.notes)
     quantized = onnx.load(str(out))
@@ -188,7 +193,7 @@ def test_dynamic_height_width_model_quantizes(calib, tmp_path):
         dim.dim_param = name
     source = zoo.save(model, tmp_path / "dynamic.onnx")
     out = tmp_path / "q.onnx"
-    quantize(source, calib, CalibrationConfig(samples=4), "onnxruntime", out, None)
+    quantize(source, calib, CalibrationConfig(samples=4), "onnxruntime", out, None, cpu=CPU)
     larger = np.random.default_rng(0).standard_normal((1, 3, 48, 48)).astype(np.float32)
     assert _run(out, larger).shape == (1, 10)
 
@@ -197,9 +202,9 @@ def test_calibrating_on_mis_scaled_data_gives_visibly_larger_error(model_path, c
     config = CalibrationConfig(samples=16)
     good = tmp_path / "good.onnx"
     broken = tmp_path / "broken.onnx"
-    quantize(model_path, calib, config, "onnxruntime", good, None)
+    quantize(model_path, calib, config, "onnxruntime", good, None, cpu=CPU)
     # Ranges calibrated on 1000x smaller inputs: real activations clip at the quantization limits.
-    quantize(model_path, [{"image": s["image"] * 1e-3} for s in calib], config, "onnxruntime", broken, None)
+    quantize(model_path, [{"image": s["image"] * 1e-3} for s in calib], config, "onnxruntime", broken, None, cpu=CPU)
     reference = _run(model_path, evaluation)
     good_error = _relative_error(_run(good, evaluation), reference)
     broken_error = _relative_error(_run(broken, evaluation), reference)
@@ -209,9 +214,9 @@ def test_calibrating_on_mis_scaled_data_gives_visibly_larger_error(model_path, c
 
 def test_transform_entry_point_dispatches_int8_and_fp16(model_path, calib, tmp_path):
     recipe = Recipe()
-    int8 = transform(model_path, Precision.int8, recipe, "onnxruntime", calib, tmp_path / "i.onnx", tmp_path / "c")
+    int8 = transform(model_path, Precision.int8, recipe, "onnxruntime", calib, tmp_path / "i.onnx", tmp_path / "c", cpu=CPU)
     assert int8.precision is Precision.int8 and int8.calibration.sample_count == len(calib)
-    half = transform(model_path, Precision.fp16, recipe, "onnxruntime", [], tmp_path / "h.onnx", None)
+    half = transform(model_path, Precision.fp16, recipe, "onnxruntime", [], tmp_path / "h.onnx", None, cpu=CPU)
     assert half.precision is Precision.fp16 and half.calibration is None
 
 
@@ -219,14 +224,14 @@ def test_onnx_runtime_and_openvino_presets_share_one_calibration(model_path, cal
     """The two presets make different graphs from the same activation ranges (OpenVINO's signed input is symmetric
     int8): the second build reads the first one's ranges instead of calibrating again."""
     config = CalibrationConfig(samples=8, method="percentile")
-    ort = quantize(model_path, calib, config, "onnxruntime", tmp_path / "ort.onnx", tmp_path / "cache")
-    ov = quantize(model_path, calib, config, "openvino", tmp_path / "ov.onnx", tmp_path / "cache")
+    ort = quantize(model_path, calib, config, "onnxruntime", tmp_path / "ort.onnx", tmp_path / "cache", cpu=CPU)
+    ov = quantize(model_path, calib, config, "openvino", tmp_path / "ov.onnx", tmp_path / "cache", cpu=CPU)
     assert ort.calibration.cache_key != ov.calibration.cache_key and not ov.calibration.cache_hit
     assert len(list((tmp_path / "cache" / "ranges").iterdir())) == 1
     assert any(n.startswith("activation ranges from the cache") for n in ov.notes)
     assert (tmp_path / "ort.onnx").read_bytes() != (tmp_path / "ov.onnx").read_bytes()
     symmetric = quantize(model_path, calib, config.model_copy(update={"target": "tensorrt"}), "onnxruntime",
-                         tmp_path / "trt.onnx", tmp_path / "cache")  # symmetric activations: other ranges
+                         tmp_path / "trt.onnx", tmp_path / "cache", cpu=CPU)  # symmetric activations: other ranges
     assert not any(n.startswith("activation ranges from the cache") for n in symmetric.notes)
     assert len(list((tmp_path / "cache" / "ranges").iterdir())) == 2
 
@@ -235,10 +240,10 @@ def test_excluded_nodes_stay_float_and_rebuilds_reuse_the_ranges(model_path, cal
     """`exclude` leaves those nodes unquantized; a rebuild with other exclusions reuses the cached
     pre-processed model and activation ranges instead of recalibrating."""
     config = CalibrationConfig(samples=16)
-    plain = quantize(model_path, calib, config, "onnxruntime", tmp_path / "plain.onnx", tmp_path / "cache")
+    plain = quantize(model_path, calib, config, "onnxruntime", tmp_path / "plain.onnx", tmp_path / "cache", cpu=CPU)
     assert plain.kept_in_higher_precision == [] and not plain.calibration.cache_hit
     convs = [n.name for n in onnx.load(str(tmp_path / "plain.onnx")).graph.node if n.op_type == "Conv"]
-    again = quantize(model_path, calib, config, "onnxruntime", tmp_path / "ex.onnx", tmp_path / "cache", exclude=[convs[0]])
+    again = quantize(model_path, calib, config, "onnxruntime", tmp_path / "ex.onnx", tmp_path / "cache", exclude=[convs[0]], cpu=CPU)
     assert again.calibration.cache_key != plain.calibration.cache_key
     assert list((tmp_path / "cache" / "ranges").iterdir()), "the ranges were not cached"
     graph = onnx.load(str(tmp_path / "ex.onnx")).graph

@@ -19,7 +19,7 @@ from PIL import Image
 from accel_opt import zoo
 from accel_opt.artifact.folder import MANIFEST, file_hashes
 from accel_opt.builder.pipeline import build
-from accel_opt.machine.cpu import kernel_class
+from accel_opt.machine.cpu import CpuProfile, cpu_class
 from accel_opt.machine.gpu import CudaDevice, CudaProbe
 from accel_opt.recipe.load import load_recipe
 from accel_opt.runtime.probe import PROBE_JSON, PROBE_NPZ, UINT8_IMAGE, _record_path
@@ -30,9 +30,14 @@ BACKENDS = ["onnxruntime", pytest.param("openvino", marks=[pytest.mark.slow, pyt
     __import__("importlib").util.find_spec("openvino") is None, reason="openvino is not installed")])]
 
 
-def _other_class(backend: str) -> str:
-    here = kernel_class(backend)
-    return "avx2" if here != "avx2" else "amx"
+def _recorded_class(folder: Path) -> str:
+    """The class a folder's gate ran on, as its manifest records it (built here: this machine's, whatever it is)."""
+    return json.loads((folder / MANIFEST).read_text())["cpu_class"]
+
+
+def _other_class(folder: Path) -> str:
+    """A class other than the one `folder` was checked on."""
+    return "avx2" if _recorded_class(folder) != "avx2" else "amx"
 
 
 def _accel_opt(*args: str, cache: Path) -> subprocess.CompletedProcess:
@@ -70,12 +75,12 @@ def _copy(folder: Path, tmp_path: Path) -> Path:
 
 
 def test_another_class_is_said_rechecked_once_and_remembered(built, photos, tmp_path):
-    backend = json.loads((built / "resource_config.json").read_text())["backend"]
     manifest = json.loads((built / MANIFEST).read_text())
-    assert manifest["cpu_class"] == kernel_class(backend)  # the class its gate ran on
+    recorded = manifest["cpu"]  # the class its gate ran on follows from the CPU it records
+    assert manifest["cpu_class"] == cpu_class(frozenset(recorded["flags"]), recorded["machine"])
     assert {PROBE_NPZ, PROBE_JSON} <= set(manifest["artifacts"])  # the probe set is hashed like every file
     folder = _copy(built, tmp_path)
-    other, here = _other_class(backend), kernel_class(backend)
+    other, here = _other_class(built), _recorded_class(built)
     _edit_manifest(folder, cpu_class=other)
     cache = tmp_path / "cache"
     said = _accel_opt("verify", folder, cache=cache)
@@ -101,13 +106,12 @@ def test_a_failing_recheck_refuses_the_run_and_fails_verify(built, photos, tmp_p
     """A probe set whose reference outputs the folder's model does not reproduce (what another machine's kernels
     would yield): verify --accuracy is exit 1 with the failure, run is exit 1 before anything is written."""
     folder = _copy(built, tmp_path)
-    backend = json.loads((folder / "resource_config.json").read_text())["backend"]
     with np.load(folder / PROBE_NPZ) as npz:
         arrays = {k: (npz[k] * 1.5 if k.startswith("ref_") else npz[k]) for k in npz.files}
     buffer = io.BytesIO()
     np.savez_compressed(buffer, **arrays)
     (folder / PROBE_NPZ).write_bytes(buffer.getvalue())
-    _edit_manifest(folder, rehash=True, cpu_class=_other_class(backend))
+    _edit_manifest(folder, rehash=True, cpu_class=_other_class(folder))
     cache = tmp_path / "cache"
     checked = _accel_opt("verify", folder, "--accuracy", cache=cache)
     assert checked.returncode == 1 and "FAILED" in checked.stderr and "gain 0.6667" in checked.stderr, checked.stderr
@@ -131,7 +135,7 @@ def test_an_error_inside_the_recheck_is_one_line_with_its_exit_code(built, tmp_p
     probe = json.loads((folder / PROBE_JSON).read_text())
     probe["input_encoding"] = {}  # the cropped arrays are taken as they are
     (folder / PROBE_JSON).write_text(json.dumps(probe))
-    _edit_manifest(folder, rehash=True, cpu_class=_other_class(backend))
+    _edit_manifest(folder, rehash=True, cpu_class=_other_class(folder))
     for json_flag in ([], ["--json"]):
         done = _accel_opt("verify", folder, "--accuracy", *json_flag, cache=tmp_path / "cache")
         assert done.returncode == expected, done.stderr
@@ -150,7 +154,7 @@ def test_a_folder_from_before_probe_sets_runs_on_its_own_class_only(built, photo
     ran = _accel_opt("run", folder, photos, "--out", tmp_path / "p.jsonl", cache=cache)
     assert ran.returncode == 0, ran.stderr  # the class derived from its recorded flags is this CPU's: it runs as it did
     manifest = json.loads((folder / MANIFEST).read_text())
-    elsewhere = "avx2" if kernel_class("onnxruntime") != "avx2" else "amx_int8"
+    elsewhere = "avx2" if _recorded_class(built) != "avx2" else "amx_int8"
     manifest["cpu"]["flags"] = ["avx", "avx2", "fma"] if elsewhere == "avx2" else [*manifest["cpu"]["flags"], "amx_int8"]
     (folder / MANIFEST).write_text(json.dumps(manifest))
     refused = _accel_opt("run", folder, photos, "--out", tmp_path / "q.jsonl", cache=cache)
@@ -203,13 +207,14 @@ def test_a_gpu_sign_off_is_rechecked_on_another_gpu_model(built, monkeypatch):
     from accel_opt.runtime.probe import scope
 
     a100, h200 = "NVIDIA A100-SXM4-80GB (compute 8.0)", "NVIDIA H200 (compute 9.0)"
-    other = scope(built, "torch", a100, device="cuda", here=h200)
+    other = scope(built, a100, h200, device="cuda")
     assert not other.same_class and other.what == "GPU"
     assert other.line(built).startswith(f"checked on {a100}, this GPU is {h200}: its kernels differ")
-    assert scope(built, "torch", h200, device="cuda:0", here=h200).same_class
+    assert scope(built, h200, h200, device="cuda:0").same_class
     config = runtime.load(built).config.model_copy(update={"device": "cuda:0"})
+    cpu = CpuProfile.of_class("amx")  # a GPU build's class is its GPU's, whatever the CPU
     monkeypatch.setattr("accel_opt.machine.gpu.cuda_devices", lambda: CudaProbe((), None, "no driver"))
-    assert runtime.machine_class(config) == "no GPU"
+    assert runtime.machine_class(config, cpu) == "no GPU"
     h200_here = CudaProbe((CudaDevice(0, "NVIDIA H200", "9.0", 143771),), "13.0")
     monkeypatch.setattr("accel_opt.machine.gpu.cuda_devices", lambda: h200_here)
-    assert runtime.machine_class(config) == h200
+    assert runtime.machine_class(config, cpu) == h200

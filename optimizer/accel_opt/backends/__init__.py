@@ -7,6 +7,7 @@ from pathlib import Path
 
 from accel_opt.backends.base import Backend, CompiledModel
 from accel_opt.errors import Unsupported
+from accel_opt.machine.cpu import CpuProfile
 from accel_opt.machine.support import Availability
 from accel_opt.recipe.schema import Recipe
 from accel_opt.recipe.types import BackendName, Precision
@@ -15,13 +16,14 @@ __all__ = ["Availability", "Backend", "CompiledModel", "compile_for", "get_backe
 
 
 def get_backend(name: BackendName | str, providers: Sequence[str] | None = None,
-                allow_cpu_nodes: bool = False, device: str | None = None) -> Backend:
+                allow_cpu_nodes: bool = False, device: str | None = None, cpu: CpuProfile | None = None) -> Backend:
     """The backend object for `name`; raises Unsupported (exit 4) with a reason if it cannot run here.
 
     ONNX Runtime only: `providers[0]` is the execution provider (CPU by default; CUDAExecutionProvider
     or TensorrtExecutionProvider need an NVIDIA GPU and onnxruntime-gpu), `allow_cpu_nodes` lets a GPU
     EP leave nodes it does not take to the CPU EP. torch only: `device` ("cpu", "cuda[:N]"; None: the GPU when
-    torch sees one, else the CPU). Other backends ignore them."""
+    torch sees one, else the CPU). OpenVINO only: `cpu`, the CPU profile its native bf16/fp16 is judged on (None:
+    OpenVINO's own capabilities decide). Other backends ignore them."""
     name = BackendName(name)
     if name is BackendName.torch:
         from accel_opt.backends.torch.package import TorchBackend
@@ -34,7 +36,7 @@ def get_backend(name: BackendName | str, providers: Sequence[str] | None = None,
     elif name is BackendName.openvino:
         from accel_opt.backends.openvino.backend import OpenVinoBackend
 
-        backend = OpenVinoBackend()
+        backend = OpenVinoBackend(cpu)
     else:
         # Finds a CUDA device before importing tensorrt (its runtime can crash a process without a GPU).
         from accel_opt.backends.tensorrt.backend import TensorRtBackend

@@ -3,18 +3,17 @@
 Which CPU backend is faster is a measurement, not a flag: on an AVX2-only Zen 3, OpenVINO fp32 ran a PicoDet
 layout detector 1.64x faster than ONNX Runtime fp32 (PP-OCRv4 det 1.41x, YOLOv8n 0.92x), while on an AMX
 Sapphire Rapids the same PicoDet ran 3.5x slower on OpenVINO. So on x86 with OpenVINO installed, `auto` builds
-on both and the runoff's timings decide. Pure functions of the CPU facts, so the choices can be tested with
-injected flag sets.
+on both and the runoff's timings decide. Pure functions of the CPU profile they are given (machine.cpu.CpuProfile),
+so the choices are tested under every CPU class.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import platform
 from dataclasses import dataclass
 
 from accel_opt.backends.openvino.backend import precision_support
-from accel_opt.machine.cpu import cpu_flags
+from accel_opt.machine.cpu import CpuProfile
 from accel_opt.recipe.types import BackendName, Precision
 
 X86 = ("x86_64", "amd64", "i686", "i386")
@@ -24,12 +23,9 @@ def _openvino_importable() -> bool:
     return importlib.util.find_spec("openvino") is not None
 
 
-def auto_backend(
-    flags: frozenset[str] | None = None, machine: str | None = None, openvino_importable: bool | None = None
-) -> tuple[BackendName, str]:
-    """The CPU backend to use here and a one-line reason (arguments default to this machine)."""
-    flags = cpu_flags() if flags is None else flags
-    machine = (machine or platform.machine()).lower()
+def auto_backend(cpu: CpuProfile, openvino_importable: bool | None = None) -> tuple[BackendName, str]:
+    """The CPU backend to use on `cpu` and a one-line reason (`openvino_importable` defaults to this environment)."""
+    flags, machine = cpu.flags, cpu.machine.lower()
     importable = _openvino_importable() if openvino_importable is None else openvino_importable
     if machine not in X86:
         return BackendName.onnxruntime, f"{machine} CPU: OpenVINO's fast paths are x86; ONNX Runtime is the portable default"
@@ -43,32 +39,30 @@ def auto_backend(
                                   "faster depends on the model and the CPU")
 
 
-def candidate_precisions(
-    backend: BackendName | str, flags: frozenset[str] | None = None, capabilities: tuple[str, ...] | None = None
-) -> list[tuple[Precision, str]]:
-    """Precisions worth building for `backend` on this CPU, fastest last, each with why."""
+def candidate_precisions(backend: BackendName | str, cpu: CpuProfile) -> list[tuple[Precision, str]]:
+    """Precisions worth building for `backend` on the CPU `cpu`, fastest last, each with why."""
     backend = BackendName(backend)
-    flags = cpu_flags() if flags is None else flags
-    vnni = bool(flags & {"avx512_vnni", "avx_vnni", "amx_int8"})
-    int8_why = "int8 dot products in hardware (VNNI/AMX)" if vnni else "no VNNI/AMX: int8 gains are smaller here"
+    int8_why = "int8 dot products in hardware (VNNI/AMX)" if cpu.int8_dot_products else \
+        "no VNNI/AMX: int8 gains are smaller here"
     if backend is BackendName.onnxruntime:
         return [
             (Precision.fp32, "reference precision"),
             (Precision.int8, f"Q/DQ with u8 activations / s8 weights on the CPU EP; {int8_why}"),
         ]
     if backend is BackendName.openvino:
+        capabilities = cpu.openvino_capabilities
         if capabilities is None:
             from accel_opt.backends.openvino.backend import capabilities as ov_capabilities
 
             capabilities = ov_capabilities()
         out = [(Precision.fp32, "reference precision (INFERENCE_PRECISION_HINT=f32)")]
-        bf16 = precision_support(Precision.bf16, flags, capabilities)
+        bf16 = precision_support(Precision.bf16, cpu.flags, capabilities)
         if bf16:
             out.append((Precision.bf16, "native bf16 (AMX-BF16/AVX512-BF16): no calibration, near-fp32 accuracy"))
         out.append((Precision.int8, f"the Q/DQ graph run as int8 by OpenVINO; {int8_why}"))
         return out
     if backend is BackendName.torch:
-        return torch_candidate_precisions(flags)
+        return torch_candidate_precisions(cpu)
     return [
         (Precision.fp32, "reference precision"),
         (Precision.fp16, "tensor-core fp16"),
@@ -76,7 +70,7 @@ def candidate_precisions(
     ]
 
 
-def torch_candidate_precisions(flags: frozenset[str], cuda: bool | None = None,
+def torch_candidate_precisions(cpu: CpuProfile, cuda: bool | None = None,
                                torchao: bool | None = None) -> list[tuple[Precision, str]]:
     """The torch backend's candidates: on a GPU fp16 and bf16 (tensor cores); on a CPU bf16 where it is native
     (AMX-BF16/AVX512-BF16: Inductor's oneDNN kernels) and PT2E int8 where torchao provides it."""
@@ -88,7 +82,7 @@ def torch_candidate_precisions(flags: frozenset[str], cuda: bool | None = None,
     if cuda:
         return out + [(Precision.fp16, "tensor-core fp16, float32 at the package's boundary"),
                       (Precision.bf16, "tensor-core bf16, float32 at the package's boundary")]
-    if flags & {"avx512_bf16", "amx_bf16"}:
+    if cpu.native_bf16:
         out.append((Precision.bf16, "native bf16 (AMX-BF16/AVX512-BF16) in Inductor's oneDNN kernels"))
     if torchao is None:
         torchao = importlib.util.find_spec("torchao") is not None
@@ -137,8 +131,7 @@ def accelerator_facts() -> AcceleratorFacts:
 
 
 def auto_backend_choice(
-    facts: AcceleratorFacts | None = None, flags: frozenset[str] | None = None, machine: str | None = None,
-    openvino_importable: bool | None = None,
+    cpu: CpuProfile, facts: AcceleratorFacts | None = None, openvino_importable: bool | None = None,
 ) -> BackendChoice:
     """`--backend auto` with GPUs considered: TensorRT on an NVIDIA GPU with TensorRT installed; else ONNX
     Runtime's CUDA EP where onnxruntime-gpu offers it on a GPU; else the CPU choice of `auto_backend`.
@@ -153,7 +146,7 @@ def auto_backend_choice(
         return BackendChoice(BackendName.onnxruntime, (CUDA_PROVIDER, "CPUExecutionProvider"),
                              f"NVIDIA GPU ({facts.gpu_name}) without TensorRT ({facts.tensorrt_reason}); "
                              "ONNX Runtime's CUDA execution provider")
-    backend, why = auto_backend(flags, machine, openvino_importable)
+    backend, why = auto_backend(cpu, openvino_importable)
     if facts.gpu_name:
         why = (f"NVIDIA GPU ({facts.gpu_name}) found, but TensorRT is unavailable ({facts.tensorrt_reason}) and "
                f"onnxruntime-gpu is not installed; CPU: {why}")

@@ -39,7 +39,7 @@ from accel_opt.builder.pipeline import build
 from accel_opt.data import Sample
 from accel_opt.errors import AccelOptError, CandidateDropped, UsageError, write_crash_log
 from accel_opt.files import write_json, write_text
-from accel_opt.machine.cpu import available_cpus, cpu_flags
+from accel_opt.machine.cpu import CpuProfile, available_cpus
 from accel_opt.recipe.schema import Recipe
 from accel_opt.recipe.types import BackendName, Precision
 from accel_opt.report.markdown import selection_markdown
@@ -58,12 +58,12 @@ def selection_report_path(out_dir: str | Path, model: str | Path, suffix: str = 
     return Path(out_dir) / f"{Path(str(model)).stem}-auto-selection{suffix}"
 
 
-def plan(recipe: Recipe, backend: str, precision: str, has_data: bool,
+def plan(recipe: Recipe, backend: str, precision: str, has_data: bool, cpu: CpuProfile,
          torch_source: bool = False) -> tuple[list[tuple[str, str, str]], str]:
-    """The (backend, precision, why) pairs to build, and the reason for the backend choice. A model given as a
-    PyTorch factory (`torch_source`) also runs off on the torch backend (torch.export + AOTInductor)."""
+    """The (backend, precision, why) pairs to build on the CPU `cpu`, and the reason for the backend choice. A model
+    given as a PyTorch factory (`torch_source`) also runs off on the torch backend (torch.export + AOTInductor)."""
     if backend == AUTO:
-        choice = auto_backend_choice()  # TensorRT on a GPU with TensorRT, else the CPU choice
+        choice = auto_backend_choice(cpu)  # TensorRT on a GPU with TensorRT, else the CPU choice
         chosen, backend_reason = choice.backend, choice.reason
         backends = [chosen] + ([BackendName.onnxruntime] if chosen is not BackendName.onnxruntime else [])
         if torch_source:
@@ -73,7 +73,7 @@ def plan(recipe: Recipe, backend: str, precision: str, has_data: bool,
         backends, backend_reason = [BackendName(backend)], "given on the command line or in the recipe"
     pairs = []
     for b in backends:
-        options = candidate_precisions(b) if precision == AUTO else [(Precision(precision), "given")]
+        options = candidate_precisions(b, cpu) if precision == AUTO else [(Precision(precision), "given")]
         for p, why in options:
             if p is Precision.int8 and not has_data:
                 log.warning("skipping int8 on %s: calibration needs --data", b.value)
@@ -88,12 +88,10 @@ def build_order(pairs: list[tuple[str, str, str]]) -> list[tuple[str, str, str]]
     return sorted(pairs, key=lambda pair: pair[1] != Precision.fp32.value)
 
 
-def promise(precision: str, flags: frozenset[str] | None = None) -> float:
-    """How much of the search's time a reduced candidate gets, relative to the others (see PROMISE_FAST)."""
-    flags = cpu_flags() if flags is None else flags
-    fast = {"int8": {"avx512_vnni", "avx_vnni", "amx_int8"}, "bf16": {"amx_bf16", "avx512_bf16"},
-            "fp16": {"amx_fp16", "avx512_fp16"}}.get(precision, set())
-    return PROMISE_FAST if flags & fast else PROMISE_SLOW
+def promise(precision: str, cpu: CpuProfile) -> float:
+    """How much of the search's time a reduced candidate gets on `cpu`, relative to the others (see PROMISE_FAST)."""
+    fast = {"int8": cpu.int8_dot_products, "bf16": cpu.native_bf16, "fp16": cpu.native_fp16}.get(precision, False)
+    return PROMISE_FAST if fast else PROMISE_SLOW
 
 
 class _Clock:
@@ -130,14 +128,17 @@ def build_auto(
     on_progress: Callable[[ProgressEvent], None] | None = None,
     force: bool = False,
     eval_data_dir: str | Path | None = None,
+    cpu: CpuProfile | None = None,
 ) -> tuple[BuildResult | None, AutoSelection]:
-    """Build the candidates within the time budget and return (the winner's BuildResult or None, the selection)."""
+    """Build the candidates within the time budget and return (the winner's BuildResult or None, the selection).
+    `cpu`: the CPU every class-dependent choice is made for (this machine's, read here, by default)."""
     from accel_opt.backends.torch.backend import looks_like_factory
 
+    cpu = cpu or CpuProfile.here()
     pairs, backend_reason = plan(recipe, backend, precision, data_dir is not None or eval_data_dir is not None,
-                                 looks_like_factory(str(model)))
+                                 cpu, looks_like_factory(str(model)))
     if backend == AUTO:  # ONNX Runtime on a GPU: its CUDA EP, as the choice says
-        choice = auto_backend_choice()
+        choice = auto_backend_choice(cpu)
         if choice.backend is BackendName.onnxruntime and choice.providers and choice.providers[0] != "CPUExecutionProvider":
             recipe = recipe.with_overrides(**{"onnxruntime.providers": [choice.providers[0]]})
     selection_config = recipe.selection
@@ -158,7 +159,7 @@ def build_auto(
             if on_candidate:
                 on_candidate(candidate)
             continue
-        limits = _limits(candidate, candidates, clock, tag, recipe) if candidate.reduced else None
+        limits = _limits(candidate, candidates, clock, tag, recipe, cpu) if candidate.reduced else None
         started = time.monotonic()
         stages: list[StageResult] = []
 
@@ -170,7 +171,7 @@ def build_auto(
         try:
             result = build(model, recipe.with_overrides(backend=candidate.backend, precision=candidate.precision),
                            data_dir=data_dir, out_dir=out_dir, on_stage=staged, force=force,
-                           eval_data_dir=eval_data_dir, limits=limits, reference_caches=references)
+                           eval_data_dir=eval_data_dir, limits=limits, reference_caches=references, cpu=cpu)
         except UsageError:  # the command line or the recipe is wrong: no candidate will do better
             raise
         except CandidateDropped as exc:
@@ -191,7 +192,7 @@ def build_auto(
              and (c.reduced or c.signed_off)] + speed_floors(candidates)
     timing = "no candidate passed on the steering samples"
     if timed:
-        timing = _runoff(timed, results[(timed[0].backend, timed[0].precision)].eval_samples, recipe)
+        timing = _runoff(timed, results[(timed[0].backend, timed[0].precision)].eval_samples, recipe, cpu)
     winner = choose(candidates, selection_config.objective, selection_config.latency_budget_ms, target,
                     recipe.accuracy.confidence)
     selection = AutoSelection(objective=selection_config.objective, target_batch_size=target,
@@ -247,13 +248,13 @@ def _out_of_time(candidate: Candidate, candidates: list[Candidate], clock: _Cloc
 
 
 def _limits(candidate: Candidate, candidates: list[Candidate], clock: _Clock, tag: str,
-            recipe: Recipe) -> CandidateLimits:
+            recipe: Recipe, cpu: CpuProfile) -> CandidateLimits:
     """A reduced candidate's share of the time left for its search, and what it must beat."""
     configured = recipe.precision_options.fallback.time_budget_s
     pending = [c for c in candidates if c.reduced and not c.seconds and not c.verdict]
     built = [c.seconds for c in candidates if c.seconds and not c.reduced]
     fixed = sum(built) / len(built) if built else 0.0  # what each pending build costs besides its search
-    share = promise(candidate.precision) / sum(promise(c.precision) for c in pending)
+    share = promise(candidate.precision, cpu) / sum(promise(c.precision, cpu) for c in pending)
     search_budget = configured if clock.remaining is None else \
         min(configured, max(0.0, (clock.remaining - fixed * len(pending)) * share))
     candidate.search_budget_s = round(search_budget, 1)
@@ -279,11 +280,11 @@ def _failure_line(exc: BaseException) -> str:
     return f"(internal error, a bug: please report it) {type(exc).__name__}: {exc}; log: {write_crash_log(exc)}"
 
 
-def _runoff(candidates: list[Candidate], samples: list[Sample], recipe: Recipe) -> str:
+def _runoff(candidates: list[Candidate], samples: list[Sample], recipe: Recipe, cpu: CpuProfile) -> str:
     """Time the candidates' published builds, loaded through the runtime as deployed, against each other in
     interleaved rounds at the objective's batch sizes (the same samples every build timed)."""
     threads = recipe.benchmark.threads or available_cpus()
-    deployments = [runtime.load(c.artifact_dir) for c in candidates]
+    deployments = [runtime.load(c.artifact_dir, cpu=cpu) for c in candidates]
     batches = objective_batches(recipe.selection.objective, recipe)
     if not deployments[0].config.batch_dynamic:
         batches = [deployments[0].batch_size]

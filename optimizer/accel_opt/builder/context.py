@@ -17,6 +17,7 @@ from accel_opt.data import DataSplit, DataSummary, Sample, rows_of
 from accel_opt.graph.cleanup import CleanupReport
 from accel_opt.graph.inspect import ResolvedShapes, TensorSpec
 from accel_opt.graph.load import LoadedModel
+from accel_opt.machine.cpu import CpuProfile
 from accel_opt.precision import PrecisionReport, fallback
 from accel_opt.recipe.gate import TaskMetric, Tolerance
 from accel_opt.recipe.schema import Recipe
@@ -62,6 +63,7 @@ class BuildContext:
     cache_dir: Path | None
     backend: Backend
     threads: int
+    cpu: CpuProfile  # the CPU the build's class-dependent choices are made for, and its manifest records
     notes: list[str] = field(default_factory=list)
     factory: Any = None  # a torch ModuleFactory when the input is FILE.py:FACTORY
     torch_module: Any = None  # the exported module: the accuracy reference and a baseline row

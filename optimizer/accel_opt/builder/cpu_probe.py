@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from accel_opt.files import now_utc, tool_versions, user_cache_dir, write_json
-from accel_opt.machine.cpu import available_cpus, cpu_class, cpu_info
+from accel_opt.machine.cpu import CpuProfile, available_cpus
 
 log = logging.getLogger(__name__)
 
@@ -30,24 +30,25 @@ BATCH = 8
 PROBE_SIZE = 112  # pixels: convolutions large enough that the kernels, not the call overhead, dominate
 
 
-def _cache_path() -> Path:
-    identity = json.dumps({"cpu": cpu_info(), "tools": tool_versions(), "format": PROBE_FORMAT},
+def _cache_path(cpu: CpuProfile) -> Path:
+    identity = json.dumps({"cpu": cpu.record(), "tools": tool_versions(), "format": PROBE_FORMAT},
                           sort_keys=True)
     return user_cache_dir("cpu-probe") / f"{hashlib.sha256(identity.encode()).hexdigest()[:24]}.json"
 
 
-def speedups(refresh: bool = False) -> dict[str, dict[str, float]]:
-    """{backend: {precision: fp32 p50 / precision p50}} on this CPU (cached; `refresh` measures again)."""
-    path = _cache_path()
+def speedups(cpu: CpuProfile, refresh: bool = False) -> dict[str, dict[str, float]]:
+    """{backend: {precision: fp32 p50 / precision p50}} measured on this CPU, whose profile is `cpu` (cached;
+    `refresh` measures again)."""
+    path = _cache_path(cpu)
     if not refresh:
         try:
             return json.loads(path.read_text())["speedups"]
         except (OSError, ValueError, KeyError):
             pass
-    measured = _measure()
+    measured = _measure(cpu)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        write_json(path, {"cpu_class": cpu_class(), "measured_utc": now_utc(),
+        write_json(path, {"cpu_class": cpu.cpu_class, "measured_utc": now_utc(),
                                     "speedups": measured})
     except OSError as exc:  # a read-only home: measured, not remembered
         log.warning("could not cache the CPU probe: %s", exc)
@@ -58,7 +59,7 @@ def faster_than_fp32(backend: str, table: dict[str, dict[str, float]]) -> list[s
     return ["fp32"] + [p for p, ratio in table.get(backend, {}).items() if p != "fp32" and ratio >= FASTER_ABOVE]
 
 
-def _measure() -> dict[str, dict[str, float]]:
+def _measure(cpu: CpuProfile) -> dict[str, dict[str, float]]:
     import importlib.util
 
     import onnxruntime as ort
@@ -80,7 +81,7 @@ def _measure() -> dict[str, dict[str, float]]:
             if backend == "openvino" and importlib.util.find_spec("openvino") is None:
                 continue
             int8[backend] = tmp / f"int8-{backend}.onnx"
-            quantize(fp32, calibration, CalibrationConfig(samples=8), backend, int8[backend], None)
+            quantize(fp32, calibration, CalibrationConfig(samples=8), backend, int8[backend], None, cpu)
         options = ort.SessionOptions()
         options.intra_op_num_threads = threads
         for precision, path in (("fp32", fp32), ("int8", int8["onnxruntime"])):

@@ -13,7 +13,7 @@ from importlib import metadata
 from pydantic import BaseModel
 
 from accel_opt.backends.base import INSTALL, TORCH_INSTALL
-from accel_opt.machine.cpu import cpu_class, cpu_flags, cpu_info
+from accel_opt.machine.cpu import CpuProfile
 from accel_opt.machine.gpu import GPU_PRECISION_MIN_CC, Gpu, find_gpus
 
 
@@ -72,11 +72,12 @@ def _version(dist: str) -> str | None:
         return None
 
 
-def diagnose(probe: bool = True, refresh: bool = False) -> DoctorReport:
+def diagnose(probe: bool = True, refresh: bool = False, cpu: CpuProfile | None = None) -> DoctorReport:
     """This machine's report. `probe`: which CPU precisions are faster than fp32 comes from a short measurement
-    (cpu_probe, cached per CPU; `refresh` measures again); without it, from the instruction set."""
-    flags = cpu_flags()
-    features = cpu_features(flags)
+    (cpu_probe, cached per CPU; `refresh` measures again); without it, from the instruction set. `cpu`: this
+    machine's profile (read here by default: doctor describes the host)."""
+    cpu = cpu or CpuProfile.here()
+    features = cpu_features(cpu.flags)
     gpus, gpu_detail = find_gpus()
     best_cc = max((g.compute_capability for g in gpus if g.compute_capability), default=None)
     backends = [_onnxruntime(features, gpus), _openvino(features), _torch(gpus, best_cc), _tensorrt(gpus, best_cc)]
@@ -84,13 +85,13 @@ def diagnose(probe: bool = True, refresh: bool = False) -> DoctorReport:
     if probe:
         from accel_opt.builder.cpu_probe import faster_than_fp32, speedups
 
-        measured = speedups(refresh)
+        measured = speedups(cpu, refresh)
         for status in backends:
             if status.name in measured:
                 ratios = ", ".join(f"{p} {r:.2f}x" for p, r in measured[status.name].items() if p != "fp32")
                 status.fast_precisions = faster_than_fp32(status.name, measured)
                 status.detail += f"; measured vs its fp32 here: {ratios}"
-    return DoctorReport(cpu=cpu_info(), cpu_features=features, cpu_class=cpu_class(), gpus=gpus, gpu_detail=gpu_detail,
+    return DoctorReport(cpu=cpu.record(), cpu_features=features, cpu_class=cpu.cpu_class, gpus=gpus, gpu_detail=gpu_detail,
                         backends=backends, measured_speedups=measured)
 
 

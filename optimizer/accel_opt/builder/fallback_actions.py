@@ -51,7 +51,7 @@ def fallback_actions(ctx: BuildContext, probes: list[Sample], shapes: dict[str, 
         chosen = recipe if calibration is None else recipe.with_overrides(
             **{"precision_options.calibration.method": calibration})
         return transform(ctx.fp32_path, precision, chosen, ctx.backend.name, ctx.calibration_samples, out,
-                         calibration_cache, keep_float=keep)
+                         calibration_cache, ctx.cpu, keep_float=keep)
 
     # The fp32 model's outputs and float32 noise on the probes: measured once, every build of the search reuses them.
     noise_floor: dict[str, float] = {}

@@ -27,14 +27,12 @@ from accel_opt.builder.records import artifact_name, data_record, reuse, write_m
 from accel_opt.builder.samples import data_samples_needed, read_and_split
 from accel_opt.builder.staging import batch_problem, stage_deployment
 from accel_opt.builder.torch_plan import torch_precision
-from accel_opt.data import (
-    Sample,
-)
+from accel_opt.data import Sample
 from accel_opt.errors import AccelOptError, CandidateDropped, Unsupported, UsageError, no_space_error
 from accel_opt.files import ensure_free_space, sha256_file
 from accel_opt.graph.inspect import io_specs, with_batch
 from accel_opt.graph.load import load_model
-from accel_opt.machine.cpu import available_cpus
+from accel_opt.machine.cpu import CpuProfile, available_cpus
 from accel_opt.precision import fallback
 from accel_opt.preprocess.fit import fit_preprocessing, image_path_agreement
 from accel_opt.preprocess.fuse import fused_shape
@@ -64,6 +62,7 @@ def build(
     eval_data_dir: str | Path | None = None,
     limits: CandidateLimits | None = None,
     reference_caches: dict[str, ReferenceCache] | None = None,
+    cpu: CpuProfile | None = None,
 ) -> BuildResult:
     """Build, check, benchmark and package `model`; never raises for a failed gate (exit_code 1) or for held-out
     samples too few to certify it (exit_code 6).
@@ -71,7 +70,8 @@ def build(
     `data_dir` is split into samples that calibrate, steer and judge (recipe accuracy.split); `eval_data_dir`, when
     given, holds the held-out samples that judge the verdict instead of a share of `data_dir`. `limits`: the build is a
     candidate of --precision auto (auto.py), which may stop it early (CandidateDropped) and bounds its search's time;
-    `reference_caches` (auto: one for all its candidates) keeps the reference's outputs, run once per sample.
+    `reference_caches` (auto: one for all its candidates) keeps the reference's outputs, run once per sample. `cpu`:
+    the CPU every class-dependent choice is made for and the manifest records (this machine's, read here, by default).
 
     A complete folder of the same identity (model, recipe, data, tool versions, CPU) under `out_dir`
     that verifies is reused instead of rebuilt (`reused` is set), unless `force`. Raises
@@ -79,6 +79,7 @@ def build(
     calibration cache is left in `out_dir` then.
     """
     recipe = recipe or load_recipe()
+    cpu = cpu or CpuProfile.here()
     factory = _factory_or_none(str(model))
     if recipe.backend is BackendName.torch and factory is None:
         raise Unsupported(f"--backend torch builds PyTorch factories (FILE.py:FACTORY), not {Path(str(model)).name}: an "
@@ -86,7 +87,7 @@ def build(
     model_path = Path(model) if factory is None else Path(str(model).rpartition(":")[2] + ".onnx")
     out_dir = Path(out_dir)
     backend = get_backend(recipe.backend, providers=recipe.onnxruntime.providers,
-                          allow_cpu_nodes=recipe.onnxruntime.allow_cpu_nodes, device=recipe.torch.device)
+                          allow_cpu_nodes=recipe.onnxruntime.allow_cpu_nodes, device=recipe.torch.device, cpu=cpu)
     support = backend.supports(recipe.precision)
     if not support:
         raise Unsupported(f"--precision {recipe.precision.value} on {backend.name}: {support.reason}")
@@ -100,7 +101,7 @@ def build(
                 staging=staging, cache_dir=Path(cache_dir) if cache_dir else out_dir / ".cache", backend=backend,
                 threads=recipe.benchmark.threads or available_cpus(), factory=factory,
                 eval_data_dir=Path(eval_data_dir) if eval_data_dir else None, limits=limits,
-                reference_caches=reference_caches,
+                reference_caches=reference_caches, cpu=cpu,
             )
             if model_path.is_file():  # the staged artifact holds at least a copy of the model
                 ensure_free_space(work, model_path.stat().st_size)

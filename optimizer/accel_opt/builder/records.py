@@ -17,7 +17,6 @@ from accel_opt.backends import CompiledModel
 from accel_opt.bench import BenchmarkReport
 from accel_opt.builder.samples import data_samples_needed
 from accel_opt.files import command_line, now_utc, sha256_file, tool_versions, write_json, write_text
-from accel_opt.machine.cpu import cpu_info, kernel_class
 from accel_opt.machine.gpu import gpu_class
 from accel_opt.recipe.stages import BenchmarkConfig
 from accel_opt.report.html import layer_error_png, render
@@ -97,7 +96,7 @@ def recommended(compiled: CompiledModel, bench: BenchmarkReport, config: Benchma
 
 
 def artifact_name(ctx: BuildContext) -> str:
-    cpu = cpu_info()
+    cpu = ctx.cpu.record()
     identity = json.dumps(
         {"model": ctx.model_sha256, "external_data": ctx.external_data_sha256, "recipe": ctx.recipe.fingerprint(), "data": ctx.data.sha256,
          "eval_data": ctx.eval_data.sha256 if ctx.eval_data is not None else None,
@@ -141,9 +140,9 @@ def write_manifest(ctx: BuildContext, folder: Path, result: BuildResult) -> None
         artifacts=file_hashes(folder),
         stages=[s.model_dump() for s in result.stages],
         tools=tool_versions(),
-        cpu=cpu_info(),
+        cpu=ctx.cpu.record(),
         command_line=command_line(),
-        cpu_class=kernel_class(ctx.backend.name),
+        cpu_class=ctx.cpu.kernel_class(ctx.backend.name),
         gpu=gpu_class(ctx.compiled.device) if ctx.compiled.device.startswith("cuda") else None,
     )
     write_json(folder / MANIFEST, manifest)
@@ -159,7 +158,7 @@ def write_probe_set(ctx: BuildContext, folder: Path) -> int:
     preprocessing = ctx.resource_config.preprocessing
     return probe.write_probe(folder, ctx.deploy_samples, ctx.accuracy._reference_outputs, ctx.eval_names, count,
                              ctx.recipe.tolerance, ctx.recipe.accuracy.task_metrics, noise,
-                             runtime.machine_class(ctx.resource_config), preprocessing.host_part() if preprocessing else None)
+                             runtime.machine_class(ctx.resource_config, ctx.cpu), preprocessing.host_part() if preprocessing else None)
 
 
 def write_reports(ctx: BuildContext) -> str:
@@ -190,7 +189,7 @@ def write_reports(ctx: BuildContext) -> str:
         "data": ctx.data.model_dump(mode="json"),
         "export": ctx.export,
         "notes": ctx.notes,
-        "environment": {"tools": tool_versions(), "cpu": cpu_info()},
+        "environment": {"tools": tool_versions(), "cpu": ctx.cpu.record()},
         "files_sha256": {f: ctx.deployed_hashes[f] for f in [config.model_file, *config.extra_files]},
     }
     write_probe_set(ctx, staging)

@@ -33,17 +33,18 @@ def verify_command(artifact, accuracy, as_json, public_key, certificate_chain):
     """Check a built ARTIFACT folder before running it: its signature (with --public-key), manifest, every
     file's sha256, the environment, and which CPU class its sign-off holds for (--accuracy re-checks it here)."""
     from accel_opt import runtime
+    from accel_opt.machine.cpu import CpuProfile
 
     recheck = scope = trust = None
     try:
-        trust = trust_from(public_key, certificate_chain)
-        problems = runtime.check(artifact, trust=trust)
+        trust, cpu = trust_from(public_key, certificate_chain), CpuProfile.here()
+        problems = runtime.check(artifact, trust=trust, cpu=cpu)
         if not problems:
             if accuracy:  # before the scope, so its line states the verdict of this re-check
                 from accel_opt.runtime.probe import recheck as run_recheck
 
-                recheck = run_recheck(runtime.load(artifact, trust=trust))
-            scope = runtime.sign_off_scope(artifact)
+                recheck = run_recheck(runtime.load(artifact, trust=trust, cpu=cpu))
+            scope = runtime.sign_off_scope(artifact, cpu)
             if recheck is not None and not scope.same_class:
                 scope.remembered = recheck.passed
     except (AccelOptError, MemoryError, Exception) as exc:  # noqa: BLE001 - a bug is exit 70 with one line

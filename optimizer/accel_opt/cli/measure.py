@@ -117,10 +117,11 @@ def compare_command(baseline, candidate, data_dir, reference, max_latency_regres
     try:
         from accel_opt import runtime
         from accel_opt.builder.regression import comparison_markdown, reference_of, run_comparison
+        from accel_opt.machine.cpu import CpuProfile
         from accel_opt.runtime.probe import signed_off_here
 
-        trust = trust_from(public_key, certificate_chain)  # both folders must carry it
-        base, cand = runtime.load(baseline, trust=trust), runtime.load(candidate, trust=trust)
+        trust, cpu = trust_from(public_key, certificate_chain), CpuProfile.here()  # both folders must carry the trust
+        base, cand = runtime.load(baseline, trust=trust, cpu=cpu), runtime.load(candidate, trust=trust, cpu=cpu)
         for side in (base, cand):
             say_scope(signed_off_here(side, recheck_allowed=False))
         result = run_comparison(base, cand, reference_of(cand, reference), data_dir, max_latency_regression, max_accuracy_drop)

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from accel_opt.data import Sample
+from accel_opt.machine.cpu import CpuProfile
 from accel_opt.precision.report import CalibrationReport, KeptNode, PrecisionReport
 from accel_opt.recipe.schema import Recipe
 from accel_opt.recipe.types import Precision
@@ -26,6 +27,7 @@ def transform(
     calibration_samples: list[Sample],
     out_path: Path,
     cache_dir: Path | None,
+    cpu: CpuProfile,
     keep_float: Sequence[str] = (),
 ) -> PrecisionReport:
     """Write the `precision` version of `model_path` to `out_path` (validated: checker + session load).
@@ -41,5 +43,5 @@ def transform(
         from accel_opt.precision.int8 import quantize
 
         return quantize(model_path, calibration_samples, recipe.precision_options.calibration, backend_name, out_path,
-                        cache_dir, exclude=keep_float)
+                        cache_dir, cpu, exclude=keep_float)
     raise ValueError(f"no transform for {precision.value}")

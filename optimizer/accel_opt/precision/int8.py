@@ -30,6 +30,7 @@ from accel_opt.errors import InputRejected, Unsupported
 from accel_opt.files import copy_file, sha256_file
 from accel_opt.graph.inspect import opset_of
 from accel_opt.graph.save import EXTERNAL_DATA_ABOVE_BYTES, upgrade_opset
+from accel_opt.machine.cpu import CpuProfile
 from accel_opt.precision.fp16 import validate
 from accel_opt.precision.int8_presets import QuantPreset, resolve_preset, weight_range
 from accel_opt.precision.report import CalibrationReport, KeptNode, PrecisionReport
@@ -64,9 +65,11 @@ def quantize(
     backend_name: str,
     out_path: Path,
     cache_dir: Path | None,
+    cpu: CpuProfile,
     exclude: Sequence[str] = (),
 ) -> PrecisionReport:
-    """Write the calibrated Q/DQ int8 version of `model_path` to `out_path` (validated), reusing the cache.
+    """Write the calibrated Q/DQ int8 version of `model_path` to `out_path` (validated), reusing the cache; the weights'
+    range suits the int8 kernels of the CPU `cpu` unless the recipe targets another class (weight_range).
     `exclude`: nodes left in float. The pre-processed model and the activation ranges are cached apart
     from the quantized model, so a rebuild with other exclusions does not recalibrate."""
     start = time.perf_counter()
@@ -75,7 +78,7 @@ def quantize(
     if not samples:
         raise InputRejected("int8 calibration needs at least one sample")
     preset = resolve_preset(config.target, backend_name)
-    target_cpu, reduce_range, reduce_range_reason = weight_range(preset, config)
+    target_cpu, reduce_range, reduce_range_reason = weight_range(preset, config, cpu)
     settings = QuantSettings(preset, config.method, config.per_channel, config.percentile, config.num_bins,
                              tuple(config.op_types) if config.op_types else None, reduce_range)
     key, ranges_key = calibration_keys(model_path, samples, settings)  # auto's two int8 candidates share the ranges

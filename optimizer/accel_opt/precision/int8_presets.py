@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from accel_opt.errors import Unsupported
-from accel_opt.machine.cpu import cpu_class, saturating_int8
+from accel_opt.machine.cpu import CpuProfile, saturating_int8
 from accel_opt.recipe.stages import CalibrationConfig
 from accel_opt.recipe.types import QuantTarget
 
@@ -82,15 +82,16 @@ PRESETS = {QuantTarget.ort_cpu: ORT_CPU, QuantTarget.openvino: OPENVINO, QuantTa
 _AUTO = {"onnxruntime": QuantTarget.ort_cpu, "openvino": QuantTarget.openvino, "tensorrt": QuantTarget.tensorrt}
 
 
-def weight_range(preset: QuantPreset, config: CalibrationConfig) -> tuple[str, bool, str]:
-    """(target CPU class, reduce_range, why) for the int8 weights.
+def weight_range(preset: QuantPreset, config: CalibrationConfig, cpu: CpuProfile) -> tuple[str, bool, str]:
+    """(target CPU class, reduce_range, why) for the int8 weights; `target_cpu: host` means the class whose kernels
+    the preset's backend runs on `cpu` (oneDNN's ISA cap lowers OpenVINO's).
 
     ONNX Runtime's MLAS and oneDNN (OpenVINO) run u8 x s8 on AVX2 and on AVX-512 without VNNI with VPMADDUBSW,
     which sums each pair of products into int16 and saturates (255 * 127 * 2 = 64770 > 32767); ORT's
     quantization guide and NNCF's overflow_fix answer it with 7-bit weights (255 * 63 * 2 = 32130). VNNI and AMX
     accumulate in int32: full 8-bit weights there. Measured on an AVX2 CPU, EfficientNet-Lite0 int8 (per-channel,
     64 photos) kept top-1 on 52% of 300 held-out photos with 8-bit weights, 66% with 7-bit ones."""
-    target = cpu_class() if config.target_cpu == "host" else config.target_cpu
+    target = cpu.kernel_class(preset.name) if config.target_cpu == "host" else config.target_cpu
     if preset.name == TENSORRT.name:
         return target, bool(config.reduce_range), "TensorRT runs int8 on the GPU: the host CPU's kernels do not apply"
     if config.reduce_range is not None:

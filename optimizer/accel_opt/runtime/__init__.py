@@ -29,6 +29,7 @@ from accel_opt.data import DataSummary, Sample, load_samples, synthetic_samples
 from accel_opt.errors import InputRejected, Unsupported, UsageError, first_line
 from accel_opt.files import sha256_file
 from accel_opt.graph.inspect import with_batch
+from accel_opt.machine.cpu import CpuProfile
 
 if TYPE_CHECKING:  # signing (model-signing) is imported only where a trusted key is given
     from accel_opt.artifact.signing import Trust
@@ -72,6 +73,7 @@ class Deployment:
     config: ResourceConfig
     backend: Backend
     compiled: CompiledModel
+    cpu: CpuProfile  # the CPU it runs on: the class its sign-off is seen from
     staged_files: dict[str, str] | None = None  # name -> sha256 while the build is still staging (no manifest yet)
 
     @property
@@ -91,7 +93,7 @@ class Deployment:
 
     def scope(self):
         """Where the sign-off holds, seen from this machine (runtime.probe.Scope)."""
-        return sign_off_scope(self.folder, self.config)
+        return sign_off_scope(self.folder, self.cpu, self.config)
 
     def describe(self, folder_name: str | None = None) -> str:
         """What runs, in one line: the folder (by `folder_name` while it is still staged) and its files."""
@@ -151,17 +153,19 @@ class Deployment:
 
 
 def load(folder: str | Path, expected_files: dict[str, str] | None = None, trust: Trust | None = None,
-         threads: int | None = None) -> Deployment:
+         threads: int | None = None, cpu: CpuProfile | None = None) -> Deployment:
     """Verify `folder` and return its Deployment. Refuses (one line) an incomplete or changed folder
     (exit 3) and one this machine cannot run as it was checked (exit 4).
 
     `expected_files` (name -> sha256) stands in for the manifest while a build is still staging. With
     `trust`, the folder must also carry a signature by that key (exit 3 when unsigned or forged).
     `threads` replaces the recorded compute threads (a Ray actor gets the CPUs it was scheduled with:
-    ONNX Runtime's default pool would take every core of the node).
+    ONNX Runtime's default pool would take every core of the node). `cpu`: this machine's CPU profile (read here by
+    default), which the sign-off's scope and the backend's native-precision checks are judged on.
     """
     folder = Path(folder)
-    problems = check(folder, expected_files, trust)
+    cpu = cpu or CpuProfile.here()
+    problems = check(folder, expected_files, trust, cpu)
     if problems:
         more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
         first = problems[0]
@@ -175,22 +179,21 @@ def load(folder: str | Path, expected_files: dict[str, str] | None = None, trust
         providers=config.providers, threads=threads or config.threads, build_seconds=0.0, settings=settings,
         extra_files=[folder / name for name in config.extra_files],
     )
-    return Deployment(folder=folder, config=config, backend=_backend_of(config), compiled=compiled, staged_files=expected_files)
+    return Deployment(folder=folder, config=config, backend=_backend_of(config, cpu), compiled=compiled, cpu=cpu,
+                      staged_files=expected_files)
 
 
-def machine_class(config: ResourceConfig) -> str:
-    """The class of this machine whose kernels `config`'s folder runs on: the CPU's kernel class for the backend, or
-    for a GPU build the GPU's model and compute capability ("no GPU" without one)."""
+def machine_class(config: ResourceConfig, cpu: CpuProfile) -> str:
+    """The class of this machine whose kernels `config`'s folder runs on: the kernel class of its CPU `cpu` for the
+    backend, or for a GPU build the GPU's model and compute capability ("no GPU" without one)."""
     if config.device != "cpu":
         from accel_opt.machine.gpu import gpu_class
 
         return gpu_class(config.device) or "no GPU"
-    from accel_opt.machine.cpu import kernel_class
-
-    return kernel_class(config.backend)
+    return cpu.kernel_class(config.backend)
 
 
-def sign_off_scope(folder: Path, config: ResourceConfig | None = None):
+def sign_off_scope(folder: Path, cpu: CpuProfile, config: ResourceConfig | None = None):
     """Where the sign-off of a verified `folder` holds, seen from this machine (runtime.probe.Scope): the CPU class
     its gate ran against this CPU's, or for a GPU build the GPU model and compute capability against this one's."""
     from accel_opt.runtime.probe import recorded_class, scope
@@ -199,7 +202,7 @@ def sign_off_scope(folder: Path, config: ResourceConfig | None = None):
     config = config or ResourceConfig.model_validate_json((folder / RESOURCE_CONFIG).read_text())
     manifest = read_manifest(folder)
     built_on = manifest.gpu if config.device != "cpu" else recorded_class(manifest, config.backend)
-    return scope(folder, config.backend, built_on, device=config.device, here=machine_class(config))
+    return scope(folder, built_on, machine_class(config, cpu), device=config.device)
 
 
 class Problem(BaseModel):
@@ -207,9 +210,12 @@ class Problem(BaseModel):
     exit_code: int  # 3: the folder is incomplete or altered; 4: this machine cannot run it as it was checked
 
 
-def check(folder: Path, expected_files: dict[str, str] | None = None, trust: Trust | None = None) -> list[Problem]:
-    """Every reason `folder` must not be run here, altered/incomplete ones (exit 3) first; [] when it may.
-    Nothing in the folder is deserialized before its hash has matched."""
+def check(folder: Path, expected_files: dict[str, str] | None = None, trust: Trust | None = None,
+          cpu: CpuProfile | None = None) -> list[Problem]:
+    """Every reason `folder` must not be run here, on the CPU `cpu` (this machine's, read here, by default),
+    altered/incomplete ones (exit 3) first; [] when it may. Nothing in the folder is deserialized before its hash
+    has matched."""
+    cpu = cpu or CpuProfile.here()
     if not folder.is_dir():
         return [Problem(line=f"artifact folder not found: {folder}", exit_code=3)]
     if trust is not None:  # first: the signature covers the manifest, which is read next
@@ -237,19 +243,20 @@ def check(folder: Path, expected_files: dict[str, str] | None = None, trust: Tru
             return [Problem(line=f"{config.model_file}: {str(exc).removesuffix(f': {folder / config.model_file}')}",
                             exit_code=exc.exit_code)]
     try:
-        _backend_of(config)
+        _backend_of(config, cpu)
     except Unsupported as exc:
         return [Problem(line=str(exc), exit_code=4)]
-    return [Problem(line=line, exit_code=4) for line in _environment_problems(folder, config)]
+    return [Problem(line=line, exit_code=4) for line in _environment_problems(folder, config, cpu)]
 
 
-def _backend_of(config: ResourceConfig):
+def _backend_of(config: ResourceConfig, cpu: CpuProfile):
     """The backend as the build ran it (a GPU EP recorded there, or the torch package's device, is required here too)."""
     return get_backend(config.backend, providers=config.settings.get("providers_requested"),
-                       allow_cpu_nodes=config.settings.get("cpu_ep_fallback") == "allowed", device=config.device)
+                       allow_cpu_nodes=config.settings.get("cpu_ep_fallback") == "allowed", device=config.device,
+                       cpu=cpu)
 
 
-def _environment_problems(folder: Path, config: ResourceConfig) -> list[str]:
+def _environment_problems(folder: Path, config: ResourceConfig, cpu: CpuProfile) -> list[str]:
     """The runtime version that was checked must be the one here (major.minor): another one may pick
     other kernels, so the sign-off would not describe what runs. (Another CPU is not refused here: the sign-off's
     CPU class is re-checked on the folder's probe set, runtime.probe.)"""
@@ -264,7 +271,7 @@ def _environment_problems(folder: Path, config: ResourceConfig) -> list[str]:
     elif config.backend == "torch":  # a package runs only on the torch release, CPU ISA and GPU capability it was built for
         from accel_opt.backends.torch.package import environment_problems
 
-        return environment_problems(config.settings)
+        return environment_problems(config.settings, cpu)
     elif config.backend == "tensorrt":  # an engine runs only on the GPU model and TensorRT version that built it
         from accel_opt.backends.tensorrt.backend import here_facts
         from accel_opt.backends.tensorrt.plan import check_engine_compatible

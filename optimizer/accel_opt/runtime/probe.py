@@ -32,7 +32,7 @@ from pydantic import BaseModel, ValidationError
 from accel_opt.artifact.folder import MANIFEST, Manifest
 from accel_opt.errors import InputRejected, first_line
 from accel_opt.files import now_utc, sha256_file, tool_versions, user_cache_dir, write_bytes, write_json
-from accel_opt.machine.cpu import cpu_class, kernel_class
+from accel_opt.machine.cpu import cpu_class
 from accel_opt.preprocess.images import to_model_input
 from accel_opt.recipe.deployed import Preprocessing
 from accel_opt.recipe.gate import TaskMetric, Tolerance
@@ -171,10 +171,9 @@ def recorded_class(manifest: Manifest, backend: str) -> str | None:
     return cpu_class(frozenset(flags), machine)
 
 
-def scope(folder: Path, backend: str, built_on: str | None, device: str = "cpu", here: str | None = None) -> Scope:
+def scope(folder: Path, built_on: str | None, here: str, device: str = "cpu") -> Scope:
     """This folder's sign-off seen from here, with a remembered re-check verdict when there is one. `here` is this
-    machine's class for `device` (runtime.machine_class; the CPU's kernel class by default)."""
-    here = here or kernel_class(backend)
+    machine's class for `device` (runtime.machine_class)."""
     result = Scope(built_on=built_on, here=here, device="cpu" if device == "cpu" else "cuda")
     if not result.same_class:
         result.remembered = _remembered(folder, here)

@@ -47,7 +47,7 @@ from accel_opt.backends.openvino.compile import (
 from accel_opt.backends.openvino.runner import OpenVinoRunner, throughput
 from accel_opt.errors import Unsupported
 from accel_opt.files import sha256_file
-from accel_opt.machine.cpu import available_cpus, cpu_flags
+from accel_opt.machine.cpu import CpuProfile, available_cpus
 from accel_opt.machine.support import Availability
 from accel_opt.recipe.schema import Recipe
 from accel_opt.recipe.types import Precision
@@ -63,6 +63,11 @@ class OpenVinoBackend:
     extra = "openvino"
     compiles_for_shapes = True  # compile() takes the deployment's resolved input shapes (see base.Backend)
 
+    def __init__(self, cpu: CpuProfile | None = None):
+        # The CPU it compiles and runs for: its flags say where bf16/fp16 are native and which kernels a saved blob
+        # holds. None: this machine's, read here (the edge for direct use; builds and loads pass theirs).
+        self.cpu = cpu or CpuProfile.here()
+
     def available(self) -> Availability:
         try:
             import openvino  # noqa: F401
@@ -73,7 +78,7 @@ class OpenVinoBackend:
         return Availability(True)
 
     def supports(self, precision: Precision) -> Availability:
-        return precision_support(precision, cpu_flags(), capabilities())
+        return precision_support(precision, self.cpu.flags, self.cpu.openvino_capabilities or capabilities())
 
     def compile(
         self,
@@ -118,7 +123,7 @@ class OpenVinoBackend:
         if blob_shapes is None and all(port.get_partial_shape().is_static for port in compiled.inputs):
             blob_shapes = {name: list(port.get_shape()) for name, port in zip(inputs, compiled.inputs)}  # fixed by the model
         meta = {
-            **environment(),
+            **environment(self.cpu),
             "precision": precision.value,
             "config": config,
             "static_shapes": blob_shapes,
@@ -162,7 +167,7 @@ class OpenVinoBackend:
         # A static runner starts from the saved blob only where that blob is static (its own shapes).
         has_start = static is None or settings["static_shapes"]
         return OpenVinoRunner(
-            (lambda: load_compiled(compiled)) if has_start else (lambda: None),
+            (lambda: load_compiled(compiled, self.cpu)) if has_start else (lambda: None),
             settings["input_names"],
             settings["output_names"],
             name=f"{self.name}-{compiled.precision.value}",

@@ -42,7 +42,7 @@ from accel_opt.backends.torch.kernels import compute_kernels, int8_check
 from accel_opt.backends.torch.runner import TORCH_EXTRA, TorchRunner, require_cuda
 from accel_opt.errors import InternalError, Unsupported, first_line
 from accel_opt.graph.inspect import TensorSpec
-from accel_opt.machine.cpu import available_cpus
+from accel_opt.machine.cpu import CpuProfile, available_cpus
 from accel_opt.machine.support import Availability
 from accel_opt.recipe.schema import Recipe
 from accel_opt.recipe.types import Precision
@@ -357,9 +357,9 @@ def package_metadata(package: Path) -> dict[str, str]:
         return {k: str(v) for k, v in json.loads(archive.read(name)).items()}
 
 
-def environment_problems(settings: dict[str, Any]) -> list[str]:
-    """Why a package recorded with `settings` cannot run here: another torch release, a CPU vector ISA this CPU
-    lacks, another GPU compute capability. (Another GPU model of the same capability is re-checked instead.)"""
+def environment_problems(settings: dict[str, Any], cpu: CpuProfile) -> list[str]:
+    """Why a package recorded with `settings` cannot run here, on the CPU `cpu`: another torch release, a CPU vector
+    ISA this CPU lacks, another GPU compute capability. (Another GPU model of the same capability is re-checked instead.)"""
     import torch
 
     problems = []
@@ -369,10 +369,7 @@ def environment_problems(settings: dict[str, Any]) -> list[str]:
     aoti = settings.get("aoti", {})
     isa = aoti.get("AOTI_CPU_ISA", "").lower()
     if settings.get("device") == "cpu" and isa:
-        from accel_opt.machine.cpu import cpu_flags
-
-        flags = cpu_flags()
-        missing = [word for word in isa.split() if not ISA_FLAGS.get(word, {word}) <= flags]
+        missing = [word for word in isa.split() if not ISA_FLAGS.get(word, {word}) <= cpu.flags]
         if missing:
             problems.append(f"model.pt2's C++ kernels use {isa.upper()}, which this CPU lacks ({', '.join(missing)}): "
                             "rebuild here")
