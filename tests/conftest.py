@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -12,6 +13,26 @@ from onnx import TensorProto, helper, numpy_helper
 from accel_opt import zoo
 from accel_opt.recipe.load import load_recipe
 from accel_opt.recipe.schema import Recipe
+
+# Tests of class-dependent decisions run under each of these CPU classes (an injected CpuProfile): the summary counts
+# them per class, so a run on any host shows every class was exercised.
+CPU_CLASSES = ("avx2", "avx512", "avx512_vnni", "amx")
+_by_class: dict[str, Counter] = {name: Counter() for name in CPU_CLASSES}
+
+
+def pytest_runtest_logreport(report) -> None:
+    if report.when == "call" or (report.when == "setup" and report.outcome != "passed"):
+        ids = report.nodeid.rpartition("[")[2].rstrip("]").split("-") if report.nodeid.endswith("]") else []
+        for name in set(ids) & set(CPU_CLASSES):
+            _by_class[name][report.outcome] += 1
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    if any(_by_class.values()):
+        counts = "; ".join(f"{name}: " + ", ".join(f"{n} {outcome}" for outcome, n in sorted(_by_class[name].items()))
+                           for name in CPU_CLASSES)
+        terminalreporter.write_line(f"class-dependent decisions tested under each CPU class (injected) -- {counts}")
+
 
 FAST_BENCH = {"warmup_iterations": 1, "min_iterations": 5, "min_seconds": 0.05, "max_iterations": 50, "batch_sizes": [1, 2],
               "concurrency": [1], "window_seconds": 0.02, "max_windows": 4}
