@@ -112,3 +112,43 @@ def test_a_sign_off_is_rechecked_exactly_when_the_class_differs(built_on, cpu, c
         assert "signed off on this CPU class" in line, line
     else:
         assert f"checked on {built_on}, this CPU class is {cpu.cpu_class}" in line and scope.remembered is None, line
+
+
+def test_a_real_int8_build_gets_the_weights_its_class_needs(cpu, tmp_path):
+    """The whole quantization (ONNX Runtime's quantize_static, validated by a session) for the CPU `cpu` with the
+    recipe's target left at `host`: 7-bit weights ([-64, 63]) where its kernels saturate, the full 8 bits elsewhere,
+    and the build's record says which class it was made for."""
+    import numpy as np
+    import onnx
+    from onnx import TensorProto, numpy_helper
+
+    from accel_opt import zoo
+    from accel_opt.precision.int8 import quantize
+
+    model = zoo.save(zoo.saturating_conv(), tmp_path / "sat.onnx")
+    report = quantize(model, zoo.saturating_inputs(8), CalibrationConfig(samples=8), "onnxruntime", tmp_path / "q.onnx",
+                      None, cpu)
+    assert report.calibration.target_cpu == cpu.cpu_class and cpu.cpu_class in report.calibration.reduce_range_reason
+    weights = [numpy_helper.to_array(t) for t in onnx.load(str(tmp_path / "q.onnx")).graph.initializer
+               if t.data_type == TensorProto.INT8 and len(t.dims) == 4]
+    peak = max(int(np.abs(w.astype(np.int32)).max()) for w in weights)
+    assert peak == (64 if cpu.saturating_int8 else 127)
+
+
+def test_run_rechecks_a_folder_only_on_another_class(cpu, classifier, tmp_path, monkeypatch):
+    """What `run` does before it answers, for a folder signed off on AMX loaded on a CPU of each class: on AMX nothing
+    (it runs as signed off); on another class it re-checks the probe set once, says so, and remembers the verdict."""
+    from accel_opt.runtime.probe import signed_off_here
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    folder = Path(shutil.copytree(classifier, tmp_path / classifier.name))
+    manifest = json.loads((folder / MANIFEST).read_text())
+    (folder / MANIFEST).write_text(json.dumps({**manifest, "cpu_class": "amx"}))
+    line = signed_off_here(runtime.load(folder, cpu=cpu))
+    remembered = list((tmp_path / "cache").rglob("*.json"))
+    if cpu.cpu_class == "amx":
+        assert line is None and not remembered
+    else:
+        assert f"re-checked on this CPU class ({cpu.cpu_class}): passed" in line and len(remembered) == 1
+        again = signed_off_here(runtime.load(folder, cpu=cpu))
+        assert again == line and list((tmp_path / "cache").rglob("*.json")) == remembered  # not run twice

@@ -22,8 +22,8 @@ def get_backend(name: BackendName | str, providers: Sequence[str] | None = None,
     ONNX Runtime only: `providers[0]` is the execution provider (CPU by default; CUDAExecutionProvider
     or TensorrtExecutionProvider need an NVIDIA GPU and onnxruntime-gpu), `allow_cpu_nodes` lets a GPU
     EP leave nodes it does not take to the CPU EP. torch only: `device` ("cpu", "cuda[:N]"; None: the GPU when
-    torch sees one, else the CPU). OpenVINO only: `cpu`, the CPU profile its native bf16/fp16 is judged on (None:
-    OpenVINO's own capabilities decide). Other backends ignore them."""
+    torch sees one, else the CPU). OpenVINO only: `cpu`, the CPU profile its native bf16/fp16 and its saved blob's
+    kernels are judged on (None: this machine's). Other backends ignore them."""
     name = BackendName(name)
     if name is BackendName.torch:
         from accel_opt.backends.torch.package import TorchBackend
