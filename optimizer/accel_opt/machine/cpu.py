@@ -113,7 +113,7 @@ class CpuProfile:
 
     @classmethod
     def here(cls) -> CpuProfile:
-        """This machine's profile: the only reader of /proc/cpuinfo's flags and of ONEDNN_MAX_CPU_ISA."""
+        """This machine's profile, from /proc/cpuinfo's flags and the environment's ONEDNN_MAX_CPU_ISA."""
         return cls(cpu_flags(), platform.machine(), os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper())
 
     @classmethod
