@@ -44,7 +44,8 @@ def test_faster_precisions_are_measured_and_cached_per_cpu(tmp_path, monkeypatch
         assert all(f"{p} {r:.2f}x" in by_name[backend]["detail"] for p, r in ratios.items() if p != "fp32")
     cached = list((tmp_path / "accel-opt" / "cpu-probe").glob("*.json"))
     assert len(cached) == 1
-    doctor_cpu = CpuProfile(frozenset(report["cpu"]["flags"]), report["cpu"]["machine"])  # the CPU doctor reported
+    reported = report["cpu"]  # the CPU doctor reported: its cache is keyed on that record
+    doctor_cpu = CpuProfile(frozenset(reported["flags"]), reported["machine"], model=reported["model"])
     assert speedups(doctor_cpu) == measured  # from the cache
 
 

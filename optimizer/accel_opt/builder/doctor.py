@@ -13,7 +13,7 @@ from importlib import metadata
 from pydantic import BaseModel
 
 from accel_opt.backends.base import INSTALL, TORCH_INSTALL
-from accel_opt.machine.cpu import CpuProfile
+from accel_opt.machine.cpu import BF16_FLAGS, FP16_FLAGS, CpuProfile
 from accel_opt.machine.gpu import GPU_PRECISION_MIN_CC, Gpu, find_gpus
 
 
@@ -41,8 +41,8 @@ def cpu_features(flags: frozenset[str]) -> dict[str, bool]:
         "avx512": "avx512f" in flags,
         "vnni": bool(flags & {"avx512_vnni", "avx_vnni"}),
         "amx_int8": "amx_int8" in flags,
-        "bf16": bool(flags & {"amx_bf16", "avx512_bf16"}),
-        "fp16": bool(flags & {"amx_fp16", "avx512_fp16"}),
+        "bf16": bool(flags & BF16_FLAGS),
+        "fp16": bool(flags & FP16_FLAGS),
     }
 
 

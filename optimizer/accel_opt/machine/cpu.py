@@ -110,11 +110,13 @@ class CpuProfile:
     machine: str = "x86_64"
     onednn_max_cpu_isa: str = ""  # the environment's ONEDNN_MAX_CPU_ISA, upper case ("" when unset)
     openvino_capabilities: tuple[str, ...] | None = None
+    model: str = ""  # the CPU's model name, as the manifest records it (it decides nothing)
 
     @classmethod
     def here(cls) -> CpuProfile:
-        """This machine's profile, from /proc/cpuinfo's flags and the environment's ONEDNN_MAX_CPU_ISA."""
-        return cls(cpu_flags(), platform.machine(), os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper())
+        """This machine's profile, from /proc/cpuinfo (flags, model name) and the environment's ONEDNN_MAX_CPU_ISA."""
+        model = _cpuinfo_field(("model name",), CPUINFO) or platform.processor() or platform.machine()
+        return cls(cpu_flags(), platform.machine(), os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper(), model=model)
 
     @classmethod
     def of_class(cls, name: str, onednn_max_cpu_isa: str = "") -> CpuProfile:
@@ -123,7 +125,8 @@ class CpuProfile:
             raise ValueError(f"unknown CPU class {name!r}; one of {', '.join(CLASS_FLAGS)}")
         flags = CLASS_FLAGS[name]
         native = tuple(cap for cap, wanted in (("BF16", BF16_FLAGS), ("FP16", FP16_FLAGS)) if flags & wanted)
-        return cls(flags, "x86_64", onednn_max_cpu_isa.upper(), _OPENVINO_BASE_CAPABILITIES + native)
+        return cls(flags, "x86_64", onednn_max_cpu_isa.upper(), _OPENVINO_BASE_CAPABILITIES + native,
+                   model=f"a CPU of class {name}")
 
     @property
     def cpu_class(self) -> str:
@@ -156,9 +159,9 @@ class CpuProfile:
         return bool(self.flags & FP16_FLAGS)
 
     def record(self) -> dict[str, object]:
-        """The CPU record of a manifest (the model name and OS are this machine's: they decide nothing)."""
+        """The CPU record of a manifest (the CPU counts and the OS are this process's: they decide nothing)."""
         return {
-            "model": _cpuinfo_field(("model name",), CPUINFO) or platform.processor() or platform.machine(),
+            "model": self.model,
             "machine": self.machine,
             "logical_cpus": os.cpu_count(),
             "available_cpus": available_cpus(),

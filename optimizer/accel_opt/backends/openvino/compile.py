@@ -10,6 +10,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from accel_opt.errors import InputRejected, Unsupported, first_line
+from accel_opt.machine.cpu import BF16_FLAGS, FP16_FLAGS
 from accel_opt.machine.support import Availability
 from accel_opt.recipe.types import Precision
 
@@ -21,10 +22,7 @@ DEVICE = "CPU"
 # because a bf16 remainder would be a precision change the graph does not ask for.
 HINTS = {Precision.fp32: "f32", Precision.bf16: "bf16", Precision.fp16: "f16", Precision.int8: "f32"}
 
-NATIVE_FLAGS = {
-    Precision.bf16: ("amx_bf16", "avx512_bf16"),
-    Precision.fp16: ("amx_fp16", "avx512_fp16"),
-}
+NATIVE_FLAGS = {Precision.bf16: BF16_FLAGS, Precision.fp16: FP16_FLAGS}
 
 CAPABILITY = {Precision.bf16: "BF16", Precision.fp16: "FP16"}
 
@@ -46,11 +44,11 @@ def precision_support(precision: Precision, flags: frozenset[str], capabilities:
     if precision in (Precision.fp32, Precision.int8):
         return Availability(True)
     wanted = NATIVE_FLAGS[precision]
-    has_flag = bool(flags & set(wanted)) if flags else CAPABILITY[precision] in capabilities
+    has_flag = bool(flags & wanted) if flags else CAPABILITY[precision] in capabilities
     runtime_ok = not capabilities or CAPABILITY[precision] in capabilities
     if has_flag and runtime_ok:
         return Availability(True)
-    what = " or ".join(f.upper().replace("_", "-") for f in wanted)
+    what = " or ".join(f.upper().replace("_", "-") for f in sorted(wanted))
     if not has_flag:
         reason = f"this CPU has no native {precision.value} ({what} missing); OpenVINO would emulate it, slower than fp32"
     else:
