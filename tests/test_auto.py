@@ -22,8 +22,9 @@ from accel_opt.recipe.types import BackendName
 from accel_opt.report import selection
 from accel_opt.report.selection import AutoSelection
 
+from .conftest import CPU_CLASSES as CLASSES
+
 TARGET = 2  # a batch size FAST_BENCH measures
-CLASSES = ["avx2", "avx512", "avx512_vnni", "amx"]
 
 
 @pytest.fixture(scope="module")

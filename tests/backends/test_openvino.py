@@ -32,6 +32,8 @@ from accel_opt.machine.support import Availability
 from accel_opt.recipe.schema import Recipe
 from accel_opt.recipe.types import BackendName, Precision
 
+from ..conftest import CPU_CLASSES
+
 needs_openvino = pytest.mark.skipif(importlib.util.find_spec("openvino") is None, reason="openvino is not installed")
 
 AMX = frozenset({"avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_int8", "amx_bf16"})
@@ -102,7 +104,7 @@ def test_fp16_only_where_native_and_fp32_int8_always():
         assert precision_support(Precision.int8, flags, ())
 
 
-@pytest.mark.parametrize("name", ["avx2", "avx512", "avx512_vnni", "amx"])
+@pytest.mark.parametrize("name", CPU_CLASSES)
 def test_supports_follows_the_cpu_it_is_given(name):
     """bf16 where the class has it natively (Zen 4's AVX512-BF16, Sapphire Rapids' AMX-BF16), fp16 only with AMX's
     AVX512-FP16; fp32 and int8 everywhere. The backend judges the CPU profile it is given, not the host."""

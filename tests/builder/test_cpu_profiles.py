@@ -23,7 +23,8 @@ from accel_opt.recipe.schema import Recipe
 from accel_opt.recipe.stages import CalibrationConfig
 from accel_opt.report.selection import Candidate
 
-CLASSES = ["avx2", "avx512", "avx512_vnni", "amx"]
+from ..conftest import CPU_CLASSES as CLASSES
+
 SATURATING = {"avx2", "avx512"}  # u8 x s8 pairs summed in int16 (VPMADDUBSW): no VNNI
 INT8_DOT = {"avx512_vnni", "amx"}  # VNNI / AMX: int8 dot products accumulating in int32
 NATIVE_BF16 = {"avx512_vnni", "amx"}  # Zen 4's AVX512-BF16, Sapphire Rapids' AMX-BF16
@@ -46,8 +47,8 @@ def test_a_profile_is_the_class_it_stands_for(cpu):
 
 
 def test_the_plan_follows_the_class(cpu):
-    """OpenVINO plans bf16 only where it is native; int8 is planned on every class; fp32 comes first on each backend
-    and the floors are built first."""
+    """OpenVINO plans bf16 only where it is native; int8 is planned on every class; fp32 comes first on each backend;
+    torch's CPU candidates add bf16 where it is native."""
     name = cpu.cpu_class
     openvino = [p.value for p, _ in candidate_precisions("openvino", cpu)]
     assert openvino == (["fp32", "bf16", "int8"] if name in NATIVE_BF16 else ["fp32", "int8"])
@@ -62,7 +63,8 @@ def test_the_plan_follows_the_class(cpu):
 
 def test_the_search_time_goes_where_the_class_has_the_instructions(cpu):
     """The rescue search's share of the time left: twice as much for a precision the class runs natively. Two pending
-    reduced candidates (int8, bf16) split what is left by that promise."""
+    reduced candidates (int8, fp16) split what is left by that promise: evenly where both or neither are native, 2:1
+    for int8 on AVX-512 VNNI (int8 dot products, no native fp16)."""
     name = cpu.cpu_class
     assert promise("int8", cpu) == (PROMISE_FAST if name in INT8_DOT else PROMISE_SLOW)
     assert promise("bf16", cpu) == (PROMISE_FAST if name in NATIVE_BF16 else PROMISE_SLOW)
@@ -70,12 +72,12 @@ def test_the_search_time_goes_where_the_class_has_the_instructions(cpu):
 
     recipe = Recipe().with_overrides(**{"selection.time_budget_s": 1000, "precision_options.fallback.time_budget_s": 10_000})
     fp32 = Candidate(backend="openvino", precision="fp32", why_tried="", seconds=100.0)
-    int8, bf16 = (Candidate(backend="openvino", precision=p, why_tried="") for p in ("int8", "bf16"))
+    int8, fp16 = (Candidate(backend="openvino", precision=p, why_tried="") for p in ("int8", "fp16"))
     clock = auto._Clock(recipe.selection.time_budget_s, None)
     clock.started -= 100.0  # the fp32 build took 100 s: 900 s left, 100 s of it for each pending build besides its search
-    limits = auto._limits(int8, [fp32, int8, bf16], clock, "openvino int8", recipe, cpu)
+    limits = auto._limits(int8, [fp32, int8, fp16], clock, "openvino int8", recipe, cpu)
     assert isinstance(limits, CandidateLimits)
-    share = promise("int8", cpu) / (promise("int8", cpu) + promise("bf16", cpu))
+    share = 2 / 3 if name == "avx512_vnni" else 1 / 2
     assert limits.search_budget_s == pytest.approx((900 - 2 * 100) * share, abs=1.0)
 
 

@@ -24,7 +24,7 @@ from accel_opt.precision.int8_presets import ORT_CPU, TENSORRT, weight_range
 from accel_opt.recipe.load import load_recipe
 from accel_opt.recipe.stages import CalibrationConfig
 
-from ..conftest import FAST_BENCH, make_model, save
+from ..conftest import CPU_CLASSES, FAST_BENCH, make_model, save
 
 AVX2 = frozenset({"avx", "avx2", "fma"})
 AVX512 = AVX2 | {"avx512f", "avx512bw", "avx512vl"}
@@ -55,7 +55,7 @@ def test_the_host_profile_reads_the_flags_and_the_onednn_cap(monkeypatch):
         CpuProfile.of_class("pentium")
 
 
-@pytest.mark.parametrize("host", ["avx2", "avx512", "avx512_vnni", "amx"])
+@pytest.mark.parametrize("host", CPU_CLASSES)
 @pytest.mark.parametrize(("target", "seven_bit"), [("avx2", True), ("avx512", True), ("avx512_vnni", False), ("amx", False)])
 def test_int8_weights_follow_the_target_cpu(target, seven_bit, host):
     """A recipe's target class decides the weights' range whatever the class of the CPU that builds."""
