@@ -68,6 +68,10 @@ def test_a_factory_builds_on_torch_at_fp32_and_bf16_and_signs_off(torch_builds):
         assert labels[0] == f"torch-{precision}" and "pytorch-eager" in labels
         if precision != "fp32":
             assert "torch-fp32" in labels  # the speed-up is against the same backend's fp32 package
+    # One compile per precision: the bf16 build's fp32 baseline is the fp32 build's package, kept by what it was
+    # compiled from in the output folder's cache.
+    cache = torch_builds["fp32"].parent / ".cache" / "torch-packages"
+    assert len([p for p in cache.iterdir() if (p / "model.pt2").is_file()]) == 2
 
 
 @pytest.mark.slow
@@ -100,6 +104,23 @@ def _module():
     from accel_opt.backends.torch.backend import load_factory
 
     return load_factory(CNN)()
+
+
+def test_a_package_is_keyed_by_the_program_its_weights_and_the_device():
+    from accel_opt.backends.torch.cache import package_key
+
+    module = _module().eval()
+    example = (torch.randn(2, 3, 32, 32),)
+
+    def key(m, device="cpu", freezing=False):
+        return package_key(torch, torch.export.export(m, example), device, freezing)
+
+    first = key(module)
+    assert key(_module().eval()) == first  # the same factory exported again: the same package
+    assert key(module, freezing=True) != first
+    with torch.no_grad():
+        next(module.parameters()).view(-1)[0] += 1e-3
+    assert key(module) != first  # one weight changed: another package
 
 
 def test_an_onnx_model_with_backend_torch_is_exit_4_in_one_line(tiny_cnn_path, tmp_path):

@@ -101,8 +101,7 @@ def build(
                 staging=staging, cache_dir=Path(cache_dir) if cache_dir else out_dir / ".cache", backend=backend,
                 threads=recipe.benchmark.threads or available_cpus(), factory=factory,
                 eval_data_dir=Path(eval_data_dir) if eval_data_dir else None, limits=limits,
-                reference_caches=reference_caches, cpu=cpu,
-            )
+                reference_caches=reference_caches, cpu=cpu)
             if model_path.is_file():  # the staged artifact holds at least a copy of the model
                 ensure_free_space(work, model_path.stat().st_size)
             for name, stage in STAGES:
@@ -290,7 +289,8 @@ def _stage_precision(ctx: BuildContext) -> tuple[StageStatus, str]:
     ctx.candidate_path = ctx.fp32_path
     precision, config = ctx.recipe.precision, ctx.recipe.precision_options.fallback
     if ctx.torch:  # what compile() exports: the module, its inputs and outputs, the calibration samples for int8
-        ctx.backend.bind(ctx.torch_module, ctx.inputs, ctx.outputs, ctx.shapes.batch_axes, ctx.calibration_samples)
+        ctx.backend.bind(ctx.torch_module, ctx.inputs, ctx.outputs, ctx.shapes.batch_axes, ctx.calibration_samples,
+                         cache_dir=ctx.cache_dir)
     if precision is Precision.fp32:
         raise _Skip("fp32: the graph keeps its precision")
     if ctx.torch:

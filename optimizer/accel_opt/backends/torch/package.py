@@ -38,9 +38,11 @@ import numpy as np
 from pydantic import BaseModel
 
 from accel_opt.backends.base import CompiledModel
+from accel_opt.backends.torch.cache import PACKAGE, cached_package
 from accel_opt.backends.torch.kernels import compute_kernels, int8_check
 from accel_opt.backends.torch.runner import TORCH_EXTRA, TorchRunner, require_cuda
 from accel_opt.errors import InternalError, Unsupported, first_line
+from accel_opt.files import copy_file
 from accel_opt.graph.inspect import TensorSpec
 from accel_opt.machine.cpu import CpuProfile, available_cpus
 from accel_opt.machine.support import Availability
@@ -49,7 +51,6 @@ from accel_opt.recipe.types import Precision
 
 log = logging.getLogger(__name__)
 
-PACKAGE = "model.pt2"
 PLAN_SUFFIX = ".torch-plan.json"
 REDUCED_DTYPES = {Precision.fp16: "float16", Precision.bf16: "bfloat16"}
 MAX_BATCH = 4096  # the dynamic batch axis's upper bound in the exported program
@@ -102,6 +103,7 @@ class TorchBackend:
         self._output_names: list[str] = []
         self._batch_axes: dict[str, int | None] = {}
         self._calibration: list[dict[str, np.ndarray]] = []
+        self._cache_dir: Path | None = None
 
     def available(self) -> Availability:
         try:
@@ -132,12 +134,14 @@ class TorchBackend:
         return Availability(True)
 
     def bind(self, module: Any, inputs: list[TensorSpec], outputs: list[TensorSpec], batch_axes: dict[str, int | None],
-             calibration: list[dict[str, np.ndarray]] | None = None) -> None:
+             calibration: list[dict[str, np.ndarray]] | None = None, cache_dir: Path | None = None) -> None:
         """The build's module (the factory's, eval mode), its inputs in forward()'s order, its outputs' names, the
-        inputs' batch axes, and for int8 the calibration samples: what compile() exports."""
+        inputs' batch axes, and for int8 the calibration samples: what compile() exports. `cache_dir`: the build's
+        cache, where compiled packages are kept by what they were compiled from (None: every compile runs Inductor)."""
         self._module, self._inputs, self._batch_axes = module, list(inputs), dict(batch_axes)
         self._output_names = [o.name for o in outputs]
         self._calibration = list(calibration or [])
+        self._cache_dir = cache_dir
 
     def check_traceable(self, module: Any, shapes: dict[str, list[int]], dtypes: dict[str, str] | None = None) -> None:
         """Unsupported (exit 4), with torch.export's reason in one line, for a module it cannot trace at `shapes`
@@ -179,12 +183,20 @@ class TorchBackend:
             # dequantize -> conv/linear -> quantize into a oneDNN int8 kernel (without it the convs stay float).
             freezing = torch._inductor.config.patch(freezing=True) if plan.precision is Precision.int8 \
                 else contextlib.nullcontext()
-            try:
-                with torch.no_grad(), freezing:
-                    torch._inductor.aoti_compile_and_package(program, package_path=str(package))
-            except Exception as exc:  # noqa: BLE001 - Inductor's lowering and the C++ compiler raise many types
-                raise Unsupported(f"AOTInductor could not compile the exported program for {self.device}: "
-                                  f"{type(exc).__name__}: {first_line(exc)}") from exc
+            cached = cached_package(torch, program, self.device, plan.precision is Precision.int8, self._cache_dir)
+            reused = cached is not None and cached.is_file()
+            if reused:
+                copy_file(cached, package)
+                log.info("torch: %s package reused from %s", plan.precision.value, cached.parent)
+            else:
+                try:
+                    with torch.no_grad(), freezing:
+                        torch._inductor.aoti_compile_and_package(program, package_path=str(package))
+                except Exception as exc:  # noqa: BLE001 - Inductor's lowering and the C++ compiler raise many types
+                    raise Unsupported(f"AOTInductor could not compile the exported program for {self.device}: "
+                                      f"{type(exc).__name__}: {first_line(exc)}") from exc
+                if cached is not None:
+                    copy_file(package, cached)
         if self.device.startswith("cuda"):
             self._module.to("cpu")
         metadata = package_metadata(package)
@@ -200,6 +212,7 @@ class TorchBackend:
                       "dtype": REDUCED_DTYPES.get(plan.precision, "float32" if plan.precision is Precision.fp32 else "int8"),
                       "io_dtype": "float32", "dynamic_batch": {n: a for n, a in self._batch_axes.items() if a is not None},
                       "max_batch": MAX_BATCH, "aoti": metadata, "tf32": False,
+                      "package_reused": reused,
                       "inputs": [s.model_dump(mode="json") for s in self._inputs], "output_names": self._output_names,
                       **checked},
         )
@@ -282,19 +295,21 @@ class AotiRunner(TorchRunner):
         return loaded
 
 
-def load_package(torch: Any, package: Path, device_index: int = -1) -> Any:
+def load_package(torch: Any, package: Path, device_index: int = -1, single_threaded: bool = False) -> Any:
     """The package as a callable. `aoti_load_package` imports all of Inductor first (4.6 s measured here, for a job
     that only runs the package), so the C++ loader it wraps is used directly, with the same flattening of arguments
-    and results by the call spec the package records; where this torch lacks that loader, aoti_load_package."""
+    and results by the call spec the package records; where this torch lacks that loader, aoti_load_package.
+    `single_threaded`: run without the package's own stream synchronization (its events), which a CUDA graph capture
+    cannot take (cudaEventQuery during capture)."""
     loader_class = getattr(getattr(torch._C, "_aoti", None), "AOTIModelPackageLoader", None)
     if loader_class is not None and hasattr(loader_class, "boxed_run"):
         try:  # (path, model name, run single-threaded, runners, device index): torch 2.7 and newer
-            return _Package(torch, loader_class(str(package), "model", False, 1, device_index))
+            return _Package(torch, loader_class(str(package), "model", single_threaded, 1, device_index))
         except TypeError:  # another release's constructor (the GPU machine runs 2.11, development 2.13)
             pass
     from torch._inductor import aoti_load_package
 
-    return aoti_load_package(str(package), device_index=device_index)
+    return aoti_load_package(str(package), run_single_threaded=single_threaded, device_index=device_index)
 
 
 class _Package:
