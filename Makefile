@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 # The CPU build of torch: any other spec can pull a multi-GB CUDA build (measured: ~5 GB).
 TORCH_PIN := torch==2.13.0
 
-.PHONY: install demo test test-all lint bench gpu-install gpu-check gpu-rehearsal wheelhouse clean
+.PHONY: install demo test test-all lint bench gpu-check gpu-rehearsal wheelhouse clean
 # A Python with a CUDA build of torch (the venv pins the CPU build); on a machine without a GPU the check says so, exit 0.
 GPU_PYTHON ?= $(BIN)/python
 
@@ -52,16 +52,13 @@ wheelhouse:
 	    polygraphy onnxslim colorama annotated-types typing-inspection setuptools wheel
 	$(PYTHON) -m pip download --quiet $(WHEEL_PLATFORMS) -d $(WHEELHOUSE) "pydantic>=2.6"
 
-# On the GPU machine: make gpu-install gpu-check GPU_PYTHON=python3 [OUT=DIR]
-gpu-install:
-	$(GPU_PYTHON) -m pip install --no-index --no-deps $(WHEELHOUSE)/*.whl
-	$(GPU_PYTHON) -m pip install --no-index --no-deps --no-build-isolation -e .
-
+# On a machine with a CUDA torch and make: the kit alone (the GPU machine itself gets one line without make:
+# benchmarks.gpu_kit.DEVICE_LINE, quoted in docs/backends.md).
 gpu-check:
 	$(GPU_PYTHON) -m benchmarks.gpu_kit $(if $(OUT),--out $(OUT))
 
-# The kit rehearsed here, as CI runs it: a fresh venv with only the GPU machine's packages (this CPU torch standing in
-# for its CUDA one), the kit installed without a registry, `gpu_kit --device cpu`, every result file checked.
+# The kit rehearsed here, as CI runs it: that line with the network cut, in the GPU machine's package set, on Python
+# 3.12 (found under pyenv) and on this Python with its CPU torch; what the kit wrote checked against what comes back.
 gpu-rehearsal: install
 	$(BIN)/python scripts/gpu_rehearsal.py
 

@@ -15,9 +15,12 @@ and writes (`--out`, default benchmarks/results/) each job's images/s and ratio 
 the naive job, the device job's stages with the slowest named and its fraction of the matching limit, naming the
 GPU (or the CPU and its class).
 
-    python -m benchmarks.device_job [--device cuda|cpu] [--model resnet50|tiny] [--count N] [--precisions fp32,bf16,fp16]
+    python -m benchmarks.device_job [--device cuda|cpu] [--model resnet50|tiny] [--count N] [--precisions fp32,bf16]
+                                      [--summary FILE]
 
-On the H200 (`--device cuda`) this is the script the GPU check runs; `--device cpu --model tiny` is its own test.
+On the H200 (`--device cuda`) this is the script the GPU kit runs; `--device cpu --model tiny` is its own test. Each
+build, job and limit runs on its own (one that raises is reported and the next runs) and the result file is rewritten
+after each, so a run cut short keeps what it measured; the CUDA-graph ratio comes last.
 """
 
 from __future__ import annotations
@@ -44,14 +47,14 @@ QUICK_BENCH = {"warmup_iterations": 2, "min_iterations": 10, "min_seconds": 0.2,
 def main() -> int:
     import torch
 
-    from accel_opt.machine.cpu import CpuProfile, cpu_info
+    from accel_opt.machine.cpu import CpuProfile, available_cpus
     from benchmarks.e2e_job import make_jpegs
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=["cuda", "cpu"], help="default: cuda when torch sees a GPU, else cpu")
     parser.add_argument("--model", choices=sorted(MODELS), default="resnet50")
     parser.add_argument("--count", type=int, help="JPEGs in the job (default: 3000 on cuda, 300 on cpu)")
-    parser.add_argument("--precisions", help="torch builds (default: fp32,bf16,fp16 on cuda; fp32, and bf16 where native, on cpu)")
+    parser.add_argument("--precisions", help="torch builds (default: fp32,bf16 on cuda, and on a CPU with native bf16; else fp32)")
     parser.add_argument("--batch", type=int, default=32, help="the deployed batch of every build")
     parser.add_argument("--peers", default=None, help="CPU only: other backends' jobs beside (default: onnxruntime,openvino; '' for none)")
     parser.add_argument("--workdir", type=Path, help="keep files here (default: a temp dir)")
@@ -63,6 +66,7 @@ def main() -> int:
     parser.add_argument("--strict-device", action=argparse.BooleanOptionalAction, default=None,
                         help="every image of a device job decoded on the device, or the job fails (default: on cuda)")
     parser.add_argument("--out", type=Path, default=RESULTS, help="where the result file goes")
+    parser.add_argument("--summary", type=Path, help="also append one line per finished build and job to this file")
     args = parser.parse_args()
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -70,21 +74,21 @@ def main() -> int:
     if cuda and not torch.cuda.is_available():
         print("device_job: skipped: --device cuda, but torch sees no CUDA GPU")
         return 0
-    cpu = cpu_info()
-    native_bf16 = bool({"avx512_bf16", "amx_bf16"} & set(cpu["flags"]))
-    precisions = (args.precisions or ("fp32,bf16,fp16" if cuda else "fp32,bf16" if native_bf16 else "fp32")).split(",")
+    cpu = CpuProfile.here()
+    precisions = (args.precisions or ("fp32,bf16" if cuda or cpu.native_bf16 else "fp32")).split(",")
     peers = [] if cuda else [p for p in (args.peers if args.peers is not None else "onnxruntime,openvino").split(",") if p]
     count = args.count or (3000 if cuda else 300)
     work = args.workdir or Path(tempfile.mkdtemp(prefix="accel-opt-device-job-"))
     work.mkdir(parents=True, exist_ok=True)
     factory, shape = MODELS[args.model]
     where = (f"{torch.cuda.get_device_name()} (compute {'.'.join(map(str, torch.cuda.get_device_capability()))}, "
-             f"driver CUDA {torch.version.cuda})" if cuda else f"{cpu['model']}, {cpu['available_cpus']} CPUs, class "
-             f"{CpuProfile.here().kernel_class('onnxruntime')}")
-    lines = [f"device_job on {device}: {where}; torch {torch.__version__}; {platform.python_version()}",
-             f"model: {args.model} ({factory.rsplit('/', 1)[-1]}), input {shape[2]}x{shape[3]}; {count} JPEGs of "
-             f"320-800 px; deployed batch {args.batch}"]
-    print("\n".join(lines), flush=True)
+             f"driver CUDA {torch.version.cuda})" if cuda else f"{cpu.model}, {available_cpus()} CPUs, class "
+             f"{cpu.kernel_class('onnxruntime')}")
+    label = torch.cuda.get_device_name().replace(" ", "_") if cuda else cpu.kernel_class("onnxruntime")
+    report = Report(args.out / f"device_job-{device}-{args.model}-{label}.txt", args.summary)
+    report.add(f"device_job on {device}: {where}; torch {torch.__version__}; {platform.python_version()}",
+               f"model: {args.model} ({factory.rsplit('/', 1)[-1]}), input {shape[2]}x{shape[3]}; {count} JPEGs of "
+               f"320-800 px; deployed batch {args.batch}")
 
     jobs = work / "job"
     sources = sorted(args.jpegs.glob("*.jpg")) if args.jpegs else None
@@ -94,37 +98,46 @@ def main() -> int:
     files = sorted(jobs.iterdir())
     strict = cuda if args.strict_device is None else args.strict_device
 
-    def build(backend: str, precision: str) -> tuple[Path, float]:
-        return _build(factory, shape, backend, precision, device, args.batch, work, args.recipe, args.capacity_batch)
-
-    builds = {f"torch {p}": build("torch", p) for p in precisions}
-    builds.update({f"{b} fp32": build(b, "fp32") for b in peers})
-    for name, (folder, built_s) in builds.items():
-        print(f"built {name} in {built_s:.0f} s: {folder.name}", flush=True)
-
-    limits = {"decode": _decode_limit(files, device), "model": _model_limit(builds["torch fp32"][0], args.batch, device)}
+    # Each build, job and limit on its own: one that raises is reported with its reason and the next runs, and every
+    # result is written as it comes (a run cut short by its deadline still leaves what it measured).
+    builds: dict[str, Path] = {}
+    for backend, precision in [("torch", p) for p in precisions] + [(b, "fp32") for b in peers]:
+        name = f"{backend} {precision}"
+        folder = report.attempt(f"build {name}", _build, factory, shape, backend, precision, device, args.batch,
+                                work, args.recipe, args.capacity_batch)
+        if folder is not None:
+            builds[name] = folder
+    fp32 = builds.get("torch fp32")
+    if fp32 is None:
+        report.add("no torch fp32 build: nothing to time the jobs against")
+        return 1
+    limits = {"decode": report.attempt("decode limit", _decode_limit, files, device),
+              "model": report.attempt("package limit", _model_limit, fp32, args.batch, device)}
     if cuda:
-        limits["h2d"] = _h2d_limit(args.batch, shape)
-        graph = _cuda_graph_ratio(builds["torch fp32"][0], args.batch)
-    results = {"naive": _naive_job(factory, builds["torch fp32"][0], files, device),
-               "host preprocessing": _host_job(builds["torch fp32"][0], files)}
-    for name, (folder, _) in builds.items():
-        results[f"device: accel-opt run {name}" if name.startswith("torch") else f"accel-opt run {name}"] = \
-            _run_job(folder, jobs, work / f"{name.replace(' ', '-')}.jsonl", strict and name.startswith("torch"))
-    naive = results["naive"]
-    lines += ["", f"{'job (from loading the model to the last answer)':58} {'seconds':>8} {'images/s':>9} "
-              f"{'vs naive':>9} {'top-1 = naive':>14}"]
+        limits["h2d"] = report.attempt("host-to-device limit", _h2d_limit, args.batch, shape)
+    results = {"naive": report.attempt("naive job", _naive_job, factory, fp32, files, device),
+               "host preprocessing": report.attempt("host preprocessing job", _host_job, fp32, files)}
+    for name, folder in builds.items():
+        label = f"device: accel-opt run {name}" if name.startswith("torch") else f"accel-opt run {name}"
+        results[label] = report.attempt(label, _run_job, folder, jobs, work / f"{name.replace(' ', '-')}.jsonl",
+                                       strict and name.startswith("torch"))
+    results = {name: job for name, job in results.items() if job is not None}
+    naive = results.get("naive")
+    report.add("", f"{'job (from loading the model to the last answer)':58} {'seconds':>8} {'images/s':>9} "
+               f"{'vs naive':>9} {'top-1 = naive':>14}")
     for name, job in results.items():
-        agree = np.mean([job["top1"].get(f) == t for f, t in naive["top1"].items()])
-        lines.append(f"{name:58} {job['seconds']:8.2f} {count / job['seconds']:9.1f} "
-                     f"{naive['seconds'] / job['seconds']:8.2f}x {agree:14.1%}")
-    lines += ["", "limits, each measured alone:"]
-    lines.append(f"  decode every file ({'nvJPEG, batches of 64' if limits['decode'][1] else 'Pillow, every core'}): "
-                 f"{limits['decode'][0]:.0f} images/s")
-    lines.append(f"  the fp32 package alone at batch {args.batch}, input already on {device}: {limits['model']:.0f} images/s")
-    if cuda:
-        lines.append(f"  host-to-device from pinned memory: {limits['h2d']:.1f} GB/s")
-        lines.append(f"  the fp32 package replayed as a CUDA graph: {graph:.2f}x its plain call at batch {args.batch}")
+        agree = np.mean([job["top1"].get(f) == t for f, t in naive["top1"].items()]) if naive else float("nan")
+        versus = naive["seconds"] / job["seconds"] if naive else float("nan")
+        report.add(f"{name:58} {job['seconds']:8.2f} {count / job['seconds']:9.1f} {versus:8.2f}x {agree:14.1%}")
+    report.add("", "limits, each measured alone:")
+    if limits["decode"]:
+        report.add(f"  decode every file ({'nvJPEG, batches of 64' if limits['decode'][1] else 'Pillow, every core'}): "
+                   f"{limits['decode'][0]:.0f} images/s")
+    if limits["model"]:
+        report.add(f"  the fp32 package alone at batch {args.batch}, input already on {device}: {limits['model']:.0f} "
+                   "images/s")
+    if limits.get("h2d"):
+        report.add(f"  host-to-device from pinned memory: {limits['h2d']:.1f} GB/s")
     for name in [n for n in results if n.startswith("device")]:
         job = results[name]
         stages = {k: v for k, v in job["summary"]["stages_seconds"].items() if k not in ("wait_for_inputs",)}
@@ -133,21 +146,52 @@ def main() -> int:
         # compute stage's rate against the package alone.
         job_rate = count / job["seconds"]
         compute_rate = count / max(stages["compute"], 1e-9)
-        lines.append(f"{name}: stages (s; read is summed over reader threads) "
-                     + ", ".join(f"{k} {v:.2f}" for k, v in stages.items())
-                     + f"; slowest: {slowest}; host-decoded {job['summary']['host_decoded']} of {count}"
-                     + (f" ({job['summary']['host_decoded_reasons']})" if job['summary']['host_decoded'] else "")
-                     + "; the job at "
-                     f"{job_rate / limits['decode'][0]:.0%} of the decode limit, its compute at "
-                     f"{compute_rate / limits['model']:.0%} of the package alone")
-    text = "\n".join(lines)
-    print("\n".join(lines[2:]))
-    args.out.mkdir(parents=True, exist_ok=True)
-    label = torch.cuda.get_device_name().replace(" ", "_") if cuda else CpuProfile.here().kernel_class("onnxruntime")
-    out = args.out / f"device_job-{device}-{args.model}-{label}.txt"
-    out.write_text(text + "\n")
-    print(f"written: {out}")
-    return 0
+        report.add(f"{name}: stages (s; read is summed over reader threads) "
+                   + ", ".join(f"{k} {v:.2f}" for k, v in stages.items())
+                   + f"; slowest: {slowest}; host-decoded {job['summary']['host_decoded']} of {count}"
+                   + (f" ({job['summary']['host_decoded_reasons']})" if job['summary']['host_decoded'] else "")
+                   + (f"; the job at {job_rate / limits['decode'][0]:.0%} of the decode limit" if limits["decode"] else "")
+                   + (f", its compute at {compute_rate / limits['model']:.0%} of the package alone" if limits["model"]
+                      else ""))
+    if cuda:  # last: a capture that fails must not cost the numbers above
+        graph = report.attempt("CUDA graph", _cuda_graph_ratio, fp32, args.batch)
+        if graph:
+            report.add(f"  the fp32 package replayed as a CUDA graph: {graph:.2f}x its plain call at batch {args.batch}")
+    print(f"written: {report.path}")
+    return 0 if len(builds) == len(precisions) + len(peers) and not report.failed else 1
+
+
+class Report:
+    """The result file, rewritten after every line so that a run cut short keeps what it measured; the same lines on
+    stdout, and each finished step's one line appended to `summary` (the GPU kit's)."""
+
+    def __init__(self, path: Path, summary: Path | None):
+        self.path, self.summary, self.lines, self.failed = path, summary, [], []
+        path.parent.mkdir(parents=True, exist_ok=True)
+
+    def add(self, *lines: str) -> None:
+        self.lines += lines
+        print("\n".join(lines), flush=True)
+        self.path.write_text("\n".join(self.lines) + "\n")
+
+    def attempt(self, what: str, step, *args):
+        """step(*args), or None when it raised (the reason reported in one line); its time in the summary."""
+        started = time.perf_counter()
+        try:
+            result = step(*args)
+        except Exception as exc:  # noqa: BLE001 - one failed step must not cost the others' numbers
+            self.failed.append(what)
+            self.add(f"{what}: FAILED after {time.perf_counter() - started:.0f} s: {type(exc).__name__}: "
+                     f"{str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ''}")
+            self._summary(f"device-job {what}: failed in {time.perf_counter() - started:.0f} s: {type(exc).__name__}")
+            return None
+        self._summary(f"device-job {what}: done in {time.perf_counter() - started:.0f} s")
+        return result
+
+    def _summary(self, line: str) -> None:
+        if self.summary is not None:
+            with open(self.summary, "a") as f:
+                f.write(f"  {line}\n")
 
 
 def _build(factory: str, shape: list[int], backend: str, precision: str, device: str, batch: int, work: Path,
@@ -163,9 +207,10 @@ def _build(factory: str, shape: list[int], backend: str, precision: str, device:
            "precision_options.fallback.enabled": False})
     started = time.perf_counter()
     result = build(factory, recipe, data_dir=work / "calib", out_dir=work / "artifacts")
-    if not result.signed_off:
-        print(f"  note: {backend} {precision} is not signed off: {result.failures[:1]}")
-    return Path(result.artifact_dir), time.perf_counter() - started
+    verdict = "signed off" if result.signed_off else f"NOT signed off: {result.failures[:1]}"
+    print(f"built {backend} {precision} in {time.perf_counter() - started:.0f} s: {Path(result.artifact_dir).name}, "
+          f"{verdict}", flush=True)
+    return Path(result.artifact_dir)
 
 
 def _run_job(folder: Path, jobs: Path, out: Path, strict_device: bool = False) -> dict:
@@ -297,24 +342,29 @@ def _h2d_limit(batch: int, shape: list[int]) -> float:
 
 
 def _cuda_graph_ratio(folder: Path, batch: int) -> float:
-    """The fp32 package captured once as a CUDA graph and replayed, against called plainly: plain time / replay time."""
+    """The fp32 package captured once as a CUDA graph and replayed, against called plainly: plain time / replay time.
+    The package is loaded single-threaded: its default runner synchronizes through CUDA events, and an event query
+    inside a capture fails it (cudaErrorStreamCaptureUnsupported)."""
     import torch
 
     from accel_opt import runtime
+    from accel_opt.backends.torch.package import load_package
 
     deployment = runtime.load(folder)
     shape = list(deployment.config.inputs[0].shape_used)
     shape[0] = batch
-    with deployment.runner() as runner:
-        static = torch.randn(*shape, device="cuda")
+    model = load_package(torch, folder / deployment.config.model_file, 0, single_threaded=True)
+    static = torch.randn(*shape, device="cuda")
+    with torch.inference_mode():
         stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(3):
-                runner.infer_tensors([static])  # warm-up on a side stream, as capture requires
+                model(static)  # warm-up on a side stream, as capture requires
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            runner.infer_tensors([static])
+            model(static)
 
         def timed(call) -> float:
             torch.cuda.synchronize()
@@ -324,7 +374,7 @@ def _cuda_graph_ratio(folder: Path, batch: int) -> float:
             torch.cuda.synchronize()
             return (time.perf_counter() - started) / 50
 
-        return timed(lambda: runner.infer_tensors([static])) / timed(graph.replay)
+        return timed(lambda: model(static)) / timed(graph.replay)
 
 
 if __name__ == "__main__":

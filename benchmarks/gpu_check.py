@@ -1,4 +1,6 @@
-"""`make gpu-check`: what this GPU machine runs, measured the way the project measures (no TensorRT needed).
+"""The GPU check: what this GPU machine runs, measured the way the project measures (no TensorRT needed).
+
+The GPU kit's second step (benchmarks/gpu_kit.py runs it with --quick).
 
 PyTorch on CUDA with the examples' ResNet-50-layout classifier (examples/resnet_torch.py, seeded
 weights, 224x224) at fp32 (TF32 off, so fp32 is fp32), fp16 autocast and bf16 autocast, batch 1, 8
@@ -10,8 +12,7 @@ top-1 agreement. TensorRT and ONNX Runtime's CUDA EP are reported as skipped, wi
 are not installed. Without a CUDA GPU it prints why and exits 0.
 
 Self-contained: needs torch (a CUDA build) and numpy only; accel-opt need not be installed, except for --package
-FOLDER, which also times a torch build's AOTInductor package loaded through accel-opt's runtime (the GPU kit passes
-its fp16 build).
+FOLDER, which also times a torch build's AOTInductor package loaded through accel-opt's runtime.
 Run from the repository root: python -m benchmarks.gpu_check [--quick]; writes
 benchmarks/results/gpu_check.json and gpu_check.txt. Budget: under 8 minutes (a deadline skips what
 is left, saying so).

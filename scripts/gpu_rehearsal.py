@@ -1,16 +1,22 @@
-"""The GPU kit rehearsed on this machine (`make gpu-rehearsal`, and a slow test in CI): what the GPU machine will do,
-with nothing it lacks.
+"""The GPU kit rehearsed on this machine (`make gpu-rehearsal`, and a slow test in CI): the one line a reviewer pastes
+on the GPU machine (benchmarks.gpu_kit.DEVICE_LINE), run here with the network cut, in that machine's package set.
 
-1. A wheelhouse made by `make wheelhouse` for this Python (the GPU machine's is made for 3.12 the same way).
-2. A fresh venv holding only the GPU machine's package set (its Python has torch with CUDA, torchvision, triton, onnx,
-   a CPU onnxruntime, numpy, Pillow, click, rich, PyYAML, matplotlib, pytest, hypothesis, scikit-image and the
-   Hugging Face libraries, which the kit does not use). This machine's CPU torch stands in for the CUDA one;
-   torchvision does not load beside a CPU torch, so its absence is part of the rehearsal. setuptools is removed: the
-   kit must bring what its editable install needs.
-3. The kit's size: the repository's files that travel with a run (tracked and untracked, not ignored) and the
-   wheelhouse, against the GPU machine's 64 MiB limit.
-4. The kit installed with `make gpu-install` (pip --no-index --no-deps), then `make gpu-check` with `--device cpu`.
-5. Every result file present, every step passed (or skipped where a GPU is needed), no import error in any log.
+The GPU machine's Python is 3.12 with a CUDA torch, torchvision, triton, onnxscript, onnx, a CPU onnxruntime, numpy,
+scipy, Pillow, click, rich, PyYAML, matplotlib, pytest, hypothesis and scikit-image, and no package registry. No CPU
+build of torch for Python 3.12 is reachable from the development machines (only this Python's CPU wheel lies on
+disk; PyPI's cp312 torch is a CUDA build, 502 MiB plus several GB of CUDA libraries), so the rehearsal runs twice:
+
+1. Python 3.12 (found under pyenv, or on PATH; none is a clear failure): a fresh venv with that package set except
+   torch, the cp312 wheelhouse (`make wheelhouse`, what travels) and the kit installed by DEVICE_LINE under
+   `unshare -n` (no network); every module of accel_opt and the kit imported; the kit's own run records torch's
+   absence and stops.
+2. This Python with its CPU torch standing in for the CUDA one (torchvision absent: it does not load beside a CPU
+   torch): the same package set and line, the kit's steps on the CPU with the tiny example model, each passed or
+   skipped for want of a GPU.
+
+Both times: what the kit wrote must all come back (at most 8 plain-named files of at most 16 MiB, at most one folder
+deep), with summary.txt, summary.json, environment.json and the log archive among them, and the kit (the repository's
+files that travel and the wheelhouse) must fit the 64 MiB a call carries.
 
     python scripts/gpu_rehearsal.py [--work DIR]      exit 0: rehearsed; 1: something the GPU machine would miss
 """
@@ -18,19 +24,44 @@ with nothing it lacks.
 from __future__ import annotations
 
 import argparse
+import glob
+import json
+import os
+import shlex
+import shutil
 import subprocess
 import sys
 import tempfile
-import venv
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from benchmarks.gpu_kit import DEVICE_LINE, LOGS, output_problems  # noqa: E402
+
 CARRY_LIMIT_BYTES = 64 * 2**20
-# The GPU machine's packages the kit's code paths import (pinned where the CPU build of torch must come from this
-# machine's wheel: any other torch spec downloads a CUDA build of several GB).
-GPU_MACHINE_PACKAGES = ["torch==2.13.0", "numpy", "onnx", "onnxruntime", "Pillow", "click", "rich", "PyYAML",
+GPU_PYTHON_VERSION = "3.12"
+# The GPU machine's packages the kit's code paths import, torch aside (pinned per Python below: any other torch spec
+# downloads a CUDA build of several GB).
+GPU_MACHINE_PACKAGES = ["numpy", "scipy", "onnx", "onnxruntime", "onnxscript", "Pillow", "click", "rich", "PyYAML",
                         "matplotlib", "pytest", "hypothesis", "scikit-image"]
-EXPECTED = ["environment.json", "summary.json", "summary.txt", "doctor.json", "gpu-tests.xml", "device-job.log"]
+CPU_TORCH = "torch==2.13.0"  # this machine's CPU wheel (Python 3.11)
+NOT_ON_THE_GPU_MACHINE = ("polygraphy", "onnxslim", "pydantic", "openvino", "ray", "model_signing", "torchao")
+EXPECTED = ["summary.txt", "summary.json", "environment.json", LOGS]
+# Every module of the package and the kit, imported in the venv: an import the GPU machine lacks fails here (torch
+# and what comes with it are there, and absent from the 3.12 venv).
+IMPORT_ALL = """
+import importlib, pkgutil, sys, accel_opt
+names = [m.name for m in pkgutil.walk_packages(accel_opt.__path__, 'accel_opt.') if not m.name.endswith('__main__')]
+missing = {}
+for name in names + ['benchmarks.gpu_kit', 'benchmarks.gpu_check', 'benchmarks.device_job']:
+    try:
+        importlib.import_module(name)
+    except ModuleNotFoundError as exc:
+        if exc.name not in ('torch', 'torchvision', 'triton'):
+            missing[name] = exc.name
+print(len(names), 'modules')
+sys.exit(f'imports the GPU machine lacks: {missing}' if missing else 0)
+"""
 
 
 def sh(*command: str, cwd: Path = ROOT, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -38,59 +69,102 @@ def sh(*command: str, cwd: Path = ROOT, env: dict | None = None) -> subprocess.C
     done = subprocess.run(command, cwd=cwd, capture_output=True, text=True, env=env)
     if done.returncode:
         print(done.stdout[-3000:], done.stderr[-3000:], sep="\n")
-        raise SystemExit(f"gpu_rehearsal: failed: {' '.join(command)} (exit {done.returncode})")
+        raise SystemExit(f"gpu_rehearsal: FAILED: {' '.join(command)} (exit {done.returncode})")
     return done
 
 
-def carried_bytes(wheelhouse: Path) -> int:
-    """What a device run carries: the files git would copy (tracked, and untracked but not ignored), and the
+def find_python(version: str) -> str:
+    """A Python `version` interpreter: pyenv's (the development machines carry several beside their default), else
+    one on PATH."""
+    candidates = []
+    if shutil.which("pyenv"):
+        root = subprocess.run(["pyenv", "root"], capture_output=True, text=True).stdout.strip()
+        candidates += sorted(glob.glob(f"{root}/versions/{version}.*/bin/python{version}"), reverse=True)
+    candidates += [found] if (found := shutil.which(f"python{version}")) else []
+    for candidate in candidates:
+        if subprocess.run([candidate, "-c", "import venv, ensurepip"], capture_output=True).returncode == 0:
+            return candidate
+    raise SystemExit(f"gpu_rehearsal: FAILED: no Python {version} found (looked under `pyenv root`/versions/"
+                     f"{version}.* and for python{version} on PATH): the GPU machine runs {version}; install one "
+                     f"(pyenv install {version}) to rehearse it")
+
+
+def carried_bytes(wheelhouse: Path) -> tuple[int, int]:
+    """What a device call carries: the files git would copy (tracked, and untracked but not ignored), and the
     wheelhouse named in `carry`."""
     listed = sh("git", "ls-files", "--cached", "--others", "--exclude-standard", "-z").stdout.split("\0")
     files = [ROOT / name for name in listed if name and (ROOT / name).is_file()]
-    return sum(f.stat().st_size for f in files) + sum(f.stat().st_size for f in wheelhouse.glob("*.whl"))
+    return sum(f.stat().st_size for f in files), sum(f.stat().st_size for f in wheelhouse.glob("*.whl"))
+
+
+def rehearse(python: str, torch_spec: str | None, work: Path) -> Path:
+    """A venv of `python` holding the GPU machine's packages, the kit installed and run by the one line with the
+    network cut; the folder the kit wrote, its rules checked."""
+    version = subprocess.run([python, "-c", "import sys; print(f'{sys.version_info[0]}.{sys.version_info[1]}')"],
+                             capture_output=True, text=True).stdout.strip()
+    wheelhouse = work / f"wheelhouse-{version}"
+    sh("make", "wheelhouse", f"WHEELHOUSE={wheelhouse}", f"WHEELHOUSE_PYTHON={version}", f"PYTHON={sys.executable}")
+    env_dir = work / f"venv-{version}"
+    sh(python, "-m", "venv", "--clear", str(env_dir))
+    venv_python = str(env_dir / "bin" / "python")
+    sh(venv_python, "-m", "pip", "uninstall", "--quiet", "-y", "setuptools")  # the kit must bring its own
+    sh(venv_python, "-m", "pip", "install", "--quiet", *GPU_MACHINE_PACKAGES, *([torch_spec] if torch_spec else []))
+    present = sh(venv_python, "-c", f"import importlib.util as u; print([m for m in {NOT_ON_THE_GPU_MACHINE!r} "
+                 "if u.find_spec(m)])").stdout.strip()
+    if present != "[]":
+        raise SystemExit(f"gpu_rehearsal: FAILED: the venv holds packages the GPU machine lacks: {present}")
+
+    results = work / f"results-{version}"
+    line = DEVICE_LINE.format(python=venv_python, wheelhouse=wheelhouse)
+    print(f"$ OUT={results} unshare -n sh -c {shlex.quote(line)}", flush=True)
+    done = subprocess.run(["unshare", "-n", "sh", "-c", line], cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, "OUT": str(results)})
+    print(done.stdout[-5000:], done.stderr[-2000:], sep="\n")
+    if not (results / "summary.json").is_file():
+        raise SystemExit(f"gpu_rehearsal: FAILED: Python {version}: the line wrote no summary (exit {done.returncode})")
+    imported = sh(venv_python, "-c", IMPORT_ALL).stdout.strip()
+    print(f"gpu_rehearsal: Python {version}: imported {imported} and the kit's scripts")
+
+    missing = [name for name in EXPECTED if not (results / name).is_file()]
+    problems = output_problems(results)
+    if missing or problems:
+        raise SystemExit(f"gpu_rehearsal: FAILED: Python {version}: missing {missing}; would not come back: {problems}")
+    return results
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--work", type=Path, help="keep the venv, wheelhouse and results here (default: a temp dir)")
+    parser.add_argument("--work", type=Path, help="keep the venvs, wheelhouses and results here (default: a temp dir)")
     args = parser.parse_args()
-    work = args.work or Path(tempfile.mkdtemp(prefix="accel-opt-gpu-rehearsal-"))
+    work = (args.work or Path(tempfile.mkdtemp(prefix="accel-opt-gpu-rehearsal-"))).resolve()
     work.mkdir(parents=True, exist_ok=True)
-    version = f"{sys.version_info.major}.{sys.version_info.minor}"
-    wheelhouse = work / "wheelhouse"
-    sh("make", "wheelhouse", f"WHEELHOUSE={wheelhouse}", f"WHEELHOUSE_PYTHON={version}", f"PYTHON={sys.executable}")
+    gpu_python = find_python(GPU_PYTHON_VERSION)
+    if subprocess.run(["unshare", "-n", "true"], capture_output=True).returncode:
+        raise SystemExit("gpu_rehearsal: FAILED: `unshare -n` cannot cut the network here (it needs root or user "
+                         "namespaces): the install could reach a registry the GPU machine does not have")
 
-    env_dir = work / "venv"
-    venv.create(env_dir, with_pip=True, clear=True)
-    python = str(env_dir / "bin" / "python")
-    sh(python, "-m", "pip", "uninstall", "--quiet", "-y", "setuptools")
-    sh(python, "-m", "pip", "install", "--quiet", *GPU_MACHINE_PACKAGES)
-    absent = sh(python, "-c", "import importlib.util as u; print([m for m in ('polygraphy', 'onnxslim', 'pydantic', "
-                "'openvino', 'ray', 'model_signing', 'torchao', 'onnxscript') if u.find_spec(m)])").stdout.strip()
-    if absent != "[]":
-        raise SystemExit(f"gpu_rehearsal: the venv holds packages the GPU machine lacks: {absent}")
+    # 1. The GPU machine's Python: the line installs and imports everything; the kit says torch is absent.
+    results = rehearse(gpu_python, None, work)
+    steps = {s["name"]: s for s in json.loads((results / "summary.json").read_text())["steps"]}
+    if steps.get("environment", {}).get("status") != "passed" or "torch" not in steps:
+        raise SystemExit(f"gpu_rehearsal: FAILED: Python {GPU_PYTHON_VERSION}: the kit's steps were {steps}")
 
-    size = carried_bytes(wheelhouse)
-    print(f"gpu_rehearsal: the kit carries {size / 2**20:.1f} MiB (repository {(size - sum(f.stat().st_size for f in wheelhouse.glob('*.whl'))) / 2**20:.1f} "
-          f"MiB, wheelhouse {sum(f.stat().st_size for f in wheelhouse.glob('*.whl')) / 2**20:.1f} MiB) of the "
-          f"{CARRY_LIMIT_BYTES / 2**20:.0f} MiB a run may carry", flush=True)
-    if size > CARRY_LIMIT_BYTES:
-        raise SystemExit("gpu_rehearsal: the kit is over the GPU machine's carry limit")
+    # 2. This Python, with a CPU torch: every step of the kit.
+    results = rehearse(sys.executable, CPU_TORCH, work)
+    summary = json.loads((results / "summary.json").read_text())
+    failed = [f"{s['name']}: {s['status']} {s['detail']}" for s in summary["steps"]
+              if s["status"] not in ("passed", "skipped")]
+    names = [s["name"] for s in summary["steps"]]
+    if failed or "device-job" not in names or not list(results.glob("device_job-cpu-*.txt")):
+        raise SystemExit(f"gpu_rehearsal: FAILED: the kit's steps on the CPU: {failed or names}")
 
-    sh("make", "gpu-install", f"GPU_PYTHON={python}", f"WHEELHOUSE={wheelhouse}")
-    results = work / "results"
-    done = subprocess.run(["make", "gpu-check", f"GPU_PYTHON={python}", f"OUT={results}"], cwd=ROOT, capture_output=True,
-                          text=True)
-    print(done.stdout[-4000:], done.stderr[-2000:], sep="\n")
-    missing = [name for name in EXPECTED if not (results / name).is_file()]
-    missing += [] if list(results.glob("device_job-cpu-*.txt")) else ["device_job-cpu-*.txt"]
-    missing += [] if list(results.glob("builds/*/accuracy.json")) else ["builds/*/accuracy.json"]
-    missing += [] if list(results.glob("verify-*.json")) else ["verify-*.json"]
-    broken = [log.name for log in results.glob("*.log")
-              if "ModuleNotFoundError" in log.read_text() or "ImportError" in log.read_text()]
-    if done.returncode or missing or broken:
-        raise SystemExit(f"gpu_rehearsal: FAILED: exit {done.returncode}; missing {missing}; import errors in {broken}")
-    print(f"gpu_rehearsal: passed: every step of the kit ran in the GPU machine's package set ({results})")
+    repository, wheels = carried_bytes(work / f"wheelhouse-{GPU_PYTHON_VERSION}")
+    print(f"gpu_rehearsal: the kit carries {(repository + wheels) / 2**20:.1f} MiB (repository {repository / 2**20:.1f} "
+          f"MiB, wheelhouse {wheels / 2**20:.1f} MiB) of the {CARRY_LIMIT_BYTES / 2**20:.0f} MiB a run may carry")
+    if repository + wheels > CARRY_LIMIT_BYTES:
+        raise SystemExit("gpu_rehearsal: FAILED: the kit is over the GPU machine's carry limit")
+    print(f"gpu_rehearsal: passed: the one line installed the kit with the network cut on Python {GPU_PYTHON_VERSION} "
+          f"and {sys.version_info[0]}.{sys.version_info[1]}, every step ran, and all it wrote would come back ({work})")
     return 0
 
 

@@ -1,4 +1,4 @@
-"""benchmarks/gpu_check.py (`make gpu-check`): its contract on machines without a GPU, and its report."""
+"""benchmarks/gpu_check.py (the GPU kit's second step): its contract on machines without a GPU, and its report."""
 
 from __future__ import annotations
 
