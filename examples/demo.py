@@ -91,7 +91,7 @@ def top1_evidence(result) -> str:
     if top1 is None:
         return ""
     if top1["status"] == "insufficient":
-        return f": {top1['trials']} held-out rows cannot show top-1 >= {top1['minimum']:.0%}, {top1['needed']} needed"
+        return f": {top1['trials']} held-out samples cannot show top-1 >= {top1['minimum']:.0%}, {top1['needed']} needed"
     return (f": top-1 >= {top1['lower']:.1%} at {top1['confidence']:.0%} confidence ({top1['failures']} changed of "
             f"{top1['trials']} held-out)")
 

@@ -70,7 +70,7 @@ def test_a_build_that_passes_on_the_steering_samples_is_not_signed_off_when_held
     assert accuracy["steering"]["passed"]  # what a small judged set saw: no change at all
     (top1,) = [c for c in accuracy["checks"] if c["name"].endswith("top1")]
     assert top1["evidence"]["failures"] == len(hard) and top1["evidence"]["trials"] == accuracy["sample_count"]
-    assert not top1["passed"] and f"({len(hard)} changed of {accuracy['sample_count']} held-out rows) < 95.0%" in top1["line"]
+    assert not top1["passed"] and f"({len(hard)} changed of {accuracy['sample_count']} held-out samples) < 95.0%" in top1["line"]
 
 
 def test_the_manifest_records_a_split_with_no_sample_in_two_roles(recipe, tmp_path):
@@ -88,7 +88,7 @@ def test_the_manifest_records_a_split_with_no_sample_in_two_roles(recipe, tmp_pa
     assert {w["sample"] for w in accuracy["worst_samples"]} <= roles["verdict"]  # judged: held-out samples only
     signoff = (Path(result.artifact_dir) / "signoff.md").read_text()
     assert "Samples: 65 held out" in signoff and "28 calibrated the build and 17 steered its choices" in signoff
-    assert "| topk:top1 | logits | 1.0000 | 0.9550 | 0.95 | 0 changed of 65 rows | pass |" in signoff
+    assert "| topk:top1 | logits | 1.0000 | 0.9550 | 0.95 | 0 changed of 65 samples | pass |" in signoff
 
 
 def test_sixteen_held_out_rows_against_95_percent_are_not_enough_evidence(recipe, tmp_path):
@@ -113,8 +113,11 @@ def test_sixteen_held_out_rows_against_95_percent_are_not_enough_evidence(recipe
     assert payload["verdict"] == "insufficient evidence" and payload["samples_needed"] == 59 and not payload["signed_off"]
     assert payload["data"]["evaluation_samples"] == 16 and payload["data"]["held_out_max"] == 300
     assert payload["data_samples_needed"] == 99  # 99 distinct samples: 25 calibrate, 15 steer, 59 held out
-    assert payload["failures"] == ["task metric topk on logits: top-1 agreement: 16 held-out rows cannot show >= 95.0% "
-                                   "at 95% confidence even with none changed (82.9% is the most they can); 59 needed"]
+    assert payload["failures"] == [
+        "logits: samples within tolerance: 16 held-out samples cannot show >= 95.0% at 95% confidence even with none "
+        "failed (82.9% is the most they can); 59 needed (within error 0.2 and cosine 0.98)",
+        "task metric topk on logits: top-1 agreement: 16 held-out samples cannot show >= 95.0% at 95% confidence even "
+        "with none changed (82.9% is the most they can); 59 needed"]
     folder = Path(payload["artifact_dir"])
     assert json.loads((folder / "manifest.json").read_text())["exit_code"] == 6
     assert "NOT SIGNED OFF: not enough held-out samples (59 needed)" in (folder / "signoff.md").read_text()
@@ -190,7 +193,7 @@ def test_auto_does_not_ship_a_candidate_whose_held_out_verdict_fails(tmp_path, f
     # Auto's table puts each held-out rate beside its minimum: the bound for int8, the observed rate for fp32.
     table = (tmp_path / "out" / "tie-auto-selection.md").read_text()
     top1 = next(r for r in int8.rates if r.what == "top-1 agreement")
-    assert f"top-1 agreement >= {top1.lower:.1%} vs 95.0% ({top1.failures} changed of {top1.trials})" in table
+    assert f"top-1 agreement >= {top1.lower:.1%} vs 95.0% ({top1.failures} changed of {top1.trials} samples)" in table
     assert "top-1 agreement 100.0% observed vs 95.0% (0 changed of" in table
 
 
@@ -213,7 +216,7 @@ def test_verify_and_compare_say_what_their_samples_can_confirm(recipe, fast_reci
     compared = CliRunner().invoke(main, ["compare", fp32.artifact_dir, int8.artifact_dir, "--data", str(few), "--json"])
     assert compared.exit_code == 1, compared.output
     (signs_off,) = [c for c in json.loads(compared.stdout)["checks"] if c["name"] == "candidate signs off"]
-    assert signs_off["line"].startswith("too few samples to certify the candidate (59 needed): task metric topk")
+    assert signs_off["line"].startswith("too few samples to certify the candidate (59 needed): logits: samples within")
 
 
 @pytest.mark.parametrize("calibrates", [True, False])
@@ -238,3 +241,67 @@ def test_too_few_says_when_the_judged_cap_must_be_raised_too():
                                           "accuracy.max_samples to 598 (its notes say where the memory its outputs "
                                           "take to judge lowers it)")
     assert BuildResult(model="m", precision="fp32", backend="onnxruntime", signed_off=True, exit_code=0).too_few_line() is None
+
+
+def _default_recipe_file(tmp_path: Path) -> Path:
+    """The default recipe's gate (its benchmark shortened: what is timed is not what this judges)."""
+    import yaml
+
+    from accel_opt.recipe.load import load_recipe
+
+    path = tmp_path / "default.yaml"
+    path.write_text(yaml.safe_dump(load_recipe().with_overrides(benchmark=FAST_BENCH).model_dump(mode="json")))
+    return path
+
+
+def test_the_default_recipe_does_not_sign_off_a_reduced_build_on_three_files(tiny_cnn_path, tmp_path):
+    """The default recipe, int8, 3 .npz files: 1 calibrates, 1 steers, 1 is held out. None failing of 1 shows nothing about
+    the share of inputs within tolerance: exit 6 with the numbers that would do. fp32 of the same files keeps its rule
+    (judged against the float32 noise floor, never refused for few samples)."""
+    from .conftest import image_npz_folder
+
+    data, recipe = image_npz_folder(tmp_path / "d3", 3), _default_recipe_file(tmp_path)
+    flags = ["--data", str(data), "--recipe", str(recipe), "--out", str(tmp_path / "out")]
+    int8 = CliRunner().invoke(main, ["build", str(tiny_cnn_path), "--precision", "int8", *flags])
+    said = " ".join(int8.stdout.split())
+    assert int8.exit_code == 6, int8.output
+    assert "NOT SIGNED OFF: not enough held-out samples to certify it (59 needed with none failing): give --data with " \
+           "at least 99 distinct samples" in said
+    assert "samples within tolerance: 1 held-out sample cannot show >= 95.0% at 95% confidence" in said
+    fp32 = CliRunner().invoke(main, ["build", str(tiny_cnn_path), *flags])
+    assert fp32.exit_code == 0 and "accuracy: SIGNED OFF" in " ".join(fp32.stdout.split()), fp32.output
+
+
+def test_a_build_on_synthetic_inputs_says_it_certified_no_task_rate(tiny_cnn_path, tmp_path):
+    done = CliRunner().invoke(main, ["build", str(tiny_cnn_path), "--precision", "fp16", "--recipe",
+                                     str(_default_recipe_file(tmp_path)), "--out", str(tmp_path / "out")])
+    said = " ".join(done.stdout.split())
+    assert done.exit_code == 0, done.output
+    assert "accuracy: SIGNED OFF: numeric check only, on 8 synthetic (random) inputs: no task rate was certified" in said
+    (folder,) = (tmp_path / "out").glob("tiny_cnn-fp16-*")
+    assert "no task rate was certified on real inputs" in (folder / "signoff.md").read_text()
+
+
+def test_auto_with_too_few_samples_is_exit_6_for_a_reduced_precision_and_ships_the_floor_for_auto(tiny_cnn_path,
+                                                                                                   tmp_path):
+    """Auto on 3 files: `--precision int8` cannot certify any candidate, so exit 6 with the count, never SIGNED OFF and
+    never "no candidate passed"; `--precision auto` ships the fp32 floor and says which reduced candidates could not
+    be certified and how many samples would do."""
+    from .conftest import image_npz_folder
+
+    data, recipe = image_npz_folder(tmp_path / "d3", 3), _default_recipe_file(tmp_path)
+    flags = ["--data", str(data), "--recipe", str(recipe), "--out", str(tmp_path / "out")]
+    int8 = CliRunner().invoke(main, ["build", str(tiny_cnn_path), "--backend", "auto", "--precision", "int8", *flags])
+    assert int8.exit_code == 6, int8.output
+    assert "no winner: too few held-out samples to certify" in int8.stderr and "onnxruntime int8" in int8.stderr
+    assert "59 needed with none failing; give --data with at least 99 distinct samples" in int8.stderr
+    payload = json.loads(CliRunner().invoke(main, ["build", str(tiny_cnn_path), "--backend", "onnxruntime",
+                                                   "--precision", "auto", *flags, "--json"]).stdout)
+    assert payload["exit_code"] == 0 and payload["precision"] == "fp32" and payload["signed_off"]
+    (int8_candidate,) = [c for c in payload["selection"]["candidates"] if c["precision"] == "int8"]
+    assert int8_candidate["samples_needed"] == 59 and int8_candidate["data_samples_needed"] == 99
+    human = CliRunner().invoke(main, ["build", str(tiny_cnn_path), "--backend", "onnxruntime", "--precision", "auto",
+                                      *flags])
+    said = " ".join(human.stdout.split())
+    assert human.exit_code == 0 and "not certified: too few held-out samples to certify onnxruntime int8: 59 needed" \
+        in said, human.output

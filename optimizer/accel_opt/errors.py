@@ -37,6 +37,17 @@ class CandidateDropped(AccelOptError):
     exit_code = 1
 
 
+class TooFewToCertify(CandidateDropped):
+    """`--precision auto` stopped a reduced candidate because its held-out samples are too few for any result to
+    certify it: how many would do (held out, and the --data samples the recipe's split deals them from)."""
+
+    exit_code = 6
+
+    def __init__(self, message: str, samples_needed: int, data_samples_needed: int | None):
+        super().__init__(message)
+        self.samples_needed, self.data_samples_needed = samples_needed, data_samples_needed
+
+
 class UsageError(AccelOptError):
     """Bad command line or recipe."""
 

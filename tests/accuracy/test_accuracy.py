@@ -211,6 +211,37 @@ def test_integer_outputs_are_compared_exactly_by_agreement():
         .startswith("m: 75.00% of the elements equal the reference < 98.00%; 1 of 2 samples differ, first b (4 elements: one changed element")
 
 
+def test_integer_outputs_get_a_bounded_rate_counted_per_sample():
+    """A reduced build's ids are judged by the bound on each sample's share of equal elements, a sample counting once:
+    20 samples of 2 ids cannot show 98% (149 samples can, none changed); 150 can."""
+    masks = [{"m": np.array([True, False])} for _ in range(20)]
+    few = judge(masks, masks, [f"s{i}" for i in range(20)], INT8, bounded=True)
+    assert few.verdict == "insufficient" and few.samples_needed == 149
+    (check,) = [c for c in few.checks if c.name == "m: agreement"]
+    assert check.evidence.trials == 20 and check.evidence.rows == 40 and "20 held-out samples cannot show >= 98.0%" \
+        in check.line
+    many = [{"m": np.array([True, i % 2 == 0])} for i in range(150)]
+    one_flip = [{"m": m["m"] if i else ~m["m"]} for i, m in enumerate(many)]  # both ids of one sample change
+    report = judge(many, one_flip, [f"s{i}" for i in range(150)], INT8, bounded=True)
+    (check,) = [c for c in report.checks if c.name == "m: agreement"]
+    assert (check.evidence.failures, check.evidence.trials, check.evidence.rows_failed) == (1, 150, 2)
+    assert not check.passed  # 1 changed of 150 bounds the rate at 95.6%: below 98%
+    assert judge(many, many, [f"s{i}" for i in range(150)], INT8, bounded=True).passed
+
+
+def test_neighbours_of_two_texts_are_no_evidence():
+    """With fewer than 3 embeddings each one's nearest neighbour is the other by construction: a reduced build's
+    verdict is insufficient, never a pass; fp32's observed rule passes it as before."""
+    from accel_opt.recipe.gate import NeighbourMetric
+
+    two = [{"e": np.array([1.0, 0.0])}, {"e": np.array([0.0, 1.0])}]
+    bounded = judge(two, two, ["a", "b"], OPEN, [NeighbourMetric()], bounded=True)
+    neighbours = bounded.task_metrics[0].evidence["neighbour_agreement"]
+    assert bounded.verdict == "insufficient" and neighbours.status == "insufficient" and neighbours.needed == 29
+    assert "2 embeddings: too few to have neighbours to agree on" in bounded.task_metrics[0].note
+    assert judge(two, two, ["a", "b"], OPEN, [NeighbourMetric()]).passed
+
+
 def test_a_reference_with_nan_is_refused_not_judged():
     """NaN in the reference means the model is undefined on that input: exit 3, naming the output and sample."""
     from accel_opt.errors import InputRejected
@@ -238,19 +269,20 @@ def test_task_metrics(tmp_path):
 def test_topk_agreement_is_judged_by_its_bound_and_too_few_rows_are_their_own_verdict(tmp_path):
     ref = save(matmul_model(out_dim=8), tmp_path / "m.onnx")
     metric = [TopKMetric(min_agreement={1: 0.97})]
-    few_samples = [{"x": s["x"]} for s in _samples(8)]  # 2 rows each: 16 rows, none changed
+    few_samples = [{"x": s["x"]} for s in _samples(8)]  # 2 rows each: 16 rows of 8 samples, none changed
     observed = compare(reference_runner(ref, 1), reference_runner(ref, 1), few_samples, TOL, metric)
     assert observed.passed  # unbounded (fp32's rule): the observed 100% clears 0.97, the bound is only reported
-    assert ">= 82.9% at 95% confidence" in observed.checks[-1].line
+    # A sample counts once however many rows it holds: 8 trials, not 16.
+    assert "(0 changed of 8 samples (0 of their 16 rows); >= 68.8% at 95% confidence)" in observed.checks[-1].line
     few = compare(reference_runner(ref, 1), reference_runner(ref, 1), few_samples, TOL, metric, bounded=True)
     assert not few.passed and few.verdict == "insufficient" and few.samples_needed == 99  # (1 - 0.95) ** (1 / 99) >= 0.97
-    assert few.failures == ["task metric topk on y: top-1 agreement: 16 held-out rows cannot show >= 97.0% at 95% "
-                            "confidence even with none changed (82.9% is the most they can); 99 needed"]
+    assert few.failures[-1] == ("task metric topk on y: top-1 agreement: 8 held-out samples cannot show >= 97.0% at "
+                                "95% confidence even with none changed (68.8% is the most they can); 99 needed")
     data = DataSummary(source="npz", path="d", count=8, sha256="0", seed=0)
     markdown = signoff_markdown("m", False, few, None, data, 0, [])
     assert "NOT SIGNED OFF: not enough held-out samples (99 needed)" in markdown and "| too few samples |" in markdown
-    enough = compare(reference_runner(ref, 1), reference_runner(ref, 1), [{"x": s["x"]} for s in _samples(50)], TOL,
-                     metric, bounded=True)  # 100 rows, none changed: >= 97.05%
+    enough = compare(reference_runner(ref, 1), reference_runner(ref, 1), [{"x": s["x"]} for s in _samples(100)], TOL,
+                     metric, bounded=True)  # 100 samples, none changed: >= 97.05%
     assert enough.passed and enough.task_metrics[0].evidence["top1"].lower > 0.97
     assert enough.verdict_at(0.99) == "insufficient"  # the same counts at a stricter level (auto's family-wise)
 

@@ -66,7 +66,7 @@ def test_int8_weights_follow_the_target_cpu(target, seven_bit, host):
     assert weight_range(ORT_CPU, CalibrationConfig(target_cpu="avx2", reduce_range=False), here)[1] is False  # the recipe
 
 
-def saturating_data(folder: Path, count: int = 80) -> Path:
+def saturating_data(folder: Path, count: int = 100) -> Path:  # int8 holds 60 out: none failing shows >= 95%
     folder.mkdir(parents=True, exist_ok=True)
     for i, sample in enumerate(zoo.saturating_inputs(count)):
         np.savez(folder / f"s{i:03d}.npz", **sample)

@@ -38,7 +38,8 @@ def samples():
 @pytest.fixture(scope="module")
 def spiky(tmp_path_factory) -> tuple[Path, Path]:
     folder = tmp_path_factory.mktemp("spiky")
-    return save(spiky_cnn(), folder / "spiky.onnx"), image_npz_folder(folder / "data", 40)
+    # 100 samples: an int8 build holds 60 out, enough for none failing to show >= 95% within tolerance (59)
+    return save(spiky_cnn(), folder / "spiky.onnx"), image_npz_folder(folder / "data", 100)
 
 
 def _folder(result) -> Path:
@@ -188,7 +189,7 @@ def test_float_by_design_nodes_pass_the_int8_kernel_check(tmp_path):
 
 
 def test_a_build_that_passes_is_left_alone(tiny_cnn_path, fast_recipe, tmp_path):
-    data = image_npz_folder(tmp_path / "data", 24)
+    data = image_npz_folder(tmp_path / "data", 100)  # 60 held out: none failing shows >= 95% within tolerance
     result = build(tiny_cnn_path, fast_recipe.with_overrides(precision="int8"), data_dir=data, out_dir=tmp_path / "out")
     fallback = json.loads((_folder(result) / "build.json").read_text())["fallback"]
     assert fallback["status"] == "not needed" and fallback["kept"] == [] and fallback["steps"] == []

@@ -27,7 +27,8 @@ PRE = CLASSIFIER_PRE
 
 
 WIDE_TOLERANCE = {"max_error": 10.0, "max_sample_error": 10.0, "min_cosine": 0.0, "min_sample_cosine": 0.0,
-                  "max_gain_error": 10.0}  # for tests of what a build does, not of how accurate it is
+                  "max_gain_error": 10.0, "strict_min_bound": 0.5}  # for tests of what a build does, not of how
+                                                                    # accurate it is (5 held-out samples do)
 
 
 def _lines(path: Path) -> list[dict]:

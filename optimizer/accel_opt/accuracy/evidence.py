@@ -4,15 +4,27 @@ the one-sided lower confidence bound of that rate clears the recipe's minimum.
 
 The bound is Clopper-Pearson's (the exact binomial interval, `statsmodels.proportion_confint(method="beta")`), one-sided:
 the rate is at least `lower` with probability `confidence` whatever the true rate is. With no failure in n trials it is
-(1 - confidence) ** (1 / n): 0 changed of 16 rows shows only >= 82.9% at 95%, so 16 rows can never certify 95%;
-that needs 59 rows, 97% needs 99. Too few trials for any result to clear the minimum is its own answer
+(1 - confidence) ** (1 / n): 0 changed of 16 samples shows only >= 82.9% at 95%, so 16 samples can never certify 95%;
+that needs 59, 97% needs 99. Too few trials for any result to clear the minimum is its own answer
 ("insufficient"), with the count that would be enough. A minimum of 1 (no failure allowed, the per-sample check's
-default) is judged on the count itself: no finite sample can bound a rate to exactly 1, and one failure fails it.
+default) is judged on the count itself: no finite sample can bound a rate to exactly 1, and one failure fails it; a
+bounded verdict then also needs enough trials for none failing to show the rate at least `floor` (the recipe's
+`strict_min_bound`, 95% by default: 59 trials), so that "none failed" never rests on a handful of samples.
+
+Trials are independent samples, never rows. The rows of one sample (the tokens of a text, the boxes of an image, the
+rows of one .npz batch, the elements of an integer output) share its input and fail together more often than apart,
+so each sample counts once: its own rate (the share of its rows that agree) enters the bound over samples, as if
+each sample were one trial whose success is that share (`RateEvidence.of_samples`: successes = the sum of the
+per-sample rates, rounded down). A rate in [0, 1] is no more spread than a 0/1 outcome of the same mean (Hoeffding,
+1963), so the bound is at least as wide as a bound on whole-sample successes; tests/accuracy/test_coverage.py checks
+its coverage on rows that fail together. Rows pooled as if independent would claim, for 16 rows of 8 samples, what 16
+samples show. Identical inputs are dealt once (data.split_roles): a copy is left unused, never a second trial.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Literal
 
 from pydantic import BaseModel, computed_field
@@ -86,11 +98,28 @@ class RateEvidence(BaseModel):
     what: str  # "top-1 agreement", "samples within tolerance"
     successes: int
     trials: int
-    unit: str = "samples"  # what a trial is: samples, rows, boxes
+    unit: str = "samples"  # what a trial is: an independent sample
     failure: str = "failed"  # what a failed trial is called: changed (a prediction), unmatched (a box)
     minimum: float
     confidence: float = DEFAULT_CONFIDENCE
     bounded: bool = True
+    floor: float | None = None  # a minimum of 1 on a bounded verdict: none may fail, and none failing must show this
+    # Where samples hold several rows (boxes, tokens, batch rows, elements): how many, how many failed, what a row is.
+    rows: int | None = None
+    rows_failed: int | None = None
+    row_unit: str = "rows"
+
+    @classmethod
+    def of_samples(cls, what: str, per_sample: Sequence[float], rows: int, rows_failed: int, row_unit: str = "rows",
+                   **fields) -> RateEvidence:
+        """A rate over samples that hold several rows each: each sample's share of rows that agree (`per_sample`),
+        one trial per sample (see the module docstring). With one row per sample, the counts as they are."""
+        trials = len(per_sample)
+        successes = math.floor(sum(per_sample) + 1e-9)
+        if rows == trials:
+            return cls(what=what, successes=successes, trials=trials, **fields)
+        return cls(what=what, successes=successes, trials=trials, rows=rows, rows_failed=rows_failed,
+                   row_unit=row_unit, **fields)
 
     @computed_field
     @property
@@ -110,8 +139,13 @@ class RateEvidence(BaseModel):
     @computed_field
     @property
     def needed(self) -> int | None:
-        """Trials a result without failure needs to clear the minimum (None: judged on the count)."""
-        return trials_needed(self.minimum, self.confidence)
+        """Trials a result without failure needs to clear the minimum (None: judged on the count alone)."""
+        return trials_needed(self.shown_minimum, self.confidence)
+
+    @property
+    def shown_minimum(self) -> float:
+        """What the bound must show: the minimum, or for "none may fail" on a bounded verdict, its floor."""
+        return self.floor if self.minimum >= 1.0 and self.bounded and self.floor is not None else self.minimum
 
     def status_at(self, confidence: float) -> Status:
         """The verdict at another confidence (auto's family-wise level): the same counts, another bound."""
@@ -120,8 +154,11 @@ class RateEvidence(BaseModel):
     @computed_field
     @property
     def status(self) -> Status:
-        if self.minimum >= 1.0:  # no failure allowed: judged on the count (no sample bounds a rate to exactly 1)
-            return "pass" if self.failures == 0 else "fail"
+        if self.minimum >= 1.0:  # no failure allowed: judged on the count (no sample bounds a rate to exactly 1) ...
+            if self.failures:
+                return "fail"
+            needed = self.needed  # ... and, bounded, on enough trials for none failing to show the floor
+            return "insufficient" if needed and self.trials < needed else "pass"
         if self.rate < self.minimum:  # the data already show the rate below the minimum
             return "fail"
         if not self.bounded:
@@ -134,18 +171,24 @@ class RateEvidence(BaseModel):
     def line(self) -> str:
         """The verdict in words: '>= 95.3% at 95% confidence (1 changed of 120 held-out)' and what it is judged by."""
         held = " held-out" if self.bounded else ""
-        counted = f"{self.failures} {self.failure} of {self.trials}{held} {self.unit}"
+        counted = self.counted(held)
         bound = f">= {self.lower:.1%} at {self.confidence:.0%} confidence"
         status = self.status
         if status == "insufficient":
-            return (f"{self.what}: {self.trials}{held} {self.unit} cannot show >= {self.minimum:.1%} at "
+            return (f"{self.what}: {self.trials}{held} {_of(self.trials, self.unit)} cannot show >= {self.shown_minimum:.1%} at "
                     f"{self.confidence:.0%} confidence even with none {self.failure} ({self.lower:.1%} is the most they "
                     f"can); {self.needed} needed")
         if self.minimum >= 1.0:
-            return f"{self.what}: {counted}; none may fail" + ("" if status == "pass" else " (FAIL)")
+            shown = f" ({bound})" if self.shown_minimum < 1.0 and status == "pass" else ""
+            return f"{self.what}: {counted}; none may fail{shown}" + ("" if status == "pass" else " (FAIL)")
         if not self.bounded:
             return f"{self.what} {self.rate:.2%} {'>=' if status == 'pass' else '<'} {self.minimum:.2%} ({counted}; {bound})"
         return f"{self.what} {bound} ({counted}) {'>=' if status == 'pass' else '<'} {self.minimum:.1%}"
+
+    def counted(self, held: str = "") -> str:
+        """The counts in words: '1 changed of 60 held-out samples (3 of their 120 rows)'."""
+        text = f"{self.failures} {self.failure} of {self.trials}{held} {_of(self.trials, self.unit)}"
+        return text + (f" ({self.rows_failed} of their {self.rows} {self.row_unit})" if self.rows is not None else "")
 
     def shortfall_hint(self) -> str | None:
         """For a bounded rate that fails only by its bound: how many trials at the observed rate would clear it."""
@@ -155,3 +198,8 @@ class RateEvidence(BaseModel):
             if lower_bound(round(self.rate * trials), trials, self.confidence) >= self.minimum:
                 return f"at the observed {self.rate:.2%}, about {trials} {self.unit} would clear it"
         return None
+
+
+def _of(count: int, unit: str) -> str:
+    """`unit` for `count` of them: '1 sample', '2 samples'."""
+    return unit[:-1] if count == 1 and unit.endswith("s") else unit

@@ -143,7 +143,7 @@ def _judge_output(name: str, refs: list[np.ndarray], cands: list[np.ndarray], na
                   tol: Tolerance, noise_floor: float = 0.0, confidence: float = DEFAULT_CONFIDENCE,
                   bounded: bool = False) -> tuple[OutputAccuracy, list[SampleAccuracy]]:
     if np.asarray(refs[0]).dtype.kind in "biu":
-        return _judge_exact(name, refs, cands, names, tol)
+        return _judge_exact(name, refs, cands, names, tol, confidence, bounded)
     ref_raw = [np.asarray(r, dtype=np.float64).ravel() for r in refs]
     cand_raw = [np.asarray(c, dtype=np.float64).ravel() for c in cands]
     # A reference +-inf (a masked log-probability) is matched only by the same infinity, and then compares equal
@@ -218,8 +218,9 @@ def _judge_output(name: str, refs: list[np.ndarray], cands: list[np.ndarray], na
     return output, samples
 
 
-def _judge_exact(name: str, refs: list[np.ndarray], cands: list[np.ndarray], names: list[str],
-                 tol: Tolerance) -> tuple[OutputAccuracy, list[SampleAccuracy]]:
+def _judge_exact(name: str, refs: list[np.ndarray], cands: list[np.ndarray], names: list[str], tol: Tolerance,
+                 confidence: float = DEFAULT_CONFIDENCE,
+                 bounded: bool = False) -> tuple[OutputAccuracy, list[SampleAccuracy]]:
     """An integer/bool output: each sample's error is the fraction of its elements that differ."""
     differ = [np.asarray(c).ravel() != np.asarray(r).ravel() for r, c in zip(refs, cands)]
     changed = np.concatenate(differ)
@@ -233,7 +234,7 @@ def _judge_exact(name: str, refs: list[np.ndarray], cands: list[np.ndarray], nam
         median_abs_error=0.0, max_rel_error=0.0, mean_rel_error=0.0, non_finite_count=0, passed=False,
         agreement=agreement,
     )
-    output.passed = all(c.passed for c in _output_checks(output, samples, tol))
+    output.passed = all(c.passed for c in _output_checks(output, samples, tol, confidence, bounded))
     return output, samples
 
 
@@ -244,14 +245,19 @@ def _output_checks(o: OutputAccuracy, samples: list[SampleAccuracy], tol: Tolera
     def check(kind: str, passed: bool, line: str) -> Check:
         return Check(name=f"{o.name}: {kind}", passed=passed, line=f"{o.name}: {line}")
 
-    if o.agreement is not None:
-        within = o.agreement >= tol.min_agreement
+    if o.agreement is not None:  # ids compared exactly: each sample's share of equal elements, a trial per sample
         differing = [s.sample for s in samples if s.error > 0]
         elements = len(samples) * max(1, math.prod(o.shape))
+        agreement = RateEvidence.of_samples(f"{o.name} elements equal to the reference", [1 - s.error for s in samples],
+                                            rows=elements, rows_failed=round((1 - o.agreement) * elements),
+                                            row_unit="elements", failure="changed", minimum=tol.min_agreement,
+                                            confidence=confidence, bounded=bounded)
+        within = agreement.status == "pass"
         note = (f"{elements} elements: one changed element ({1 / elements:.1%}) already fails the minimum"
-                if not within and (elements - 1) / elements < tol.min_agreement else None)
-        return [check("agreement", within, f"{o.agreement:.2%} of the elements equal the reference "
-                      f"{'>=' if within else '<'} {tol.min_agreement:.2%}"
+                if o.agreement < 1 and (elements - 1) / elements < tol.min_agreement else None)
+        line = (agreement.line() if bounded else f"{o.agreement:.2%} of the elements equal the reference "
+                f"{'>=' if within else '<'} {tol.min_agreement:.2%}")
+        return [Check(name=f"{o.name}: agreement", passed=within, evidence=agreement, line=f"{o.name}: {line}"
                       + (f"; {len(differing)} of {len(samples)} samples differ, first {differing[0]}" if differing else "")
                       + (f" ({note})" if note else ""))]
 
@@ -270,10 +276,14 @@ def _output_checks(o: OutputAccuracy, samples: list[SampleAccuracy], tol: Tolera
               f"(|gain - 1| {'<=' if abs(o.gain - 1) <= tol.max_gain_error else '>'} {tol.max_gain_error:g})"),
     ]
     failed = [s for s in samples if not s.passed]
+    strict = tol.max_failing_fraction == 0
     within = RateEvidence(what="samples within tolerance", successes=len(samples) - len(failed), trials=len(samples),
-                          minimum=1.0 - tol.max_failing_fraction, confidence=confidence, bounded=bounded)
+                          minimum=1.0 - tol.max_failing_fraction, confidence=confidence, bounded=bounded,
+                          floor=tol.strict_min_bound if strict else None)
     limits = f"error {tol.max_sample_error:g} and cosine {tol.min_sample_cosine}"
-    if tol.max_failing_fraction == 0:  # strict: one failing sample fails; the bound says what the count shows
+    if within.status == "insufficient":
+        line = f"{within.line()} (within {limits})"
+    elif strict:  # one failing sample fails; the bound says what the count shows
         line = f"all {len(samples)} samples within {limits}" + (
             f" (at most {1 - within.lower:.1%} of samples fail it, at {confidence:.0%} confidence)" if samples else "")
     else:
@@ -287,8 +297,7 @@ def _output_checks(o: OutputAccuracy, samples: list[SampleAccuracy], tol: Tolera
             why.append(f"cosine {worst.cosine:.4f} < {tol.min_sample_cosine}")
         if worst.error > tol.max_sample_error:
             why.append(f"error {worst.error:.3g} > {tol.max_sample_error:g}")
-        counted = (f"{len(failed)} of {len(samples)} samples fail the per-sample check" if tol.max_failing_fraction == 0
-                   else within.line())
+        counted = f"{len(failed)} of {len(samples)} samples fail the per-sample check" if strict else within.line()
         line = f"{counted}; worst {worst.sample}: {', '.join(why)}"
     checks.append(Check(name=f"{o.name}: per-sample", passed=within.status == "pass", line=f"{o.name}: {line}",
                         evidence=within))

@@ -24,17 +24,26 @@ def _rows(outputs: list[dict[str, np.ndarray]], name: str) -> list[np.ndarray]:
 def task_metric(metric: TaskMetric, ref_outs, cand_outs, names: list[str], confidence: float = DEFAULT_CONFIDENCE,
                 bounded: bool = False) -> TaskMetricResult:
     """`metric` on the per-sample outputs. Its rates (top-k agreement, neighbours kept, boxes matched) carry their
-    counts (`evidence`): judged by their lower bound at `confidence` where `bounded`, else by the observed rate."""
+    counts (`evidence`), one trial per sample however many rows it holds (evidence.RateEvidence.of_samples): judged by
+    their lower bound at `confidence` where `bounded`, else by the observed rate; a rate's value is the mean of the
+    samples' own rates."""
     name = metric.output or next(iter(ref_outs[0].keys()))
     note, worst = None, []
     evidence: dict[str, RateEvidence] = {}
 
-    def rate(key: str, what: str, successes: int, trials: int, minimum: float, unit: str, failure: str) -> None:
-        evidence[key] = RateEvidence(what=what, successes=successes, trials=trials, unit=unit, failure=failure,
-                                     minimum=minimum, confidence=confidence, bounded=bounded)
+    def rate(key: str, what: str, agreed: np.ndarray, owner: np.ndarray, minimum: float, failure: str,
+             row_unit: str = "rows") -> float:
+        """`agreed`: per row, whether it agrees; `owner`: the sample each row belongs to. Returns the rate's value."""
+        counts = np.bincount(owner, minlength=len(names))
+        kept = np.bincount(owner, weights=agreed.astype(np.float64), minlength=len(names))
+        per_sample = [k / c for k, c in zip(kept, counts) if c]
+        evidence[key] = RateEvidence.of_samples(what, per_sample, rows=len(agreed), rows_failed=int((~agreed).sum()),
+                                                row_unit=row_unit, failure=failure, minimum=minimum,
+                                                confidence=confidence, bounded=bounded)
+        return float(np.mean(per_sample)) if per_sample else 1.0
 
     if isinstance(metric, DetectionMetric):
-        return _detection_metric(metric, name, ref_outs, cand_outs, names, rate, evidence)
+        return _detection_metric(metric, name, ref_outs, cand_outs, names, evidence, confidence, bounded)
     ref_rows, cand_rows = _rows(ref_outs, name), _rows(cand_outs, name)
     ref, cand = np.concatenate(ref_rows), np.concatenate(cand_rows)
     owner = np.repeat(np.arange(len(names)), [len(r) for r in ref_rows])
@@ -43,9 +52,9 @@ def task_metric(metric: TaskMetric, ref_outs, cand_outs, names: list[str], confi
         ranked = np.argsort(-cand, axis=1)
         values, thresholds = {}, {}
         for k, minimum in metric.min_agreement.items():
-            kept = int(sum(r in row[:k] for r, row in zip(ref_top1, ranked)))
-            values[f"top{k}"], thresholds[f"top{k}"] = kept / len(ref), minimum
-            rate(f"top{k}", f"top-{k} agreement", kept, len(ref), minimum, "rows", "changed")
+            agreed = np.array([r in row[:k] for r, row in zip(ref_top1, ranked)], dtype=bool)
+            values[f"top{k}"] = rate(f"top{k}", f"top-{k} agreement", agreed, owner, minimum, "changed")
+            thresholds[f"top{k}"] = minimum
         changed = sorted({int(i) for i in owner[ranked[:, 0] != ref_top1]})
         worst = [names[i] for i in changed][:MAX_LISTED_SAMPLES]
     elif isinstance(metric, CosineMetric):
@@ -56,15 +65,18 @@ def task_metric(metric: TaskMetric, ref_outs, cand_outs, names: list[str], confi
         thresholds = {"mean_cosine": metric.min_mean_cosine, "worst_cosine": metric.min_worst_cosine}
         worst = [names[int(owner[i])] for i in np.argsort(cos)[:3] if cos[i] < metric.min_worst_cosine]
     elif isinstance(metric, NeighbourMetric):
-        ref_nn, cand_nn = nearest_neighbours(ref), nearest_neighbours(cand)
-        same = ref_nn == cand_nn
-        values = {"neighbour_agreement": float(same.mean()) if len(ref) >= 3 else 1.0}
         thresholds = {"neighbour_agreement": metric.min_agreement}
-        if len(ref) < 3:
+        if len(ref) < 3:  # neighbours agree by construction: no evidence at all (insufficient where bounded)
             note = f"{len(ref)} embeddings: too few to have neighbours to agree on"
+            values = {"neighbour_agreement": 1.0}
+            evidence["neighbour_agreement"] = RateEvidence(
+                what="nearest-neighbour agreement", successes=0, trials=0, failure="changed",
+                minimum=metric.min_agreement, confidence=confidence, bounded=bounded)
+            same = np.ones(len(ref), dtype=bool)
         else:
-            rate("neighbour_agreement", "nearest-neighbour agreement", int(same.sum()), len(ref), metric.min_agreement, "rows",
-                 "changed")
+            same = nearest_neighbours(ref) == nearest_neighbours(cand)
+            values = {"neighbour_agreement": rate("neighbour_agreement", "nearest-neighbour agreement", same, owner,
+                                                  metric.min_agreement, "changed", "embeddings")}
         worst = [names[int(owner[i])] for i in np.flatnonzero(~same)][:MAX_LISTED_SAMPLES]
     else:  # pragma: no cover - the recipe schema admits only the kinds above
         raise TypeError(f"unknown task metric {metric!r}")
@@ -78,8 +90,8 @@ def _result(kind: str, output: str, values: dict[str, float], thresholds: dict[s
                             passed=passed, note=note, worst_samples=worst)
 
 
-def _detection_metric(metric: DetectionMetric, name: str, ref_outs, cand_outs, names: list[str], rate,
-                      evidence: dict[str, RateEvidence]) -> TaskMetricResult:
+def _detection_metric(metric: DetectionMetric, name: str, ref_outs, cand_outs, names: list[str],
+                      evidence: dict[str, RateEvidence], confidence: float, bounded: bool) -> TaskMetricResult:
     from accel_opt.accuracy.detection import Detections, decode_predictions, match, nms, sum_counts
 
     def detections(array: np.ndarray) -> Detections:
@@ -95,17 +107,23 @@ def _detection_metric(metric: DetectionMetric, name: str, ref_outs, cand_outs, n
     for ref, cand in zip(ref_outs, cand_outs):
         counts.append(match(detections(ref[name]), detections(cand[name]), metric.match_iou))
     pooled = sum_counts(counts)
-    values = {"precision": pooled.precision, "recall": pooled.recall}
     thresholds = {"precision": metric.min_precision, "recall": metric.min_recall}
     order = sorted(range(len(counts)), key=lambda i: min(counts[i].precision, counts[i].recall))
     worst = [f"{names[i]} (P {counts[i].precision:.2f}, R {counts[i].recall:.2f})" for i in order[:5]
              if min(counts[i].precision, counts[i].recall) < 1.0]
-    # Boxes are the trials: the metric is defined over them (boxes of one image are not independent, so the bound
-    # is somewhat optimistic for images crowded with boxes; the note gives the image count beside it).
-    rate("precision", "detection precision", pooled.matched, pooled.candidate, metric.min_precision, "candidate boxes",
-         "unmatched")
-    rate("recall", "detection recall", pooled.matched, pooled.reference, metric.min_recall, "reference boxes", "missed")
-    note = f"{pooled.reference} reference and {pooled.candidate} candidate boxes over {len(counts)} samples"
+    # Each image is one trial, its own precision and recall (1 where it has no box to get wrong) its rate: the boxes
+    # of one image share its input and are not independent.
+    for key, what, minimum, boxes, failure in (("precision", "detection precision", metric.min_precision, "candidate",
+                                                "unmatched"), ("recall", "detection recall", metric.min_recall,
+                                                               "reference", "missed")):
+        per_sample = [c.precision if key == "precision" else c.recall for c in counts]
+        total = getattr(pooled, boxes)
+        evidence[key] = RateEvidence.of_samples(what, per_sample, rows=total, rows_failed=total - pooled.matched,
+                                                row_unit=f"{boxes} boxes", failure=failure, minimum=minimum,
+                                                confidence=confidence, bounded=bounded)
+    values = {key: float(np.mean([getattr(c, key) for c in counts])) if counts else 1.0 for key in thresholds}
+    note = (f"{pooled.reference} reference and {pooled.candidate} candidate boxes over {len(counts)} samples "
+            f"(pooled: precision {pooled.precision:.3f}, recall {pooled.recall:.3f})")
     return _result(metric.kind, name, values, thresholds, evidence, note, worst)
 
 
@@ -117,36 +135,47 @@ def nearest_neighbours(rows: np.ndarray) -> np.ndarray:
     return similarity.argmax(axis=1)
 
 
-def aimed_gate(tolerance: Tolerance, metrics: list[TaskMetric], verdict_samples: int, confidence: float,
-               rows_per_sample: int = 1) -> tuple[Tolerance, list[TaskMetric], list[str]]:
+def samples_to_certify(tolerance: Tolerance, metrics: list[TaskMetric], confidence: float) -> int:
+    """The fewest held-out samples whose verdict, with none failing, certifies every rate of the gate."""
+    minimums = [v for m in metrics if isinstance(m, TopKMetric) for v in m.min_agreement.values()]
+    minimums += [m.min_agreement for m in metrics if isinstance(m, NeighbourMetric)]
+    minimums += [v for m in metrics if isinstance(m, DetectionMetric) for v in (m.min_precision, m.min_recall)]
+    minimums.append(1 - tolerance.max_failing_fraction if tolerance.max_failing_fraction > 0
+                    else tolerance.strict_min_bound)
+    return max(trials_needed(v, confidence) or 0 for v in minimums)
+
+
+def aimed_gate(tolerance: Tolerance, metrics: list[TaskMetric], verdict_samples: int,
+               confidence: float) -> tuple[Tolerance, list[TaskMetric], list[str]]:
     """The gate as a choice made on other samples (a search's probes, auto's shortlist) must see it for the held-out
     verdict on `verdict_samples` to certify the result: each rate's minimum (task metrics, the share of samples
     within tolerance) raised to the observed rate that still clears the recipe's minimum by its bound
     (evidence.aimed_minimum). Returns (tolerance, metrics, one line per rate that no result on that many held-out
-    samples can certify). Rows are `rows_per_sample` per sample; a detector's boxes are not known before it runs, so its
-    rates are aimed as if each sample held one box (the stricter reading) and never declared out of reach."""
+    samples can certify). Every rate counts samples, however many rows (boxes, tokens) each holds."""
     aimed, hopeless = [], []
 
-    def aim(value: float, what: str, trials: int | None) -> float:
-        target = aimed_minimum(value, trials or verdict_samples, confidence)
-        if target is None and trials is not None:
-            hopeless.append(f"{what} >= {value:.1%} needs {trials_needed(value, confidence)} held-out "
-                            f"{'samples' if rows_per_sample == 1 else 'rows'} at {confidence:.0%} confidence, {trials} given")
+    def aim(value: float, what: str) -> float:
+        target = aimed_minimum(value, verdict_samples, confidence)
+        if target is None:
+            hopeless.append(f"{what} >= {value:.1%} needs {trials_needed(value, confidence)} held-out samples at "
+                            f"{confidence:.0%} confidence, {verdict_samples} given")
         return value if target is None else max(target, value)
 
-    rows = verdict_samples * rows_per_sample
     for metric in metrics:
         if isinstance(metric, TopKMetric):
-            metric = metric.model_copy(update={"min_agreement": {k: aim(v, f"top-{k} agreement", rows)
+            metric = metric.model_copy(update={"min_agreement": {k: aim(v, f"top-{k} agreement")
                                                                  for k, v in metric.min_agreement.items()}})
         elif isinstance(metric, NeighbourMetric):
-            metric = metric.model_copy(update={"min_agreement": aim(metric.min_agreement, "nearest-neighbour agreement",
-                                                                    rows)})
+            metric = metric.model_copy(update={"min_agreement": aim(metric.min_agreement, "nearest-neighbour agreement")})
         elif isinstance(metric, DetectionMetric):
-            metric = metric.model_copy(update={"min_precision": aim(metric.min_precision, "detection precision", None),
-                                               "min_recall": aim(metric.min_recall, "detection recall", None)})
+            metric = metric.model_copy(update={"min_precision": aim(metric.min_precision, "detection precision"),
+                                               "min_recall": aim(metric.min_recall, "detection recall")})
         aimed.append(metric)
     if tolerance.max_failing_fraction > 0:
-        within = aim(1 - tolerance.max_failing_fraction, "samples within tolerance", verdict_samples)
+        within = aim(1 - tolerance.max_failing_fraction, "samples within tolerance")
         tolerance = tolerance.model_copy(update={"max_failing_fraction": 1 - within})
+    elif aimed_minimum(tolerance.strict_min_bound, verdict_samples, confidence) is None:
+        hopeless.append(f"samples within tolerance: none failing shows >= {tolerance.strict_min_bound:.1%} only on "
+                        f"{trials_needed(tolerance.strict_min_bound, confidence)} held-out samples at "
+                        f"{confidence:.0%} confidence, {verdict_samples} given")
     return tolerance, aimed, hopeless

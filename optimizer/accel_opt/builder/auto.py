@@ -37,7 +37,7 @@ from accel_opt.builder.choice import choose, objective_batches, speed_floors
 from accel_opt.builder.context import CandidateLimits
 from accel_opt.builder.pipeline import build
 from accel_opt.data import Sample
-from accel_opt.errors import AccelOptError, CandidateDropped, UsageError, write_crash_log
+from accel_opt.errors import AccelOptError, CandidateDropped, TooFewToCertify, UsageError, write_crash_log
 from accel_opt.files import write_json, write_text
 from accel_opt.machine.cpu import CpuProfile, available_cpus
 from accel_opt.recipe.schema import Recipe
@@ -176,6 +176,8 @@ def build_auto(
             raise
         except CandidateDropped as exc:
             candidate.verdict = f"dropped: {exc}"
+            if isinstance(exc, TooFewToCertify):
+                candidate.samples_needed, candidate.data_samples_needed = exc.samples_needed, exc.data_samples_needed
         except Exception as exc:  # noqa: BLE001 - one candidate failing for any reason must not end the others
             errors.append(exc)
             candidate.verdict = f"could not build: {_failure_line(exc)}"
@@ -215,6 +217,8 @@ def _fill(candidate: Candidate, result: BuildResult, target: int) -> None:
     at_target = next((h for h in result.headline if h.batch_size == target), result.headline[-1])
     candidate.signed_off = result.signed_off
     candidate.held_out = accuracy.verdict
+    if accuracy.verdict == "insufficient":
+        candidate.samples_needed, candidate.data_samples_needed = result.samples_needed, result.data_samples_needed
     candidate.rates = [c.evidence for c in accuracy.checks if c.evidence is not None]
     candidate.checks_passed = all(c.passed for c in accuracy.checks if c.evidence is None) and \
         len(result.failures) == len(accuracy.failures)  # the benchmark gate's failures are not rates

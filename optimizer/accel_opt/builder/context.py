@@ -13,7 +13,7 @@ from accel_opt.accuracy.metrics import aimed_gate
 from accel_opt.artifact.config import ResourceConfig
 from accel_opt.backends import Backend, CompiledModel
 from accel_opt.bench import BenchmarkReport
-from accel_opt.data import DataSplit, DataSummary, Sample, rows_of
+from accel_opt.data import DataSplit, DataSummary, Sample
 from accel_opt.graph.cleanup import CleanupReport
 from accel_opt.graph.inspect import ResolvedShapes, TensorSpec
 from accel_opt.graph.load import LoadedModel
@@ -131,9 +131,11 @@ class BuildContext:
 
     @property
     def bounded(self) -> bool:
-        """Whether the verdict's rates must clear their minimums by their confidence bound: every reduced precision.
-        An fp32 build is judged against the float32 noise floor by its observed rates, never refused for few samples."""
-        return self.recipe.precision is not Precision.fp32
+        """Whether the verdict's rates must clear their minimums by their confidence bound: every reduced precision
+        on real data. An fp32 build is judged against the float32 noise floor by its observed rates, never refused for
+        few samples; synthetic inputs (no --data) certify no rate: a numeric check on the observed counts."""
+        synthetic = self.data is not None and self.data.synthetic
+        return self.recipe.precision is not Precision.fp32 and not synthetic
 
     def steering_gate(self) -> tuple[Tolerance, list[TaskMetric], list[str]]:
         """(tolerance, task metrics, hopeless lines) a choice made on the steering samples judges by: for a bounded
@@ -141,6 +143,4 @@ class BuildContext:
         tolerance, metrics = self.recipe.tolerance, list(self.recipe.accuracy.task_metrics)
         if not self.bounded:
             return tolerance, metrics, []
-        axes = self.shapes.batch_axes if self.shapes is not None else {}
-        rows = rows_of(self.eval_samples[0], axes) if self.eval_samples and axes else 1
-        return aimed_gate(tolerance, metrics, len(self.eval_samples), self.recipe.accuracy.confidence, rows)
+        return aimed_gate(tolerance, metrics, len(self.eval_samples), self.recipe.accuracy.confidence)

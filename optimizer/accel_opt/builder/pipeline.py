@@ -24,11 +24,11 @@ from accel_opt.builder.checks import cleanup, exercise_image_path
 from accel_opt.builder.context import BuildContext, CandidateLimits
 from accel_opt.builder.fallback_actions import fallback_actions
 from accel_opt.builder.records import artifact_name, data_record, reuse, write_manifest, write_reports
-from accel_opt.builder.samples import data_samples_needed, read_and_split
+from accel_opt.builder.samples import data_samples_needed, read_and_split, too_few_to_certify
 from accel_opt.builder.staging import batch_problem, stage_deployment
 from accel_opt.builder.torch_plan import torch_precision
 from accel_opt.data import Sample
-from accel_opt.errors import AccelOptError, CandidateDropped, Unsupported, UsageError, no_space_error
+from accel_opt.errors import AccelOptError, Unsupported, UsageError, no_space_error
 from accel_opt.files import ensure_free_space, sha256_file
 from accel_opt.graph.inspect import io_specs, with_batch
 from accel_opt.graph.load import load_model
@@ -108,9 +108,8 @@ def build(
                 _run_stage(ctx, name, stage, stages, on_stage)
                 if name != "load":
                     continue
-                hopeless = ctx.steering_gate()[2]
-                if limits is not None and hopeless:  # no build of this precision could sign off on these samples
-                    raise CandidateDropped(f"not built: {hopeless[0]}")
+                if limits is not None and (too_few := too_few_to_certify(ctx)):  # no build of it could sign off
+                    raise too_few
                 if not force:
                     reused = reuse(ctx, out_dir / artifact_name(ctx), str(model), stages, on_stage)
                     if reused is not None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from accel_opt.accuracy.metrics import samples_to_certify
 from accel_opt.builder.context import BuildContext
 from accel_opt.data import (
     DataSplit,
@@ -19,7 +20,7 @@ from accel_opt.data import (
     split_roles,
     synthetic_samples,
 )
-from accel_opt.errors import InputRejected, UsageError
+from accel_opt.errors import InputRejected, TooFewToCertify, UsageError
 from accel_opt.graph.inspect import TensorSpec, resolve_shapes
 from accel_opt.preprocess.images import to_model_input
 from accel_opt.recipe.types import Precision
@@ -66,6 +67,16 @@ def read_and_split(ctx: BuildContext) -> list[Sample]:
                             f"--data holds only {len(ctx.split.calibration + ctx.split.steering)} distinct sample(s), "
                             "all taken to calibrate and steer: none is left to judge the build; give more distinct samples")
     return samples
+
+
+def too_few_to_certify(ctx: BuildContext) -> TooFewToCertify | None:
+    """For auto: the error that drops a candidate when no result on its held-out samples could certify it."""
+    hopeless = ctx.steering_gate()[2]
+    if not hopeless:
+        return None
+    accuracy = ctx.recipe.accuracy
+    needed = samples_to_certify(ctx.recipe.tolerance, list(accuracy.task_metrics), accuracy.confidence)
+    return TooFewToCertify(f"not built: {hopeless[0]}", needed, data_samples_needed(ctx, needed))
 
 
 def data_samples_needed(ctx: BuildContext, held_out_needed: int | None) -> int | None:

@@ -105,7 +105,7 @@ def build(model, precision, backend, device, recipe_path, data_dir, eval_data_di
         interrupted(exc)
     if junit_file:
         write_junit(junit_file, _junit_suites(model, result, selection))
-    exit_code = result.exit_code if result else 1
+    exit_code = result.exit_code if result else 6 if selection is not None and selection.too_few_for_all else 1
     no_winner = None
     if result is None and selection is not None:
         from accel_opt.builder.auto import selection_report_path
@@ -113,7 +113,8 @@ def build(model, precision, backend, device, recipe_path, data_dir, eval_data_di
         no_winner = (f"no winner: {selection.no_winner_reason()}; every candidate's verdict is in "
                      f"{selection_report_path(out_dir, model)}")
     if as_json:
-        payload = result.model_dump(mode="json") if result else {"signed_off": False, "exit_code": 1, "artifact_dir": None,
+        payload = result.model_dump(mode="json") if result else {"signed_off": False, "exit_code": exit_code,
+                                                                 "artifact_dir": None,
                                                                  "failures": [no_winner] if no_winner else None}
         if selection is not None:
             payload["selection"] = selection.model_dump(mode="json")
@@ -125,6 +126,8 @@ def build(model, precision, backend, device, recipe_path, data_dir, eval_data_di
             click.echo(selection_markdown(Path(model).stem, selection))
         if result:
             _print_result(result)
+        if result and selection is not None and selection.too_few_line():  # what --precision auto could not certify
+            click.echo(f"not certified: {selection.too_few_line()}")
     if no_winner:
         click.echo(f"accel-opt: {no_winner}", err=True)
     sys.exit(exit_code)
@@ -231,8 +234,8 @@ def _print_result(result) -> None:
                       *(f"{r:.2f}x" if r is not None else "-" for r in ratios))
     console.print(table)
     verdict = "[green]SIGNED OFF[/green]" if result.signed_off else "[red]NOT SIGNED OFF[/red]"
-    if result.too_few_line():
-        verdict += ": " + result.too_few_line()
+    for said in (result.too_few_line(), result.synthetic_line()):
+        verdict += f": {said}" if said else ""
     console.print(f"accuracy: {verdict}", highlight=False)
     for failure in result.failures:
         console.print(f"  - {failure}", highlight=False)

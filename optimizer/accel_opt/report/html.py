@@ -104,8 +104,8 @@ def _rests_on(acc: dict, build: dict) -> str:
         + (f"; absolute atol {tol['atol'] or 0:g} / rtol {tol['rtol'] or 0:g}" if tol.get("atol") is not None
            or tol.get("rtol") is not None else ""),
     ]
-    warning = ('<p class="warn"><b>Synthetic data was used:</b> the inputs were random; the numeric check holds, '
-               "task quality was not measured on real inputs.</p>") if data.get("source") == "synthetic" else ""
+    warning = ('<p class="warn"><b>Synthetic data was used:</b> the inputs were random: a numeric check only, judged '
+               "on the observed counts; no task rate was certified on real inputs.</p>") if data.get("source") == "synthetic" else ""
     return "<h2>What the verdict rests on</h2>" + warning + "<ul>" + "".join(f"<li>{i}</li>" for i in items) + "</ul>"
 
 

@@ -70,6 +70,13 @@ class BuildResult(BaseModel):
     def eval_samples(self) -> list[Sample]:
         return self._eval_samples
 
+    def synthetic_line(self) -> str | None:
+        """Without --data: what the verdict covers, in words a reviewer reads; None on real data."""
+        if self.data is None or not self.data.synthetic:
+            return None
+        return (f"numeric check only, on {self.data.evaluation_samples} synthetic (random) inputs: no task rate was "
+                "certified; give --data for a sign-off on real inputs")
+
     def too_few_line(self) -> str | None:
         """Insufficient evidence: what would be enough, in words a user acts on; None otherwise."""
         if self.verdict != "insufficient evidence" or self.samples_needed is None:

@@ -44,6 +44,10 @@ class Candidate(BaseModel):
     objective_value: float | None = None  # ms (latency) or samples/s (throughput objectives); None: budget not met
     objective_batch: int | None = None
     verdict: str = ""  # why it won or lost
+    # Too few held-out samples to certify it (dropped before building, or built and judged insufficient): how many
+    # held-out samples would do with none failing, and the --data samples the recipe's split deals them from.
+    samples_needed: int | None = None
+    data_samples_needed: int | None = None
 
     @property
     def label(self) -> str:
@@ -100,4 +104,23 @@ class AutoSelection(BaseModel):
             return None
         if any(c.signed_off for c in self.candidates):
             return "the signed-off candidates lose on the objective"
+        if self.too_few_for_all:
+            return self.too_few_line()
         return "no candidate passed the gate"
+
+    @property
+    def too_few_for_all(self) -> bool:
+        """Every candidate tried was too few held-out samples away from a verdict (exit 6 when none won)."""
+        tried = [c for c in self.candidates if not c.verdict.startswith("not tried")]
+        return bool(tried) and all(c.samples_needed for c in tried)
+
+    def too_few_line(self) -> str | None:
+        """Which reduced candidates the held-out samples were too few to certify, and how many would do."""
+        short = [c for c in self.candidates if c.samples_needed and not c.signed_off]
+        if not short:
+            return None
+        needed = max(c.samples_needed for c in short)
+        data = max((c.data_samples_needed for c in short if c.data_samples_needed), default=None)
+        give = f"--data with at least {data} distinct samples or " if data else ""
+        return (f"too few held-out samples to certify {', '.join(c.label for c in short)}: {needed} needed with none "
+                f"failing; give {give}{needed} held-out ones with --eval-data")
