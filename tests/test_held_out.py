@@ -305,3 +305,60 @@ def test_auto_with_too_few_samples_is_exit_6_for_a_reduced_precision_and_ships_t
     said = " ".join(human.stdout.split())
     assert human.exit_code == 0 and "not certified: too few held-out samples to certify onnxruntime int8: 59 needed" \
         in said, human.output
+
+
+def test_groups_are_dealt_whole_and_copies_and_their_eval_samples_stay_out():
+    from accel_opt.data.groups import split_groups
+
+    keys = [f"k{i}" for i in range(30)] + ["k0"]  # the last is a copy of the first
+    groups = [f"photo{i // 3}" for i in range(30)] + ["photo0"]
+    split = split_groups(keys, groups, SplitConfig(), True, 64, 300, seed=0)
+    roles = {role: {groups[i] for i in getattr(split, role)} for role in ("calibration", "steering", "verdict")}
+    assert all(not (roles[a] & roles[b]) for a in roles for b in roles if a < b)  # no group in two roles
+    assert split.groups == {role: sorted(names) for role, names in roles.items()} and 30 in split.unused
+    assert len(split.calibration) == 8 and len(split.steering) == 5  # a quarter and 15% of 30, to within a group
+    held = ["e0", "e1"]  # --eval-data: one sample of a group that calibrated, one of a new group
+    calibrating = groups[split.calibration[0]]
+    with_eval = split_groups(keys[:30], groups[:30] + [calibrating, "new"], SplitConfig(), True, 64, 300, 0, held)
+    assert with_eval.verdict == [31] and 30 in with_eval.unused
+
+
+def test_a_grouped_build_counts_held_out_groups_and_records_them(recipe, tmp_path):
+    """120 samples from 40 sources (3 each, named in a CSV): whole sources are dealt, the verdict's rates count
+    held-out sources as their trials, the manifest lists each role's groups and signoff.md says what a trial is."""
+    model = save(tie_classifier(), tmp_path / "tie.onnx")
+    data, _ = write_data(tmp_path / "data", 120)
+    table = tmp_path / "groups.csv"
+    table.write_text("file,group\n" + "".join(f"s{i:03d}.npz,source{i // 3}\n" for i in range(120)))
+    result = build(model, recipe.with_overrides(**{"accuracy.split.groups_file": str(table)}), data_dir=data,
+                   out_dir=tmp_path / "out")
+    folder = Path(result.artifact_dir)
+    accuracy = json.loads((folder / "accuracy.json").read_text())
+    split = json.loads((folder / "manifest.json").read_text())["data"]["split"]
+    assert accuracy["trial_unit"] == "groups" and accuracy["trial_count"] == len(split["groups"]["verdict"])
+    assert sum(len(v) for v in split["groups"].values()) == 40 and accuracy["sample_count"] == 3 * accuracy["trial_count"]
+    (top1,) = [c for c in accuracy["checks"] if c["name"].endswith("top1")]
+    assert top1["evidence"]["trials"] == accuracy["trial_count"] and top1["evidence"]["unit"] == "groups"
+    # fewer held-out sources than the 59 trials 95% needs with none failing: too few is the verdict
+    assert result.exit_code == 6 and result.samples_needed == 59
+    signoff = (folder / "signoff.md").read_text()
+    assert f"over {accuracy['trial_count']} held-out groups, each one trial" in signoff
+    assert "Samples grouped by their source (40 groups, dealt whole" in signoff
+
+
+def test_groups_that_do_not_fit_the_samples_are_a_one_line_input_error(tmp_path):
+    model = save(tie_classifier(), tmp_path / "tie.onnx")
+    data, _ = write_data(tmp_path / "data", 12)
+    partial = tmp_path / "partial.csv"
+    partial.write_text("file,group\ns000.npz,a\n")
+    stranger = tmp_path / "stranger.csv"
+    stranger.write_text("file,group\n" + "".join(f"s{i:03d}.npz,g{i}\n" for i in range(12)) + "nowhere.npz,g\n")
+    cases = {("--groups", str(partial)): (3, "11 sample(s) have no group, first s001.npz"),
+             ("--groups", str(stranger)): (3, "names 1 file(s) that are not samples, first nowhere.npz"),
+             ("--group-pattern", "^t"): (3, "--group-pattern '^t' does not match the sample s000.npz"),
+             ("--group-pattern", "(unclosed"): (2, "is not a regular expression")}
+    for flags, (code, said) in cases.items():
+        done = CliRunner().invoke(main, ["build", str(model), "--precision", "int8", "--data", str(data), *flags,
+                                         "--out", str(tmp_path / "out")])
+        assert done.exit_code == code and said in done.stderr and done.stderr.count("\n") == 1, (flags, done.output)
+    assert not any((tmp_path / "out").glob("tie-*"))

@@ -25,8 +25,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Literal
 
+import numpy as np
 from pydantic import BaseModel, computed_field
 
 METHOD = "Clopper-Pearson (exact binomial), one-sided"
@@ -88,6 +90,31 @@ def aimed_minimum(minimum: float, verdict_trials: int, confidence: float = DEFAU
     if allowed is None:
         return None
     return 1.0 - allowed / verdict_trials if minimum < 1.0 else 1.0
+
+
+@dataclass(frozen=True)
+class Trials:
+    """What one trial of a rate is: each held-out sample, or, where the user named groups of samples that share a
+    source (crops of one photo, frames of one video), each group: `unit_of` gives each sample's trial index."""
+
+    unit_of: tuple[int, ...]
+    count: int
+    unit: str = "samples"
+
+    @classmethod
+    def of(cls, names: Sequence[str], groups: Sequence[str] | None = None) -> Trials:
+        if groups is None:
+            return cls(tuple(range(len(names))), len(names))
+        index = {group: i for i, group in enumerate(dict.fromkeys(groups))}
+        return cls(tuple(index[g] for g in groups), len(index), "groups")
+
+    def shares(self, values: np.ndarray, owner: np.ndarray) -> list[float]:
+        """Each trial's share: the mean of `values` (1 agrees, 0 does not, or a sample's own rate) over its rows;
+        `owner` is each row's sample index. Trials without rows are left out."""
+        units = np.asarray(self.unit_of, dtype=np.int64)[np.asarray(owner, dtype=np.int64)]
+        counts = np.bincount(units, minlength=self.count)
+        kept = np.bincount(units, weights=np.asarray(values, dtype=np.float64), minlength=self.count)
+        return [float(k / c) for k, c in zip(kept, counts) if c]
 
 
 class RateEvidence(BaseModel):

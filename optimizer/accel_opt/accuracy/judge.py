@@ -12,7 +12,7 @@ from polygraphy.comparator import CosineSimilarityCompareFunc, SimpleCompareFunc
 from polygraphy.comparator.struct import IterationResult
 from polygraphy.logger import G_LOGGER
 
-from accel_opt.accuracy.evidence import DEFAULT_CONFIDENCE, RateEvidence
+from accel_opt.accuracy.evidence import DEFAULT_CONFIDENCE, RateEvidence, Trials
 from accel_opt.accuracy.metrics import task_metric
 from accel_opt.accuracy.models import (
     MAX_LISTED_SAMPLES,
@@ -48,13 +48,16 @@ def judge(
     noise_floor: dict[str, float] | None = None,
     confidence: float = DEFAULT_CONFIDENCE,
     bounded: bool = False,
+    groups: list[str] | None = None,
 ) -> AccuracyReport:
     """The verdict on per-sample outputs of the reference and the candidate (same order as `names`).
     A reference with NaN in an output is refused (InputRejected): nothing can be judged against it.
     `noise_floor`: per output, an absolute error below which a difference is float32 noise (fp32_noise_floor).
     `bounded`: every rate (samples within tolerance, task metrics' agreements) must clear its minimum by its one-sided
-    lower bound at `confidence` (a reduced-precision sign-off on held-out samples); otherwise by the observed rate."""
+    lower bound at `confidence` (a reduced-precision sign-off on held-out samples); otherwise by the observed rate.
+    `groups`: each sample's group (samples sharing a source): every rate then counts groups as its trials."""
     _refuse_undefined_reference(ref_outs, names, reference_name)
+    trials = Trials.of(names, groups)
     outputs: list[OutputAccuracy] = []
     per_sample: list[SampleAccuracy] = []
     checks: list[Check] = []
@@ -71,12 +74,13 @@ def judge(
                                 f"shape {list(bad_shape[1])} != reference {list(bad_shape[2])}"))
             continue
         output, samples = _judge_output(name, [r[name] for r in ref_outs], [c[name] for c in cand_outs], names, tolerance,
-                                        (noise_floor or {}).get(name, 0.0), confidence, bounded)
+                                        (noise_floor or {}).get(name, 0.0), confidence, bounded, trials)
         outputs.append(output)
         per_sample += samples
-        checks += _output_checks(output, samples, tolerance, confidence, bounded)
+        checks += _output_checks(output, samples, tolerance, confidence, bounded, trials)
 
-    task_results = [task_metric(metric, ref_outs, cand_outs, names, confidence, bounded) for metric in task_metrics]
+    task_results = [task_metric(metric, ref_outs, cand_outs, names, confidence, bounded, trials)
+                    for metric in task_metrics]
     for r in task_results:
         extra = (f" ({r.note})" if r.note else "") + (f"; worst: {', '.join(r.worst_samples[:3])}" if r.worst_samples else "")
         for key, minimum in r.thresholds.items():
@@ -105,6 +109,8 @@ def judge(
         failures=failures,
         confidence=confidence,
         bounded=bounded,
+        trial_unit=trials.unit,
+        trial_count=trials.count,
     )
 
 
@@ -141,9 +147,9 @@ def _cosine(a: np.ndarray, b: np.ndarray) -> float:
 
 def _judge_output(name: str, refs: list[np.ndarray], cands: list[np.ndarray], names: list[str],
                   tol: Tolerance, noise_floor: float = 0.0, confidence: float = DEFAULT_CONFIDENCE,
-                  bounded: bool = False) -> tuple[OutputAccuracy, list[SampleAccuracy]]:
+                  bounded: bool = False, trials: Trials | None = None) -> tuple[OutputAccuracy, list[SampleAccuracy]]:
     if np.asarray(refs[0]).dtype.kind in "biu":
-        return _judge_exact(name, refs, cands, names, tol, confidence, bounded)
+        return _judge_exact(name, refs, cands, names, tol, confidence, bounded, trials)
     ref_raw = [np.asarray(r, dtype=np.float64).ravel() for r in refs]
     cand_raw = [np.asarray(c, dtype=np.float64).ravel() for c in cands]
     # A reference +-inf (a masked log-probability) is matched only by the same infinity, and then compares equal
@@ -214,13 +220,13 @@ def _judge_output(name: str, refs: list[np.ndarray], cands: list[np.ndarray], na
         noise_floor=noise_floor,
         passed=False,
     )
-    output.passed = all(c.passed for c in _output_checks(output, samples, tol, confidence, bounded))
+    output.passed = all(c.passed for c in _output_checks(output, samples, tol, confidence, bounded, trials))
     return output, samples
 
 
 def _judge_exact(name: str, refs: list[np.ndarray], cands: list[np.ndarray], names: list[str], tol: Tolerance,
-                 confidence: float = DEFAULT_CONFIDENCE,
-                 bounded: bool = False) -> tuple[OutputAccuracy, list[SampleAccuracy]]:
+                 confidence: float = DEFAULT_CONFIDENCE, bounded: bool = False,
+                 trials: Trials | None = None) -> tuple[OutputAccuracy, list[SampleAccuracy]]:
     """An integer/bool output: each sample's error is the fraction of its elements that differ."""
     differ = [np.asarray(c).ravel() != np.asarray(r).ravel() for r, c in zip(refs, cands)]
     changed = np.concatenate(differ)
@@ -234,24 +240,30 @@ def _judge_exact(name: str, refs: list[np.ndarray], cands: list[np.ndarray], nam
         median_abs_error=0.0, max_rel_error=0.0, mean_rel_error=0.0, non_finite_count=0, passed=False,
         agreement=agreement,
     )
-    output.passed = all(c.passed for c in _output_checks(output, samples, tol, confidence, bounded))
+    output.passed = all(c.passed for c in _output_checks(output, samples, tol, confidence, bounded, trials))
     return output, samples
 
 
 def _output_checks(o: OutputAccuracy, samples: list[SampleAccuracy], tol: Tolerance,
-                   confidence: float = DEFAULT_CONFIDENCE, bounded: bool = False) -> list[Check]:
+                   confidence: float = DEFAULT_CONFIDENCE, bounded: bool = False,
+                   trials: Trials | None = None) -> list[Check]:
     """Every numeric check of one output, passed or failed, each with its one-line reason. The per-sample check is a
-    rate: the share of samples within tolerance, at least 1 - `tol.max_failing_fraction` (by its bound if `bounded`)."""
+    rate: the share of samples within tolerance, at least 1 - `tol.max_failing_fraction` (by its bound if `bounded`);
+    with groups (`trials`), each group's share of its samples within tolerance is one trial."""
     def check(kind: str, passed: bool, line: str) -> Check:
         return Check(name=f"{o.name}: {kind}", passed=passed, line=f"{o.name}: {line}")
+
+    trials = trials or Trials.of([s.sample for s in samples])
+    each = np.arange(len(samples))
 
     if o.agreement is not None:  # ids compared exactly: each sample's share of equal elements, a trial per sample
         differing = [s.sample for s in samples if s.error > 0]
         elements = len(samples) * max(1, math.prod(o.shape))
-        agreement = RateEvidence.of_samples(f"{o.name} elements equal to the reference", [1 - s.error for s in samples],
+        agreement = RateEvidence.of_samples(f"{o.name} elements equal to the reference",
+                                            trials.shares(np.array([1 - s.error for s in samples]), each),
                                             rows=elements, rows_failed=round((1 - o.agreement) * elements),
                                             row_unit="elements", failure="changed", minimum=tol.min_agreement,
-                                            confidence=confidence, bounded=bounded)
+                                            confidence=confidence, bounded=bounded, unit=trials.unit)
         within = agreement.status == "pass"
         note = (f"{elements} elements: one changed element ({1 / elements:.1%}) already fails the minimum"
                 if o.agreement < 1 and (elements - 1) / elements < tol.min_agreement else None)
@@ -277,9 +289,11 @@ def _output_checks(o: OutputAccuracy, samples: list[SampleAccuracy], tol: Tolera
     ]
     failed = [s for s in samples if not s.passed]
     strict = tol.max_failing_fraction == 0
-    within = RateEvidence(what="samples within tolerance", successes=len(samples) - len(failed), trials=len(samples),
-                          minimum=1.0 - tol.max_failing_fraction, confidence=confidence, bounded=bounded,
-                          floor=tol.strict_min_bound if strict else None)
+    within = RateEvidence.of_samples("samples within tolerance", trials.shares(np.array([s.passed for s in samples]),
+                                                                               each),
+                                     rows=len(samples), rows_failed=len(failed), row_unit="samples", unit=trials.unit,
+                                     minimum=1.0 - tol.max_failing_fraction, confidence=confidence, bounded=bounded,
+                                     floor=tol.strict_min_bound if strict else None)
     limits = f"error {tol.max_sample_error:g} and cosine {tol.min_sample_cosine}"
     if within.status == "insufficient":
         line = f"{within.line()} (within {limits})"

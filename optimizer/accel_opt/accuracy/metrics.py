@@ -7,7 +7,7 @@ import logging
 
 import numpy as np
 
-from accel_opt.accuracy.evidence import DEFAULT_CONFIDENCE, RateEvidence, aimed_minimum, trials_needed
+from accel_opt.accuracy.evidence import DEFAULT_CONFIDENCE, RateEvidence, Trials, aimed_minimum, trials_needed
 from accel_opt.accuracy.models import MAX_LISTED_SAMPLES, TaskMetricResult
 from accel_opt.recipe.gate import CosineMetric, DetectionMetric, NeighbourMetric, TaskMetric, Tolerance, TopKMetric
 
@@ -22,11 +22,12 @@ def _rows(outputs: list[dict[str, np.ndarray]], name: str) -> list[np.ndarray]:
 
 
 def task_metric(metric: TaskMetric, ref_outs, cand_outs, names: list[str], confidence: float = DEFAULT_CONFIDENCE,
-                bounded: bool = False) -> TaskMetricResult:
+                bounded: bool = False, trials: Trials | None = None) -> TaskMetricResult:
     """`metric` on the per-sample outputs. Its rates (top-k agreement, neighbours kept, boxes matched) carry their
     counts (`evidence`), one trial per sample however many rows it holds (evidence.RateEvidence.of_samples): judged by
     their lower bound at `confidence` where `bounded`, else by the observed rate; a rate's value is the mean of the
-    samples' own rates."""
+    samples' own rates. `trials`: where samples are grouped, each group is one trial."""
+    trials = trials or Trials.of(names)
     name = metric.output or next(iter(ref_outs[0].keys()))
     note, worst = None, []
     evidence: dict[str, RateEvidence] = {}
@@ -34,16 +35,14 @@ def task_metric(metric: TaskMetric, ref_outs, cand_outs, names: list[str], confi
     def rate(key: str, what: str, agreed: np.ndarray, owner: np.ndarray, minimum: float, failure: str,
              row_unit: str = "rows") -> float:
         """`agreed`: per row, whether it agrees; `owner`: the sample each row belongs to. Returns the rate's value."""
-        counts = np.bincount(owner, minlength=len(names))
-        kept = np.bincount(owner, weights=agreed.astype(np.float64), minlength=len(names))
-        per_sample = [k / c for k, c in zip(kept, counts) if c]
-        evidence[key] = RateEvidence.of_samples(what, per_sample, rows=len(agreed), rows_failed=int((~agreed).sum()),
+        per_trial = trials.shares(agreed, owner)
+        evidence[key] = RateEvidence.of_samples(what, per_trial, rows=len(agreed), rows_failed=int((~agreed).sum()),
                                                 row_unit=row_unit, failure=failure, minimum=minimum,
-                                                confidence=confidence, bounded=bounded)
-        return float(np.mean(per_sample)) if per_sample else 1.0
+                                                confidence=confidence, bounded=bounded, unit=trials.unit)
+        return float(np.mean(per_trial)) if per_trial else 1.0
 
     if isinstance(metric, DetectionMetric):
-        return _detection_metric(metric, name, ref_outs, cand_outs, names, evidence, confidence, bounded)
+        return _detection_metric(metric, name, ref_outs, cand_outs, names, evidence, confidence, bounded, trials)
     ref_rows, cand_rows = _rows(ref_outs, name), _rows(cand_outs, name)
     ref, cand = np.concatenate(ref_rows), np.concatenate(cand_rows)
     owner = np.repeat(np.arange(len(names)), [len(r) for r in ref_rows])
@@ -91,7 +90,8 @@ def _result(kind: str, output: str, values: dict[str, float], thresholds: dict[s
 
 
 def _detection_metric(metric: DetectionMetric, name: str, ref_outs, cand_outs, names: list[str],
-                      evidence: dict[str, RateEvidence], confidence: float, bounded: bool) -> TaskMetricResult:
+                      evidence: dict[str, RateEvidence], confidence: float, bounded: bool,
+                      trials: Trials) -> TaskMetricResult:
     from accel_opt.accuracy.detection import Detections, decode_predictions, match, nms, sum_counts
 
     def detections(array: np.ndarray) -> Detections:
@@ -116,11 +116,12 @@ def _detection_metric(metric: DetectionMetric, name: str, ref_outs, cand_outs, n
     for key, what, minimum, boxes, failure in (("precision", "detection precision", metric.min_precision, "candidate",
                                                 "unmatched"), ("recall", "detection recall", metric.min_recall,
                                                                "reference", "missed")):
-        per_sample = [c.precision if key == "precision" else c.recall for c in counts]
+        per_sample = np.array([c.precision if key == "precision" else c.recall for c in counts])
         total = getattr(pooled, boxes)
-        evidence[key] = RateEvidence.of_samples(what, per_sample, rows=total, rows_failed=total - pooled.matched,
-                                                row_unit=f"{boxes} boxes", failure=failure, minimum=minimum,
-                                                confidence=confidence, bounded=bounded)
+        evidence[key] = RateEvidence.of_samples(what, trials.shares(per_sample, np.arange(len(counts))), rows=total,
+                                                rows_failed=total - pooled.matched, row_unit=f"{boxes} boxes",
+                                                failure=failure, minimum=minimum, confidence=confidence,
+                                                bounded=bounded, unit=trials.unit)
     values = {key: float(np.mean([getattr(c, key) for c in counts])) if counts else 1.0 for key in thresholds}
     note = (f"{pooled.reference} reference and {pooled.candidate} candidate boxes over {len(counts)} samples "
             f"(pooled: precision {pooled.precision:.3f}, recall {pooled.recall:.3f})")

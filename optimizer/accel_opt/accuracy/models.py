@@ -125,6 +125,9 @@ class AccuracyReport(BaseModel):
     confidence: float = DEFAULT_CONFIDENCE
     method: str = METHOD
     bounded: bool = False
+    # What a rate's trial is: each held-out sample, or each group of samples that share a source; how many there were.
+    trial_unit: str = "samples"
+    trial_count: int | None = None
     # How many samples had each role (calibration, steering, verdict): set by the build; the verdict is `sample_count`.
     roles: dict[str, int] = {}
     steering: SteeringVerdict | None = None  # set by the build

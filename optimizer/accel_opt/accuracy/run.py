@@ -49,6 +49,7 @@ def compare(
     confidence: float = DEFAULT_CONFIDENCE,
     bounded: bool = False,
     reference_cache: ReferenceCache | None = None,
+    groups: list[str] | None = None,
 ) -> AccuracyReport:
     """Run the reference per sample and the candidate in batches of `batch_size` rows (along
     `batch_axes`; default: axis 0 of every input that has one), then judge every output of every sample.
@@ -62,7 +63,7 @@ def compare(
     them, while the reference runs each text alone, so an answer that depends on its batch-mates fails the gate.
     `bounded`: rates are judged by their lower bound at `confidence` (judge()): a sign-off on held-out samples.
     `reference_cache`: the reference's outputs kept across calls (one --precision auto run's candidates): samples it
-    already ran are not run again."""
+    already ran are not run again. `groups`: each sample's group, where samples share sources: rates count groups."""
     names = names or [f"sample-{i:04d}" for i in range(len(samples))]
     if reference_outputs is not None:
         ref_outs = reference_outputs
@@ -75,7 +76,7 @@ def compare(
     with quiet_polygraphy(), candidate:
         cand_outs, evaluation = run_candidate(candidate, fed, ref_outs, batch_size, axes, padding)
     report = judge(ref_outs, cand_outs, names, tolerance, task_metrics, reference.name, candidate.name, evaluation,
-                   noise_floor, confidence, bounded)
+                   noise_floor, confidence, bounded, groups)
     report._reference_outputs = ref_outs
     return report
 

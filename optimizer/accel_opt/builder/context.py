@@ -82,6 +82,7 @@ class BuildContext:
     split: DataSplit | None = None  # which sample has which role (calibration, steering, verdict): the manifest records it
     verdict_max: int | None = None  # held-out samples judged at most (accuracy.max_samples, or less for memory)
     sample_names: list[str] = field(default_factory=list)  # every sample read, in index order (split's indices)
+    sample_groups: list[str] | None = None  # each sample's group, where the user grouped them (data.groups)
     calibration_samples: list[Sample] = field(default_factory=list)
     # Samples that steer choices (the fallback's search, the cleanup check, auto's shortlist), never judged for the verdict
     steering_samples: list[Sample] = field(default_factory=list)
@@ -128,6 +129,11 @@ class BuildContext:
 
         pre = self.recipe.preprocessing
         return image_input(pre, self.inputs).name if pre else self.inputs[0].name
+
+    @property
+    def eval_groups(self) -> list[str] | None:
+        """The held-out samples' groups (None: not grouped): the verdict's rates count groups as their trials."""
+        return [self.sample_groups[i] for i in self.split.verdict] if self.sample_groups else None
 
     @property
     def bounded(self) -> bool:

@@ -20,6 +20,7 @@ from accel_opt.data import (
     split_roles,
     synthetic_samples,
 )
+from accel_opt.data.groups import sample_groups, split_groups
 from accel_opt.errors import InputRejected, TooFewToCertify, UsageError
 from accel_opt.graph.inspect import TensorSpec, resolve_shapes
 from accel_opt.preprocess.images import to_model_input
@@ -58,9 +59,16 @@ def read_and_split(ctx: BuildContext) -> list[Sample]:
     ctx.shapes = resolve_shapes(ctx.inputs, recipe.shapes, shapes_of(samples), recipe.batch_axes)
     given = len(samples) - len(held_out or [])
     ctx.verdict_max = _verdict_memory_cap(ctx, accuracy.max_samples)
-    ctx.split = split_roles([sample_key(s) for s in samples[:given]], accuracy.split,
-                            recipe.precision is Precision.int8, recipe.precision_options.calibration.samples,
-                            ctx.verdict_max, accuracy.seed, held_out)
+    eval_names = ctx.eval_data.names if ctx.eval_data_dir is not None else []  # as named under their own folder
+    ctx.sample_groups = sample_groups(ctx.sample_names[:given] + eval_names, accuracy.split)
+    keys = [sample_key(s) for s in samples[:given]]
+    dealing = (accuracy.split, recipe.precision is Precision.int8, recipe.precision_options.calibration.samples,
+               ctx.verdict_max, accuracy.seed, held_out)
+    ctx.split = split_groups(keys, ctx.sample_groups, *dealing) if ctx.sample_groups else split_roles(keys, *dealing)
+    if ctx.split.groups:
+        counts = ", ".join(f"{len(ctx.split.groups[r])} {r}" for r in ("calibration", "steering", "verdict"))
+        ctx.notes.append(f"Samples grouped by their source ({len(set(ctx.sample_groups))} groups, dealt whole: {counts}): "
+                         "no group is in two roles, and the verdict's rates count held-out groups as their trials.")
     if not ctx.split.verdict:  # only copies of samples with another role: nothing is left to judge the build
         raise InputRejected("--eval-data holds no sample that --data does not: every one is a copy of a --data sample"
                             if held_out is not None else

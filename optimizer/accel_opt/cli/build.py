@@ -29,6 +29,11 @@ from accel_opt.errors import (
 @click.option("--eval-data", "eval_data_dir", type=click.Path(path_type=Path), help="Held-out samples (as --data takes "
               "them) that judge the verdict and nothing else; --data then only calibrates and steers. Default: a share "
               "of --data (recipe accuracy.split).")
+@click.option("--groups", "groups_file", type=click.Path(path_type=Path, exists=True, dir_okay=False),
+              help="A CSV (columns file,group) naming the source of every sample (crops of one photo, frames of one "
+                   "video): whole groups are dealt into roles, and the verdict's rates count held-out groups.")
+@click.option("--group-pattern", help="The same by a regex over each sample's name: its first capture group (or the "
+              "match) names the group, e.g. '^(.+)_frame\\d+'.")
 @click.option("--tokenizer", type=click.Path(path_type=Path), help="A text recipe's tokenizer.json (default: the "
               "recipe's text.tokenizer, the factory's hint, or tokenizer.json beside the model).")
 @click.option("--shapes", help="Fix dynamic dims, trtexec-style: NAME:1x3x224x224[,NAME:...].")
@@ -49,7 +54,8 @@ from accel_opt.errors import (
 @click.option("--junit", "junit_file", type=click.Path(path_type=Path), help="Write the gate's checks as JUnit XML here (for CI).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout (for CI).")
 @click.option("-v", "--verbose", is_flag=True, help="Log progress and show tracebacks.")
-def build(model, precision, backend, device, recipe_path, data_dir, eval_data_dir, tokenizer, shapes, batch_axes, max_shapes, require_data,
+def build(model, precision, backend, device, recipe_path, data_dir, eval_data_dir, groups_file, group_pattern, tokenizer, shapes,
+          batch_axes, max_shapes, require_data,
           keep_io_types, providers, calibration, target_cpu, time_budget_s, no_fallback, threads, out_dir, force, junit_file, as_json,
           verbose):
     """Build MODEL (.onnx, or a PyTorch factory FILE.py:FACTORY) through cleanup, precision, compile, accuracy gate
@@ -77,6 +83,8 @@ def build(model, precision, backend, device, recipe_path, data_dir, eval_data_di
                 "torch.device": device,
                 "benchmark.threads": threads,
                 "benchmark.max_shapes": parse_shapes(max_shapes) if max_shapes else None,
+                "accuracy.split.groups_file": str(groups_file.resolve()) if groups_file else None,
+                "accuracy.split.group_pattern": group_pattern,
             },
         )
         if tokenizer is not None:

@@ -3,6 +3,7 @@ the split of --data into calibration, steering and held-out samples, and the con
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
 from pydantic import Field, model_validator
@@ -140,6 +141,20 @@ class SplitConfig(_Strict):
     calibration_fraction: float = Field(default=0.25, gt=0, lt=1)
     steering_fraction: float = Field(default=0.15, ge=0, lt=1)
     max_steering: int = Field(default=32, ge=0)  # a search judges every variant on these: more costs time
+    # Samples that share a source, grouped (data.groups): whole groups are dealt, and held-out groups are the trials.
+    group_pattern: str | None = None  # a regex over each sample's name: its first capture group (or match) is the group
+    groups_file: str | None = None  # a CSV with the columns file,group
+
+    @model_validator(mode="after")
+    def _one_way_to_group(self) -> SplitConfig:
+        if self.group_pattern is not None and self.groups_file is not None:
+            raise ValueError("give group_pattern or groups_file, not both")
+        if self.group_pattern is not None:
+            try:
+                re.compile(self.group_pattern)
+            except re.error as exc:
+                raise ValueError(f"group_pattern {self.group_pattern!r} is not a regular expression: {exc}") from None
+        return self
 
     @model_validator(mode="after")
     def _leaves_a_verdict_share(self) -> SplitConfig:

@@ -68,8 +68,9 @@ def evidence_lines(accuracy: dict, data_line: str) -> list[str]:
              "samples are listed in manifest.json)"]
     if accuracy.get("bounded"):
         lines.append(f"Rates (the share of samples within tolerance, task metrics' agreement) are judged by their one-sided "
-                     f"lower bound at {confidence:.0%} confidence ({method}): the build signs off only where every bound "
-                     "clears its minimum, and too few held-out samples is its own verdict")
+                     f"lower bound at {confidence:.0%} confidence ({method}) over {accuracy.get('trial_count')} held-out "
+                     f"{accuracy.get('trial_unit', 'samples')}, each one trial whatever rows it holds: the build signs "
+                     "off only where every bound clears its minimum, and too few is its own verdict")
     else:
         lines.append(f"fp32: judged against the float32 noise floor on the observed rates (never refused for few "
                      f"samples); each rate's lower bound at {confidence:.0%} confidence ({method}) is shown")

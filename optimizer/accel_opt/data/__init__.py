@@ -209,13 +209,15 @@ class DataSplit(BaseModel):
     steering: list[int] = []
     verdict: list[int] = []
     unused: list[int] = []
+    groups: dict[str, list[str]] = {}  # where samples were grouped (data.groups): each role's groups
 
     def counts(self) -> dict[str, int]:
         return {"calibration": len(self.calibration), "steering": len(self.steering), "verdict": len(self.verdict)}
 
-    def names(self, names: list[str]) -> dict[str, list[str]]:
-        """The manifest's record: each role's sample names."""
-        return {role: [names[i] for i in getattr(self, role)] for role in ("calibration", "steering", "verdict", "unused")}
+    def names(self, names: list[str]) -> dict[str, list[str] | dict[str, list[str]]]:
+        """The manifest's record: each role's sample names, and each role's groups where samples were grouped."""
+        roles = {role: [names[i] for i in getattr(self, role)] for role in ("calibration", "steering", "verdict", "unused")}
+        return {**roles, "groups": self.groups} if self.groups else roles
 
 
 def sample_key(sample: Sample) -> str:
