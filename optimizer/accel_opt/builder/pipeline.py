@@ -122,7 +122,7 @@ def build(
                 exit_code=exit_code_of(ctx.accuracy, ctx.bench.failures), artifact_dir=str(final), failures=failures,
                 stages=stages, worst_cosine=ctx.accuracy.worst_cosine, data=data_record(ctx),
                 evaluated=ctx.accuracy.evaluation.deployment, verdict=verdict_of(ctx.accuracy, ctx.bench.failures),
-                samples_needed=ctx.accuracy.samples_needed,
+                samples_needed=ctx.accuracy.samples_needed, trial_unit=ctx.accuracy.trial_unit,
                 data_samples_needed=data_samples_needed(ctx, ctx.accuracy.samples_needed),
             )
             fill_headline(result, ctx.bench)

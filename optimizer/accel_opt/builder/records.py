@@ -48,6 +48,7 @@ def reuse(ctx: BuildContext, final: Path, model: str, stages: list[StageResult],
         model=model, precision=manifest.precision, backend=manifest.backend, signed_off=manifest.signed_off,
         exit_code=manifest.exit_code, verdict=verdict_of(accuracy, bench.failures),
         samples_needed=accuracy.samples_needed, data_samples_needed=data_samples_needed(ctx, accuracy.samples_needed),
+        trial_unit=accuracy.trial_unit,
         artifact_dir=str(final), failures=accuracy.failures + bench.failures, stages=stages,
         worst_cosine=accuracy.worst_cosine, data=data_record(ctx), evaluated=accuracy.evaluation.deployment, reused=True,
     )

@@ -55,7 +55,7 @@ def verdict_headline(signed_off: bool, accuracy: dict) -> str:
     if signed_off:
         return "SIGNED OFF"
     if accuracy.get("verdict") == "insufficient":
-        return f"NOT SIGNED OFF: not enough held-out samples ({accuracy.get('samples_needed')} needed)"
+        return f"NOT SIGNED OFF: not enough held-out {accuracy.get('trial_unit', 'samples')} ({accuracy.get('samples_needed')} needed)"
     return "NOT SIGNED OFF"
 
 

@@ -53,6 +53,7 @@ class BuildResult(BaseModel):
     verdict: Verdict = "signed off"
     samples_needed: int | None = None  # insufficient evidence: held-out samples that would be enough with no failure
     data_samples_needed: int | None = None  # ... and the --data samples this recipe's split deals them from
+    trial_unit: str = "samples"  # what those counts count: samples, or groups of samples that share a source
     artifact_dir: str | None = None
     latency_p50_ms: float | None = None  # at the smallest benchmarked batch
     throughput_per_s: float | None = None  # at the largest benchmarked batch
@@ -81,10 +82,10 @@ class BuildResult(BaseModel):
         """Insufficient evidence: what would be enough, in words a user acts on; None otherwise."""
         if self.verdict != "insufficient evidence" or self.samples_needed is None:
             return None
-        needed = self.samples_needed
-        line = f"not enough held-out samples to certify it ({needed} needed with none failing): give "
+        needed, unit = self.samples_needed, self.trial_unit
+        line = f"not enough held-out {unit} to certify it ({needed} needed with none failing): give "
         if self.data_samples_needed is not None:
-            line += f"--data with at least {self.data_samples_needed} distinct samples (this recipe's split holds {needed} out) or "
+            line += f"--data with at least {self.data_samples_needed} distinct {unit} (this recipe's split holds {needed} out) or "
         line += f"{needed} held-out ones with --eval-data"
         cap = self.data.held_out_max if self.data is not None else None
         if cap is not None and cap < needed:
