@@ -208,8 +208,11 @@ def test_verify_and_compare_say_what_their_samples_can_confirm(recipe, fast_reci
     assert int8.signed_off and fp32.signed_off, int8.failures + fp32.failures
     done = CliRunner().invoke(main, ["verify", int8.artifact_dir, "--accuracy", "--json"])
     assert done.exit_code == 0, done.output
-    (confirms,) = json.loads(done.stdout)["recheck"]["confirms"]
-    assert confirms.startswith("the probe set confirms top-1 agreement >= 82.9% at 95% confidence (0 changed of 16)")
+    within, confirms = json.loads(done.stdout)["recheck"]["confirms"]  # each rate with its counts and bound
+    assert within.startswith("the probe set confirms samples within tolerance >= 82.9% at 95% confidence (0 failed of "
+                             "16 samples)")
+    assert confirms.startswith("the probe set confirms top-1 agreement >= 82.9% at 95% confidence (0 changed of 16 "
+                               "samples)")
     assert confirms.endswith("cannot confirm the minimum 95.0% alone (59 needed): that rests on the 65 held-out "
                              "samples the build judged")
     few, _ = write_data(tmp_path / "few", 20, seed=3)
@@ -362,3 +365,29 @@ def test_groups_that_do_not_fit_the_samples_are_a_one_line_input_error(tmp_path)
                                          "--out", str(tmp_path / "out")])
         assert done.exit_code == code and said in done.stderr and done.stderr.count("\n") == 1, (flags, done.output)
     assert not any((tmp_path / "out").glob("tie-*"))
+
+
+def test_run_and_verify_honour_a_folder_that_is_not_signed_off(tiny_cnn_path, tmp_path):
+    """A folder its build did not sign off (too few held-out samples: exit 6): `run` refuses it with the build's own
+    code and reason, on both engines, writing nothing; --allow-unsigned runs it and says so; `verify` is not ok."""
+    from .conftest import image_npz_folder
+
+    data, recipe = image_npz_folder(tmp_path / "d3", 3), _default_recipe_file(tmp_path)
+    built = CliRunner().invoke(main, ["build", str(tiny_cnn_path), "--precision", "int8", "--data", str(data),
+                                      "--recipe", str(recipe), "--out", str(tmp_path / "out"), "--json"])
+    folder = json.loads(built.stdout)["artifact_dir"]
+    out = tmp_path / "p.jsonl"
+    for engine in ("local", "ray"):
+        refused = CliRunner().invoke(main, ["run", folder, str(data), "--out", str(out), "--engine", engine])
+        assert refused.exit_code == 6 and refused.stderr.count("\n") == 1, (engine, refused.output)
+        assert "is not signed off: too few held-out samples to certify it (accuracy: " in refused.stderr
+        assert "--allow-unsigned runs it anyway" in refused.stderr and not out.exists()
+    allowed = CliRunner().invoke(main, ["run", folder, str(data), "--out", str(out), "--allow-unsigned", "--json"])
+    assert allowed.exit_code == 0 and json.loads(allowed.stdout)["unsigned"] is True, allowed.output
+    said = CliRunner().invoke(main, ["run", folder, str(data), "--out", str(out), "--allow-unsigned", "--overwrite"])
+    assert "ran a folder that is NOT signed off (--allow-unsigned)" in said.stderr
+    verified = CliRunner().invoke(main, ["verify", folder])
+    assert verified.exit_code == 6 and verified.stdout.startswith("not ok: "), verified.output
+    assert "NOT signed off: too few held-out samples to certify it" in verified.stdout
+    assert "; signed off" not in verified.stdout  # never "NOT signed off ... signed off" in one line
+    assert json.loads(CliRunner().invoke(main, ["verify", folder, "--json"]).stdout)["signed_off"] is False

@@ -48,6 +48,16 @@ class TooFewToCertify(CandidateDropped):
         self.samples_needed, self.data_samples_needed = samples_needed, data_samples_needed
 
 
+class NotSignedOff(AccelOptError):
+    """A folder its own build did not sign off: `run` and `verify` refuse it with the build's own exit code (1: its
+    gate failed; 6: too few held-out samples to certify it) and the manifest's reason; `run --allow-unsigned` runs it
+    anyway."""
+
+    def __init__(self, message: str, exit_code: int):
+        super().__init__(message)
+        self.exit_code = exit_code if exit_code in (1, 6) else 1
+
+
 class UsageError(AccelOptError):
     """Bad command line or recipe."""
 

@@ -111,7 +111,7 @@ def test_a_sign_off_is_rechecked_exactly_when_the_class_differs(built_on, cpu, c
     assert scope.same_class == (built_on == cpu.cpu_class)
     line = scope.line(folder)
     if scope.same_class:
-        assert "signed off on this CPU class" in line, line
+        assert "checked on this CPU class" in line, line
     else:
         assert f"checked on {built_on}, this CPU class is {cpu.cpu_class}" in line and scope.remembered is None, line
 

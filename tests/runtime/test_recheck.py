@@ -91,9 +91,12 @@ def test_another_class_is_said_rechecked_once_and_remembered(built, photos, tmp_
     assert report["recheck"]["passed"] and report["recheck"]["sample_count"] == 10  # every sample the build judged
     assert report["cpu_class"]["remembered"] is True  # the scope states this re-check's verdict, not an older one
     human = _accel_opt("verify", folder, "--accuracy", cache=cache)
-    first, second = human.stdout.strip().splitlines()
+    first, second, *rates = human.stdout.strip().splitlines()
     assert first.startswith("ok: ") and f"re-checked on this CPU class ({here}): passed" in first
     assert second.startswith(f"accuracy re-checked here ({here}) on 10 probe samples of the 10 the build judged")
+    # not a bare "passed": what the probe samples show, with their counts, bound and confidence
+    assert second.endswith("no check failed; what 10 samples show:") and rates
+    assert all(line.strip().startswith("the probe set confirms ") and "at 95% confidence (0 " in line for line in rates)
     before = sorted(p.name for p in folder.iterdir())
     ran = _accel_opt("run", folder, photos, "--out", tmp_path / "p.jsonl", cache=cache)
     assert ran.returncode == 0 and f"re-checked on this CPU class ({here}): passed" in ran.stderr

@@ -60,6 +60,16 @@ class Manifest(BaseModel):
     gpu: str | None = None
 
 
+def unsigned_reason(manifest: Manifest) -> str | None:
+    """Why a folder's build did not sign it off, in one line from its manifest (None: signed off)."""
+    if manifest.signed_off:
+        return None
+    what = "too few held-out samples to certify it" if manifest.exit_code == 6 else "its gate failed"
+    failed = next((s for s in manifest.stages if s.get("status") == "failed"), None)
+    detail = f" ({failed.get('name')}: {failed.get('detail', '')})" if failed else ""
+    return (what + detail)[:400]
+
+
 def file_hashes(folder: Path) -> dict[str, str]:
     """sha256 of every file directly in `folder` except the manifest and a signature, by name."""
     return {p.name: sha256_file(p) for p in sorted(folder.iterdir()) if p.is_file() and p.name not in (MANIFEST, SIGNATURE)}

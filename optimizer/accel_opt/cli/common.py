@@ -92,6 +92,30 @@ def write_junit(path: Path, suites: list) -> None:
     write_text(path, junit_xml(suites))
 
 
+UNSIGNED_NOTE = "; ran a folder that is NOT signed off (--allow-unsigned)"
+
+
+def allow_unsigned_option(command):
+    """--allow-unsigned: run a folder its build did not sign off (the summary says so)."""
+    return click.option("--allow-unsigned", is_flag=True, help="Run a folder its build did not sign off (gate failed, "
+                        "or too few held-out samples); without it that is refused with the build's own exit code "
+                        "(1 or 6). The summary line and JSON say it ran unsigned.")(command)
+
+
+def refuse_unsigned(folder: Path, allow_unsigned: bool) -> bool:
+    """NotSignedOff (exit 1 or 6, the manifest's reason) for a folder its build did not sign off, unless allowed.
+    Returns whether it was signed off."""
+    from accel_opt.artifact.folder import unsigned_reason
+    from accel_opt.errors import NotSignedOff
+    from accel_opt.runtime import read_manifest
+
+    manifest = read_manifest(Path(folder))
+    reason = unsigned_reason(manifest)
+    if reason and not allow_unsigned:
+        raise NotSignedOff(f"{folder} is not signed off: {reason}; --allow-unsigned runs it anyway", manifest.exit_code)
+    return reason is None
+
+
 def say_scope(line: str | None) -> None:
     """Where a folder's sign-off holds, when it is not this CPU class: one line on stderr."""
     if line:

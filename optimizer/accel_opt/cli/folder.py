@@ -8,18 +8,22 @@ from pathlib import Path
 
 import click
 
+from accel_opt.artifact.folder import unsigned_reason
 from accel_opt.cli.common import fail, trust_from, trust_options
-from accel_opt.errors import AccelOptError
+from accel_opt.errors import AccelOptError, NotSignedOff
 
 VERIFY_EXIT_CODES = """\b
 Exit codes:
-  0  complete, unaltered, and runnable here as it was checked (and, with --public-key, signed by that key)
-  1  --accuracy: the re-check of the build's gate on this machine failed
+  0  complete, unaltered, signed off by its build, and runnable here as it was checked (and, with --public-key,
+     signed by that key)
+  1  not signed off by its build: its gate failed (the manifest's reason is printed); --accuracy: the re-check of
+     the build's gate on this machine failed
   2  a --public-key or --certificate-chain file missing or not a usable key
   3  incomplete or altered (no manifest, a file missing, changed or not part of it); with --public-key,
      unsigned, signed by another key, or a file changed, added or removed after signing
   4  this machine cannot run it as it was checked (backend missing, another runtime version or CPU);
      --public-key without model-signing installed (pip install 'accel-opt[sign]')
+  6  not signed off by its build: too few held-out samples to certify it
   70 internal error (a bug; the log path is printed)"""
 
 
@@ -51,6 +55,10 @@ def verify_command(artifact, accuracy, as_json, public_key, certificate_chain):
         fail(exc, False, as_json)
         return
     exit_code = 3 if any(p.exit_code == 3 for p in problems) else 4 if problems else 0
+    manifest = None if problems else runtime.read_manifest(artifact)
+    unsigned = unsigned_reason(manifest) if manifest is not None else None
+    if unsigned is not None:  # the build's own code: 1 (its gate failed) or 6 (too few held-out samples)
+        exit_code = NotSignedOff(unsigned, manifest.exit_code).exit_code
     if recheck is not None and not recheck.passed:
         exit_code = 1
     judged, reach = None, []
@@ -63,6 +71,7 @@ def verify_command(artifact, accuracy, as_json, public_key, certificate_chain):
     if as_json:
         click.echo(json.dumps({"artifact_dir": str(artifact), "ok": exit_code == 0, "exit_code": exit_code,
                                "signature_checked": trust is not None, "problems": [p.model_dump() for p in problems],
+                               "signed_off": unsigned is None if not problems else None, "not_signed_off": unsigned,
                                "cpu_class": scope.model_dump() if scope else None,
                                "recheck": {**recheck.model_dump(mode="json", include={"sample_count", "failures", "checks"}),
                                            "passed": recheck.passed, "judged": judged, "confirms": reach}
@@ -73,14 +82,14 @@ def verify_command(artifact, accuracy, as_json, public_key, certificate_chain):
     else:
         from accel_opt.artifact.folder import SIGNATURE
 
-        manifest = runtime.read_manifest(artifact)
         signature = (f"signed by {trust.describe()}" if trust is not None else
                      f"{SIGNATURE} not checked (give --public-key)" if (artifact / SIGNATURE).is_file() else "unsigned")
         click.echo(f"{'ok' if exit_code == 0 else 'not ok'}: {artifact}: {signature}; {len(manifest.artifacts)} files match manifest.json; {manifest.backend} "
-                   f"{manifest.precision} runs here as built; {'signed off' if manifest.signed_off else 'NOT signed off'}"
-                   f"; {scope.line(artifact)}")
+                   f"{manifest.precision} runs here as built; "
+                   f"{'signed off' if unsigned is None else f'NOT signed off: {unsigned}'}; {scope.line(artifact)}")
         if recheck is not None:
-            verdict = "passed" if recheck.passed else "FAILED: " + "; ".join(recheck.failures)
+            verdict = (f"no check failed; what {recheck.sample_count} samples show:" if recheck.passed
+                       else "FAILED: " + "; ".join(recheck.failures))
             click.echo(f"accuracy re-checked here ({scope.here}) on {judged}, worst cosine "
                        f"{recheck.worst_cosine:.6f}: {verdict}", err=not recheck.passed)
             for line in reach:

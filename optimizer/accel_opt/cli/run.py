@@ -7,14 +7,26 @@ from pathlib import Path
 
 import click
 
-from accel_opt.cli.common import fail, interrupted, progress, say_scope, setup_logging, trust_from, trust_options
+from accel_opt.cli.common import (
+    UNSIGNED_NOTE,
+    allow_unsigned_option,
+    fail,
+    interrupted,
+    progress,
+    refuse_unsigned,
+    say_scope,
+    setup_logging,
+    trust_from,
+    trust_options,
+)
 from accel_opt.cli.ray import RAY_EXIT_CODES, ray_options, refuse_ray_options, run_on_ray
 from accel_opt.errors import AccelOptError
 
 RUN_EXIT_CODES = """\b
 Exit codes:
   0  every input predicted
-  1  signed off on another CPU class, and its re-check on this one failed (nothing was predicted)
+  1  the folder is not signed off, its gate failed (--allow-unsigned runs it); or signed off on another CPU
+     class, and its re-check on this one failed (nothing was predicted)
   2  usage error: PREDICTIONS exists without --resume/--overwrite; another run is writing it (its pid named);
      --resume over another artifact's answers, or over a file without PREDICTIONS.meta.json; --out among the
      inputs; an input of a kind the artifact does not take (text files without a text stage, images without
@@ -23,6 +35,7 @@ Exit codes:
      with --public-key, unsigned or not signed by that key
   4  the artifact cannot run here (another runtime version or CPU); --public-key without model-signing installed
   5  no space left for the predictions (the file keeps whole lines: free space, then --resume)
+  6  the folder is not signed off: too few held-out samples certified it (--allow-unsigned runs it)
   70 internal error"""
 
 
@@ -42,11 +55,12 @@ Exit codes:
               "Without it, such images are decoded on the host and the summary says how many and why.")
 @click.option("--no-recheck", is_flag=True, help="On another CPU class than the sign-off's, run without re-checking "
               "the folder's probe set here first (the default re-checks, once, and refuses a failed re-check).")
+@allow_unsigned_option
 @trust_options
 @ray_options
 @click.option("-v", "--verbose", is_flag=True)
 def run_command(artifact, inputs, predictions, resume, overwrite, workers, as_json, strict_device, no_recheck, public_key,
-                certificate_chain, verbose, engine, **ray_args):
+                certificate_chain, allow_unsigned, verbose, engine, **ray_args):
     """Run a built ARTIFACT folder on INPUTS: image files, .npz feed dicts, or for an artifact with a text stage
     text files (.txt a text per line, .jsonl, .parquet, .csv), folders of them (read recursively), globs
     ('photos/**/*.jpg') and URIs (file://; s3:// and gs:// with --engine ray). Both engines list INPUTS by this
@@ -70,7 +84,8 @@ def run_command(artifact, inputs, predictions, resume, overwrite, workers, as_js
     started = time.perf_counter()
     if engine == "ray":
         return run_on_ray(artifact, inputs, predictions, resume, overwrite, as_json, no_recheck,
-                          lambda: trust_from(public_key, certificate_chain), verbose, workers, started, **ray_args)
+                          lambda: trust_from(public_key, certificate_chain), verbose, workers, started, allow_unsigned,
+                          **ray_args)
     try:
         refuse_ray_options(**ray_args)
         from accel_opt import runtime
@@ -78,11 +93,13 @@ def run_command(artifact, inputs, predictions, resume, overwrite, workers, as_js
         from accel_opt.runtime.probe import signed_off_here
 
         deployment = runtime.load(artifact, trust=trust_from(public_key, certificate_chain))
+        signed_off = refuse_unsigned(artifact, allow_unsigned)
         say_scope(signed_off_here(deployment, recheck_allowed=not no_recheck))
         show_progress = not as_json and sys.stderr.isatty()
         with progress(show_progress) as on_progress:
             summary = run_job(deployment, inputs, predictions, resume=resume, overwrite=overwrite, workers=workers,
                               on_progress=on_progress, started=started, strict_device=strict_device)
+        summary.unsigned = not signed_off
     except (AccelOptError, MemoryError, Exception) as exc:  # noqa: BLE001 - every error maps to an exit code
         fail(exc, verbose, as_json)
         return
@@ -96,7 +113,7 @@ def run_command(artifact, inputs, predictions, resume, overwrite, workers, as_js
         rejected = f", {summary.rejected} rejected (see {summary.errors})" if summary.rejected else ""
         click.echo(f"predicted {summary.predicted} of {summary.inputs} inputs{skipped}{rejected} in "
                    f"{summary.seconds:.1f} s ({summary.inputs_per_s:.1f} inputs/s) -> {summary.predictions}"
-                   + host_decoding_note(summary), err=True)
+                   + host_decoding_note(summary) + UNSIGNED_NOTE * summary.unsigned, err=True)
     sys.exit(summary.exit_code)
 
 

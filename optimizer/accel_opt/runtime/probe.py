@@ -79,7 +79,7 @@ class Scope(BaseModel):
     def line(self, folder: Path) -> str:
         """One line for a person: whether the sign-off describes the kernels that run here."""
         if self.same_class:
-            return f"signed off on this {self.what} ({self.here})"
+            return f"checked on this {self.what} ({self.here})"
         built = self.built_on or f"an unrecorded {self.what}"
         if self.remembered is not None:
             verdict = "passed" if self.remembered else "FAILED"
@@ -206,10 +206,10 @@ def recheck_reach(report, evaluated: int | None) -> list[str]:
     lines = []
     for check in report.checks:
         ev = check.evidence
-        if ev is None or ev.minimum >= 1.0:
+        if ev is None:
             continue
-        reach = f"{ev.what} >= {ev.lower:.1%} at {ev.confidence:.0%} confidence ({ev.failures} {ev.failure} of {ev.trials})"
-        if ev.needed and ev.trials < ev.needed:
+        reach = f"{ev.what} >= {ev.lower:.1%} at {ev.confidence:.0%} confidence ({ev.counted()})"
+        if ev.minimum < 1.0 and ev.needed and ev.trials < ev.needed:
             reach += (f"; it cannot confirm the minimum {ev.minimum:.1%} alone ({ev.needed} needed)"
                       + (f": that rests on the {evaluated} held-out samples the build judged" if evaluated else ""))
         lines.append(f"the probe set confirms {reach}")

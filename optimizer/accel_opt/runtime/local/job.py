@@ -76,6 +76,7 @@ class JobSummary(BaseModel):
     host_decoded_reasons: dict[str, int] = {}  # why, with how many each
     exit_code: int  # 0: every input predicted; 3: some rejected
     text: TextSummary | None = None  # text jobs: tokens and padding
+    unsigned: bool = False  # the folder was not signed off by its build, and ran only because --allow-unsigned said so
 
 
 def errors_path(predictions: Path) -> Path:

@@ -78,6 +78,7 @@ class RaySummary(BaseModel):
     rejected_parts: list[str] = []
     sorted: str | None = None
     exit_code: int = 0
+    unsigned: bool = False  # the folder was not signed off by its build, and ran only because --allow-unsigned said so
 
 
 class OutFolder:
