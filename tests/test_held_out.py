@@ -143,6 +143,19 @@ def test_held_out_samples_can_come_from_eval_data(recipe, tmp_path):
     assert len(split["verdict"]) == 70 and all(name.startswith("held/") for name in split["verdict"])
     assert "held/copy.npz" in split["unused"] and result.data.eval_path == str(held)
     assert not set(split["calibration"] + split["steering"]) & set(split["verdict"])
+    # all of --data calibrates and steers (in the ratio of their shares, 25:15), none of it left unused
+    assert (len(split["calibration"]), len(split["steering"])) == (13, 7) and split["unused"] == ["held/copy.npz"]
+
+
+def test_the_cleanup_check_never_uses_held_out_samples(tiny_cnn_path, fast_recipe, tmp_path):
+    """An fp32 build of 1 sample holds it out and steers on none: the rewrite is not checked on the held-out sample,
+    so cleanup is skipped, saying why."""
+    from .conftest import image_npz_folder
+
+    result = build(tiny_cnn_path, fast_recipe, data_dir=image_npz_folder(tmp_path / "d1", 1), out_dir=tmp_path / "out")
+    (cleanup,) = [s for s in result.stages if s.name == "cleanup"]
+    assert cleanup.status == "skipped" and "no steering sample to check the rewrite on" in cleanup.detail
+    assert result.signed_off and result.data.evaluation_samples == 1
 
 
 def test_no_held_out_sample_left_is_a_clear_input_error(recipe, tmp_path):

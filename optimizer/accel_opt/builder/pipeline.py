@@ -273,12 +273,13 @@ def _stage_cleanup(ctx: BuildContext) -> tuple[StageStatus, str]:
         raise _Skip("disabled by the recipe")
     if ctx.torch:
         raise _Skip("the torch backend compiles the PyTorch module, not the ONNX graph")
+    checked_on = (ctx.steering_samples or ctx.calibration_samples)[:CLEANUP_VERIFY_SAMPLES]  # never held-out ones
+    if not checked_on:
+        raise _Skip("no steering sample to check the rewrite on (held-out samples judge the verdict only)")
     total_bytes = sum(p.stat().st_size for p in [ctx.model_path, *ctx.loaded.external_data_files])
-    ctx.fp32_path, ctx.cleanup = cleanup(
-        ctx.model_path, total_bytes, (ctx.steering_samples or ctx.eval_samples)[:CLEANUP_VERIFY_SAMPLES],
-        ctx.recipe.accuracy.tolerances[Precision.fp32],
-        ctx.threads, ctx.workdir / "cleaned.onnx",
-    )
+    ctx.fp32_path, ctx.cleanup = cleanup(ctx.model_path, total_bytes, checked_on,
+                                         ctx.recipe.accuracy.tolerances[Precision.fp32], ctx.threads,
+                                         ctx.workdir / "cleaned.onnx")
     if not ctx.cleanup.applied:
         raise _Skip(ctx.cleanup.reason)
     return "passed", f"{ctx.cleanup.nodes_before} -> {ctx.cleanup.nodes_after} nodes; {ctx.cleanup.reason}"

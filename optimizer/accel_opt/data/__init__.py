@@ -244,7 +244,8 @@ def split_roles(keys: list[str], config: SplitConfig, calibrates: bool, calibrat
         raise InputRejected(f"--data needs at least 2 samples to calibrate and judge on disjoint sets, got {count}")
     order = [int(i) for i in np.random.default_rng(seed).permutation(count)]
     rest = "verdict" if held_out is None else "unused"
-    n_calib, n_steer = _role_counts(count, config, calibrates, calibration_max, reserve=1 if held_out is None else 0)
+    n_calib, n_steer = _role_counts(count, config, calibrates, calibration_max, reserve=1 if held_out is None else 0,
+                                    all_data=held_out is not None)
     # The calibration share goes to the rest when the build does not calibrate: steering is the same samples either way.
     dealt = [("calibration" if calibrates else rest, order[:n_calib]), ("steering", order[n_calib:n_calib + n_steer]),
              (rest, order[n_calib + n_steer:])]
@@ -264,9 +265,14 @@ def split_roles(keys: list[str], config: SplitConfig, calibrates: bool, calibrat
 
 
 def _role_counts(count: int, config: SplitConfig, calibrates: bool, calibration_max: int,
-                 reserve: int) -> tuple[int, int]:
+                 reserve: int, all_data: bool = False) -> tuple[int, int]:
     """How many of `count` samples calibrate and steer (split_roles); `reserve` verdict samples are kept: steering
-    gives way first, then calibration."""
+    gives way first, then calibration. `all_data` (the held-out samples come from --eval-data): --data is shared by
+    calibration and steering alone, in the ratio of their shares, up to their caps."""
+    if all_data:
+        share = config.calibration_fraction / (config.calibration_fraction + config.steering_fraction)
+        n_calib = min(calibration_max, math.ceil(share * count)) if calibrates else 0
+        return n_calib, min(config.max_steering, count - n_calib)
     n_calib = min(calibration_max, math.ceil(config.calibration_fraction * count))
     n_calib = max(1, n_calib) if calibrates else n_calib
     n_steer = max(0, min(config.max_steering, math.ceil(config.steering_fraction * count),

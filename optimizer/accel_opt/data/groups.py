@@ -71,7 +71,8 @@ def split_groups(keys: list[str], groups: list[str], config: SplitConfig, calibr
     count = len(keys)
     names = list(dict.fromkeys(groups[:count]))
     order = [names[int(i)] for i in np.random.default_rng(seed).permutation(len(names))]
-    n_calib, n_steer = _role_counts(count, config, calibrates, calibration_max, reserve=1 if held_out is None else 0)
+    n_calib, n_steer = _role_counts(count, config, calibrates, calibration_max, reserve=1 if held_out is None else 0,
+                                    all_data=held_out is not None)
     rest = "verdict" if held_out is None else "unused"
     caps = {"calibration": n_calib if calibrates else 0, "steering": n_steer}
     members = {name: [i for i in range(count) if groups[i] == name] for name in names}
