@@ -33,7 +33,7 @@ from accel_opt import runtime
 from accel_opt.accuracy import AccuracyReport
 from accel_opt.backends.select import auto_backend_choice, candidate_precisions
 from accel_opt.bench import deployment_target, run_benchmark
-from accel_opt.builder.choice import choose, objective_batches, speed_floors
+from accel_opt.builder.choice import choose, family_level, objective_batches, speed_floors
 from accel_opt.builder.context import CandidateLimits
 from accel_opt.builder.pipeline import build
 from accel_opt.data import Sample
@@ -146,6 +146,10 @@ def build_auto(
     clock = _Clock(selection_config.time_budget_s, on_progress)
     results: dict[tuple[str, str], BuildResult] = {}
     candidates = [Candidate(backend=b, precision=p, why_tried=why) for b, p, why in build_order(pairs)]
+    family, family_size = family_level(recipe.accuracy.confidence, candidates), sum(c.reduced for c in candidates)
+    family_note = (f"Held-out verdict judged at {family:.2%} confidence: {recipe.accuracy.confidence:.0%} family-wise "
+                   f"over the {family_size} reduced candidates --precision auto planned (Bonferroni), fixed before any "
+                   "verdict was read.") if family_size > 1 else ""
     errors: list[BaseException] = []
     untried: list[str] = []
     references: dict = {}  # the reference's outputs, run once per sample for every candidate (pipeline.build)
@@ -159,7 +163,7 @@ def build_auto(
             if on_candidate:
                 on_candidate(candidate)
             continue
-        limits = _limits(candidate, candidates, clock, tag, recipe, cpu) if candidate.reduced else None
+        limits = _limits(candidate, candidates, clock, tag, recipe, cpu, family_note) if candidate.reduced else None
         started = time.monotonic()
         stages: list[StageResult] = []
 
@@ -169,7 +173,10 @@ def build_auto(
             clock.say(tag, stage.name, f"{mark} in {stage.seconds:.1f} s: {stage.detail}")
 
         try:
-            result = build(model, recipe.with_overrides(backend=candidate.backend, precision=candidate.precision),
+            # A reduced candidate's own gate judges at the family-wise level: its signoff.md, JUnit and manifest.json
+            # state the level auto reads its verdict at.
+            level = {"accuracy.confidence": family} if candidate.reduced and family_size > 1 else {}
+            result = build(model, recipe.with_overrides(backend=candidate.backend, precision=candidate.precision, **level),
                            data_dir=data_dir, out_dir=out_dir, on_stage=staged, force=force,
                            eval_data_dir=eval_data_dir, limits=limits, reference_caches=references, cpu=cpu)
         except UsageError:  # the command line or the recipe is wrong: no candidate will do better
@@ -252,7 +259,7 @@ def _out_of_time(candidate: Candidate, candidates: list[Candidate], clock: _Cloc
 
 
 def _limits(candidate: Candidate, candidates: list[Candidate], clock: _Clock, tag: str,
-            recipe: Recipe, cpu: CpuProfile) -> CandidateLimits:
+            recipe: Recipe, cpu: CpuProfile, family_note: str = "") -> CandidateLimits:
     """A reduced candidate's share of the time left for its search, and what it must beat."""
     configured = recipe.precision_options.fallback.time_budget_s
     pending = [c for c in candidates if c.reduced and not c.seconds and not c.verdict]
@@ -274,7 +281,8 @@ def _limits(candidate: Candidate, candidates: list[Candidate], clock: _Clock, ta
 
     return CandidateLimits(label=candidate.label, search_budget_s=search_budget,
                            beat_per_s=best.throughput_per_s if best else None, beat_label=best.label if best else "",
-                           fp32_per_s=fp32.throughput_per_s if fp32 else None, on_step=on_step)
+                           fp32_per_s=fp32.throughput_per_s if fp32 else None, on_step=on_step,
+                           family_note=family_note)
 
 
 def _failure_line(exc: BaseException) -> str:

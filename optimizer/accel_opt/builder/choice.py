@@ -22,13 +22,20 @@ def speed_floors(candidates: list[Candidate]) -> list[Candidate]:
     return [] if any(c.signed_off for c in fp32) else [c for c in fp32 if c.artifact_dir]
 
 
+def family_level(confidence: float, candidates: list[Candidate]) -> float:
+    """The level each reduced candidate's held-out verdict is read at: 1 - (1 - confidence) / k, k the reduced
+    candidates auto planned (Bonferroni), fixed before any verdict is read, so the winner's verdict holds at
+    `confidence` whichever candidate it is and whatever the verdicts read before it said."""
+    return 1 - (1 - confidence) / max(sum(c.reduced for c in candidates), 1)
+
+
 def choose(candidates: list[Candidate], objective: str, budget_ms: float | None, target: int,
            confidence: float = DEFAULT_CONFIDENCE) -> Candidate | None:
     """The winner on `objective`, with every verdict set. The candidates timed in the runoff (those with points) are
     ranked on the objective; a reduced one not better than the best fp32 candidate never wins (the best signed-off
     fp32 build, or where none signed off, the best fp32 build timed as the floor: `speed_floors`). Down that ranking,
-    each reduced candidate's held-out verdict is read at the family-wise level 1 - (1 - confidence) / k (k: the
-    reduced candidates that may be read), and the first that passes wins; an fp32 build wins if it signed off."""
+    each reduced candidate's held-out verdict is read at the family-wise level (family_level: k is every reduced
+    candidate planned), and the first that passes wins; an fp32 build wins if it signed off."""
     lower_is_better = objective == "latency"
     floors = speed_floors(candidates)
     for c in candidates:
@@ -67,8 +74,8 @@ def choose(candidates: list[Candidate], objective: str, budget_ms: float | None,
         else:
             ranked.append(c)
     ranked.sort(key=lambda c: c.objective_value, reverse=not lower_is_better)
-    readable = sum(c.reduced for c in ranked)
-    family = 1 - (1 - confidence) / max(readable, 1)
+    readable = sum(c.reduced for c in candidates)  # planned, not those left after earlier verdicts
+    family = family_level(confidence, candidates)
     winner = None
     for c in ranked:
         if not c.reduced:
@@ -79,7 +86,7 @@ def choose(candidates: list[Candidate], objective: str, budget_ms: float | None,
         if held_out == "pass":
             winner = c
             break
-        level = f"{family:.2%} ({confidence:.0%} family-wise over {readable} candidates)" if readable > 1 else f"{family:.0%}"
+        level = f"{family:.2%} ({confidence:.0%} family-wise over {readable} planned)" if readable > 1 else f"{family:.0%}"
         c.verdict = (f"fastest left, but its held-out verdict at {level} is "
                      + {"fail": "a failure", "insufficient": "not enough evidence"}[held_out]
                      + (f": {'; '.join(r.line() for r in c.rates if r.status_at(family) != 'pass')[:300]}" if c.rates else ""))

@@ -36,6 +36,7 @@ class CandidateLimits:
     beat_label: str = ""
     fp32_per_s: float | None = None  # this backend's fp32 throughput at the target batch (its fp32 candidate's build)
     on_step: Callable[[Any], None] | None = None  # called with each SearchStep as the search records it
+    family_note: str = ""  # the level its held-out verdict is read at, family-wise over auto's reduced candidates
 
     def cannot_win(self, speedup: float | None) -> str | None:
         """Why a build whose naive form runs `speedup` x its backend's fp32 cannot win even if fully rescued: the naive

@@ -172,6 +172,7 @@ def write_reports(ctx: BuildContext) -> str:
         staging / "signoff.md",
         signoff_markdown(name, signed_off, ctx.accuracy, ctx.precision, ctx.data, len(ctx.calibration_samples),
                                 ctx.notes + (ctx.precision.notes if ctx.precision else [])
+                                + ([ctx.limits.family_note] if ctx.limits and ctx.limits.family_note else [])
                                 + [f"Benchmark gate failed: {line}" for line in ctx.bench.failures],
                                 fallback=ctx.fallback, bench=ctx.bench),
     )
