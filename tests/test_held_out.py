@@ -228,6 +228,11 @@ def test_verify_and_compare_say_what_their_samples_can_confirm(recipe, fast_reci
                                "samples)")
     assert confirms.endswith("cannot confirm the minimum 95.0% alone (59 needed): that rests on the 65 held-out "
                              "samples the build judged")
+    # compare on the build's own --data: the samples that calibrated or steered a build are not judged, and said so
+    own = CliRunner().invoke(main, ["compare", fp32.artifact_dir, int8.artifact_dir, "--data", str(data), "--json"])
+    report = json.loads(own.stdout)
+    assert report["left_out"] == {"calibration": 28, "steering": 17}, own.output
+    assert report["candidate"]["accuracy"]["sample_count"] == 65  # the held-out 65, as the build judged them
     few, _ = write_data(tmp_path / "few", 20, seed=3)
     compared = CliRunner().invoke(main, ["compare", fp32.artifact_dir, int8.artifact_dir, "--data", str(few), "--json"])
     assert compared.exit_code == 1, compared.output

@@ -17,7 +17,7 @@ from pydantic import BaseModel
 from accel_opt.accuracy import AccuracyReport, Check, compare
 from accel_opt.backends.onnxruntime.backend import reference_runner
 from accel_opt.bench import deployment_target, run_benchmark
-from accel_opt.data import DataSummary, load_samples
+from accel_opt.data import DataSummary, load_samples, sample_key
 from accel_opt.errors import InputRejected, UsageError
 from accel_opt.files import sha256_file
 from accel_opt.graph.inspect import io_specs
@@ -46,6 +46,7 @@ class Comparison(BaseModel):
     quality_metric: str  # what `quality` is
     baseline: Side
     candidate: Side
+    left_out: dict[str, int] = {}  # --data samples not judged: calibrated or steered a build (its manifest), or copies
     throughput_ratio: float  # candidate / baseline: > 1 is faster
     latency_regression_pct: float  # how much slower per sample the candidate is (negative: faster)
     accuracy_drop: float  # baseline quality - candidate quality
@@ -75,10 +76,11 @@ def run_comparison(baseline: Deployment, candidate: Deployment, reference: Path,
     recipe = Recipe.model_validate(read_manifest(candidate.folder).recipe["resolved"])
     config = candidate.config
     count = recipe.accuracy.max_samples
-    fed = [side.samples(data_dir, SYNTHETIC_SAMPLES, recipe.accuracy.seed)[0][:count] for side in (baseline, candidate)]
+    fed = [side.samples(data_dir, SYNTHETIC_SAMPLES, recipe.accuracy.seed)[0] for side in (baseline, candidate)]
     samples, data = _reference_samples(candidate, reference, data_dir, recipe)
-    samples = samples[:count]
-    names = data.names[: len(samples)]
+    kept, left_out = _judgeable(samples, data.names, (baseline, candidate))
+    kept = kept[:count]
+    samples, names, fed = [samples[i] for i in kept], [data.names[i] for i in kept], [[f[i] for i in kept] for f in fed]
     threads = config.threads or available_cpus()
 
     # A reduced-precision side is judged as its build was: every rate by its lower bound at the recipe's confidence.
@@ -120,7 +122,32 @@ def run_comparison(baseline: Deployment, candidate: Deployment, reference: Path,
                             line=f"{metric}: candidate {cand.quality:.4f}, baseline {base.quality:.4f}, drop {drop:.4f}; "
                                  f"limit {max_accuracy_drop:g}"))
     return Comparison(reference=str(reference), data=data, quality_metric=metric, baseline=base, candidate=cand,
-                      throughput_ratio=ratio, latency_regression_pct=regression, accuracy_drop=drop, checks=checks)
+                      throughput_ratio=ratio, latency_regression_pct=regression, accuracy_drop=drop, checks=checks,
+                      left_out=left_out)
+
+
+def _judgeable(samples: list, names: list[str], sides: tuple[Deployment, ...]) -> tuple[list[int], dict[str, int]]:
+    """The samples a comparison may judge: none that calibrated or steered either build (by name, as each manifest's
+    data.split lists them: evidence those builds have already seen), each distinct input once. Returns their indices
+    and how many were left out, by why."""
+    seen_by = {}
+    for side in sides:
+        split = read_manifest(side.folder).data.get("split") or {}
+        for role in ("calibration", "steering"):
+            seen_by.update({name: role for name in split.get(role, []) if name not in seen_by})
+    kept, keys, left_out = [], set(), {"calibration": 0, "steering": 0, "copies": 0}
+    for i, (sample, name) in enumerate(zip(samples, names)):
+        key = sample_key(sample)
+        why = seen_by.get(name) or ("copies" if key in keys else None)
+        keys.add(key)
+        if why:
+            left_out[why] += 1
+        else:
+            kept.append(i)
+    if not kept:
+        raise InputRejected(f"every one of the {len(samples)} --data samples calibrated or steered one of the builds, or "
+                            "repeats another: give samples neither build has seen")
+    return kept, {why: n for why, n in left_out.items() if n}
 
 
 def _dtypes(samples: list) -> dict:
@@ -165,6 +192,10 @@ def comparison_markdown(c: Comparison) -> str:
     out += [f"| {label} | {Path(s.artifact).name} | {s.backend} | {s.precision} | {s.batch_size} | {s.latency_p50_ms:.2f} | "
             f"{s.throughput_per_s:.1f} | {s.quality:.4f} | {'yes' if s.accuracy.passed else 'no'} |" for s, label in rows]
     out += ["", f"Throughput ratio candidate / baseline: {c.throughput_ratio:.2f}x; accuracy drop {c.accuracy_drop:.4f}.", ""]
+    if c.left_out:
+        why = {"calibration": "calibrated a build", "steering": "steered a build", "copies": "repeated another sample"}
+        out += ["Not judged (evidence a build has already seen, by manifest.json's split): "
+                + ", ".join(f"{n} that {why[k]}" for k, n in c.left_out.items()) + ".", ""]
     for side, label in rows:  # each rate with its bound and counts: what these samples can certify
         rates = [ch.evidence.line() for ch in side.accuracy.checks if ch.evidence is not None and ch.evidence.minimum < 1]
         how = (f"by the lower bound at {side.accuracy.confidence:.0%} confidence ({side.accuracy.method})"
