@@ -91,6 +91,7 @@ class BuildContext:
     steering_deploy: list[Sample] = field(default_factory=list)  # as the artifact takes them (see deploy_samples)
     eval_samples: list[Sample] = field(default_factory=list)  # the held-out samples: they judge the verdict only
     eval_names: list[str] = field(default_factory=list)
+    timed_samples: list[Sample] = field(default_factory=list)  # what the benchmark timed, where not the judged samples
     deploy_samples: list[Sample] = field(default_factory=list)  # the eval samples as the artifact takes them (fused: uint8 crops)
     host_crops: list[Sample] = field(default_factory=list)  # fused preprocessing: every --data image as uint8 HWC crops
     # Every --data image as the artifact's own job makes it where that is not the reference's host path (draft

@@ -126,7 +126,7 @@ def build(
                 data_samples_needed=data_samples_needed(ctx, ctx.accuracy.samples_needed),
             )
             fill_headline(result, ctx.bench)
-            result._eval_samples = ctx.deploy_samples
+            result._eval_samples = ctx.timed_samples or ctx.deploy_samples
             write_manifest(ctx, staging, result)  # last file: the folder is complete when it is renamed into place
             publish(staging, final)
     except Exception as exc:
@@ -399,8 +399,6 @@ def _stage_accuracy(ctx: BuildContext) -> tuple[StageStatus, str]:
 
 
 def _stage_benchmark(ctx: BuildContext) -> tuple[StageStatus, str]:
-    if ctx.text_encoder is not None:  # timed batches have one shape: the evaluation texts padded to the longest
-        ctx.eval_samples = ctx.deploy_samples = ctx.text_encoder.padding.same_length(ctx.eval_samples)
     return benchmark_build(ctx, _deploy_shapes(ctx, fused=False), ctx.image_input)
 
 
