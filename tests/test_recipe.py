@@ -32,6 +32,15 @@ def test_every_bundled_recipe_validates():
         ("key: [unclosed\n", "not valid YAML"),
         ("!!python/object/apply:os.system ['true']\n", "not valid YAML"),
         ("accuracy:\n  split: {calibration_fraction: 0.9, steering_fraction: 0.5}\n", "at least a tenth of --data is held out"),
+        # Fuzzed recipes that used to crash far from the recipe (exit 70): refused where they are read.
+        ("description: " + "[" * 600 + "]" * 600 + "\n", "nested too deeply"),
+        ("accuracy:\n  task_metrics: [{kind: cosine, min_mean_cosine: .nan}]\n", "min_mean_cosine"),
+        ("accuracy:\n  tolerances:\n    int8: {max_sample_error: .inf}\n", "max_sample_error"),
+        ("accuracy:\n  task_metrics: [{kind: topk, min_agreement: {1: .nan}}]\n", "min_agreement"),
+        ("benchmark:\n  window_seconds: .inf\n", "window_seconds"),
+        ("preprocessing: {resize: 10, crop: 0}\n", "crop"),
+        ("preprocessing: {resize: 0, crop: 8}\n", "resize"),
+        ("accuracy: {seed: -1}\n", "seed"),
     ],
 )
 def test_bad_recipe_is_a_usage_error(tmp_path, text, message):
@@ -70,3 +79,23 @@ def test_parse_shapes():
     for bad in ("x", "x:1xa", "x:0x3", ","):
         with pytest.raises(UsageError):
             parse_shapes(bad)
+
+
+def test_a_folder_named_like_a_bundled_recipe_does_not_hide_it(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "default").mkdir()
+    assert load_recipe("default").name == "default"
+
+
+def test_zero_tolerances_are_judged_not_divided_by(tmp_path):
+    """All-zero fp32 limits (the schema allows 0: no error at all): the report's loss is 0 where nothing differs and
+    infinite where anything does, never a ZeroDivisionError."""
+    import numpy as np
+
+    from accel_opt.accuracy import judge
+    from accel_opt.recipe.gate import Tolerance
+
+    zero = Tolerance(max_error=0, max_sample_error=0, min_cosine=0.99, min_sample_cosine=0.99, max_gain_error=0)
+    same = [{"y": np.array([1.0, 2.0])}]
+    assert judge(same, same, ["a"], zero).loss < 1e-9 and judge(same, same, ["a"], zero).passed
+    assert judge(same, [{"y": np.array([1.0, 2.5])}], ["a"], zero).loss == float("inf")

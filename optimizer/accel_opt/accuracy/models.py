@@ -175,8 +175,8 @@ class AccuracyReport(BaseModel):
             if o.agreement is not None:  # exact outputs: the share of elements that differ against the allowed share
                 ratios.append((1 - o.agreement) / max(1 - tol.min_agreement, 1e-12))
                 continue
-            ratios += [o.error / tol.max_error, o.worst_sample_error / tol.max_sample_error,
-                       (1 - o.cosine) / max(1 - tol.min_cosine, 1e-12), abs(o.gain - 1) / tol.max_gain_error]
+            ratios += [_over(o.error, tol.max_error), _over(o.worst_sample_error, tol.max_sample_error),
+                       (1 - o.cosine) / max(1 - tol.min_cosine, 1e-12), _over(abs(o.gain - 1), tol.max_gain_error)]
             if o.worst_sample_cosine is not None:
                 ratios.append((1 - o.worst_sample_cosine) / max(1 - tol.min_sample_cosine, 1e-12))
         for metric in self.task_metrics:
@@ -193,3 +193,8 @@ class AccuracyReport(BaseModel):
         return min((o.cosine for o in self.outputs if o.agreement is None), default=1.0)
 
 
+def _over(value: float, limit: float) -> float:
+    """`value` in units of `limit`; a limit of 0 (allowed: "no error at all") is met only by 0."""
+    if limit > 0:
+        return value / limit
+    return 0.0 if value <= 0 else float("inf")

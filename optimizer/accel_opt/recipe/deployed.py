@@ -14,8 +14,8 @@ class Preprocessing(_Strict):
     """How image files in --data become tensors (ImageNet-style by default)."""
 
     input: str | None = None  # default: the model's first input
-    resize: int = 256  # shorter side, pixels
-    crop: int = 224  # center crop, pixels
+    resize: int = Field(default=256, ge=1)  # shorter side, pixels
+    crop: int = Field(default=224, ge=1)  # center crop, pixels
     mean: tuple[float, float, float] = (0.485, 0.456, 0.406)
     std: tuple[float, float, float] = (0.229, 0.224, 0.225)
     layout: Literal["NCHW", "NHWC"] = "NCHW"

@@ -172,7 +172,7 @@ class AccuracyConfig(_Strict):
     # the candidate's): a classifier's logits take KiB, a 640x640 detector's head ~11 MiB per sample in float64.
     max_samples: int = Field(default=300, ge=1)
     synthetic_samples: int = Field(default=8, ge=1)  # held-out samples generated when no --data is given
-    seed: int = 0  # fixes the split into calibration, steering and held-out samples
+    seed: int = Field(default=0, ge=0)  # fixes the split into calibration, steering and held-out samples
     # A reduced-precision build signs off only where every rate's one-sided lower bound at this confidence clears its
     # minimum (Clopper-Pearson); too few held-out samples for that is its own verdict, with the number needed.
     confidence: float = Field(default=0.95, gt=0.5, lt=1)

@@ -18,7 +18,7 @@ def load_recipe(path_or_name: str | Path | None = None) -> Recipe:
     if path_or_name is None:
         path_or_name = DEFAULT_RECIPE_NAME
     path = Path(path_or_name)
-    if not path.suffix and not path.exists():
+    if not path.suffix and not path.is_file():  # a bundled name, even beside a folder of that name
         path = RECIPES_DIR / f"{path_or_name}.yaml"
     if not path.is_file():
         bundled = sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
@@ -27,6 +27,8 @@ def load_recipe(path_or_name: str | Path | None = None) -> Recipe:
         data = yaml.safe_load(path.read_text(encoding="utf-8"))
     except (yaml.YAMLError, UnicodeDecodeError) as exc:
         raise UsageError(f"recipe {path}: not valid YAML: {first_line(exc)}") from None
+    except RecursionError:  # yaml's parser recurses per level: a document nested hundreds deep
+        raise UsageError(f"recipe {path}: nested too deeply to be a recipe") from None
     if data is None:
         data = {}
     if not isinstance(data, dict):

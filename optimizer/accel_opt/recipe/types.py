@@ -39,7 +39,9 @@ class QuantTarget(str, enum.Enum):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # Every recipe number is finite: YAML's .nan/.inf would pass a bound like ge=0 (inf) or none at all (nan, which
+    # compares false either way) and surface as a crash far from the recipe.
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 ErrorStat = Literal["mean", "median", "max"]
