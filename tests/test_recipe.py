@@ -99,3 +99,20 @@ def test_zero_tolerances_are_judged_not_divided_by(tmp_path):
     same = [{"y": np.array([1.0, 2.0])}]
     assert judge(same, same, ["a"], zero).loss < 1e-9 and judge(same, same, ["a"], zero).passed
     assert judge(same, [{"y": np.array([1.0, 2.5])}], ["a"], zero).loss == float("inf")
+
+
+@pytest.mark.parametrize("where", ["folder", "below a file"])
+def test_a_junit_path_that_cannot_be_written_is_refused_before_the_build(tmp_path, where):
+    from click.testing import CliRunner
+
+    from accel_opt.cli import main
+
+    from .conftest import matmul_model, save
+
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "file.txt").write_text("x")
+    junit = tmp_path / "taken" if where == "folder" else tmp_path / "file.txt" / "j.xml"
+    done = CliRunner().invoke(main, ["build", str(save(matmul_model(), tmp_path / "m.onnx")), "--junit", str(junit),
+                                     "--out", str(tmp_path / "out")])
+    assert done.exit_code == 2 and "--junit" in done.stderr and done.stderr.count("\n") == 1, done.output
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())

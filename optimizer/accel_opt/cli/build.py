@@ -67,6 +67,8 @@ def build(model, precision, backend, device, recipe_path, data_dir, eval_data_di
 
         if require_data and data_dir is None:
             raise UsageError("--require-data: give --data DIR; a sign-off on synthetic inputs says nothing about real ones")
+        if junit_file is not None and not _writable_file(junit_file):
+            raise UsageError(f"--junit {junit_file}: cannot be written (a folder, or a path below a file)")
         auto = "auto" in (precision, backend)
         recipe = load_recipe(recipe_path).with_overrides(
             precision=None if precision == "auto" else precision,
@@ -105,7 +107,7 @@ def build(model, precision, backend, device, recipe_path, data_dir, eval_data_di
             result = run_build(model, recipe, data_dir=data_dir, out_dir=out_dir, on_stage=on_stage, force=force,
                                eval_data_dir=eval_data_dir)
     except (AccelOptError, MemoryError, Exception) as exc:  # noqa: BLE001 - every error maps to an exit code
-        if junit_file:
+        if junit_file and _writable_file(junit_file):
             write_junit(junit_file, [(Path(str(model)).stem, [], f"build failed: {exc}")])
         fail(exc, verbose, as_json)
         return
@@ -139,6 +141,11 @@ def build(model, precision, backend, device, recipe_path, data_dir, eval_data_di
     if no_winner:
         click.echo(f"accel-opt: {no_winner}", err=True)
     sys.exit(exit_code)
+
+
+def _writable_file(path: Path) -> bool:
+    """Not a folder, and not below a file: a path --junit can write."""
+    return not path.is_dir() and not any(p.exists() and not p.is_dir() for p in path.parents)
 
 
 def _junit_suites(model, result, selection) -> list:

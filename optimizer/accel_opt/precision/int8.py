@@ -238,12 +238,13 @@ def _prepare(model_path: Path, tmp: Path, notes: list[str]) -> Path:
     # Dynamic height/width make ORT's symbolic shape inference fail ("Incomplete symbolic shape
     # inference"); ONNX shape inference alone is enough for image models.
     skip_symbolic = _dynamic_spatial(skeleton)
+    source, prepared = source.resolve(), prepared.resolve()  # before the chdir below: a relative path means here
     for attempt_skip in ([True] if skip_symbolic else [False, True]):
         try:
             # ORT writes sym_shape_infer_temp.onnx (+ a .data file) into the *current* folder when
             # symbolic inference is incomplete: run it from the temporary folder.
             with contextlib.redirect_stdout(io.StringIO()), _working_directory(tmp):
-                quant_pre_process(str(source.resolve()), str(prepared.resolve()), skip_symbolic_shape=attempt_skip,
+                quant_pre_process(str(source), str(prepared), skip_symbolic_shape=attempt_skip,
                                   save_as_external_data=large, all_tensors_to_one_file=True)
             if attempt_skip and not skip_symbolic:
                 notes.append("symbolic shape inference failed; pre-processed with ONNX shape inference only")
