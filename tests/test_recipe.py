@@ -116,3 +116,27 @@ def test_a_junit_path_that_cannot_be_written_is_refused_before_the_build(tmp_pat
                                      "--out", str(tmp_path / "out")])
     assert done.exit_code == 2 and "--junit" in done.stderr and done.stderr.count("\n") == 1, done.output
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+
+
+@pytest.mark.parametrize("overrides, key", [
+    ({"accuracy.task_metrics": [{"kind": "topk", "output": "no_such_output"}]}, "accuracy.task_metrics[0].output"),
+    ({"postprocess": {"embedding": {"output": "nope"}}}, "postprocess.embedding.output"),
+    ({"postprocess": {"topk": 3, "output": "nope"}}, "postprocess.output"),
+])
+def test_an_output_the_model_lacks_is_refused_when_the_recipe_meets_the_model(tmp_path, overrides, key):
+    """Output names are checked against the loaded model: exit 2 naming the key and the model's outputs, before
+    anything is built (was a KeyError, exit 70)."""
+    import yaml
+    from click.testing import CliRunner
+
+    from accel_opt.cli import main
+
+    from .conftest import matmul_model, save
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(yaml.safe_dump(load_recipe().with_overrides(**overrides).model_dump(mode="json")))
+    done = CliRunner().invoke(main, ["build", str(save(matmul_model(), tmp_path / "m.onnx")), "--recipe", str(recipe),
+                                     "--out", str(tmp_path / "out")])
+    assert done.exit_code == 2 and done.stderr.count("\n") == 1, done.output
+    assert f"the recipe's {key} names" in done.stderr and "(its outputs: y)" in done.stderr
+    assert not any((tmp_path / "out").glob("m-*"))

@@ -1,5 +1,6 @@
 """Checks a build makes of its own intermediate results, with the gate's rules: the simplified graph against the
-original (cleanup), and the artifact's image path on generated images where the build's data were not images."""
+original (cleanup), and the artifact's image path on generated images where the build's data were not images; and
+of the recipe against the loaded model (refuse_recipe_misfits)."""
 
 from __future__ import annotations
 
@@ -67,3 +68,23 @@ def exercise_image_path(deployment, data_source: str, workdir: Path, seed: int =
     return [f"The image path was exercised: `accel-opt run`'s job (decode, resize {pre.resize}, crop {pre.crop}, "
             f"normalize, {pre.layout}) ran the artifact on {summary.predicted} generated images, as the build's data "
             f"were {'synthetic' if data_source == 'synthetic' else data_source + ' feed dicts'}."]
+
+
+def refuse_recipe_misfits(ctx) -> None:
+    """UsageError (exit 2) for a recipe that does not fit the loaded model, before any sample is read: an output it
+    names that the model lacks (a task metric's, the postprocess's), or fused preprocessing where it cannot apply."""
+    recipe, outputs = ctx.recipe, [o.name for o in ctx.outputs]
+    named = [(f"accuracy.task_metrics[{i}].output", m.output) for i, m in enumerate(recipe.accuracy.task_metrics)]
+    if recipe.postprocess is not None:
+        named.append(("postprocess.output", recipe.postprocess.output))
+        if recipe.postprocess.embedding is not None:
+            named.append(("postprocess.embedding.output", recipe.postprocess.embedding.output))
+    for key, name in named:
+        if name is not None and name not in outputs:
+            raise UsageError(f"the recipe's {key} names {name!r}, which the model does not output (its outputs: "
+                             f"{', '.join(outputs)})")
+    if ctx.fused and ctx.torch:
+        raise UsageError("preprocessing.fused rewrites the ONNX graph; the torch backend ships the PyTorch module and "
+                         "runs its image preprocessing as tensor ops on its device instead: drop `fused`")
+    if ctx.fused and (ctx.data_dir is None or any(Path(ctx.data_dir).glob("*.npz"))):
+        raise UsageError("preprocessing.fused needs --data with image files: the fused model takes decoded crops")

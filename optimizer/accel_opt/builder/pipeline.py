@@ -20,7 +20,7 @@ from accel_opt.artifact.folder import build_folder, publish
 from accel_opt.backends import get_backend
 from accel_opt.backends.onnxruntime.backend import reference_runner
 from accel_opt.builder.benchmark import benchmark_build, max_feed
-from accel_opt.builder.checks import cleanup, exercise_image_path
+from accel_opt.builder.checks import cleanup, exercise_image_path, refuse_recipe_misfits
 from accel_opt.builder.context import BuildContext, CandidateLimits
 from accel_opt.builder.fallback_actions import fallback_actions
 from accel_opt.builder.records import artifact_name, data_record, reuse, write_manifest, write_reports
@@ -212,11 +212,7 @@ def _stage_load(ctx: BuildContext) -> tuple[StageStatus, str]:
     recipe = ctx.recipe = fit_preprocessing(ctx.recipe, ctx.inputs, ctx.notes)  # before any image is read
     if recipe.text is not None:
         _load_text_stage(ctx)
-    if ctx.fused and ctx.torch:
-        raise UsageError("preprocessing.fused rewrites the ONNX graph; the torch backend ships the PyTorch module and "
-                         "runs its image preprocessing as tensor ops on its device instead: drop `fused`")
-    if ctx.fused and (ctx.data_dir is None or any(Path(ctx.data_dir).glob("*.npz"))):
-        raise UsageError("preprocessing.fused needs --data with image files: the fused model takes decoded crops")
+    refuse_recipe_misfits(ctx)
     samples = read_and_split(ctx)
     ctx.notes += ctx.shapes.notes
     split = ctx.split
