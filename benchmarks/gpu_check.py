@@ -129,7 +129,7 @@ def package_timings(torch, folder: Path, warmup_s: float, measure_s: float) -> l
     accel-opt's runtime as deployed, timed like the eager module at every batch."""
     from accel_opt import runtime
 
-    deployment = runtime.load(folder)
+    deployment = runtime.load(folder, trust_unsigned=True)
     label = f"package {deployment.config.precision.value}"
     with deployment.runner() as runner:
         def forward(x):

@@ -86,7 +86,7 @@ def test_the_package_runs_jpegs_on_its_tensor_path_and_agrees_with_pillow(torch_
     Image.open(sorted(photos.iterdir())[0]).save(png)
     inputs = [photos, png]
     out = tmp_path / "preds.jsonl"
-    summary = run_job(runtime.load(folder), inputs, out)
+    summary = run_job(runtime.load(folder, trust_unsigned=True), inputs, out)
     assert summary.exit_code == 0 and summary.path == "device" and summary.predicted == 13
     assert set(summary.stages_seconds) >= {"decode", "h2d", "preprocess", "compute", "d2h", "write"}
     lines = [json.loads(line) for line in out.read_text().splitlines()]
@@ -158,7 +158,7 @@ def test_a_cuda_folder_on_a_machine_without_one_is_exit_4(torch_builds, photos, 
     manifest = json.loads((folder / MANIFEST).read_text())
     manifest["artifacts"] = file_hashes(folder)
     (folder / MANIFEST).write_text(json.dumps(manifest))
-    done = CliRunner().invoke(main, ["run", str(folder), str(photos), "--out", str(tmp_path / "p.jsonl")])
+    done = CliRunner().invoke(main, ["run", str(folder), str(photos), "--out", str(tmp_path / "p.jsonl"), "--trust-unsigned"])
     assert done.exit_code == 4 and done.stderr.count("\n") == 1 and "cuda" in done.stderr, done.stderr
     built = CliRunner().invoke(main, ["build", CNN, "--backend", "torch", "--device", "cuda", "--shapes",
                                       "image:1x3x32x32", "--out", str(tmp_path / "out")])
@@ -173,6 +173,49 @@ def test_a_tampered_package_is_refused_before_it_loads(torch_builds, photos, tmp
     for command in (["verify", str(folder)], ["run", str(folder), str(photos), "--out", str(tmp_path / "p.jsonl")]):
         done = CliRunner().invoke(main, command)
         assert done.exit_code == 3 and "model.pt2: sha256 does not match" in done.stderr, done.stderr
+
+
+PLANTED_LIBRARY = r"""
+#include <stdio.h>
+__attribute__((constructor)) static void planted(void) { FILE *f = fopen(MARKER, "w"); if (f) fclose(f); }
+"""
+
+
+@pytest.mark.slow
+def test_a_planted_library_in_an_unsigned_package_never_runs(torch_builds, photos, tmp_path):
+    """The attack: the compiled library inside model.pt2 replaced by one whose constructor writes a marker, and the
+    manifest re-hashed (anyone can). Nothing that reads the folder loads it unsigned: exit 3, no marker. With
+    --trust-unsigned it does load (the marker appears): the refusal is what stands between them."""
+    import subprocess
+    import zipfile
+
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        pytest.skip("no C compiler to build the planted library")
+    marker, source, library = tmp_path / "planted-ran", tmp_path / "planted.c", tmp_path / "planted.so"
+    source.write_text(f'#define MARKER "{marker}"\n' + PLANTED_LIBRARY)
+    subprocess.run([compiler, "-shared", "-fPIC", "-o", str(library), str(source)], check=True)
+    folder = Path(shutil.copytree(torch_builds["fp32"], tmp_path / torch_builds["fp32"].name))
+    package, planted = folder / "model.pt2", 0
+    with zipfile.ZipFile(package) as original, zipfile.ZipFile(tmp_path / "forged.pt2", "w") as forged:
+        for item in original.infolist():
+            data = original.read(item)
+            if item.filename.endswith(".so"):
+                data, planted = library.read_bytes(), planted + 1
+            forged.writestr(item, data)
+    assert planted >= 1
+    shutil.move(tmp_path / "forged.pt2", package)
+    manifest = json.loads((folder / MANIFEST).read_text())
+    manifest["artifacts"] = file_hashes(folder)
+    (folder / MANIFEST).write_text(json.dumps(manifest))
+    out = tmp_path / "p.jsonl"
+    for command in (["run", folder, photos, "--out", out], ["bench", folder], ["verify", folder, "--accuracy"],
+                    ["compare", folder, folder], ["verify", folder]):
+        done = CliRunner().invoke(main, [*map(str, command)])
+        assert done.exit_code == 3 and "not signed by a trusted key" in done.stderr, (command, done.stderr)
+    assert not marker.exists() and not out.exists()
+    CliRunner().invoke(main, ["run", str(folder), str(photos), "--out", str(out), "--trust-unsigned"])
+    assert marker.exists()
 
 
 @pytest.mark.slow

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,6 +25,11 @@ from accel_opt.errors import Unsupported, UsageError, first_line
 
 PUBLIC_KEY_ENV = "ACCEL_OPT_PUBLIC_KEY"  # a trusted public key for run/bench/verify/compare when --public-key is not given
 INSTALL = "pip install 'accel-opt[sign]'"
+# Backends whose artifact is native code once deserialized: loading it runs whatever its builder put there.
+NATIVE_CODE = {"torch": "an AOTInductor package (a compiled shared library)",
+               "tensorrt": "a TensorRT plan (executable GPU code)"}
+TRUST_HINT = (f"give --public-key KEY (or {PUBLIC_KEY_ENV}=KEY) of whoever built and signed it, or --trust-unsigned "
+              "to run it anyway")
 
 
 @dataclass(frozen=True)
@@ -39,6 +44,59 @@ class Trust:
         if self.public_key is not None:
             return f"the key in {self.public_key.name}"
         return f"the certificates in {', '.join(p.name for p in self.certificate_chain)}"
+
+
+@dataclass(frozen=True)
+class TrustPolicy:
+    """What may run: folders signed by `key` (checked first), or with no key unsigned ones, where native code (a
+    torch package, a TensorRT plan or engine cache) runs only when `trust_unsigned` says so. One policy for the CLI,
+    `runtime.load` and the Ray APIs, built by `of` from the same arguments and the same environment variable."""
+
+    key: Trust | None = None
+    trust_unsigned: bool = False
+
+    @classmethod
+    def of(cls, public_key: str | Path | None = None, certificate_chain: Iterable[str | Path] = (),
+           trust_unsigned: bool = False, environ: dict[str, str] | None = None) -> TrustPolicy:
+        """The policy of these arguments; without a key or chain, the key named by ACCEL_OPT_PUBLIC_KEY. That variable
+        set but empty is a usage error (exit 2): a deployment that meant to pin a key must not silently run unsigned."""
+        environ = os.environ if environ is None else environ
+        chain = tuple(certificate_chain or ())
+        if public_key is None and not chain and PUBLIC_KEY_ENV in environ:
+            public_key = environ[PUBLIC_KEY_ENV]
+            if not public_key.strip():
+                raise UsageError(f"{PUBLIC_KEY_ENV} is set but empty: name a public key (PEM), or unset it")
+        return cls(key=trust_of(public_key, chain), trust_unsigned=trust_unsigned)
+
+    def as_arguments(self) -> dict:
+        """The keyword arguments of `runtime.load` (and the Ray APIs) that rebuild this policy in another process,
+        whatever its environment."""
+        key = self.key or Trust()
+        return {"public_key": str(key.public_key.resolve()) if key.public_key else None,
+                "certificate_chain": tuple(str(p.resolve()) for p in key.certificate_chain),
+                "trust_unsigned": self.trust_unsigned}
+
+    def refusal(self, native_code: str | None) -> str | None:
+        """Why an unsigned folder holding `native_code` (NATIVE_CODE's words; None: none) may not load, or None."""
+        if self.key is not None or native_code is None or self.trust_unsigned:
+            return None
+        return f"it holds {native_code} and is not signed by a trusted key: {TRUST_HINT}"
+
+    def describe(self, native_code: str | None) -> str:
+        """The folder's signature state as every summary says it, once the folder has loaded under this policy."""
+        if self.key is not None:
+            return f"signed by {self.key.describe()}"
+        return "unsigned native code, run by --trust-unsigned" if native_code else "unsigned"
+
+
+def native_code_of(backend: str, settings: dict) -> str | None:
+    """What native code a folder of `backend` with these resource-config `settings` loads (None: none): a torch
+    package or TensorRT plan, or the TensorRT EP's serialized engines of an ONNX Runtime build."""
+    if backend in NATIVE_CODE:
+        return NATIVE_CODE[backend]
+    if (settings.get("trt_engine_cache") or {}).get("engine_files"):
+        return "TensorRT EP engines (executable GPU code)"
+    return None
 
 
 def trust_of(public_key: str | Path | None, certificate_chain: Iterable[str | Path] = ()) -> Trust | None:
@@ -56,18 +114,20 @@ def trust_of(public_key: str | Path | None, certificate_chain: Iterable[str | Pa
     return Trust(public_key=Path(public_key) if public_key is not None else None, certificate_chain=chain)
 
 
-def sign_folder(folder: Path, private_key: Path, signing_certificate: Path | None = None,
-                certificate_chain: Iterable[Path] = ()) -> Path:
-    """Sign every file of `folder` (a previous signature excepted) into `folder/model.sig`; return its path.
-    With `signing_certificate`, the bundle carries that certificate (and `certificate_chain`) instead of a key hint."""
+def signer_of(private_key: Path, signing_certificate: Path | None = None,
+              certificate_chain: Iterable[Path] = (), option: str = "--key") -> Callable[[Path], Path]:
+    """A function that signs a folder with this key (and certificate); the key is loaded and checked now (exit 2), so
+    `build --sign-key` refuses a bad key before it builds. The function signs every file of a folder (a previous
+    signature excepted) into `folder/model.sig` and returns its path; the signature certifies the folder's contents
+    as they are when it runs."""
     signing, _, hashing = _model_signing()
     chain = [Path(p) for p in certificate_chain]
-    for path, option in [(private_key, "--key"), *([(signing_certificate, "--signing-certificate")] if signing_certificate else []),
-                         *[(p, "--certificate-chain") for p in chain]]:
+    for path, name in [(private_key, option), *([(signing_certificate, "--signing-certificate")] if signing_certificate else []),
+                       *[(p, "--certificate-chain") for p in chain]]:
         if not Path(path).is_file():
-            raise UsageError(f"{option} {path}: not found")
+            raise UsageError(f"{name} {path}: not found")
     if chain and signing_certificate is None:
-        raise UsageError("--certificate-chain needs --signing-certificate (the certificate of --key)")
+        raise UsageError(f"--certificate-chain needs --signing-certificate (the certificate of {option})")
     config = signing.Config()
     try:
         if signing_certificate is not None:
@@ -75,21 +135,32 @@ def sign_folder(folder: Path, private_key: Path, signing_certificate: Path | Non
         else:
             config.use_elliptic_key_signer(private_key=private_key)
     except (ValueError, TypeError) as exc:  # not PEM, not a private key, not an elliptic curve
-        raise UsageError(f"--key {private_key}: not a usable elliptic-curve private key ({first_line(exc)})") from None
+        raise UsageError(f"{option} {private_key}: not a usable elliptic-curve private key ({first_line(exc)})") from None
     config.set_hashing_config(_hashing_config(hashing))
-    target = folder / SIGNATURE
-    # The bundle is written after the folder is hashed, to a temporary name, then renamed: a reader never
-    # sees half a signature, and the temporary file does not exist while the files are hashed.
-    tmp = folder / f".{SIGNATURE}.{os.getpid()}.tmp"
-    try:
-        config.sign(folder, tmp)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, target)
-    except (ValueError, TypeError) as exc:  # a certificate that does not match the key, a symlink in the folder, ...
-        raise UsageError(f"cannot sign {folder} with --key {private_key}: {first_line(exc)}") from None
-    finally:
-        Path(tmp).unlink(missing_ok=True)
-    return target
+
+    def sign(folder: Path) -> Path:
+        target = folder / SIGNATURE
+        # The bundle is written after the folder is hashed, to a temporary name, then renamed: a reader never
+        # sees half a signature, and the temporary file does not exist while the files are hashed.
+        tmp = folder / f".{SIGNATURE}.{os.getpid()}.tmp"
+        try:
+            config.sign(folder, tmp)
+            os.chmod(tmp, 0o644)
+            os.replace(tmp, target)
+        except (ValueError, TypeError) as exc:  # a certificate that does not match the key, a symlink in the folder, ...
+            raise UsageError(f"cannot sign {folder} with {option} {private_key}: {first_line(exc)}") from None
+        finally:
+            Path(tmp).unlink(missing_ok=True)
+        return target
+
+    return sign
+
+
+def sign_folder(folder: Path, private_key: Path, signing_certificate: Path | None = None,
+                certificate_chain: Iterable[Path] = ()) -> Path:
+    """Sign every file of `folder` (a previous signature excepted) into `folder/model.sig`; return its path.
+    With `signing_certificate`, the bundle carries that certificate (and `certificate_chain`) instead of a key hint."""
+    return signer_of(private_key, signing_certificate, certificate_chain)(folder)
 
 
 def signature_problem(folder: Path, trust: Trust) -> str | None:

@@ -38,6 +38,8 @@ class CompiledModel:
     build_seconds: float
     settings: dict[str, Any] = field(default_factory=dict)  # session/compile options, recorded verbatim
     extra_files: list[Path] = field(default_factory=list)  # files the deployment needs beside `path`
+    # What keeps `path` and `extra_files` on disk while this is used (a loaded folder's private copy).
+    keep_alive: Any = field(default=None, repr=False, compare=False)
 
 
 class Backend(Protocol):

@@ -31,6 +31,7 @@ from pathlib import Path
 
 from accel_opt import runtime
 from accel_opt.accuracy import AccuracyReport
+from accel_opt.artifact.signing import TrustPolicy
 from accel_opt.backends.select import auto_backend_choice, candidate_precisions
 from accel_opt.bench import deployment_target, run_benchmark
 from accel_opt.builder.choice import choose, family_level, objective_batches, speed_floors
@@ -129,6 +130,7 @@ def build_auto(
     force: bool = False,
     eval_data_dir: str | Path | None = None,
     cpu: CpuProfile | None = None,
+    signer: Callable | None = None,
 ) -> tuple[BuildResult | None, AutoSelection]:
     """Build the candidates within the time budget and return (the winner's BuildResult or None, the selection).
     `cpu`: the CPU every class-dependent choice is made for (this machine's, read here, by default)."""
@@ -178,7 +180,8 @@ def build_auto(
             level = {"accuracy.confidence": family} if candidate.reduced and family_size > 1 else {}
             result = build(model, recipe.with_overrides(backend=candidate.backend, precision=candidate.precision, **level),
                            data_dir=data_dir, out_dir=out_dir, on_stage=staged, force=force,
-                           eval_data_dir=eval_data_dir, limits=limits, reference_caches=references, cpu=cpu)
+                           eval_data_dir=eval_data_dir, limits=limits, reference_caches=references, cpu=cpu,
+                           signer=signer)
         except UsageError:  # the command line or the recipe is wrong: no candidate will do better
             raise
         except CandidateDropped as exc:
@@ -296,7 +299,8 @@ def _runoff(candidates: list[Candidate], samples: list[Sample], recipe: Recipe, 
     """Time the candidates' published builds, loaded through the runtime as deployed, against each other in
     interleaved rounds at the objective's batch sizes (the same samples every build timed)."""
     threads = recipe.benchmark.threads or available_cpus()
-    deployments = [runtime.load(c.artifact_dir, cpu=cpu) for c in candidates]
+    # Folders this build published moments ago, under its own --out: its own native code, trusted as such.
+    deployments = [runtime.load(c.artifact_dir, cpu=cpu, trust=TrustPolicy(trust_unsigned=True)) for c in candidates]
     batches = objective_batches(recipe.selection.objective, recipe)
     if not deployments[0].config.batch_dynamic:
         batches = [deployments[0].batch_size]

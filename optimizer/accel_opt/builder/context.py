@@ -65,6 +65,7 @@ class BuildContext:
     backend: Backend
     threads: int
     cpu: CpuProfile  # the CPU the build's class-dependent choices are made for, and its manifest records
+    signer: Any = None  # build --sign-key: signs the finished folder (artifact.signing.signer_of)
     notes: list[str] = field(default_factory=list)
     factory: Any = None  # a torch ModuleFactory when the input is FILE.py:FACTORY
     torch_module: Any = None  # the exported module: the accuracy reference and a baseline row

@@ -63,6 +63,7 @@ def build(
     limits: CandidateLimits | None = None,
     reference_caches: dict[str, ReferenceCache] | None = None,
     cpu: CpuProfile | None = None,
+    signer: Callable[[Path], Path] | None = None,
 ) -> BuildResult:
     """Build, check, benchmark and package `model`; never raises for a failed gate (exit_code 1) or for held-out
     samples too few to certify it (exit_code 6).
@@ -72,6 +73,7 @@ def build(
     candidate of --precision auto (auto.py), which may stop it early (CandidateDropped) and bounds its search's time;
     `reference_caches` (auto: one for all its candidates) keeps the reference's outputs, run once per sample. `cpu`:
     the CPU every class-dependent choice is made for and the manifest records (this machine's, read here, by default).
+    `signer` (artifact.signing.signer_of) signs the finished folder before it is published (a reused one in place).
 
     A complete folder of the same identity (model, recipe, data, tool versions, CPU) under `out_dir`
     that verifies is reused instead of rebuilt (`reused` is set), unless `force`. Raises
@@ -101,7 +103,7 @@ def build(
                 staging=staging, cache_dir=Path(cache_dir) if cache_dir else out_dir / ".cache", backend=backend,
                 threads=recipe.benchmark.threads or available_cpus(), factory=factory,
                 eval_data_dir=Path(eval_data_dir) if eval_data_dir else None, limits=limits,
-                reference_caches=reference_caches, cpu=cpu)
+                reference_caches=reference_caches, cpu=cpu, signer=signer)
             if model_path.is_file():  # the staged artifact holds at least a copy of the model
                 ensure_free_space(work, model_path.stat().st_size)
             for name, stage in STAGES:
@@ -128,6 +130,8 @@ def build(
             fill_headline(result, ctx.bench)
             result._eval_samples = ctx.timed_samples or ctx.deploy_samples
             write_manifest(ctx, staging, result)  # last file: the folder is complete when it is renamed into place
+            if signer is not None:  # over every file, manifest included: published signed or not at all
+                signer(staging)
             publish(staging, final)
     except Exception as exc:
         full = no_space_error(exc, out_dir)

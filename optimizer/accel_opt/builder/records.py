@@ -38,6 +38,8 @@ def reuse(ctx: BuildContext, final: Path, model: str, stages: list[StageResult],
     if problems:
         log.info("not reusing %s: %s", final, problems[0].line)
         return None
+    if ctx.signer is not None:  # --sign-key: the verified folder is signed as it is now
+        ctx.signer(final)
     manifest = runtime.read_manifest(final)
     accuracy = AccuracyReport.model_validate_json((final / "accuracy.json").read_text())
     bench = BenchmarkReport.model_validate_json((final / "benchmark.json").read_text())

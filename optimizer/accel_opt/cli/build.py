@@ -51,13 +51,18 @@ from accel_opt.errors import (
 @click.option("--threads", type=int, help="Intra-op threads (default: CPUs available).")
 @click.option("--out", "out_dir", type=click.Path(path_type=Path), default=Path("artifacts"), show_default=True, help="Where build folders go.")
 @click.option("--force", is_flag=True, help="Rebuild even when an identical, verified build is already under --out.")
+@click.option("--sign-key", type=click.Path(path_type=Path), help="Sign the folder with this elliptic-curve private key "
+              "(PEM) as the build's last step, before it is published: model.sig proves who built it (checked before any "
+              "build starts). Verify with --public-key on run, bench, verify and compare.")
+@click.option("--signing-certificate", type=click.Path(path_type=Path),
+              help="With --sign-key: the key's certificate, which the signature carries (verifiers trust its CA).")
 @click.option("--junit", "junit_file", type=click.Path(path_type=Path), help="Write the gate's checks as JUnit XML here (for CI).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout (for CI).")
 @click.option("-v", "--verbose", is_flag=True, help="Log progress and show tracebacks.")
 def build(model, precision, backend, device, recipe_path, data_dir, eval_data_dir, groups_file, group_pattern, tokenizer, shapes,
           batch_axes, max_shapes, require_data,
-          keep_io_types, providers, calibration, target_cpu, time_budget_s, no_fallback, threads, out_dir, force, junit_file, as_json,
-          verbose):
+          keep_io_types, providers, calibration, target_cpu, time_budget_s, no_fallback, threads, out_dir, force, sign_key,
+          signing_certificate, junit_file, as_json, verbose):
     """Build MODEL (.onnx, or a PyTorch factory FILE.py:FACTORY) through cleanup, precision, compile, accuracy gate
     and benchmark."""
     setup_logging(verbose)
@@ -69,6 +74,13 @@ def build(model, precision, backend, device, recipe_path, data_dir, eval_data_di
             raise UsageError("--require-data: give --data DIR; a sign-off on synthetic inputs says nothing about real ones")
         if junit_file is not None and not _writable_file(junit_file):
             raise UsageError(f"--junit {junit_file}: cannot be written (a folder, or a path below a file)")
+        signer = None
+        if sign_key is not None or signing_certificate is not None:
+            from accel_opt.artifact.signing import signer_of
+
+            if sign_key is None:
+                raise UsageError("--signing-certificate needs --sign-key (the certificate's private key)")
+            signer = signer_of(sign_key, signing_certificate, option="--sign-key")
         auto = "auto" in (precision, backend)
         recipe = load_recipe(recipe_path).with_overrides(
             precision=None if precision == "auto" else precision,
@@ -102,10 +114,11 @@ def build(model, precision, backend, device, recipe_path, data_dir, eval_data_di
             result, selection = build_auto(
                 model, recipe, backend or recipe.backend.value, precision or recipe.precision.value, data_dir, out_dir,
                 on_progress=_print_progress if show_progress else None, force=force, eval_data_dir=eval_data_dir,
+                signer=signer,
             )
         else:
             result = run_build(model, recipe, data_dir=data_dir, out_dir=out_dir, on_stage=on_stage, force=force,
-                               eval_data_dir=eval_data_dir)
+                               eval_data_dir=eval_data_dir, signer=signer)
     except (AccelOptError, MemoryError, Exception) as exc:  # noqa: BLE001 - every error maps to an exit code
         if junit_file and _writable_file(junit_file):
             write_junit(junit_file, [(Path(str(model)).stem, [], f"build failed: {exc}")])
@@ -128,6 +141,7 @@ def build(model, precision, backend, device, recipe_path, data_dir, eval_data_di
                                                                  "failures": [no_winner] if no_winner else None}
         if selection is not None:
             payload["selection"] = selection.model_dump(mode="json")
+        payload["signature"] = str(Path(result.artifact_dir) / "model.sig") if result and signer else None
         click.echo(json.dumps(payload))
     else:
         if selection is not None:
@@ -136,6 +150,9 @@ def build(model, precision, backend, device, recipe_path, data_dir, eval_data_di
             click.echo(selection_markdown(Path(model).stem, selection))
         if result:
             _print_result(result)
+            if signer is not None:
+                click.echo(f"signed: {Path(result.artifact_dir) / 'model.sig'} by {sign_key.name} (every file, manifest "
+                           "included, as built)")
         if result and selection is not None and selection.too_few_line():  # what --precision auto could not certify
             click.echo(f"not certified: {selection.too_few_line()}")
     if no_winner:

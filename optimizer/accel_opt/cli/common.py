@@ -146,16 +146,23 @@ def progress(enabled: bool):
 
 
 def trust_options(command):
-    """--public-key / --certificate-chain: require a signature by that key or CA before the folder is read."""
+    """--public-key / --certificate-chain: require a signature by that key or CA before the folder is read;
+    --trust-unsigned: run an unsigned folder that holds native code."""
+    command = click.option("--trust-unsigned", is_flag=True, help="Without a key: load an unsigned folder that holds "
+                           "native code (a torch package, a TensorRT plan or engine cache), which is otherwise refused "
+                           "(exit 3). Loading it runs whatever its builder compiled in: only for folders you built "
+                           "yourself. The summary and JSON say so.")(command)
     command = click.option("--certificate-chain", "certificate_chain", multiple=True, type=click.Path(path_type=Path),
                            help="Require a signature whose signing certificate chains to these CA certificates (PEM).")(command)
-    return click.option("--public-key", type=click.Path(path_type=Path), envvar=PUBLIC_KEY_ENV, show_envvar=True,
-                        help="Require a signature (model.sig) by this elliptic-curve public key (PEM), checked before "
-                             "anything in the folder is read.")(command)
+    return click.option("--public-key", type=click.Path(path_type=Path),
+                        help=f"Require a signature (model.sig) by this elliptic-curve public key (PEM), checked before "
+                             f"anything in the folder is read. Default: the key {PUBLIC_KEY_ENV} names (set but "
+                             "empty is a usage error).")(command)
 
 
-def trust_from(public_key, certificate_chain):
-    """The Trust the user asked for (None without a key or chain); model-signing is imported only then."""
-    from accel_opt.artifact.signing import trust_of
+def trust_from(public_key, certificate_chain, trust_unsigned=False):
+    """The TrustPolicy the user asked for (the key from ACCEL_OPT_PUBLIC_KEY when no option names one); model-signing
+    is imported only when there is a key."""
+    from accel_opt.artifact.signing import TrustPolicy
 
-    return trust_of(public_key, certificate_chain)
+    return TrustPolicy.of(public_key, certificate_chain, trust_unsigned)

@@ -33,7 +33,7 @@ Exit codes:
               "folder carries (seconds): the sign-off's verdict for this CPU's kernels. Exit 1 when it fails.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout.")
 @trust_options
-def verify_command(artifact, accuracy, as_json, public_key, certificate_chain):
+def verify_command(artifact, accuracy, as_json, public_key, certificate_chain, trust_unsigned):
     """Check a built ARTIFACT folder before running it: its signature (with --public-key), manifest, every
     file's sha256, the environment, and which CPU class its sign-off holds for (--accuracy re-checks it here)."""
     from accel_opt import runtime
@@ -41,7 +41,7 @@ def verify_command(artifact, accuracy, as_json, public_key, certificate_chain):
 
     recheck = scope = trust = None
     try:
-        trust, cpu = trust_from(public_key, certificate_chain), CpuProfile.here()
+        trust, cpu = trust_from(public_key, certificate_chain, trust_unsigned), CpuProfile.here()
         problems = runtime.check(artifact, trust=trust, cpu=cpu)
         if not problems:
             if accuracy:  # before the scope, so its line states the verdict of this re-check
@@ -70,7 +70,8 @@ def verify_command(artifact, accuracy, as_json, public_key, certificate_chain):
         reach = recheck_reach(recheck, evaluated)
     if as_json:
         click.echo(json.dumps({"artifact_dir": str(artifact), "ok": exit_code == 0, "exit_code": exit_code,
-                               "signature_checked": trust is not None, "problems": [p.model_dump() for p in problems],
+                               "signature_checked": trust is not None and trust.key is not None,
+                               "signature": _signature_line(artifact, trust) if not problems else None, "problems": [p.model_dump() for p in problems],
                                "signed_off": unsigned is None if not problems else None, "not_signed_off": unsigned,
                                "cpu_class": scope.model_dump() if scope else None,
                                "recheck": {**recheck.model_dump(mode="json", include={"sample_count", "failures", "checks"}),
@@ -80,11 +81,7 @@ def verify_command(artifact, accuracy, as_json, public_key, certificate_chain):
         for problem in problems:
             click.echo(f"accel-opt: {artifact}: {problem.line}", err=True)
     else:
-        from accel_opt.artifact.folder import SIGNATURE
-
-        signature = (f"signed by {trust.describe()}" if trust is not None else
-                     f"{SIGNATURE} not checked (give --public-key)" if (artifact / SIGNATURE).is_file() else "unsigned")
-        click.echo(f"{'ok' if exit_code == 0 else 'not ok'}: {artifact}: {signature}; {len(manifest.artifacts)} files match manifest.json; {manifest.backend} "
+        click.echo(f"{'ok' if exit_code == 0 else 'not ok'}: {artifact}: {_signature_line(artifact, trust)}; {len(manifest.artifacts)} files match manifest.json; {manifest.backend} "
                    f"{manifest.precision} runs here as built; "
                    f"{'signed off' if unsigned is None else f'NOT signed off: {unsigned}'}; {scope.line(artifact)}")
         if recheck is not None:
@@ -95,6 +92,18 @@ def verify_command(artifact, accuracy, as_json, public_key, certificate_chain):
             for line in reach:
                 click.echo(f"  {line}")
     sys.exit(exit_code)
+
+
+def _signature_line(artifact: Path, trust) -> str:
+    """The verified folder's signature state under the TrustPolicy `trust`, as `run` and `bench` would say it."""
+    from accel_opt.artifact.config import RESOURCE_CONFIG, ResourceConfig
+    from accel_opt.artifact.folder import SIGNATURE
+    from accel_opt.artifact.signing import native_code_of
+
+    if trust.key is None and (artifact / SIGNATURE).is_file():
+        return f"{SIGNATURE} not checked (give --public-key)"
+    config = ResourceConfig.model_validate_json((artifact / RESOURCE_CONFIG).read_text())
+    return trust.describe(native_code_of(config.backend, config.settings))
 
 
 SIGN_EXIT_CODES = """\b
@@ -113,9 +122,11 @@ Exit codes:
 @click.option("--certificate-chain", "certificate_chain", multiple=True, type=click.Path(path_type=Path),
               help="Certificates from the signing certificate up to the CA (PEM; repeatable).")
 def sign_command(artifact, private_key, signing_certificate, certificate_chain):
-    """Sign a built ARTIFACT folder: model.sig, written inside it, proves who built it (the manifest's hashes only
-    prove it intact). The folder is verified first. Check it with `accel-opt verify ARTIFACT --public-key PUB.pem`,
-    or give --public-key to run, bench and compare."""
+    """Sign a built ARTIFACT folder: model.sig, written inside it, certifies its files as they are NOW (the manifest's
+    hashes only prove it intact, and anyone can recompute them). The folder is verified first, but a file changed
+    before this and re-hashed cannot be told apart: to prove who built a folder, sign it as the build's last step
+    (`accel-opt build --sign-key KEY`). Check it with `accel-opt verify ARTIFACT --public-key PUB.pem`, or give
+    --public-key to run, bench and compare."""
     try:
         from accel_opt import runtime
         from accel_opt.artifact.signing import sign_folder
@@ -130,6 +141,7 @@ def sign_command(artifact, private_key, signing_certificate, certificate_chain):
         fail(exc, False, False)
         return
     by = f"the certificate {signing_certificate.name}" if signing_certificate else f"the key {private_key.name}"
-    click.echo(f"signed: {signature}: {len(manifest.artifacts) + 1} files (manifest.json included) signed with {by}; "
+    click.echo(f"signed: {signature}: {len(manifest.artifacts) + 1} files (manifest.json included) signed with {by}, "
+               f"certified as they are now (build --sign-key signs as built); "
                f"{'signed off' if manifest.signed_off else 'NOT signed off'}")
     sys.exit(0)

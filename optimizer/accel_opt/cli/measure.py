@@ -45,7 +45,7 @@ Exit codes:
 @trust_options
 @click.option("-v", "--verbose", is_flag=True)
 def bench_command(artifact, data_dir, batch_sizes, max_p99_ms, min_throughput, no_recheck, out_file, junit_file, as_json,
-                  public_key, certificate_chain, verbose):
+                  public_key, certificate_chain, trust_unsigned, verbose):
     """Benchmark a built ARTIFACT folder again, loaded and run as deployed, without rebuilding it. The folder is
     verified and its sign-off re-checked on this machine class first (as `run` does), and limits can be given."""
     setup_logging(verbose)
@@ -64,7 +64,7 @@ def bench_command(artifact, data_dir, batch_sizes, max_p99_ms, min_throughput, n
                 sizes = []
             if not sizes or min(sizes) < 1:
                 raise UsageError(f"--batch-sizes: expected positive integers like 1,8, got {batch_sizes!r}")
-        deployment = runtime.load(artifact, trust=trust_from(public_key, certificate_chain))
+        deployment = runtime.load(artifact, trust=trust_from(public_key, certificate_chain, trust_unsigned))
         checks = [verified_check(deployment), sign_off_check(deployment, recheck_allowed=not no_recheck)]
         say_scope(checks[-1].line if checks[-1].passed and "re-checked" in checks[-1].line else None)
         result = data = None
@@ -86,7 +86,7 @@ def bench_command(artifact, data_dir, batch_sizes, max_p99_ms, min_throughput, n
     if junit_file:
         write_junit(junit_file, [(suite, checks, None)])
     if as_json:
-        click.echo(json.dumps({"exit_code": exit_code, "artifact_dir": str(artifact),
+        click.echo(json.dumps({"exit_code": exit_code, "artifact_dir": str(artifact), "signature": deployment.signature,
                                "checks": [c.model_dump() for c in checks],
                                "data": data.model_dump(mode="json", exclude={"names"}) if data else None,
                                "benchmark": result.model_dump(mode="json") if result else None}))
@@ -110,7 +110,7 @@ def bench_command(artifact, data_dir, batch_sizes, max_p99_ms, min_throughput, n
 @trust_options
 @click.option("-v", "--verbose", is_flag=True)
 def compare_command(baseline, candidate, data_dir, reference, max_latency_regression, max_accuracy_drop, junit_file, as_json,
-                    public_key, certificate_chain, verbose):
+                    public_key, certificate_chain, trust_unsigned, verbose):
     """Compare two built artifacts of one model family (the deployed build and a new one): speed interleaved
     in one run, accuracy of each against the same reference, and regression gates."""
     setup_logging(verbose)
@@ -120,7 +120,7 @@ def compare_command(baseline, candidate, data_dir, reference, max_latency_regres
         from accel_opt.machine.cpu import CpuProfile
         from accel_opt.runtime.probe import signed_off_here
 
-        trust, cpu = trust_from(public_key, certificate_chain), CpuProfile.here()  # both folders must carry the trust
+        trust, cpu = trust_from(public_key, certificate_chain, trust_unsigned), CpuProfile.here()  # both folders carry it
         base, cand = runtime.load(baseline, trust=trust, cpu=cpu), runtime.load(candidate, trust=trust, cpu=cpu)
         for side in (base, cand):
             say_scope(signed_off_here(side, recheck_allowed=False))
@@ -136,7 +136,9 @@ def compare_command(baseline, candidate, data_dir, reference, max_latency_regres
     if junit_file:
         write_junit(junit_file, [(f"compare {baseline.name} vs {candidate.name}", result.checks, None)])
     if as_json:
-        click.echo(json.dumps({"exit_code": exit_code, **result.model_dump(mode="json")}))
+        click.echo(json.dumps({"exit_code": exit_code, "signatures": [base.signature, cand.signature],
+                               **result.model_dump(mode="json")}))
     else:
         click.echo(comparison_markdown(result))
+        click.echo(f"signatures: {baseline.name}: {base.signature}; {candidate.name}: {cand.signature}")
     sys.exit(exit_code)

@@ -102,7 +102,7 @@ def run_on_ray(artifact, inputs, out_dir, resume, overwrite, as_json, no_recheck
                    f"{summary.seconds:.1f} s ({summary.inputs_per_s:.1f} inputs/s; Ray start {summary.ray_start_seconds:.1f} s, "
                    f"first answers {summary.first_answer_seconds:.1f} s later, then {summary.steady_inputs_per_s:.1f} inputs/s) "
                    f"on {summary.actors[0]}-{summary.actors[1]} actors -> {out_dir}"
-                   + UNSIGNED_NOTE * summary.unsigned, err=True)
+                   + UNSIGNED_NOTE * summary.unsigned + f"; {summary.signature}", err=True)
     sys.exit(summary.exit_code)
 
 

@@ -60,7 +60,7 @@ Exit codes:
 @ray_options
 @click.option("-v", "--verbose", is_flag=True)
 def run_command(artifact, inputs, predictions, resume, overwrite, workers, as_json, strict_device, no_recheck, public_key,
-                certificate_chain, allow_unsigned, verbose, engine, **ray_args):
+                certificate_chain, trust_unsigned, allow_unsigned, verbose, engine, **ray_args):
     """Run a built ARTIFACT folder on INPUTS: image files, .npz feed dicts, or for an artifact with a text stage
     text files (.txt a text per line, .jsonl, .parquet, .csv), folders of them (read recursively), globs
     ('photos/**/*.jpg') and URIs (file://; s3:// and gs:// with --engine ray). Both engines list INPUTS by this
@@ -84,7 +84,7 @@ def run_command(artifact, inputs, predictions, resume, overwrite, workers, as_js
     started = time.perf_counter()
     if engine == "ray":
         return run_on_ray(artifact, inputs, predictions, resume, overwrite, as_json, no_recheck,
-                          lambda: trust_from(public_key, certificate_chain), verbose, workers, started, allow_unsigned,
+                          lambda: trust_from(public_key, certificate_chain, trust_unsigned), verbose, workers, started, allow_unsigned,
                           **ray_args)
     try:
         refuse_ray_options(**ray_args)
@@ -92,7 +92,7 @@ def run_command(artifact, inputs, predictions, resume, overwrite, workers, as_js
         from accel_opt.runtime.local.job import run_job
         from accel_opt.runtime.probe import signed_off_here
 
-        deployment = runtime.load(artifact, trust=trust_from(public_key, certificate_chain))
+        deployment = runtime.load(artifact, trust=trust_from(public_key, certificate_chain, trust_unsigned))
         signed_off = refuse_unsigned(artifact, allow_unsigned)
         say_scope(signed_off_here(deployment, recheck_allowed=not no_recheck))
         show_progress = not as_json and sys.stderr.isatty()
@@ -113,7 +113,7 @@ def run_command(artifact, inputs, predictions, resume, overwrite, workers, as_js
         rejected = f", {summary.rejected} rejected (see {summary.errors})" if summary.rejected else ""
         click.echo(f"predicted {summary.predicted} of {summary.inputs} inputs{skipped}{rejected} in "
                    f"{summary.seconds:.1f} s ({summary.inputs_per_s:.1f} inputs/s) -> {summary.predictions}"
-                   + host_decoding_note(summary) + UNSIGNED_NOTE * summary.unsigned, err=True)
+                   + host_decoding_note(summary) + UNSIGNED_NOTE * summary.unsigned + f"; {summary.signature}", err=True)
     sys.exit(summary.exit_code)
 
 

@@ -132,6 +132,9 @@ class TensorRtConfig(_Strict):
     opt_shapes: dict[str, list[Annotated[int, Field(ge=1)]]] = Field(default_factory=dict)
     max_shapes: dict[str, list[Annotated[int, Field(ge=1)]]] = Field(default_factory=dict)
     timing_cache_dir: str | None = None  # reused only on the same GPU and TensorRT version
+    # Let the runtime deserialize host code a plan carries (version-compatible plans, plugins). TensorRT's default is
+    # off; with it on, the engine still runs its host code only from a folder whose signature was verified.
+    allow_host_code: bool = False
 
 
 class TorchConfig(_Strict):

@@ -23,6 +23,8 @@ from pydantic import BaseModel, ValidationError
 
 from accel_opt.artifact.config import RESOURCE_CONFIG, ResourceConfig
 from accel_opt.artifact.folder import MANIFEST, SIGNATURE, Manifest
+from accel_opt.artifact.signing import TrustPolicy, native_code_of
+from accel_opt.artifact.verified import PrivateCopy, entry_problems, plain_name, private_copy
 from accel_opt.backends import Backend, CompiledModel, get_backend
 from accel_opt.backends.base import casting_inputs
 from accel_opt.data import DataSummary, Sample, load_samples, synthetic_samples
@@ -31,20 +33,24 @@ from accel_opt.files import sha256_file
 from accel_opt.graph.inspect import with_batch
 from accel_opt.machine.cpu import CpuProfile
 
-if TYPE_CHECKING:  # signing (model-signing) is imported only where a trusted key is given
+if TYPE_CHECKING:
     from accel_opt.artifact.signing import Trust
 
 def verify_files(folder: Path, expected: dict[str, str]) -> list[str]:
-    """One line per problem: a file missing, changed (sha256) or not part of the artifact. A signature
+    """One line per problem: an entry that is not a regular file (a sub-folder, link, device...), a listed name
+    that is not a plain file name, a file missing, changed (sha256) or not part of the artifact. A signature
     (`model.sig`, added after the build and covering the manifest) is the one file no manifest lists."""
-    problems = []
+    problems = entry_problems(folder)
+    problems += [f"{name!r}: listed in the manifest, not a plain file name" for name in sorted(expected) if not plain_name(name)]
     for name, digest in sorted(expected.items()):
         path = folder / name
+        if not plain_name(name) or path.is_symlink():
+            continue
         if not path.is_file():
             problems.append(f"{name}: missing")
         elif sha256_file(path) != digest:
             problems.append(f"{name}: sha256 does not match the manifest (changed after the build)")
-    present = {p.name for p in folder.iterdir() if p.is_file() and p.name not in (MANIFEST, SIGNATURE)}
+    present = {p.name for p in folder.iterdir() if p.is_file() and not p.is_symlink() and p.name not in (MANIFEST, SIGNATURE)}
     problems += [f"{name}: not part of the artifact (not in the manifest)" for name in sorted(present - set(expected))]
     return problems
 
@@ -75,6 +81,15 @@ class Deployment:
     compiled: CompiledModel
     cpu: CpuProfile  # the CPU it runs on: the class its sign-off is seen from
     staged_files: dict[str, str] | None = None  # name -> sha256 while the build is still staging (no manifest yet)
+    # The private copy that was verified, which its bytes are read from (None: read in place, while the build stages it).
+    copy: PrivateCopy | None = None
+    signature: str = "unsigned"  # its signature state as summaries say it (TrustPolicy.describe)
+    trust: TrustPolicy = dataclasses.field(default_factory=TrustPolicy)  # the policy it loaded under
+
+    @property
+    def files(self) -> Path:
+        """Where the folder's files are read from: the verified private copy, or the folder while it is staged."""
+        return self.copy.path if self.copy is not None else self.folder
 
     @property
     def batch_size(self) -> int:
@@ -85,7 +100,7 @@ class Deployment:
         """`artifact_identity` of the folder; while staging, the sha256 of its files' hashes instead."""
         if self.staged_files is not None:
             return hashlib.sha256(json.dumps(self.staged_files, sort_keys=True).encode()).hexdigest()
-        return artifact_identity(self.folder)
+        return artifact_identity(self.files)
 
     @property
     def batch_axes(self) -> dict[str, int | None]:
@@ -93,7 +108,7 @@ class Deployment:
 
     def scope(self):
         """Where the sign-off holds, seen from this machine (runtime.probe.Scope)."""
-        return sign_off_scope(self.folder, self.cpu, self.config)
+        return sign_off_scope(self.files, self.cpu, self.config)
 
     def describe(self, folder_name: str | None = None) -> str:
         """What runs, in one line: the folder (by `folder_name` while it is still staged) and its files."""
@@ -108,7 +123,7 @@ class Deployment:
             return None
         from accel_opt.preprocess.text import TOKENIZER_FILE, TextEncoder
 
-        return TextEncoder(self.folder / TOKENIZER_FILE, self.config.text, {i.name: i.dtype for i in self.config.inputs})
+        return TextEncoder(self.files / TOKENIZER_FILE, self.config.text, {i.name: i.dtype for i in self.config.inputs})
 
     @property
     def padding(self):
@@ -140,47 +155,72 @@ class Deployment:
 
             from accel_opt.graph.inspect import index_bounds
 
-            bounds = index_bounds(onnx.load(str(self.folder / config.model_file), load_external_data=False))
+            bounds = index_bounds(onnx.load(str(self.files / config.model_file), load_external_data=False))
         return synthetic_samples(config.inputs, shapes, synthetic_count, seed, bounds)
 
     def runner(self, feed_dtypes: dict[str, Any] | None = None) -> BaseRunner:
         """A Polygraphy runner of the deployed model; inputs fed in other dtypes than it deploys
         (float16 I/O builds) are cast inside each call, as an application would have to."""
         runner = self.backend.runner(self.compiled)
+        runner.keep_alive = self.copy  # the files it loads stay while it lives, whoever drops the Deployment
         deployed = {i.name: i.dtype for i in self.config.inputs}
         return casting_inputs(runner, feed_dtypes or deployed, deployed)
 
 
 
-def load(folder: str | Path, expected_files: dict[str, str] | None = None, trust: Trust | None = None,
-         threads: int | None = None, cpu: CpuProfile | None = None) -> Deployment:
-    """Verify `folder` and return its Deployment. Refuses (one line) an incomplete or changed folder
+def load(folder: str | Path, expected_files: dict[str, str] | None = None, trust: TrustPolicy | None = None,
+         threads: int | None = None, cpu: CpuProfile | None = None, *, public_key: str | Path | None = None,
+         certificate_chain: tuple[str | Path, ...] = (), trust_unsigned: bool = False) -> Deployment:
+    """Verify `folder` and return its Deployment. Refuses (one line) an incomplete, changed or untrusted folder
     (exit 3) and one this machine cannot run as it was checked (exit 4).
 
-    `expected_files` (name -> sha256) stands in for the manifest while a build is still staging. With
-    `trust`, the folder must also carry a signature by that key (exit 3 when unsigned or forged).
+    Trust, the one policy of the CLI and the Ray APIs (artifact.signing.TrustPolicy): with `public_key` or
+    `certificate_chain`, else the key ACCEL_OPT_PUBLIC_KEY names, the folder must carry a signature by it (exit 3 when
+    unsigned or forged). Without a key, a folder holding native code (a torch package, a TensorRT plan or engine
+    cache) is refused (exit 3) unless `trust_unsigned`; ONNX and OpenVINO folders load, "unsigned". `trust` passes a
+    policy already built. Every file is copied into a private folder first, and verified and loaded from that copy.
+
+    `expected_files` (name -> sha256) stands in for the manifest while this process builds the folder (read in place).
     `threads` replaces the recorded compute threads (a Ray actor gets the CPUs it was scheduled with:
     ONNX Runtime's default pool would take every core of the node). `cpu`: this machine's CPU profile (read here by
     default), which the sign-off's scope and the backend's native-precision checks are judged on.
     """
     folder = Path(folder)
     cpu = cpu or CpuProfile.here()
-    problems = check(folder, expected_files, trust, cpu)
-    if problems:
-        more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
-        first = problems[0]
-        raise (InputRejected if first.exit_code == 3 else Unsupported)(f"{folder}: {first.line}{more}")
-    config = ResourceConfig.model_validate_json((folder / RESOURCE_CONFIG).read_text())
+    copy = None
+    if expected_files is not None:  # this build's own staging folder
+        policy = TrustPolicy(trust_unsigned=True)
+    else:
+        policy = trust or TrustPolicy.of(public_key, certificate_chain, trust_unsigned)
+        if not folder.is_dir():
+            raise InputRejected(f"{folder}: artifact folder not found")
+        copy = private_copy(folder)
+    files = copy.path if copy is not None else folder
+    try:
+        problems = check(files, expected_files, policy, cpu)
+        if problems:
+            more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
+            first = problems[0]
+            raise (InputRejected if first.exit_code == 3 else Unsupported)(f"{folder}: {first.line}{more}")
+        config = ResourceConfig.model_validate_json((files / RESOURCE_CONFIG).read_text())
+    except BaseException:
+        if copy is not None:
+            copy.remove()
+        raise
     settings = config.settings
     if threads is not None and "compile_config" in settings:  # OpenVINO compiles (and imports) with its own count
         settings = {**settings, "compile_config": {**settings["compile_config"], "INFERENCE_NUM_THREADS": str(threads)}}
+    if "engine_host_code_allowed" in settings:  # the recipe's opt-in holds only for a signed folder (or our own build)
+        settings = {**settings, "engine_host_code_allowed": bool(settings["engine_host_code_allowed"])
+                    and (policy.key is not None or expected_files is not None)}
     compiled = CompiledModel(
-        backend=config.backend, path=folder / config.model_file, precision=config.precision, device=config.device,
+        backend=config.backend, path=files / config.model_file, precision=config.precision, device=config.device,
         providers=config.providers, threads=threads or config.threads, build_seconds=0.0, settings=settings,
-        extra_files=[folder / name for name in config.extra_files],
+        extra_files=[files / name for name in config.extra_files], keep_alive=copy,
     )
     return Deployment(folder=folder, config=config, backend=_backend_of(config, cpu), compiled=compiled, cpu=cpu,
-                      staged_files=expected_files)
+                      staged_files=expected_files, copy=copy, trust=policy,
+                      signature=policy.describe(native_code_of(config.backend, config.settings)))
 
 
 def machine_class(config: ResourceConfig, cpu: CpuProfile) -> str:
@@ -210,18 +250,20 @@ class Problem(BaseModel):
     exit_code: int  # 3: the folder is incomplete or altered; 4: this machine cannot run it as it was checked
 
 
-def check(folder: Path, expected_files: dict[str, str] | None = None, trust: Trust | None = None,
+def check(folder: Path, expected_files: dict[str, str] | None = None, trust: Trust | TrustPolicy | None = None,
           cpu: CpuProfile | None = None) -> list[Problem]:
     """Every reason `folder` must not be run here, on the CPU `cpu` (this machine's, read here, by default),
-    altered/incomplete ones (exit 3) first; [] when it may. Nothing in the folder is deserialized before its hash
-    has matched."""
+    altered/incomplete/untrusted ones (exit 3) first; [] when it may. `trust`: a key whose signature the folder must
+    carry, or a whole TrustPolicy (which also refuses unsigned native code it does not trust). Nothing in the folder
+    is deserialized before its hash has matched."""
     cpu = cpu or CpuProfile.here()
+    policy = trust if isinstance(trust, TrustPolicy) else TrustPolicy(key=trust, trust_unsigned=True)
     if not folder.is_dir():
         return [Problem(line=f"artifact folder not found: {folder}", exit_code=3)]
-    if trust is not None:  # first: the signature covers the manifest, which is read next
+    if policy.key is not None:  # first: the signature covers the manifest, which is read next
         from accel_opt.artifact.signing import signature_problem
 
-        if line := signature_problem(folder, trust):
+        if line := signature_problem(folder, policy.key):
             return [Problem(line=f"signature check failed: {line}", exit_code=3)]
     try:
         expected = read_manifest(folder).artifacts if expected_files is None else expected_files
@@ -234,6 +276,8 @@ def check(folder: Path, expected_files: dict[str, str] | None = None, trust: Tru
         config = ResourceConfig.model_validate_json((folder / RESOURCE_CONFIG).read_text())
     except (ValidationError, ValueError, OSError) as exc:
         return [Problem(line=f"{RESOURCE_CONFIG} is unreadable: {first_line(exc)}", exit_code=3)]
+    if line := _config_problem(config, expected, policy):
+        return [Problem(line=line, exit_code=3)]
     if config.model_file.endswith(".onnx"):  # what loading would refuse, refused here: verify says what run says
         from accel_opt.graph.load import check_model_file
 
@@ -247,6 +291,21 @@ def check(folder: Path, expected_files: dict[str, str] | None = None, trust: Tru
     except Unsupported as exc:
         return [Problem(line=str(exc), exit_code=4)]
     return [Problem(line=line, exit_code=4) for line in _environment_problems(folder, config, cpu)]
+
+
+def _config_problem(config: ResourceConfig, listed: dict[str, str], policy: TrustPolicy) -> str | None:
+    """What makes a verified folder's config unsafe to load: a file it names that the manifest does not list, native
+    code the policy does not trust, or ONNX Runtime provider options beyond the allowlist (library paths)."""
+    stray = [name for name in [config.model_file, *config.extra_files] if name not in listed]
+    if stray:
+        return f"{RESOURCE_CONFIG} names {stray[0]!r}, which is not a file of the artifact (not in the manifest)"
+    if refusal := policy.refusal(native_code_of(config.backend, config.settings)):
+        return refusal
+    if config.backend == "onnxruntime":
+        from accel_opt.backends.onnxruntime.gpu import provider_option_problem
+
+        return provider_option_problem(config.settings.get("provider_options") or {})
+    return None
 
 
 def _backend_of(config: ResourceConfig, cpu: CpuProfile):

@@ -27,7 +27,7 @@ def benchmark_artifact(
 ) -> tuple[BenchmarkReport, DataSummary]:
     """Benchmark `deployment` at `batch_sizes` (default: the build's, or the fixed batch)."""
     resource = deployment.config
-    built = Recipe.model_validate(read_manifest(deployment.folder).recipe["resolved"])
+    built = Recipe.model_validate(read_manifest(deployment.files).recipe["resolved"])
     config = config or built.benchmark
     samples, data = deployment.samples(data_dir, SYNTHETIC_SAMPLES, built.accuracy.seed)
     if batch_sizes is None:
@@ -41,10 +41,10 @@ def benchmark_artifact(
 
 def verified_check(deployment: Deployment) -> Check:
     """The folder was verified when it loaded (runtime.load refuses otherwise): say what that covered."""
-    manifest = read_manifest(deployment.folder)
+    manifest = read_manifest(deployment.files)
     return Check(name="verified", passed=True,
-                 line=f"{len(manifest.artifacts)} files match manifest.json; {manifest.backend} {manifest.precision} "
-                      "runs here as built")
+                 line=f"{deployment.signature}; {len(manifest.artifacts)} files match manifest.json; {manifest.backend} "
+                      f"{manifest.precision} runs here as built")
 
 
 def sign_off_check(deployment: Deployment, recheck_allowed: bool = True) -> Check:

@@ -186,7 +186,7 @@ def recheck(deployment):
     says how many samples were judged."""
     from accel_opt.accuracy import judge, run_candidate
 
-    probe, inputs, refs = read_probe(deployment.folder)
+    probe, inputs, refs = read_probe(deployment.files)
     runner = deployment.runner({name: array.dtype for name, array in inputs[0].items()})
     with runner:
         outs, evaluation = run_candidate(runner, inputs, refs, deployment.batch_size, deployment.batch_axes,
@@ -195,7 +195,7 @@ def recheck(deployment):
     report = judge(refs, outs, probe.samples, probe.tolerance, probe.task_metrics,
                    f"reference-fp32 (recorded on {probe.cpu_class})", f"{runner.name} on {here}", evaluation,
                    probe.noise_floor)
-    _remember(deployment.folder, here, report.passed)
+    _remember(deployment.files, here, report.passed)
     return report
 
 

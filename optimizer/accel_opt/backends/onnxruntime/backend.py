@@ -35,6 +35,7 @@ from accel_opt.backends.onnxruntime.gpu import (
     ops_by_provider,
     provider_availability,
     provider_entries,
+    provider_option_problem,
     run_once,
     trt_cache_mismatch,
     trt_ep_setup,
@@ -311,6 +312,8 @@ class OnnxRuntimeBackend:
         """The deployed model's runner. The EP is the one the build recorded (a GPU artifact loaded by
         `runtime.load` runs on its GPU EP, or is refused, exit 4), not this object's default."""
         settings = compiled.settings
+        if problem := provider_option_problem(settings.get("provider_options") or {}):
+            raise InputRejected(problem)
         provider = settings.get("execution_provider", CPU_PROVIDER)
         name = f"{self.name}-{compiled.precision.value}"
         if not is_gpu_provider(provider):

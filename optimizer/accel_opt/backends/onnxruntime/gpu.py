@@ -119,6 +119,26 @@ def trt_ep_options(engine_dir: Path, timing_dir: Path, profile: dict[str, Any] |
 
 PRECISION_OPTIONS = ("trt_fp16_enable", "trt_int8_enable", "trt_bf16_enable")
 PATH_OPTIONS = ("trt_engine_cache_path", "trt_timing_cache_path")
+# The provider options a folder's resource_config.json may carry: what the build records (provider_entries,
+# trt_ep_options), none of them a path. Others are refused (exit 3): some name libraries ONNX Runtime loads
+# (trt_engine_decryption_lib_path, trt_extra_plugin_lib_paths) or files it writes.
+FOLDER_PROVIDER_OPTIONS = frozenset({
+    "device_id", "use_tf32", "trt_engine_cache_enable", "trt_engine_cache_prefix", "trt_timing_cache_enable",
+    "trt_max_workspace_size", "trt_builder_optimization_level", "trt_profile_min_shapes", "trt_profile_opt_shapes",
+    "trt_profile_max_shapes"})
+
+
+def provider_option_problem(provider_options: dict) -> str | None:
+    """Why provider options read from a folder ({provider: {option: value}}) must not reach a session, or None."""
+    if not isinstance(provider_options, dict):
+        return "resource_config.json: provider_options is not a table of providers"
+    for provider, options in provider_options.items():
+        if not isinstance(options, dict):
+            return f"resource_config.json: provider_options of {provider} is not a table"
+        if unknown := sorted(set(options) - FOLDER_PROVIDER_OPTIONS):
+            return (f"resource_config.json: {provider} option {unknown[0]} is not one a build records (allowed: "
+                    f"{', '.join(sorted(FOLDER_PROVIDER_OPTIONS))}); refusing options that name libraries or paths")
+    return None
 
 
 def provider_entries(provider: str, options: dict[str, str] | None = None, allow_cpu_nodes: bool = False,

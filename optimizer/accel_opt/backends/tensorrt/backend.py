@@ -70,6 +70,7 @@ class TensorRtOptions:
     opt_shapes: dict[str, list[int]] = field(default_factory=dict)
     max_shapes: dict[str, list[int]] = field(default_factory=dict)
     timing_cache_dir: str | None = None  # default: $XDG_CACHE_HOME/accel-opt/tensorrt
+    allow_host_code: bool = False  # recipe tensorrt.allow_host_code: host code in the plan may run (signed folders only)
 
 
 def options_from(recipe: Recipe) -> TensorRtOptions:
@@ -110,11 +111,40 @@ def here_facts() -> dict[str, Any]:
     return facts
 
 
-def _trt_runner(engine_bytes: bytes, name: str) -> BaseRunner:
-    """Polygraphy's TrtRunner on a serialized plan (deserialized when the runner is activated)."""
-    from polygraphy.backend.trt import EngineFromBytes, TrtRunner
+class EngineLoader:
+    """Deserializes a plan when a TrtRunner activates, with host code refused unless allowed. Polygraphy's
+    EngineFromBytes sets `engine_host_code_allowed = True` on every runtime it uses; TensorRT's own default is False,
+    and a plan's host code is native code: it runs only from a folder whose signature was verified
+    (runtime.load keeps the recipe's opt-in only then). `trt`: the tensorrt module (a stand-in in CPU tests)."""
 
-    return TrtRunner(EngineFromBytes(engine_bytes), name=name, optimization_profile=0)
+    def __init__(self, engine_bytes: bytes, host_code_allowed: bool = False, trt=None):
+        self.engine_bytes, self.host_code_allowed, self._trt = engine_bytes, host_code_allowed, trt
+        self.runtime = None  # kept alive as long as the loader: TensorRT engines must not outlive their runtime
+
+    def __call__(self):
+        trt = self._trt
+        if trt is None:
+            import tensorrt as trt
+            from polygraphy.backend.trt import util as trt_util
+
+            logger = trt_util.get_trt_logger()  # Polygraphy's: TensorRT's messages go where its runner's go
+        else:
+            logger = trt.Logger()
+        self.runtime = trt.Runtime(logger)
+        self.runtime.engine_host_code_allowed = self.host_code_allowed
+        engine = self.runtime.deserialize_cuda_engine(self.engine_bytes)
+        if engine is None:
+            raise InputRejected("the TensorRT plan does not deserialize here" + (
+                "" if self.host_code_allowed else " (host code refused: a plan that carries it needs recipe "
+                "tensorrt.allow_host_code and a signed folder)"))
+        return engine
+
+
+def _trt_runner(engine_bytes: bytes, name: str, host_code_allowed: bool = False) -> BaseRunner:
+    """Polygraphy's TrtRunner on a serialized plan (deserialized when the runner is activated)."""
+    from polygraphy.backend.trt import TrtRunner
+
+    return TrtRunner(EngineLoader(engine_bytes, host_code_allowed), name=name, optimization_profile=0)
 
 
 def header_check_level(plan: bytes, tensorrt_version: str) -> str:
@@ -206,6 +236,8 @@ class TensorRtBackend:
             "device_memory_mib": round(result.get("device_memory_bytes", 0) / 2**20, 1),
             "layer_precisions": precision_counts(info), "io": result.get("io", []),
             "timing_cache": {"file": TIMING_CACHE_FILE, **cache_meta},
+            # The recipe's opt-in; runtime.load keeps it only for a signed folder (or the build's own staging).
+            "engine_host_code_allowed": options.allow_host_code,
         }
         return CompiledModel(
             backend=self.name, path=onnx_path, precision=precision, device=f"cuda:{device.index}",
@@ -228,7 +260,8 @@ class TensorRtBackend:
             header = read_plan_header(data)  # InputRejected (exit 3): not a TensorRT plan
             if level == "version" and plan_mismatch(header, settings):
                 raise Unsupported(f"TensorRT engine {engine.name}: {plan_mismatch(header, settings)}")
-        runner = _trt_runner(data, name=f"{self.name}-{compiled.precision.value}")
+        runner = _trt_runner(data, name=f"{self.name}-{compiled.precision.value}",
+                             host_code_allowed=bool(settings.get("engine_host_code_allowed")))
         self._runners.add(runner)
         return runner
 

@@ -77,6 +77,7 @@ class JobSummary(BaseModel):
     exit_code: int  # 0: every input predicted; 3: some rejected
     text: TextSummary | None = None  # text jobs: tokens and padding
     unsigned: bool = False  # the folder was not signed off by its build, and ran only because --allow-unsigned said so
+    signature: str = "unsigned"  # who signed the folder (runtime.Deployment.signature)
 
 
 def errors_path(predictions: Path) -> Path:
@@ -132,7 +133,8 @@ def run_job(
     seconds = time.perf_counter() - started
     busiest = max((s for s in stages if s not in ("read", "wait_for_inputs")), key=stages.get)
     return JobSummary(
-        artifact=str(deployment.folder), predictions=str(outputs.predictions), errors=str(outputs.errors), inputs=len(todo),
+        artifact=str(deployment.folder), signature=deployment.signature, predictions=str(outputs.predictions),
+        errors=str(outputs.errors), inputs=len(todo),
         duplicates=len(given) - len(todo), predicted=predicted, rejected=rejected, skipped=len(todo) - len(remaining),
         workers=workers, batch_size=batch_size, seconds=seconds,
         inputs_per_s=(predicted + rejected) / seconds if seconds > 0 else 0.0,

@@ -79,6 +79,7 @@ class RaySummary(BaseModel):
     sorted: str | None = None
     exit_code: int = 0
     unsigned: bool = False  # the folder was not signed off by its build, and ran only because --allow-unsigned said so
+    signature: str = "unsigned"  # who signed the folder (runtime.Deployment.signature)
 
 
 class OutFolder:
@@ -130,7 +131,8 @@ class OutFolder:
             shutil.rmtree(self.outputs_dir, ignore_errors=True)  # an earlier job's .npz files go with its parts
         for path in drop:
             path.unlink()
-        self.write_summary(RaySummary(status="running", artifact=str(deployment.folder.resolve()), artifact_identity=identity,
+        self.write_summary(RaySummary(status="running", artifact=str(deployment.folder.resolve()),
+                                      signature=deployment.signature, artifact_identity=identity,
                                       started_utc=now_utc(), address=address, output_format=self.output_format))
         return answered
 
@@ -288,7 +290,7 @@ def _stream(deployment, remaining, folder, pool, cpus_per_actor, timeout_s, star
         table = pa.table({"input": remaining, "text": [i.text or "" for i in items], "read_error": [i.error or "" for i in items]})
     blocks = [table.slice(start, per_block) for start in range(0, len(remaining), per_block)]
     answers = predict(ray.data.from_arrow(blocks), deployment.folder.resolve(), actors=pool, cpus_per_actor=cpus_per_actor,
-                      outputs_dir=str(folder.folder.resolve()), identity=deployment.identity)
+                      outputs_dir=str(folder.folder.resolve()), identity=deployment.identity, **deployment.trust.as_arguments())
     seen: set[str] = set()
     records: list[str] = []
     rejections: list[str] = []
@@ -393,6 +395,7 @@ def _finish(folder, deployment, todo, given, answered, run, pool, cpus_per_actor
     steady = ((run["answered"] - run["first_rows"]) / (last - first)) if first and last and last > first else 0.0
     summary = RaySummary(
         status="complete" if not missing and not doubled else "incomplete", artifact=str(deployment.folder.resolve()),
+        signature=deployment.signature,
         artifact_identity=deployment.identity, started_utc=folder._recorded().started_utc, address=session.address,
         output_format=folder.output_format, inputs=len(todo), duplicates=len(given) - len(todo), predicted=predicted,
         rejected=rejected, skipped=len(todo) - run["remaining"],

@@ -5,10 +5,13 @@ For users who already have a Ray pipeline:
     from ray.data import ActorPoolStrategy
     from accel_opt.runtime.distributed import Predictor   # (accel_opt.runtime.ray.predictor)
     ds = ray.data.from_items([{"input": path} for path in paths])
-    answers = ds.map_batches(Predictor, fn_constructor_kwargs={"artifact": "/models/resnet-int8"},
+    answers = ds.map_batches(Predictor, fn_constructor_kwargs={"artifact": "/models/resnet-int8",
+                                                               "public_key": "/keys/builder.pub"},
                              compute=ActorPoolStrategy(min_size=1, max_size=8), num_cpus=1, batch_size=64)
 
-or `predict(ds, artifact)`, which does the same with the pool sized so that losing a node cannot stall it.
+or `predict(ds, artifact, public_key=...)`, which does the same with the pool sized so that losing a node cannot
+stall it. Both take the trust arguments of `accel_opt.runtime.load` (public_key, certificate_chain, trust_unsigned,
+and ACCEL_OPT_PUBLIC_KEY when no key is given): a folder holding native code loads only when signed or trusted.
 Each actor loads the artifact once, in `__init__`, through `accel_opt.runtime.load` (manifest, hashes and
 environment verified on that node; a node that cannot run it is an error naming the node, never a silent
 recompile), with the backend's threads set to the actor's CPUs: Ray's `num_cpus` is only a scheduling label,
@@ -78,7 +81,8 @@ class Predictor:
     """A Ray Data callable class: loads `artifact` once per actor and answers batches of inputs."""
 
     def __init__(self, artifact: str | os.PathLike, threads: int | None = None, recheck: bool = True,
-                 outputs_dir: str | None = None, identity: str | None = None):
+                 outputs_dir: str | None = None, identity: str | None = None, public_key: str | None = None,
+                 certificate_chain: tuple[str, ...] = (), trust_unsigned: bool = False):
         from accel_opt import runtime
         from accel_opt.runtime.answer import Reader
         from accel_opt.runtime.output import Outputs, Writer
@@ -86,7 +90,8 @@ class Predictor:
 
         where = node_name()
         try:  # an artifact this node cannot run is an error naming the node (exit codes of runtime.load)
-            self.deployment = runtime.load(artifact, threads=threads)
+            self.deployment = runtime.load(artifact, threads=threads, public_key=public_key,
+                                           certificate_chain=certificate_chain, trust_unsigned=trust_unsigned)
             if identity is not None and self.deployment.identity != identity:  # another build at the same path
                 raise InputRejected(f"{artifact} is build {self.deployment.identity[:12]} here, the job runs {identity[:12]}")
             line = signed_off_here(self.deployment, recheck_allowed=recheck)
@@ -206,9 +211,14 @@ def actor_pool(actors: tuple[int, int]):
 
 def predict(dataset, artifact: str | os.PathLike, actors: tuple[int, int] = (1, 2), cpus_per_actor: int = 1,
             rows_per_call: int = ROWS_PER_CALL, recheck: bool = True, outputs_dir: str | None = None,
-            identity: str | None = None):
+            identity: str | None = None, public_key: str | os.PathLike | None = None,
+            certificate_chain: tuple[str | os.PathLike, ...] = (), trust_unsigned: bool = False):
     """`dataset` (rows with `input`, or `path` and `bytes`) answered by `artifact`: a Dataset of `record_schema()`
-    rows, one per input row, in no promised order."""
+    rows, one per input row, in no promised order. Trust as `runtime.load` takes it, checked here first (a usage
+    error or an untrusted folder fails before any actor starts) and then by every actor that loads the folder."""
+    from accel_opt.artifact.signing import TrustPolicy
+
+    trust = TrustPolicy.of(public_key, certificate_chain, trust_unsigned).as_arguments()
     require_ray()
     from ray.data import DataContext
 
@@ -217,6 +227,6 @@ def predict(dataset, artifact: str | os.PathLike, actors: tuple[int, int] = (1, 
                     DataContext.get_current().max_errored_blocks)
     return dataset.map_batches(
         Predictor, fn_constructor_kwargs={"artifact": str(artifact), "threads": cpus_per_actor, "recheck": recheck,
-                                          "outputs_dir": outputs_dir, "identity": identity},
+                                          "outputs_dir": outputs_dir, "identity": identity, **trust},
         compute=actor_pool(actors), num_cpus=cpus_per_actor, batch_size=rows_per_call, batch_format="numpy",
     )

@@ -1,0 +1,91 @@
+"""Load what was verified: a private copy of an artifact folder's files, and the shape every folder must have.
+
+A folder can change between its check and its load: a shared model store another user writes to, a file swapped
+after `verify` (or while a runner starts). So `runtime.load` copies every file of the folder into a folder only this
+user can open, then verifies the signature, the hashes and the config on that copy and loads from it: nothing is
+read from the original folder again. The copy is removed when its Deployment is.
+
+Shape: every entry of a folder is a regular file with a plain name; sub-folders, symbolic links, devices, pipes and
+sockets are refused (exit 3), signed or not, so no loader follows a path out of the folder.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+import tempfile
+import weakref
+from pathlib import Path
+
+from accel_opt.errors import InputRejected, ResourceExhausted, no_space_error
+
+COPY_PREFIX = "accel-opt-verified-"
+
+
+def plain_name(name: str) -> bool:
+    """A file name that stays inside the folder: no separator, not '.', '..' or hidden-empty, no NUL."""
+    return bool(name) and name not in (".", "..") and not any(c in name for c in "/\\\0")
+
+
+def entry_problems(folder: Path) -> list[str]:
+    """One line per entry of `folder` that is not a regular file (links are not followed)."""
+    problems = []
+    with os.scandir(folder) as entries:
+        for entry in entries:
+            if entry.is_symlink():
+                problems.append(f"{entry.name}: a symbolic link (an artifact holds regular files only)")
+            elif entry.is_dir(follow_symlinks=False):
+                problems.append(f"{entry.name}/: a sub-folder (an artifact holds regular files only)")
+            elif not entry.is_file(follow_symlinks=False):
+                problems.append(f"{entry.name}: not a regular file (a device, pipe or socket)")
+    return sorted(problems)
+
+
+class PrivateCopy:
+    """Owns a private copy's folder: removed when the last object holding this goes (a Deployment, its compiled
+    model and every runner made from it), or at exit, or by `remove()`."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._finalizer = weakref.finalize(self, shutil.rmtree, str(path), True)
+
+    def remove(self) -> None:
+        self._finalizer()
+
+
+def private_copy(folder: Path) -> PrivateCopy:
+    """A fresh folder (mode 0700) holding a copy of every file of `folder`, each opened without following links:
+    an entry that is not a regular file is refused (exit 3). What the copy holds is then checked like any folder."""
+    copy = Path(tempfile.mkdtemp(prefix=COPY_PREFIX))
+    try:
+        for name in sorted(os.listdir(folder)):
+            with os.fdopen(_open_regular(folder / name), "rb") as source, open(copy / name, "xb") as target:
+                shutil.copyfileobj(source, target, 1 << 20)
+    except BaseException as exc:
+        shutil.rmtree(copy, ignore_errors=True)
+        full = no_space_error(exc, tempfile.gettempdir())
+        if full is not None:  # the copy is in the temporary folder, not --out
+            raise ResourceExhausted(f"cannot copy {folder} to verify it: {full}".replace("choose another --out",
+                                                                                       "set TMPDIR")) from None
+        if isinstance(exc, InputRejected):
+            raise InputRejected(f"{folder}: artifact altered or incomplete: {exc}") from None
+        raise
+    return PrivateCopy(copy)
+
+
+def _open_regular(path: Path) -> int:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)  # NONBLOCK: a FIFO does not hang the open
+    except OSError as exc:
+        if os.path.islink(path):
+            raise InputRejected(f"{path.name}: a symbolic link (an artifact holds regular files only)") from None
+        raise InputRejected(f"{path.name}: cannot be read ({exc.strerror or exc})") from None
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        if stat.S_ISDIR(mode):
+            raise InputRejected(f"{path.name}/: a sub-folder (an artifact holds regular files only)")
+        raise InputRejected(f"{path.name}: not a regular file (a device, pipe or socket)")
+    os.set_blocking(fd, True)
+    return fd
