@@ -112,6 +112,28 @@ def test_embedded_engine_is_refused(tmp_path):
     _rejects(save(model, tmp_path / "e.onnx"), tmp_path, "compiled engine")
 
 
+@pytest.mark.parametrize("nested", [False, True])
+def test_an_engine_inside_a_model_local_function_is_refused(nested, tmp_path):
+    """ONNX Runtime inlines model-local functions: an EPContext node in one (or in a subgraph of one) runs as well."""
+    engine = helper.make_node("EPContext", ["a"], ["b"], domain="com.microsoft", name="ctx")
+    if nested:  # inside an If's branch, inside the function
+        branch = helper.make_graph([engine], "then", [], [helper.make_tensor_value_info("b", TensorProto.FLOAT, [1])])
+        body = [helper.make_node("Constant", [], ["c"], value=helper.make_tensor("t", TensorProto.BOOL, [], [True])),
+                helper.make_node("If", ["c"], ["b"], then_branch=branch, else_branch=branch)]
+    else:
+        body = [engine]
+    function = helper.make_function("local", "wrap", ["a"], ["b"], body,
+                                     [helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
+    model = make_model(
+        [helper.make_node("wrap", ["x"], ["y"], domain="local", name="call")],
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])],
+        domains=["local", "com.microsoft"],
+    )
+    model.functions.append(function)
+    _rejects(save(model, tmp_path / "f.onnx"), tmp_path, "ctx.*in function local::wrap embeds a compiled engine")
+
+
 def _external_model(folder, location: str, offset: int = 0, length: int | None = None):
     """matmul_model with W stored externally at `location` (written by hand: onnx refuses bad paths)."""
     model = matmul_model()

@@ -126,13 +126,13 @@ def _check_external_data(proto: onnx.ModelProto, model_dir: Path) -> list[Path]:
 
 
 def _check_ops(proto: onnx.ModelProto) -> None:
+    for node, where in _every_node(proto):
+        if (node.domain, node.op_type) in UNSAFE_OP_TYPES:
+            raise InputRejected(f"node {node.name!r} ({node.domain}::{node.op_type}){where} embeds a compiled engine; "
+                                "refusing untrusted engines")
     imported = {o.domain for o in proto.opset_import}
     for graph in _all_graphs(proto.graph):
         for node in graph.node:
-            if (node.domain, node.op_type) in UNSAFE_OP_TYPES:
-                raise InputRejected(
-                    f"node {node.name!r} ({node.domain}::{node.op_type}) embeds a compiled engine; refusing untrusted engines"
-                )
             if node.domain == TRAINING_DOMAIN:
                 raise Unsupported(f"op {node.op_type!r} (node {node.name!r}) is training-only ({TRAINING_DOMAIN}): "
                                   "inference runtimes have no kernel for it; export the inference graph")
@@ -169,6 +169,22 @@ def unused_domain_imports(proto: onnx.ModelProto) -> list[str]:
         used.add(function.domain)
         used |= {node.domain for node in function.node}
     return [o.domain for o in proto.opset_import if o.domain not in ("", "ai.onnx") and o.domain not in used]
+
+
+def _every_node(proto: onnx.ModelProto):
+    """(node, where) for every node of the model: the graph, its subgraphs, and model-local functions (with theirs),
+    where a runtime inlines them; `where` names the function (empty in the graph)."""
+    for graph in _all_graphs(proto.graph):
+        for node in graph.node:
+            yield node, ""
+    for function in proto.functions:
+        where = f" in function {function.domain}::{function.name}"
+        for node in function.node:
+            yield node, where
+            for attr in node.attribute:
+                for sub in ([attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs)):
+                    for graph in _all_graphs(sub):
+                        yield from ((inner, where) for inner in graph.node)
 
 
 def _all_graphs(graph: onnx.GraphProto):
