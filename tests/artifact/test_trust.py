@@ -57,7 +57,12 @@ def native(classifier, tmp_path) -> Path:
     """A forged folder that says it is a torch build: model.pt2 (bytes a loader would hand to AOTInductor), listed."""
     folder = Path(shutil.copytree(classifier, tmp_path / "forged"))
     (folder / "model.pt2").write_bytes(b"PK\x03\x04 not a package, but nothing may read it unless trusted")
-    _forge_config(folder, backend="torch", model_file="model.pt2")
+    import torch
+
+    config = json.loads((folder / "resource_config.json").read_text())
+    settings = {"torch_version": torch.__version__, "device": "cpu", "inputs": [{"name": "image", "dtype": "float32",
+                "shape": [1, 3, 32, 32]}], "output_names": [o["name"] for o in config["outputs"]]}
+    _forge_config(folder, backend="torch", model_file="model.pt2", settings=settings)
     _rehash(folder)
     return folder
 

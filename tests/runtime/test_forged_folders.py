@@ -94,3 +94,53 @@ def test_an_untouched_copy_verifies_and_runs(classifier, photos, tmp_path):
     assert done.exit_code == 0, done.output
     assert len((tmp_path / "preds.jsonl").read_text().splitlines()) == len(list(photos.iterdir()))
     assert np.isfinite([json.loads(line)["topk"][0][1] for line in (tmp_path / "preds.jsonl").read_text().splitlines()]).all()
+
+
+def _forged_fields():
+    """(file, field, how) for every field of manifest.json and resource_config.json, and the settings each backend's
+    loader reads: removed, null, or another type."""
+    from accel_opt.artifact.config import SETTINGS_OF, ResourceConfig
+    from accel_opt.artifact.folder import Manifest
+
+    cases = []
+    for file, model in (("manifest.json", Manifest), ("resource_config.json", ResourceConfig)):
+        for name, field in model.model_fields.items():
+            hows = ["removed", "null", "another type"] if field.is_required() else ["null", "another type"]
+            cases += [(file, name, how) for how in hows]
+    for backend, model in SETTINGS_OF.items():
+        cases += [("resource_config.json", f"{backend}:settings.{name}", how) for name, field in model.model_fields.items()
+                  for how in (["removed", "another type"] if field.is_required() else ["another type"])]
+    return cases
+
+
+def _forge_field(folder: Path, file: str, field: str, how: str) -> None:
+    data = json.loads((folder / file).read_text())
+    target = data
+    if ":" in field:  # backend:settings.key: the folder says it is that backend, and its key is forged
+        backend, _, field = field.partition(":")
+        data["backend"] = backend
+        target, field = data["settings"], field.removeprefix("settings.")
+    if how == "removed":
+        target.pop(field, None)
+    elif how == "null":
+        target[field] = None
+    else:  # a value of another type than any field holds
+        target[field] = [{"forged": True}] if not isinstance(target.get(field), list) else {"forged": True}
+    (folder / file).write_text(json.dumps(data))
+
+
+@pytest.mark.parametrize("file,field,how", _forged_fields(), ids=lambda v: str(v))
+def test_every_forged_field_is_an_input_error_never_a_crash(classifier, photos, tmp_path, file, field, how):
+    folder = Path(shutil.copytree(classifier, tmp_path / "forged" / classifier.name))
+    _forge_field(folder, file, field, how)
+    if file != MANIFEST:
+        _rehash(folder)
+    cli = CliRunner()
+    if how == "removed" or ":" in field:  # a required field gone, or a loader's setting forged: refused where read
+        assert cli.invoke(main, ["verify", str(folder)]).exit_code == 3
+    for args in (["verify", folder], ["run", folder, photos, "--out", tmp_path / "p.jsonl", "--trust-unsigned"],
+                 ["bench", folder, "--trust-unsigned", "--batch-sizes", "1"]):
+        done = cli.invoke(main, [*map(str, args)])
+        # 0: a field only people read; 2: the forged config asks for other inputs (no preprocessing: .npz only).
+        assert done.exit_code in (0, 2, 3), (args[0], done.output)
+        assert done.exit_code == 0 or done.stderr.count("\n") == 1, done.output

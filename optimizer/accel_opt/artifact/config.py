@@ -4,9 +4,9 @@ reads it."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict
 
 from accel_opt.graph.inspect import TensorSpec
 from accel_opt.recipe.deployed import Postprocess, Preprocessing, TextStage
@@ -24,7 +24,7 @@ class ResourceConfig(BaseModel):
     """`resource_config.json`: how to run the artifact (read by the runtime) and what it measured."""
 
     format: int = 1
-    backend: str
+    backend: Literal["onnxruntime", "openvino", "tensorrt", "torch"]
     device: str
     providers: list[str]
     precision: Precision
@@ -54,3 +54,41 @@ class ResourceConfig(BaseModel):
     @property
     def shapes(self) -> dict[str, list[int]]:
         return {i.name: list(i.shape_used) for i in self.inputs}
+
+
+class _Settings(BaseModel):
+    """The keys of `settings` a backend's loader reads by name; others are recorded for people and left as they are."""
+
+    model_config = ConfigDict(extra="allow")
+
+
+class TorchSettings(_Settings):
+    torch_version: str
+    device: str
+    inputs: list[TensorSpec]
+    output_names: list[str]
+    aoti: dict[str, Any] = {}
+
+
+class OpenVinoSettings(_Settings):
+    shape_mode: Literal["static", "dynamic"]
+    compile_config: dict[str, Any]
+    static_shapes: dict[str, list[int]] | None
+    input_names: list[str]
+    output_names: list[str]
+
+
+class TensorRtSettings(_Settings):
+    engine: str = "model.plan"
+    profile: dict[str, Any] = {}
+
+
+class OnnxRuntimeSettings(_Settings):
+    execution_provider: str = "CPUExecutionProvider"
+    provider_options: dict[str, dict[str, str]] = {}
+
+
+# A folder's settings are checked against its backend's before anything loads (runtime.check): a forged or
+# incomplete config is refused (exit 3) there, not met as a KeyError in a loader.
+SETTINGS_OF = {"torch": TorchSettings, "openvino": OpenVinoSettings, "tensorrt": TensorRtSettings,
+               "onnxruntime": OnnxRuntimeSettings}

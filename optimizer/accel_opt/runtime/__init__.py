@@ -21,7 +21,7 @@ import numpy as np
 from polygraphy.backend.base import BaseRunner
 from pydantic import BaseModel, ValidationError
 
-from accel_opt.artifact.config import RESOURCE_CONFIG, ResourceConfig
+from accel_opt.artifact.config import RESOURCE_CONFIG, SETTINGS_OF, ResourceConfig
 from accel_opt.artifact.folder import MANIFEST, SIGNATURE, Manifest
 from accel_opt.artifact.signing import TrustPolicy, native_code_of
 from accel_opt.artifact.verified import PrivateCopy, entry_problems, plain_name, private_copy
@@ -301,6 +301,12 @@ def _config_problem(config: ResourceConfig, listed: dict[str, str], policy: Trus
         return f"{RESOURCE_CONFIG} names {stray[0]!r}, which is not a file of the artifact (not in the manifest)"
     if refusal := policy.refusal(native_code_of(config.backend, config.settings)):
         return refusal
+    try:
+        SETTINGS_OF[config.backend].model_validate(config.settings)
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        where = ".".join(map(str, error["loc"]))
+        return f"{RESOURCE_CONFIG}: settings.{where} of a {config.backend} folder: {error['msg']}"
     if config.backend == "onnxruntime":
         from accel_opt.backends.onnxruntime.gpu import provider_option_problem
 
