@@ -120,6 +120,7 @@ def test_local_ray_gives_the_local_engines_answers_and_rejects_bad_inputs(classi
     listed = [*map(str, sorted(nested.iterdir())), *sorted(str(p) for p in photos.glob("0[1-3]_*.jpg")), uri, str(broken),
               str(tmp_path / "missing.png")]
     assert summary["status"] == "complete" and summary["inputs"] == len(listed) == 13
+    assert summary["ray_authentication"] == "token"  # the local cluster accel-opt started took tokens only
     assert (summary["predicted"], summary["rejected"], summary["missing"]) == (11, 2, 0)
     records = _exactly_once(out, listed)
     _, rejections = _answers(out)

@@ -11,7 +11,7 @@ from pathlib import Path
 from accel_opt.accuracy import compare
 from accel_opt.backends.onnxruntime.backend import reference_runner
 from accel_opt.data import Sample
-from accel_opt.errors import AccelOptError, UsageError
+from accel_opt.errors import AccelOptError, ResourceExhausted, UsageError
 from accel_opt.graph.cleanup import CleanupReport, simplify
 from accel_opt.preprocess.fit import generated_images, image_input
 from accel_opt.preprocess.images import preprocess_image, read_image
@@ -88,3 +88,24 @@ def refuse_recipe_misfits(ctx) -> None:
                          "runs its image preprocessing as tensor ops on its device instead: drop `fused`")
     if ctx.fused and (ctx.data_dir is None or any(Path(ctx.data_dir).glob("*.npz"))):
         raise UsageError("preprocessing.fused needs --data with image files: the fused model takes decoded crops")
+
+
+def refuse_oversized(ctx, available_bytes: int | None = None) -> None:
+    """ResourceExhausted (exit 5) naming the estimate when the model declares more memory than this machine has
+    available (`available_bytes`, read here by default): its largest tensor at the build's input shapes, or its weights
+    together. Checked before the reference runs, so an allocation that cannot succeed never starts."""
+    from accel_opt.graph.sizes import largest_tensor, weights
+    from accel_opt.machine.memory import available_memory_bytes
+
+    available = available_bytes if available_bytes is not None else available_memory_bytes()
+    if available is None:
+        return
+    proto = ctx.loaded.proto
+    for declared in (largest_tensor(proto, ctx.shapes.shapes), weights(proto)):
+        if declared is not None and declared.bytes > available:
+            raise ResourceExhausted(f"{ctx.model_path.name}: {declared.what} takes {_gib(declared.bytes)}, more than the "
+                                    f"{_gib(available)} of memory available here: refused before anything runs it")
+
+
+def _gib(size: int) -> str:
+    return f"{size / (1 << 30):,.1f} GiB"

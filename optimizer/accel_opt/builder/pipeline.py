@@ -20,7 +20,7 @@ from accel_opt.artifact.folder import build_folder, publish
 from accel_opt.backends import get_backend
 from accel_opt.backends.onnxruntime.backend import reference_runner
 from accel_opt.builder.benchmark import benchmark_build, max_feed
-from accel_opt.builder.checks import cleanup, exercise_image_path, refuse_recipe_misfits
+from accel_opt.builder.checks import cleanup, exercise_image_path, refuse_oversized, refuse_recipe_misfits
 from accel_opt.builder.context import BuildContext, CandidateLimits
 from accel_opt.builder.fallback_actions import fallback_actions
 from accel_opt.builder.records import artifact_name, data_record, reuse, write_manifest, write_reports
@@ -237,6 +237,7 @@ def _stage_load(ctx: BuildContext) -> tuple[StageStatus, str]:
         ctx.recipe = recipe.with_overrides(**{"benchmark.max_shapes": {
             name: [ctx.deploy_batch, recipe.text.max_length] for name in ctx.text_encoder.inputs}})
     ctx.max_feed = max_feed(ctx, ctx.fused)  # checked now: a wrong --max-shapes is a usage error before any work
+    refuse_oversized(ctx)  # before the reference runs: an allocation that cannot succeed never starts
     shapes = ", ".join(f"{k}:{'x'.join(map(str, v)) or 'scalar'}" for k, v in ctx.shapes.shapes.items())
     roles = split.counts()
     return "passed", (

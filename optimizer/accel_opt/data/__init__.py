@@ -11,14 +11,14 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
-import zipfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
 from pydantic import BaseModel
 
-from accel_opt.errors import InputRejected, UsageError, first_line
+from accel_opt.data.npz import read_npz, spec_problem
+from accel_opt.errors import InputRejected, UsageError
 from accel_opt.files import sha256_file
 from accel_opt.graph.inspect import TensorSpec
 from accel_opt.preprocess.images import IMAGE_SUFFIXES, preprocess_image, read_image
@@ -108,22 +108,11 @@ def _load_texts(root: Path, encoder: TextEncoder, flag: str) -> tuple[list[Sampl
 
 def _read_npz(path: Path, inputs: list[TensorSpec], flag: str) -> Sample:
     try:
-        sample = read_npz(path)
+        sample = read_npz(path, inputs)
     except InputRejected as exc:
         raise InputRejected(f"{flag} {path.name}: {exc}") from None
     check_sample(sample, inputs, where=f"{flag} {path.name}")
     return sample
-
-
-def read_npz(path: str | Path) -> Sample:
-    """The arrays of a .npz feed dict, or InputRejected saying why not (never unpickles anything)."""
-    if not zipfile.is_zipfile(path):  # else numpy takes any other file for a pickle and says so
-        raise InputRejected("not a .npz (zip) file")
-    try:
-        with np.load(path, allow_pickle=False) as archive:
-            return {name: archive[name] for name in archive.files}
-    except (ValueError, OSError, zipfile.BadZipFile) as exc:
-        raise InputRejected(f"not a readable .npz without pickles ({first_line(exc)})") from None
 
 
 def check_sample(sample: Sample, inputs: list[TensorSpec], where: str | None = None) -> None:
@@ -140,14 +129,8 @@ def check_sample(sample: Sample, inputs: list[TensorSpec], where: str | None = N
             + (f" (unknown {extra})" if extra else "")
         )
     for name, array in sample.items():
-        spec = expected[name]
-        if array.dtype.name != spec.dtype:
-            raise InputRejected(f"{at}{name} has dtype {array.dtype.name}, the model expects {spec.dtype}")
-        if array.ndim != len(spec.shape):
-            raise InputRejected(f"{at}{name} has rank {array.ndim}, the model expects {len(spec.shape)}")
-        for axis, (have, want) in enumerate(zip(array.shape, spec.shape)):
-            if isinstance(want, int) and want > 0 and have != want:
-                raise InputRejected(f"{at}{name} dim {axis} is {have}, the model fixes it at {want}")
+        if problem := spec_problem(name, array.dtype, array.shape, expected[name]):
+            raise InputRejected(f"{at}{problem}")
         if array.dtype.kind in "fc" and not np.isfinite(array).all():
             raise InputRejected(f"{at}{name} contains NaN or Inf")
 

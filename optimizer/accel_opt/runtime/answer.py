@@ -53,7 +53,7 @@ class Reader:
         return sample
 
     def _npz(self, file: Path) -> Sample:
-        sample = read_npz(file)
+        sample = read_npz(file, self.specs)  # names, dtypes, ranks and sizes checked from the headers first
         check_sample(sample, self.specs)
         return sample
 

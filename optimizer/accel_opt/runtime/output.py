@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import hashlib
@@ -22,7 +23,6 @@ import os
 import shutil
 import time
 from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,6 +38,39 @@ from accel_opt.recipe.deployed import Postprocess
 log = logging.getLogger(__name__)
 
 SHORT_HASH = 12  # hex digits of an identity shown to a person
+
+
+def open_plain(path: Path, flags: int, mode: int = 0o644) -> int:
+    """os.open that never follows a symbolic link at `path`: a link planted where the job writes (in a shared
+    folder, pointing at someone else's file) is refused, exit 2 naming it, instead of written through."""
+    try:
+        return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise planted_link(path) from None
+        raise
+
+
+def planted_link(path: Path) -> UsageError:
+    return UsageError(f"{path} is a symbolic link: accel-opt run never writes through one (remove it, or choose "
+                      "another --out)")
+
+
+def empty_file(path: Path) -> None:
+    """Create `path` empty, or empty it, without following a link there."""
+    os.close(open_plain(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC))
+
+
+def real_folder(path: Path) -> Path:
+    """`path` as a folder of this job: created, or an existing real folder (a symbolic link or a file there: exit 2)."""
+    with contextlib.suppress(FileExistsError):
+        path.mkdir()
+    if path.is_symlink():
+        raise planted_link(path)
+    if not path.is_dir():
+        raise UsageError(f"{path} is not a folder: accel-opt run writes its outputs into a folder there (remove it, or "
+                         "choose another --out)")
+    return path
 
 
 def input_key(path: str) -> str:
@@ -92,6 +125,9 @@ class Outputs:
         if resume and overwrite:
             raise UsageError("--resume keeps the answered lines and --overwrite drops them: give one")
         written = [self.predictions, self.errors, self.meta, self.lock, self.outputs_dir]
+        for path in written:  # a planted link: refused before anything is created (the opens refuse it too, later)
+            if path.is_symlink():
+                raise planted_link(path)
         resolved = {path: path.resolve() for path in written}
         outputs_dir = resolved[self.outputs_dir]
         for item in inputs:
@@ -108,12 +144,12 @@ class Outputs:
                 raise UsageError(f"--out {self.predictions}: the input {item} is in the job's outputs folder {self.outputs_dir}: "
                                  "put the predictions elsewhere")
 
-    @contextmanager
+    @contextlib.contextmanager
     def exclusive(self) -> Iterator[None]:
         """Hold the job's lock while the block runs; UsageError at once, naming the holder's pid, if held."""
         try:
             self.predictions.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.lock, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = open_plain(self.lock, os.O_RDWR | os.O_CREAT)
         except OSError as exc:
             raise _cannot_write(self.predictions, exc) from None
         try:
@@ -138,24 +174,30 @@ class Outputs:
             raise UsageError(f"{predictions} exists: --resume to skip the inputs it answers, or --overwrite")
         try:
             answered = self._resume(artifact, identity) if resume and predictions.exists() else set()
+            if self.outputs_dir.is_symlink():
+                real_folder(self.outputs_dir)  # refused: never emptied or written through
             if not answered:
-                predictions.write_text("")  # emptied before the sidecar names the new artifact
+                empty_file(predictions)  # emptied before the sidecar names the new artifact
                 shutil.rmtree(self.outputs_dir, ignore_errors=True)  # an earlier job's .npz files go with its lines
-            self.errors.write_text("")  # this job's rejections; answered inputs are not read again
+            empty_file(self.errors)  # this job's rejections; answered inputs are not read again
             write_json(self.meta, PredictionsMeta(artifact_identity=identity, artifact=str(artifact.resolve()), started_utc=now_utc()))
         except OSError as exc:
             raise _cannot_write(predictions, exc) from None
         return answered
 
     def _resume(self, artifact: Path, identity: str) -> set[str]:
-        data = self.predictions.read_bytes()
+        with os.fdopen(open_plain(self.predictions, os.O_RDONLY), "rb") as f:
+            data = f.read()
         whole = data[: data.rfind(b"\n") + 1]
         answered = _answered_inputs(self.predictions, whole)
         if answered:
             refuse_other_artifact(self.predictions, self.meta, read_record(self.meta, PredictionsMeta), identity, artifact)
         if len(whole) != len(data):  # only once the file is known to be ours and this artifact's
-            with open(self.predictions, "r+b") as f:
-                f.truncate(len(whole))
+            fd = open_plain(self.predictions, os.O_WRONLY)
+            try:
+                os.ftruncate(fd, len(whole))
+            finally:
+                os.close(fd)
         return answered
 
 
@@ -215,7 +257,7 @@ class LineFile:
 
     def __init__(self, path: Path):
         self.path = path
-        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        self._fd = open_plain(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
         self.whole_bytes = os.fstat(self._fd).st_size
 
     def append(self, text: str) -> None:
@@ -279,8 +321,8 @@ class Writer:
         """The answer's JSON fields, its outputs' .npz written first (before the line naming it) where it has one."""
         record, npz = self.answer(path, outputs)
         if npz is not None:
-            self.outputs.outputs_dir.mkdir(exist_ok=True)
-            write_bytes(Path(record["outputs"]), npz)
+            real_folder(self.outputs.outputs_dir)
+            write_bytes(Path(record["outputs"]), npz)  # a temporary file (O_EXCL) renamed over the name: no link followed
         return record
 
     def answer(self, path: str, outputs: dict[str, np.ndarray]) -> tuple[dict[str, Any], bytes | None]:

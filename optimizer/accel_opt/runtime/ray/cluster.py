@@ -40,6 +40,7 @@ class RaySession:
     address: str  # "local" or the cluster's
     cpus: int  # in the cluster when the job starts
     start_seconds: float
+    authentication: str = "unknown"  # Ray's mode as this driver sees it: "token" or "disabled"
 
 
 def split_address(address: str) -> tuple[str, int]:
@@ -67,6 +68,16 @@ def pin_loopback() -> None:
         constants.ENABLE_RAY_CLUSTER = False
 
 
+def authentication_mode() -> str:
+    """Ray's authentication mode in this process: "token", "disabled", or "unknown" (a Ray without the API)."""
+    try:
+        from ray._raylet import AuthenticationMode, get_authentication_mode
+
+        return "token" if get_authentication_mode() == AuthenticationMode.TOKEN else "disabled"
+    except (ImportError, AttributeError):
+        return "unknown"
+
+
 @contextmanager
 def ray_session(address: str | None, verbose: bool = False, num_cpus: int | None = None) -> Iterator[RaySession]:
     """Connected to Ray for the block: `address` None (or "local") starts a local instance, shut down after."""
@@ -89,6 +100,10 @@ def ray_session(address: str | None, verbose: bool = False, num_cpus: int | None
     temp_dir = tempfile.mkdtemp(prefix="aoray-", dir="/tmp") if local else None  # short: Ray's socket paths are limited
     options = {"log_to_driver": verbose, "logging_level": logging.INFO if verbose else logging.ERROR}
     if local:
+        # Token authentication (Ray 2.52+, on by default for local clusters from 2.59): without it anyone who reaches
+        # the cluster's ports runs code in it. Set here too, so an older default cannot leave it off; an explicit
+        # RAY_AUTH_MODE (disabled) is the user's choice, and the summary says which mode ran.
+        os.environ.setdefault("RAY_AUTH_MODE", "token")
         options.update(address="local", num_cpus=num_cpus or available_cpus(), include_dashboard=False,
                        object_store_memory=LOCAL_OBJECT_STORE_MIB << 20, _temp_dir=temp_dir, _node_ip_address="127.0.0.1")
     else:
@@ -108,7 +123,8 @@ def ray_session(address: str | None, verbose: bool = False, num_cpus: int | None
         if cpus < 1:
             raise ResourceExhausted(f"the Ray cluster at {address} has no CPUs to run actors on")
         log.info("Ray %s: %d CPUs, started in %.1f s", address or "local", cpus, start_seconds)
-        yield RaySession(address=address or "local", cpus=cpus, start_seconds=start_seconds)
+        yield RaySession(address=address or "local", cpus=cpus, start_seconds=start_seconds,
+                         authentication=authentication_mode())
     finally:
         ray.shutdown()
         if temp_dir:

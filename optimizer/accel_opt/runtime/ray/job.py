@@ -37,7 +37,7 @@ from accel_opt.errors import InternalError, ResourceExhausted, UsageError
 from accel_opt.files import now_utc, write_bytes, write_json
 from accel_opt.runtime import Deployment
 from accel_opt.runtime.inputs import job_inputs, unique_inputs
-from accel_opt.runtime.output import Outputs, input_key, read_record, refuse_other_artifact
+from accel_opt.runtime.output import Outputs, input_key, open_plain, read_record, real_folder, refuse_other_artifact
 from accel_opt.runtime.ray.cluster import ray_session
 
 log = logging.getLogger(__name__)
@@ -70,6 +70,7 @@ class RaySummary(BaseModel):
     cpus_per_actor: int = 1
     seconds: float = 0.0  # the whole job, artifact loading and Ray's start included
     ray_start_seconds: float = 0.0  # connecting to (or starting) Ray
+    ray_authentication: str = "unknown"  # "token": Ray's token authentication guarded the cluster; "disabled": not
     first_answer_seconds: float = 0.0  # from submitting the job to its first answers: actors starting, models loading
     inputs_per_s: float = 0.0  # answered by this run / seconds
     steady_inputs_per_s: float = 0.0  # answers after the first batch / time from the first answers to the last
@@ -104,7 +105,7 @@ class OutFolder:
         target = Path(named)
         if target.parent.resolve() != self.outputs_dir.resolve():  # the actors were told this folder
             raise InternalError(f"an actor named outputs outside {self.outputs_dir}: {named}")
-        self.outputs_dir.mkdir(exist_ok=True)
+        real_folder(self.outputs_dir)
         write_bytes(target, npz)
 
     def refuse_bad_path(self) -> None:
@@ -158,19 +159,17 @@ class OutFolder:
 
     def _publish(self, name: str, lines: list[str], output_format: str) -> None:
         temporary, final = self.folder / f".tmp-{name}", self.folder / name
-        if output_format == "parquet":
-            import pyarrow as pa
-            import pyarrow.parquet as pq
+        with os.fdopen(open_plain(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), "wb") as f:  # no link followed
+            if output_format == "parquet":
+                import pyarrow as pa
+                import pyarrow.parquet as pq
 
-            pq.write_table(pa.Table.from_pylist([json.loads(line) for line in lines]), temporary)
-        else:
-            temporary.write_text("".join(line + "\n" for line in lines))
-        fd = os.open(temporary, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(temporary, final)
+                pq.write_table(pa.Table.from_pylist([json.loads(line) for line in lines]), f)
+            else:
+                f.write("".join(line + "\n" for line in lines).encode("utf-8"))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temporary, final)  # replaces a link planted at the final name, never writes through it
         dir_fd = os.open(self.folder, os.O_RDONLY)
         try:
             os.fsync(dir_fd)  # the rename itself survives a crash
@@ -401,6 +400,7 @@ def _finish(folder, deployment, todo, given, answered, run, pool, cpus_per_actor
         rejected=rejected, skipped=len(todo) - run["remaining"],
         retried_answers_dropped=run["dropped"], missing=len(missing), actors=list(pool), cpus_per_actor=cpus_per_actor,
         seconds=round(seconds, 3), ray_start_seconds=round(session.start_seconds, 3),
+        ray_authentication=session.authentication,
         first_answer_seconds=round((first - run["submitted"]) if first else 0.0, 3),
         inputs_per_s=round(run["answered"] / seconds, 2) if seconds > 0 else 0.0, steady_inputs_per_s=round(steady, 2),
         check_seconds=round(check_seconds, 4), parts=folder.parts, rejected_parts=folder.rejected_parts,

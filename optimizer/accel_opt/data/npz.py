@@ -1,0 +1,114 @@
+"""`.npz` feed dicts, read within a size limit: every member's declared size, shape and dtype are checked from the
+zip and .npy headers before any array is read.
+
+A .npz is a zip of .npy arrays; numpy reads a member by allocating the array its header declares, then filling it.
+A file of 1 MB can declare 1 GiB (a compressed run of zeros): read naively, that is 1 GiB resident before any check
+can refuse it. Here a member whose declared array, or uncompressed size, is beyond the per-input limit is refused
+(exit 3) with both sizes, and so is a file whose arrays add up beyond it; with the model's inputs given, names,
+dtypes, ranks and fixed dims are checked from the headers too. Each reader thread then holds at most one input of
+at most the limit. The limit: ACCEL_OPT_MAX_INPUT_MIB (default 256 MiB per input file).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import zipfile
+from pathlib import Path
+
+import numpy as np
+
+from accel_opt.errors import InputRejected, UsageError, first_line
+from accel_opt.graph.inspect import TensorSpec
+
+MAX_INPUT_MIB_ENV = "ACCEL_OPT_MAX_INPUT_MIB"
+DEFAULT_MAX_INPUT_MIB = 256
+
+
+def max_input_bytes() -> int:
+    """The per-input limit in bytes: ACCEL_OPT_MAX_INPUT_MIB, else 256 MiB; a value that is not a positive number of
+    MiB is a usage error (exit 2)."""
+    raw = os.environ.get(MAX_INPUT_MIB_ENV, "").strip()
+    if not raw:
+        return DEFAULT_MAX_INPUT_MIB << 20
+    try:
+        mib = float(raw)
+    except ValueError:
+        mib = -1.0
+    if not (math.isfinite(mib) and mib > 0):
+        raise UsageError(f"{MAX_INPUT_MIB_ENV}={raw!r}: expected a positive number of MiB")
+    return int(mib * (1 << 20))
+
+
+def spec_problem(name: str, dtype: np.dtype, shape: tuple[int, ...], spec: TensorSpec) -> str | None:
+    """Why an array `name` of this dtype and shape does not fit the model input `spec` (None: it does)."""
+    if dtype.name != spec.dtype:
+        return f"{name} has dtype {dtype.name}, the model expects {spec.dtype}"
+    if len(shape) != len(spec.shape):
+        return f"{name} has rank {len(shape)}, the model expects {len(spec.shape)}"
+    for axis, (have, want) in enumerate(zip(shape, spec.shape)):
+        if isinstance(want, int) and want > 0 and have != want:
+            return f"{name} dim {axis} is {have}, the model fixes it at {want}"
+    return None
+
+
+def read_npz(path: str | Path, specs: list[TensorSpec] | None = None, max_bytes: int | None = None) -> dict[str, np.ndarray]:
+    """The arrays of a .npz feed dict, or InputRejected saying why not (never unpickles anything). Sizes (and with
+    `specs`, the model's inputs, whose names must match exactly) are checked from the headers before reading."""
+    limit = max_input_bytes() if max_bytes is None else max_bytes
+    if not zipfile.is_zipfile(path):  # else numpy takes any other file for a pickle and says so
+        raise InputRejected("not a .npz (zip) file")
+    try:
+        with zipfile.ZipFile(path) as archive:
+            declared = _declared_arrays(archive, limit)
+        if specs is not None:
+            _check_declared(declared, specs)
+        with np.load(path, allow_pickle=False) as archive:
+            return {name: archive[name] for name in archive.files}
+    except (ValueError, OSError, zipfile.BadZipFile, EOFError) as exc:
+        raise InputRejected(f"not a readable .npz without pickles ({first_line(exc)})") from None
+
+
+def _declared_arrays(archive: zipfile.ZipFile, limit: int) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+    """name -> (shape, dtype) of every member, from the headers; InputRejected past `limit` bytes."""
+    declared, total = {}, 0
+    for info in archive.infolist():
+        if not info.filename.endswith(".npy"):
+            raise InputRejected(f"member {info.filename!r} is not a .npy array")
+        name = info.filename.removesuffix(".npy")
+        if info.file_size > limit:
+            raise InputRejected(f"{name} is {_mib(info.file_size)} uncompressed, over the {_mib(limit)} limit per input "
+                                f"({MAX_INPUT_MIB_ENV})")
+        with archive.open(info) as member:
+            version = np.lib.format.read_magic(member)
+            if version == (1, 0):
+                shape, _, dtype = np.lib.format.read_array_header_1_0(member)
+            elif version == (2, 0):
+                shape, _, dtype = np.lib.format.read_array_header_2_0(member)
+            else:
+                raise InputRejected(f"{name}: .npy format {version[0]}.{version[1]} is not read here (1.0 or 2.0)")
+        if dtype.hasobject:
+            raise InputRejected(f"{name} holds Python objects (a pickle): only .npz without pickles are read")
+        size = math.prod(shape) * dtype.itemsize
+        total += size
+        if size > limit or total > limit:
+            what = f"{name} declares {list(shape)} {dtype.name} ({_mib(size)})" if size > limit else \
+                f"its arrays declare {_mib(total)} together"
+            raise InputRejected(f"{what}, over the {_mib(limit)} limit per input ({MAX_INPUT_MIB_ENV})")
+        declared[name] = (tuple(shape), dtype)
+    return declared
+
+
+def _check_declared(declared: dict[str, tuple[tuple[int, ...], np.dtype]], specs: list[TensorSpec]) -> None:
+    expected = {spec.name: spec for spec in specs}
+    missing, extra = sorted(set(expected) - set(declared)), sorted(set(declared) - set(expected))
+    if missing or extra:
+        raise InputRejected(f"arrays {sorted(declared)} do not match model inputs {sorted(expected)}"
+                            + (f" (missing {missing})" if missing else "") + (f" (unknown {extra})" if extra else ""))
+    for name, (shape, dtype) in declared.items():
+        if problem := spec_problem(name, dtype, shape, expected[name]):
+            raise InputRejected(problem)
+
+
+def _mib(size: int) -> str:
+    return f"{size / (1 << 20):,.1f} MiB"
