@@ -54,6 +54,33 @@ class Detections:
         return Detections(self.boxes_xyxy[indices], self.scores[indices], self.classes[indices])
 
 
+def output_misfit(shape: list, decoded: bool, layout: str = "auto", has_objectness: bool = False) -> str | None:
+    """Why a model output of this `shape` (batch dim first; names for dynamic dims) cannot be a detection head read
+    as the metric says, or None when it can (or its dynamic dims leave it open). Checked when the recipe is resolved,
+    so a detector recipe on a classifier is a usage error, not a failure inside the gate."""
+    dims = list(shape)[1:] if len(shape) == 3 else list(shape)
+    if len(dims) != 2:
+        return f"has shape {list(shape)}: a detection head is [batch, rows, attrs] or [batch, attrs, rows]"
+    if len(shape) == 2:  # [batch, x]: one sample is [1, x]
+        dims[0] = 1
+    known = [d if isinstance(d, int) and d > 0 else None for d in dims]
+    if decoded:
+        if known[1] is not None and known[1] != 6:
+            return f"has shape {list(shape)}: decoded detections are rows of 6 (x1, y1, x2, y2, score, class)"
+        return None
+    if layout == "rows" or (layout == "auto" and None not in known and known[0] >= known[1]):
+        attrs = known[1]
+    elif layout == "columns" or None not in known:
+        attrs = known[0]
+    else:
+        return None
+    box_attrs = 5 if has_objectness else 4
+    if attrs is not None and attrs <= box_attrs:
+        return (f"has shape {list(shape)}: {attrs} attribute(s) per box, and a detection head needs {box_attrs} box"
+                f"{'/objectness' if has_objectness else ''} values and at least one class score")
+    return None
+
+
 def decode_predictions(
     pred: np.ndarray,
     *,

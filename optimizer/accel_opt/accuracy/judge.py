@@ -160,6 +160,8 @@ def _judge_output(name: str, refs: list[np.ndarray], cands: list[np.ndarray], na
     ref_flat = [r[k] for r, k in zip(ref_raw, kept)]
     cand_flat = [np.where(good[k], c[k], 0.0) for c, k, good in zip(cand_raw, kept, ok)]
     ref_all, cand_all = np.concatenate(ref_flat), np.concatenate(cand_flat)
+    if ref_all.size == 0:  # no finite value at all (a zero-sized output): judged element by element, no statistics
+        return _judge_exact(name, refs, cands, names, tol, confidence, bounded, trials)
     non_finite = int(sum(int((~good).sum()) for good in ok))
 
     unit = _unit(ref_all, cand_all)  # sums of squares on values divided by it: no overflow at any magnitude

@@ -83,6 +83,14 @@ def refuse_recipe_misfits(ctx) -> None:
         if name is not None and name not in outputs:
             raise UsageError(f"the recipe's {key} names {name!r}, which the model does not output (its outputs: "
                              f"{', '.join(outputs)})")
+    from accel_opt.accuracy.detection import output_misfit
+
+    for i, metric in enumerate(recipe.accuracy.task_metrics):
+        spec = next((o for o in ctx.outputs if o.name == metric.output), ctx.outputs[0])
+        if metric.kind == "detection" and (misfit := output_misfit(spec.shape, metric.decoded, metric.layout,
+                                                                   metric.has_objectness)):
+            raise UsageError(f"the recipe's accuracy.task_metrics[{i}] (detection) reads output {spec.name!r}, which "
+                             f"{misfit}: not a detector's output (another recipe, or task_metrics for this model)")
     if ctx.fused and ctx.torch:
         raise UsageError("preprocessing.fused rewrites the ONNX graph; the torch backend ships the PyTorch module and "
                          "runs its image preprocessing as tensor ops on its device instead: drop `fused`")

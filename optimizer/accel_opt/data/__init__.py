@@ -18,9 +18,10 @@ import numpy as np
 from pydantic import BaseModel
 
 from accel_opt.data.npz import read_npz, spec_problem
-from accel_opt.errors import InputRejected, UsageError
+from accel_opt.errors import InputRejected, ResourceExhausted, UsageError
 from accel_opt.files import sha256_file
 from accel_opt.graph.inspect import TensorSpec
+from accel_opt.machine.memory import available_memory_bytes
 from accel_opt.preprocess.images import IMAGE_SUFFIXES, preprocess_image, read_image
 from accel_opt.recipe.deployed import Preprocessing
 from accel_opt.recipe.gate import SplitConfig
@@ -160,10 +161,22 @@ def synthetic_samples(
     an out-of-range index fails the reference run instead of testing the model."""
     rng = np.random.default_rng(seed)
     bounds = int_bounds or {}
+    _refuse_beyond_memory(inputs, shapes, count)
     samples = [{spec.name: _random_array(spec, shapes[spec.name], rng, bounds.get(spec.name)) for spec in inputs}
                for _ in range(count)]
     names = [f"synthetic-{i:04d}" for i in range(count)]
     return samples, DataSummary(source="synthetic", path=None, count=count, sha256=None, seed=seed, names=names)
+
+
+def _refuse_beyond_memory(inputs: list[TensorSpec], shapes: dict[str, list[int]], count: int) -> None:
+    """ResourceExhausted (exit 5) with the size when `count` samples of these shapes cannot fit in memory."""
+    one = sum(math.prod(shapes[s.name]) * np.dtype(s.dtype if s.dtype != "bfloat16" else "float32").itemsize
+              for s in inputs)
+    available = available_memory_bytes()
+    if available is not None and one * count > available:
+        raise ResourceExhausted(f"{count} synthetic samples of {', '.join(f'{n}:{shapes[n]}' for n in shapes)} take "
+                                f"{one * count / (1 << 30):,.1f} GiB, more than the {available / (1 << 30):,.1f} GiB "
+                                "available: smaller --shapes")
 
 
 def _random_array(spec: TensorSpec, shape: list[int], rng: np.random.Generator, high: int | None = None) -> np.ndarray:
@@ -292,14 +305,26 @@ def leading_axes(sample: Sample) -> BatchAxes:
 def concat_samples(samples: list[Sample], axes: BatchAxes) -> Sample:
     """One feed from several samples: batched inputs concatenated along their batch axis; inputs
     without one (a scalar sample rate, a fixed table) must be equal in all samples and are taken once."""
-    if not _unbatched_agree(samples, axes):
-        raise ValueError("an input without a batch axis differs between the samples")
+    if not _concatenable(samples, axes):
+        raise ValueError("the samples differ beyond their batch axis (an unbatched input, or another dim)")
     return _concat(samples, axes)
 
 
-def _unbatched_agree(samples: list[Sample], axes: BatchAxes) -> bool:
-    first = samples[0]
-    return all(np.array_equal(s[n], first[n]) for s in samples[1:] for n in first if axes.get(n) is None)
+def _concatenable(samples: list[Sample], axes: BatchAxes) -> bool:
+    """Whether the samples make one feed: unbatched inputs equal, batched ones of one shape but along the batch axis
+    (a sequence model's samples of several lengths do not)."""
+    return all(_fits(s, samples[0], axes) for s in samples[1:])
+
+
+def _fits(sample: Sample, first: Sample, axes: BatchAxes) -> bool:
+    for name, array in first.items():
+        other, axis = sample[name], axes.get(name)
+        if axis is None:
+            if not np.array_equal(other, array):
+                return False
+        elif other.ndim != array.ndim or any(a != b for i, (a, b) in enumerate(zip(other.shape, array.shape)) if i != axis):
+            return False
+    return True
 
 
 def _concat(samples: list[Sample], axes: BatchAxes) -> Sample:
@@ -312,10 +337,12 @@ def _concat(samples: list[Sample], axes: BatchAxes) -> Sample:
 def batch_of(samples: list[Sample], batch: int, axes: BatchAxes | None = None) -> Sample:
     """A timing feed of exactly `batch` rows, taken from `samples` in order (cycling). Only inputs with a
     batch axis (default: axis 0 of every input that has one) are batched; the others come from the first
-    sample. With no batched input, the first sample as it is."""
+    sample. With no batched input, the first sample as it is. Samples whose other dims differ from the first's (other
+    sequence lengths) are left out: one feed takes one shape."""
     axes = leading_axes(samples[0]) if axes is None else axes
     if all(a is None for a in axes.values()):
         return dict(samples[0])
+    samples = [s for s in samples if _fits(s, samples[0], axes)]
     parts: list[Sample] = []
     have, index = 0, 0
     while have < batch:
@@ -352,7 +379,7 @@ def pack_batches(samples: list[Sample], batch: int, axes: BatchAxes) -> list[lis
             return None
         current += [current[-1]] * ((batch - rows) // pad_rows)
         groups.append(current)
-    if not all(_unbatched_agree([samples[i] for i in group], axes) for group in groups):
+    if not all(_concatenable([samples[i] for i in group], axes) for group in groups):
         return None
     return groups
 

@@ -47,7 +47,7 @@ def spec_problem(name: str, dtype: np.dtype, shape: tuple[int, ...], spec: Tenso
     if len(shape) != len(spec.shape):
         return f"{name} has rank {len(shape)}, the model expects {len(spec.shape)}"
     for axis, (have, want) in enumerate(zip(shape, spec.shape)):
-        if isinstance(want, int) and want > 0 and have != want:
+        if isinstance(want, int) and want >= 0 and have != want:
             return f"{name} dim {axis} is {have}, the model fixes it at {want}"
     return None
 
@@ -64,9 +64,15 @@ def read_npz(path: str | Path, specs: list[TensorSpec] | None = None, max_bytes:
         if specs is not None:
             _check_declared(declared, specs)
         with np.load(path, allow_pickle=False) as archive:
-            return {name: archive[name] for name in archive.files}
+            return {name: _native(archive[name]) for name in archive.files}
     except (ValueError, OSError, zipfile.BadZipFile, EOFError) as exc:
         raise InputRejected(f"not a readable .npz without pickles ({first_line(exc)})") from None
+
+
+def _native(array: np.ndarray) -> np.ndarray:
+    """The array in this machine's byte order: a big-endian '>f4' has the dtype name float32 too, and a runtime given
+    its bytes as they are reads other numbers."""
+    return array if array.dtype.isnative else array.astype(array.dtype.newbyteorder("="))
 
 
 def _declared_arrays(archive: zipfile.ZipFile, limit: int) -> dict[str, tuple[tuple[int, ...], np.dtype]]:

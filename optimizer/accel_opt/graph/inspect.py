@@ -21,7 +21,7 @@ class TensorSpec(BaseModel):
 
     @property
     def dynamic_axes(self) -> list[int]:
-        return [i for i, d in enumerate(self.shape) if not isinstance(d, int) or d <= 0]
+        return [i for i, d in enumerate(self.shape) if not isinstance(d, int) or d < 0]
 
 
 class ResolvedShapes(BaseModel):
@@ -40,7 +40,7 @@ def _spec(value: onnx.ValueInfoProto) -> TensorSpec:
     ttype = value.type.tensor_type
     dims: list[Dim] = []
     for d in ttype.shape.dim:
-        if d.HasField("dim_value") and d.dim_value > 0:
+        if d.HasField("dim_value") and d.dim_value >= 0:  # 0 is a fixed, empty dim (not an unknown one)
             dims.append(int(d.dim_value))
         elif d.HasField("dim_param"):
             dims.append(d.dim_param)

@@ -100,9 +100,16 @@ def _check_external_data(proto: onnx.ModelProto, model_dir: Path) -> list[Path]:
     for tensor in external_data_helper._get_all_tensors(proto):
         if not external_data_helper.uses_external_data(tensor):
             continue
-        info = external_data_helper.ExternalDataInfo(tensor)
-        location = info.location or ""
+        # Read by hand: onnx's ExternalDataInfo raises a bare ValueError on an offset that is not an integer.
+        info = {entry.key: entry.value for entry in tensor.external_data}
+        location = info.get("location", "")
         name = tensor.name or "(unnamed)"
+        if "\0" in location or len(location.encode()) > 4096 or any(len(p.encode()) > 255 for p in location.split("/")):
+            raise InputRejected(f"external data of tensor {name!r}: location {location[:80]!r} is not a usable file name "
+                                "(a NUL byte, or longer than a file system takes)")
+        if not all(info.get(key, "0").isdigit() for key in ("offset", "length")):
+            raise InputRejected(f"external data of tensor {name!r}: offset {info.get('offset')!r} and length "
+                                f"{info.get('length')!r} must be non-negative integers")
         if not location or os.path.isabs(location) or Path(location).drive:
             raise InputRejected(f"external data of tensor {name!r}: location {location!r} must be a relative path")
         if ".." in Path(location).parts:
@@ -115,8 +122,8 @@ def _check_external_data(proto: onnx.ModelProto, model_dir: Path) -> list[Path]:
         st = target.stat()
         if st.st_nlink > 1 and stat.S_ISREG(st.st_mode):
             raise InputRejected(f"external data of tensor {name!r}: {location!r} is a hard link; copy the file instead")
-        offset, length = int(info.offset or 0), int(info.length or 0)
-        if offset < 0 or length < 0 or offset + length > st.st_size:
+        offset, length = int(info.get("offset", 0)), int(info.get("length", 0))
+        if offset + length > st.st_size:
             raise InputRejected(
                 f"external data of tensor {name!r}: offset {offset} + length {length} "
                 f"exceeds {location!r} ({st.st_size} bytes)"
@@ -131,8 +138,11 @@ def _check_ops(proto: onnx.ModelProto) -> None:
             raise InputRejected(f"node {node.name!r} ({node.domain}::{node.op_type}){where} embeds a compiled engine; "
                                 "refusing untrusted engines")
     imported = {o.domain for o in proto.opset_import}
+    local = {(f.domain, f.name) for f in proto.functions}  # model-local functions: runtimes inline them
     for graph in _all_graphs(proto.graph):
         for node in graph.node:
+            if (node.domain, node.op_type) in local:
+                continue
             if node.domain == TRAINING_DOMAIN:
                 raise Unsupported(f"op {node.op_type!r} (node {node.name!r}) is training-only ({TRAINING_DOMAIN}): "
                                   "inference runtimes have no kernel for it; export the inference graph")
@@ -224,10 +234,14 @@ def load_model(path: str | Path, workdir: Path) -> LoadedModel:
     build_path = path
     unused = unused_domain_imports(proto)
     renamed = name_nodes(proto)  # on the parsed copy: counts what the rewrite below will do
-    if unused or renamed:
+    doubled = _dedupe_outputs(proto)
+    if unused or renamed or doubled:
         build_path = _rewritten(path, unused, workdir)
         _drop_imports(shaped, unused)
         name_nodes(shaped)
+        _dedupe_outputs(shaped)
+    if doubled:  # one tensor, one output: the transforms and every runtime's output dict take a name once
+        notes.append(f"graph outputs listed more than once kept once: {', '.join(doubled)}")
     if unused:
         notes.append(f"unused opset imports dropped: {', '.join(unused)} (no node uses them)")
     if renamed:
@@ -266,9 +280,23 @@ def _rewritten(path: Path, domains: list[str], workdir: Path) -> Path:
     model = onnx.load(str(path))  # with its (already checked) external data
     _drop_imports(model, domains)
     name_nodes(model)
+    _dedupe_outputs(model)
     out = workdir / "input" / path.name
     save_model(model, out)
     return out
+
+
+def _dedupe_outputs(model: onnx.ModelProto) -> list[str]:
+    """Drop repeats from the graph's output list (the first of each name stays); return the names repeated."""
+    seen: set[str] = set()
+    kept, doubled = [], []
+    for output in model.graph.output:
+        (doubled if output.name in seen else kept).append(output)
+        seen.add(output.name)
+    if doubled:
+        del model.graph.output[:]
+        model.graph.output.extend(kept)
+    return sorted({o.name for o in doubled})
 
 
 def name_nodes(model: onnx.ModelProto) -> int:

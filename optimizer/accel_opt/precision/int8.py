@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-from onnx import external_data_helper
+from onnx import external_data_helper, numpy_helper
 
 from accel_opt.data import Sample
 from accel_opt.errors import InputRejected, Unsupported
@@ -319,6 +319,7 @@ def _quantize_with_ranges(
     `overrides`: ORT's per-tensor TensorQuantOverrides (see `_signed_input_overrides`)."""
     from onnxruntime.quantization import QuantFormat, QuantType, quantize_static
 
+    _refuse_nonfinite_weights(model, set(_op_types(settings)), set(exclude))
     preset = settings.preset
     qtypes = {"uint8": QuantType.QUInt8, "int8": QuantType.QInt8}
     quantize_static(
@@ -346,6 +347,22 @@ def _quantize_with_ranges(
             "TensorQuantOverrides": overrides,
         },
     )
+
+
+def _refuse_nonfinite_weights(model: Path, op_types: set[str], exclude: set[str]) -> None:
+    """InputRejected (exit 3) naming a NaN/Inf weight of a node that would be quantized: it has no int8 scale (ONNX
+    Runtime stops on an assertion, "scale issue"). Weights of nodes left in float (a -inf mask constant) are fine."""
+    proto = onnx.load(str(model))
+    weights = {t.name: t for t in proto.graph.initializer if t.data_type in (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16)}
+    for node in proto.graph.node:
+        if node.op_type not in op_types or node.name in exclude:
+            continue
+        for name in (n for n in node.input if n in weights):
+            values = numpy_helper.to_array(weights[name])
+            if not np.isfinite(values).all():
+                raise InputRejected(f"int8: weight {name!r} of node {node.name!r} ({node.op_type}) holds "
+                                    f"{int((~np.isfinite(values)).sum())} NaN/Inf value(s): no int8 scale can represent "
+                                    "it; fix the weights, or build fp32/fp16")
 
 
 def _signed_input_overrides(model: Path, ranges_file: Path) -> dict[str, list[dict]]:

@@ -49,6 +49,9 @@ def parse_batch_axes(text: str) -> dict[str, int | None]:
     return axes
 
 
+MAX_DIM = 2**31 - 1
+
+
 def parse_shapes(text: str) -> dict[str, list[int]]:
     """Parse trtexec-style shapes: 'input:1x3x224x224,mask:1x128'. Input names may contain ':'."""
     shapes: dict[str, list[int]] = {}
@@ -62,6 +65,8 @@ def parse_shapes(text: str) -> dict[str, list[int]]:
             raise UsageError(f"--shapes: dimensions of {name!r} must be integers, got {dims!r}") from None
         if any(v < 1 for v in values):
             raise UsageError(f"--shapes: dimensions of {name!r} must be >= 1, got {dims!r}")
+        if any(v > MAX_DIM for v in values):  # ONNX Runtime and TensorRT index a dim with 32 bits
+            raise UsageError(f"--shapes: dimensions of {name!r} must be <= {MAX_DIM}, got {dims!r}")
         shapes[name] = values
     if not shapes:
         raise UsageError("--shapes: no shapes given")

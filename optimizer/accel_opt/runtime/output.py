@@ -38,6 +38,7 @@ from accel_opt.recipe.deployed import Postprocess
 log = logging.getLogger(__name__)
 
 SHORT_HASH = 12  # hex digits of an identity shown to a person
+OUTPUT_STEM_BYTES = 160  # of an input's name in its outputs file's name
 
 
 def open_plain(path: Path, flags: int, mode: int = 0o644) -> int:
@@ -338,5 +339,8 @@ class Writer:
             return topk_record(self.post, outputs, self.first_output), None
         buffer = io.BytesIO()
         np.savez(buffer, **outputs)
-        target = self.outputs.outputs_dir / f"{hashlib.sha256(path.encode()).hexdigest()[:12]}-{Path(path).stem}.npz"
+        # The hash of the whole path keeps names unique; the stem is cut so the name, and the temporary name it is
+        # written under (.NAME.XXXXXXXX.tmp), stay within the 255 bytes a file name may take.
+        stem = Path(path).stem.encode()[:OUTPUT_STEM_BYTES].decode("utf-8", "ignore")
+        target = self.outputs.outputs_dir / f"{hashlib.sha256(path.encode()).hexdigest()[:12]}-{stem}.npz"
         return {"outputs": str(target)}, buffer.getvalue()

@@ -70,6 +70,8 @@ def node_name() -> str:
     try:
         import ray
 
+        if not ray.is_initialized():  # get_runtime_context() would start a local Ray just to name this host
+            raise RuntimeError("outside Ray")
         node_id = ray.get_runtime_context().get_node_id()[:12]
         ip = ray.util.get_node_ip_address()
     except Exception:  # noqa: BLE001 - outside Ray: the host alone
