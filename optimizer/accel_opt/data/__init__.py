@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 from pydantic import BaseModel
 
+from accel_opt.data.labels import class_folders
 from accel_opt.data.npz import read_npz, spec_problem
 from accel_opt.errors import InputRejected, ResourceExhausted, UsageError
 from accel_opt.files import sha256_file
@@ -49,18 +50,20 @@ class DataSummary(BaseModel):
 
 def load_samples(
     data_dir: str | Path, inputs: list[TensorSpec], preprocessing: Preprocessing | None, text: TextEncoder | None = None,
-    flag: str = "--data",
+    flag: str = "--data", by_class: bool = False,
 ) -> tuple[list[Sample], DataSummary]:
     """Read every sample in `data_dir`, checked against the model inputs; sorted by file name. With `text` (a text
     stage's encoder), `data_dir` is a text file or a folder of them, and each text is a sample of its own length.
+    `by_class`: an ImageFolder layout (data.labels): the samples are in its class folders, named CLASS/FILE.
     `flag`: the option that named the folder, for the errors (--data, --eval-data)."""
     if text is not None:
         return _load_texts(Path(data_dir), text, flag)
     root = Path(data_dir)
     if not root.is_dir():
         raise InputRejected(f"{flag} must be a folder of .npz files or images: {root}")
-    npz_files = sorted(p for p in root.iterdir() if p.suffix == ".npz" and p.is_file())
-    image_files = sorted(p for p in root.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file())
+    folders = [root / name for name in class_folders(root)] if by_class else [root]
+    npz_files = sorted(p for f in folders for p in f.iterdir() if p.suffix == ".npz" and p.is_file())
+    image_files = sorted(p for f in folders for p in f.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file())
     if npz_files:
         samples = [_read_npz(path, inputs, flag) for path in npz_files]
         files, source = npz_files, "npz"
@@ -71,12 +74,12 @@ def load_samples(
         files, source = image_files, "images"
     else:
         raise InputRejected(f"{flag} {root} holds no .npz files or images")
+    names = [p.relative_to(root).as_posix() for p in files]  # FILE, or CLASS/FILE by class
     digest = hashlib.sha256()
-    for path in files:
-        digest.update(path.name.encode())
+    for name, path in zip(names, files):
+        digest.update(name.encode())
         digest.update(bytes.fromhex(sha256_file(path)))
-    summary = DataSummary(source=source, path=str(root), count=len(samples), sha256=digest.hexdigest(),
-                          names=[p.name for p in files])
+    summary = DataSummary(source=source, path=str(root), count=len(samples), sha256=digest.hexdigest(), names=names)
     return samples, summary
 
 
