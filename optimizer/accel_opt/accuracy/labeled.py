@@ -81,6 +81,15 @@ class LabeledAccuracy(BaseModel):
     def drop(self) -> float:
         return self.reference_accuracy - self.candidate_accuracy
 
+    def status_at(self, confidence: float) -> Status:
+        """The verdict if the bound were taken at `confidence` (auto's family-wise level)."""
+        if self.limit is None:
+            return "pass"
+        if drop_upper_bound(self.lost, self.gained, self.samples, confidence) <= self.limit:
+            return "pass"
+        needed = samples_to_certify_drop(self.limit, confidence)
+        return "insufficient" if needed is None or self.samples < needed else "fail"
+
     def line(self) -> str:
         """One line for a person: both accuracies, the drop, its bound and the verdict."""
         head = (f"top-{self.k} accuracy on the labels: fp32 {self.reference_accuracy:.1%}, candidate "
@@ -118,10 +127,14 @@ def labeled_accuracy(ref_outs: list[dict[str, np.ndarray]], cand_outs: list[dict
         result.limit = (1 - min_relative) * result.reference_accuracy
         result.limit_basis = f"relative: {min_relative:.1%} of fp32's accuracy"
     result.samples_needed = samples_to_certify_drop(result.limit, confidence)
-    if result.drop_bound <= result.limit:
-        result.status = "pass"
-    elif result.samples_needed is None or n < result.samples_needed:
-        result.status = "insufficient"
-    else:
-        result.status = "fail"
+    result.status = result.status_at(confidence)
     return result
+
+
+def labeled_markdown(checks: list) -> list[str]:
+    """signoff.md's section on the labels: each k's line, and how the bound is taken ([] without labels)."""
+    labeled = [c.labeled for c in checks if getattr(c, "labeled", None) is not None]
+    if not labeled:
+        return []
+    return ["", "## Accuracy on the labels", "", *[f"- {r.line()}" for r in labeled], "",
+            f"The drop's bound: {PAIRED_METHOD}, on the same held-out samples scored under both models."]

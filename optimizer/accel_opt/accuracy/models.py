@@ -9,6 +9,7 @@ import numpy as np
 from pydantic import BaseModel, PrivateAttr, computed_field
 
 from accel_opt.accuracy.evidence import DEFAULT_CONFIDENCE, METHOD, RateEvidence
+from accel_opt.accuracy.labeled import LabeledAccuracy
 from accel_opt.recipe.gate import Tolerance
 
 log = logging.getLogger(__name__)
@@ -80,11 +81,25 @@ class Check(BaseModel):
     line: str  # the one-line result, the failure reason when it failed
     # A rate judged by its confidence bound: its counts, minimum and bound (None: a point check, e.g. a cosine).
     evidence: RateEvidence | None = None
+    labeled: LabeledAccuracy | None = None  # accuracy on the labels, its drop bounded on the paired outcomes
 
     @property
     def insufficient(self) -> bool:
         """Not passed because the samples are too few for any result to clear the minimum."""
+        if self.labeled is not None:
+            return self.labeled.status == "insufficient"
         return self.evidence is not None and self.evidence.status == "insufficient"
+
+    @property
+    def needed(self) -> int | None:
+        """Held-out samples that would certify it (with none failing), where that is its problem."""
+        return (self.labeled.samples_needed if self.labeled is not None else
+                self.evidence.needed if self.evidence is not None else None)
+
+    def status_at(self, confidence: float) -> str:
+        if self.labeled is not None:
+            return self.labeled.status_at(confidence)
+        return self.evidence.status_at(confidence) if self.evidence is not None else ("pass" if self.passed else "fail")
 
 
 class Evaluation(BaseModel):
@@ -151,14 +166,13 @@ class AccuracyReport(BaseModel):
     @property
     def samples_needed(self) -> int | None:
         """Held-out samples that, with none failing, would certify every rate this verdict found too few for."""
-        needed = [c.evidence.needed for c in self.checks if c.insufficient and c.evidence.needed]
+        needed = [c.needed for c in self.checks if c.insufficient and c.needed]
         return max(needed, default=None)
 
     def verdict_at(self, confidence: float) -> str:
         """The verdict if every bounded rate were judged at `confidence` (auto's family-wise level); point checks
         are as judged."""
-        statuses = [c.evidence.status_at(confidence) if c.evidence is not None else ("pass" if c.passed else "fail")
-                    for c in self.checks]
+        statuses = [c.status_at(confidence) for c in self.checks]
         if all(s == "pass" for s in statuses):
             return "pass"
         return "insufficient" if all(s in ("pass", "insufficient") for s in statuses) else "fail"

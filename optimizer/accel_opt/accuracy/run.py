@@ -11,7 +11,15 @@ from polygraphy.backend.base import BaseRunner
 
 from accel_opt.accuracy.evidence import DEFAULT_CONFIDENCE
 from accel_opt.accuracy.judge import judge, quiet_polygraphy
-from accel_opt.accuracy.models import FP32_NOISE_ULPS, NOISE_FLOOR_MARGIN, NOISE_SAMPLES, AccuracyReport, Evaluation
+from accel_opt.accuracy.labeled import labeled_accuracy
+from accel_opt.accuracy.models import (
+    FP32_NOISE_ULPS,
+    NOISE_FLOOR_MARGIN,
+    NOISE_SAMPLES,
+    AccuracyReport,
+    Check,
+    Evaluation,
+)
 from accel_opt.data import (
     UNBATCHED,
     BatchAxes,
@@ -26,7 +34,7 @@ from accel_opt.data import (
 )
 from accel_opt.errors import AccelOptError, InputRejected, first_line
 from accel_opt.preprocess.text import Padding
-from accel_opt.recipe.gate import TaskMetric, Tolerance
+from accel_opt.recipe.gate import LabelsConfig, TaskMetric, Tolerance
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +58,8 @@ def compare(
     bounded: bool = False,
     reference_cache: ReferenceCache | None = None,
     groups: list[str] | None = None,
+    labels: list[int] | None = None,
+    labels_config: LabelsConfig | None = None,
 ) -> AccuracyReport:
     """Run the reference per sample and the candidate in batches of `batch_size` rows (along
     `batch_axes`; default: axis 0 of every input that has one), then judge every output of every sample.
@@ -63,7 +73,9 @@ def compare(
     them, while the reference runs each text alone, so an answer that depends on its batch-mates fails the gate.
     `bounded`: rates are judged by their lower bound at `confidence` (judge()): a sign-off on held-out samples.
     `reference_cache`: the reference's outputs kept across calls (one --precision auto run's candidates): samples it
-    already ran are not run again. `groups`: each sample's group, where samples share sources: rates count groups."""
+    already ran are not run again. `groups`: each sample's group, where samples share sources: rates count groups.
+    `labels`: each sample's class (--labels): accuracy under both models is reported, and gated as `labels_config`
+    says (labeled_checks)."""
     names = names or [f"sample-{i:04d}" for i in range(len(samples))]
     if reference_outputs is not None:
         ref_outs = reference_outputs
@@ -77,6 +89,10 @@ def compare(
         cand_outs, evaluation = run_candidate(candidate, fed, ref_outs, batch_size, axes, padding)
     report = judge(ref_outs, cand_outs, names, tolerance, task_metrics, reference.name, candidate.name, evaluation,
                    noise_floor, confidence, bounded, groups)
+    if labels:
+        labeled = labeled_checks(ref_outs, cand_outs, labels, labels_config or LabelsConfig(), confidence)
+        report.checks += labeled
+        report.failures += [c.line for c in labeled if not c.passed]
     report._reference_outputs = ref_outs
     return report
 
@@ -183,3 +199,19 @@ def run_candidate(runner: BaseRunner, samples: list[Sample], ref_outs: list[dict
     return outs, Evaluation(mode="per-sample", batch_size=rows, calls=len(samples), note=note)
 
 
+def labeled_checks(ref_outs: list[dict[str, np.ndarray]], cand_outs: list[dict[str, np.ndarray]], labels: list[int],
+                   config, confidence: float) -> list:
+    """The gate's checks on the labels (recipe.gate.LabelsConfig `config`): top-1 gated when a limit is given, every
+    other k (up to the number of classes) reported as a passing check, so each lands in signoff.md, JUnit and JSON."""
+    output = config.output or next(iter(ref_outs[0]))
+    classes = int(np.asarray(ref_outs[0][output]).size)
+    if max(labels, default=0) >= classes:
+        raise InputRejected(f"a label is {max(labels)}, and output {output!r} scores {classes} classes")
+    checks = []
+    for k in sorted({k for k in config.top_k if k < classes} | {1}):
+        gated = k == 1
+        result = labeled_accuracy(ref_outs, cand_outs, labels, output, k, confidence,
+                                  config.max_drop if gated else None, config.min_relative if gated else None)
+        checks.append(Check(name=f"labels: top-{k} accuracy", passed=result.status == "pass", line=result.line(),
+                            labeled=result))
+    return checks

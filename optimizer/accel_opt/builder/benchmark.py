@@ -109,7 +109,10 @@ def application_times(ctx: BuildContext, batch_sizes: list[int], image_input: st
     if ctx.data_dir is None:
         ctx.bench.stage_note = "no --data: the application's stages and the job need real input files"
         return
-    files, config = application.data_files(ctx.data_dir), ctx.resource_config
+    # The files the samples were read from (class folders too, with --labels folders); texts: their files.
+    files = [ctx.data_dir / name for name in ctx.data.names] if ctx.data.source in ("npz", "images") else \
+        application.data_files(ctx.data_dir)
+    config = ctx.resource_config
     if ctx.text_encoder is not None:  # tokenizing is the texts' preprocessing
         host = application.text_host_stage_ms(files, ctx.text_encoder)
     else:

@@ -85,6 +85,7 @@ class BuildContext:
     verdict_max: int | None = None  # held-out samples judged at most (accuracy.max_samples, or less for memory)
     sample_names: list[str] = field(default_factory=list)  # every sample read, in index order (split's indices)
     sample_groups: list[str] | None = None  # each sample's group, where the user grouped them (data.groups)
+    sample_labels: list[int] = field(default_factory=list)  # each sample's class (--labels), aligned with samples
     calibration_samples: list[Sample] = field(default_factory=list)
     # Samples that steer choices (the fallback's search, the cleanup check, auto's shortlist), never judged for the verdict
     steering_samples: list[Sample] = field(default_factory=list)
@@ -137,6 +138,11 @@ class BuildContext:
     def eval_groups(self) -> list[str] | None:
         """The held-out samples' groups (None: not grouped): the verdict's rates count groups as their trials."""
         return [self.sample_groups[i] for i in self.split.verdict] if self.sample_groups else None
+
+    @property
+    def eval_labels(self) -> list[int] | None:
+        """The held-out samples' classes (--labels), None without labels."""
+        return [self.sample_labels[i] for i in self.split.verdict] if self.sample_labels else None
 
     @property
     def bounded(self) -> bool:

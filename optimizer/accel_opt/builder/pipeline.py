@@ -367,7 +367,7 @@ def _stage_accuracy(ctx: BuildContext) -> tuple[StageStatus, str]:
         confidence=recipe.accuracy.confidence,
         bounded=ctx.bounded,
         reference_cache=cache,
-        groups=ctx.eval_groups)
+        groups=ctx.eval_groups, labels=ctx.eval_labels, labels_config=recipe.accuracy.labels)
     ctx.accuracy.roles = ctx.split.counts()
     if ctx.steering_samples:  # what auto's shortlist reads: the deployed build on samples the verdict never sees
         tolerance, metrics, hopeless = ctx.steering_gate()

@@ -21,6 +21,7 @@ from accel_opt.data import (
     synthetic_samples,
 )
 from accel_opt.data.groups import sample_groups, split_groups
+from accel_opt.data.labels import FOLDERS, class_folders, csv_labels, folder_labels, read_classes
 from accel_opt.errors import InputRejected, TooFewToCertify, UsageError
 from accel_opt.graph.inspect import TensorSpec, resolve_shapes
 from accel_opt.preprocess.images import to_model_input
@@ -48,11 +49,13 @@ def read_and_split(ctx: BuildContext) -> list[Sample]:
     if ctx.data_dir is not None:
         samples, ctx.data = _read_data(ctx, ctx.data_dir, "--data")
         ctx.sample_names = list(ctx.data.names)
+        ctx.sample_labels = _labels_of(ctx, ctx.data.names)
     if ctx.eval_data_dir is not None:
         held, ctx.eval_data = _read_data(ctx, ctx.eval_data_dir, "--eval-data")
         if ctx.data is not None and ctx.eval_data.source != ctx.data.source:
             raise UsageError(f"--eval-data holds {ctx.eval_data.source}, --data {ctx.data.source}: give the same kind")
         held_out = [sample_key(s) for s in held]
+        ctx.sample_labels += _labels_of(ctx, ctx.eval_data.names, every_class=ctx.data_dir is None)
         ctx.sample_names += [f"{ctx.eval_data_dir.name}/{name}" for name in ctx.eval_data.names]
         samples = samples + held
         ctx.data = ctx.data or ctx.eval_data
@@ -118,30 +121,44 @@ def _verdict_memory_cap(ctx: BuildContext, max_samples: int) -> int:
     return min(cap, max_samples)
 
 
+def _labels_of(ctx: BuildContext, names: list[str], every_class: bool = True) -> list[int]:
+    """The class of each sample named `names` (--labels: by its class folder, or from the CSV); [] without labels."""
+    config = ctx.recipe.accuracy.labels
+    if config.source is None:
+        return []
+    if config.source == FOLDERS:  # one class list for --data and --eval-data: the first folder's, sorted
+        return folder_labels(names, class_folders(ctx.data_dir or ctx.eval_data_dir), every_class)
+    return csv_labels(Path(config.source), names, read_classes(Path(config.classes)) if config.classes else None)
+
+
 def _read_data(ctx: BuildContext, folder: Path, flag: str) -> tuple[list[Sample], DataSummary]:
     """The samples of `folder` as the model takes them. With fused preprocessing the images are decoded once,
     to the host's uint8 crops (appended to ctx.host_crops: what the fused artifact takes), and normalized from those;
     where the job's inputs differ from the reference's (draft decoding, the torch backend's tensor path) they are
     appended to ctx.job_samples (so both stay aligned with the samples when --eval-data follows --data)."""
     pre = ctx.recipe.preprocessing
+    by_class = ctx.recipe.accuracy.labels.source == FOLDERS
     draft = pre is not None and pre.draft_decode and not any(folder.glob("*.npz"))
     reference_pre = pre.model_copy(update={"draft_decode": False}) if draft else pre
     if not ctx.fused:
-        samples, data = load_samples(folder, ctx.inputs, reference_pre, text=ctx.text_encoder, flag=flag)
+        samples, data = load_samples(folder, ctx.inputs, reference_pre, text=ctx.text_encoder, flag=flag,
+                                     by_class=by_class)
         if ctx.torch and data.source == "images":  # the candidate takes what its job's tensor path makes
             from accel_opt.preprocess.tensor_images import tensor_path_samples
 
             files = [folder / name for name in data.names]
             ctx.job_samples += tensor_path_samples(files, pre, ctx.image_input, ctx.backend.device, flag)
         elif draft:  # the candidate takes what `accel-opt run` will feed it; the reference, full decodes
-            ctx.job_samples += load_samples(folder, ctx.inputs, pre, flag=flag)[0]
+            ctx.job_samples += load_samples(folder, ctx.inputs, pre, flag=flag, by_class=by_class)[0]
         return samples, data
     name = ctx.image_input
     spec = TensorSpec(name=name, dtype="uint8", shape=["batch", pre.crop, pre.crop, 3])
-    crops, data = load_samples(folder, [spec], pre.host_part().model_copy(update={"input": name}), flag=flag)
+    crops, data = load_samples(folder, [spec], pre.host_part().model_copy(update={"input": name}), flag=flag,
+                               by_class=by_class)
     ctx.host_crops += crops
     if draft:
-        crops = load_samples(folder, [spec], reference_pre.host_part().model_copy(update={"input": name}), flag=flag)[0]
+        crops = load_samples(folder, [spec], reference_pre.host_part().model_copy(update={"input": name}), flag=flag,
+                             by_class=by_class)[0]
     samples = [{name: to_model_input(c[name], pre)} for c in crops]
     for sample, where in zip(samples, data.names):
         check_sample(sample, ctx.inputs, f"{flag} {where}")

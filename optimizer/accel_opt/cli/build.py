@@ -34,6 +34,15 @@ from accel_opt.errors import (
                    "video): whole groups are dealt into roles, and the verdict's rates count held-out groups.")
 @click.option("--group-pattern", help="The same by a regex over each sample's name: its first capture group (or the "
               "match) names the group, e.g. '^(.+)_frame\\d+'.")
+@click.option("--labels", help="Labels of --data: 'folders' (ImageFolder: one sub-folder per class, numbered in sorted "
+              "order) or a CSV of file,label. Top-1 (and top-5) accuracy under fp32 and the build is reported on the "
+              "held-out samples, and gated with --max-accuracy-drop / --min-relative-accuracy.")
+@click.option("--classes", type=click.Path(path_type=Path, exists=True, dir_okay=False),
+              help="Class names, one per line (index = line): --labels CSV rows may name classes.")
+@click.option("--max-accuracy-drop", type=click.FloatRange(0, 1), help="With --labels: the largest top-1 drop from "
+              "fp32 allowed, absolute (0.01: one point), judged by its paired one-sided bound at accuracy.confidence.")
+@click.option("--min-relative-accuracy", type=click.FloatRange(0, 1, min_open=True), help="With --labels: top-1 "
+              "accuracy at least this share of fp32's (0.99: MLPerf's 99%), judged by the same bound.")
 @click.option("--tokenizer", type=click.Path(path_type=Path), help="A text recipe's tokenizer.json (default: the "
               "recipe's text.tokenizer, the factory's hint, or tokenizer.json beside the model).")
 @click.option("--shapes", help="Fix dynamic dims, trtexec-style: NAME:1x3x224x224[,NAME:...].")
@@ -59,7 +68,8 @@ from accel_opt.errors import (
 @click.option("--junit", "junit_file", type=click.Path(path_type=Path), help="Write the gate's checks as JUnit XML here (for CI).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout (for CI).")
 @click.option("-v", "--verbose", is_flag=True, help="Log progress and show tracebacks.")
-def build(model, precision, backend, device, recipe_path, data_dir, eval_data_dir, groups_file, group_pattern, tokenizer, shapes,
+def build(model, precision, backend, device, recipe_path, data_dir, eval_data_dir, groups_file, group_pattern, labels,
+          classes, max_accuracy_drop, min_relative_accuracy, tokenizer, shapes,
           batch_axes, max_shapes, require_data,
           keep_io_types, providers, calibration, target_cpu, time_budget_s, no_fallback, threads, out_dir, force, sign_key,
           signing_certificate, junit_file, as_json, verbose):
@@ -99,6 +109,7 @@ def build(model, precision, backend, device, recipe_path, data_dir, eval_data_di
                 "benchmark.max_shapes": parse_shapes(max_shapes) if max_shapes else None,
                 "accuracy.split.groups_file": str(groups_file.resolve()) if groups_file else None,
                 "accuracy.split.group_pattern": group_pattern,
+                **_label_overrides(labels, classes, max_accuracy_drop, min_relative_accuracy, data_dir or eval_data_dir),
             },
         )
         if tokenizer is not None:
@@ -158,6 +169,23 @@ def build(model, precision, backend, device, recipe_path, data_dir, eval_data_di
     if no_winner:
         click.echo(f"accel-opt: {no_winner}", err=True)
     sys.exit(exit_code)
+
+
+def _label_overrides(labels, classes, max_drop, min_relative, data) -> dict:
+    """The recipe keys (accuracy.labels.*) the label options set; checked here (exit 2)."""
+    if labels is None:
+        if any(v is not None for v in (classes, max_drop, min_relative)):
+            raise UsageError("--classes, --max-accuracy-drop and --min-relative-accuracy need --labels")
+        return {}
+    if data is None:
+        raise UsageError("--labels labels the samples of --data (or --eval-data): give it")
+    if labels != "folders" and not Path(labels).is_file():
+        raise UsageError(f"--labels {labels}: not 'folders' and not a CSV file")
+    if max_drop is not None and min_relative is not None:
+        raise UsageError("--max-accuracy-drop (absolute) or --min-relative-accuracy (of fp32's): give one")
+    return {"accuracy.labels.source": labels if labels == "folders" else str(Path(labels).resolve()),
+            "accuracy.labels.classes": str(classes.resolve()) if classes else None,
+            "accuracy.labels.max_drop": max_drop, "accuracy.labels.min_relative": min_relative}
 
 
 def _writable_file(path: Path) -> bool:

@@ -41,12 +41,16 @@ def class_folders(root: Path) -> list[str]:
     return classes
 
 
-def folder_labels(names: list[str], classes: list[str]) -> list[int]:
-    """The label of every sample named CLASS/FILE, by its folder; a class folder without a sample is refused."""
+def folder_labels(names: list[str], classes: list[str], every_class: bool = True) -> list[int]:
+    """The label of every sample named CLASS/FILE, by its folder; a class folder without a sample is refused
+    (`every_class`: --data; held-out samples of --eval-data may leave classes out)."""
     index = {name: i for i, name in enumerate(classes)}
+    stray = next((name for name in names if name.split("/", 1)[0] not in index), None)
+    if stray is not None:
+        raise InputRejected(f"--labels folders: {stray!r} is in no class folder of {', '.join(classes[:5])}...")
     labels = [index[name.split("/", 1)[0]] for name in names]
     empty = sorted(set(classes) - {name.split("/", 1)[0] for name in names})
-    if empty:
+    if empty and every_class:
         raise InputRejected(f"--labels folders: class folder {empty[0]!r} holds no sample")
     return labels
 

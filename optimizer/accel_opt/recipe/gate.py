@@ -165,6 +165,25 @@ class SplitConfig(_Strict):
         return self
 
 
+class LabelsConfig(_Strict):
+    """Accuracy on the user's labels (--labels): top-k accuracy under fp32 and the candidate on the held-out samples,
+    and a gate on the drop, bounded by a paired one-sided bound at accuracy.confidence (accuracy.labeled). The
+    agreement gate still applies; `max_drop` or `min_relative` adds this one."""
+
+    source: str | None = None  # "folders" (ImageFolder layout of --data) or a file,label CSV
+    classes: str | None = None  # class names, one per line: CSV labels may be names
+    output: str | None = None  # the output of class scores (default: the first)
+    top_k: list[Annotated[int, Field(ge=1)]] = Field(default_factory=lambda: [1, 5])  # k above the classes: left out
+    max_drop: float | None = Field(default=None, ge=0, le=1)  # absolute: 0.01 is one point of top-1 (NNCF, Olive)
+    min_relative: float | None = Field(default=None, gt=0, le=1)  # of fp32's top-1 accuracy: 0.99 (MLPerf)
+
+    @model_validator(mode="after")
+    def _one_limit(self) -> LabelsConfig:
+        if self.max_drop is not None and self.min_relative is not None:
+            raise ValueError("give max_drop (absolute) or min_relative (of fp32's accuracy), not both")
+        return self
+
+
 class AccuracyConfig(_Strict):
     tolerances: dict[Precision, Tolerance] = Field(default_factory=_default_tolerances)
     task_metrics: list[TaskMetric] = Field(default_factory=list)
@@ -180,6 +199,7 @@ class AccuracyConfig(_Strict):
     # Evaluation samples the folder's probe set keeps for re-checks on another machine class (all of them when the
     # gate judged fewer): a per-sample gate needs enough samples for one broken sample to show.
     probe_samples: int = Field(default=16, ge=1)
+    labels: LabelsConfig = Field(default_factory=LabelsConfig)
 
     @model_validator(mode="before")
     @classmethod

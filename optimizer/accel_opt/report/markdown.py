@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING
 
 from accel_opt.accuracy import AccuracyReport, Check
 from accel_opt.accuracy.evidence import METHOD, RateEvidence
+from accel_opt.accuracy.labeled import labeled_markdown
 from accel_opt.bench import BenchmarkReport
 from accel_opt.data import DataSummary
 from accel_opt.precision import PrecisionReport
@@ -181,10 +182,9 @@ def signoff_markdown(
     if precision is not None and precision.kept_in_higher_precision:
         out += ["", "## Kept in higher precision", ""]
         out.append(_table(["node", "op", "why"], [[k.node, k.op_type, k.reason] for k in precision.kept_in_higher_precision]))
-    if fallback is not None and fallback.status != "disabled":
-        out += ["", *fallback_markdown(fallback, bench)]
-    if accuracy.failures:
-        out += ["", "## Failed checks", ""] + [f"- {f}" for f in accuracy.failures]
+    out += ["", *fallback_markdown(fallback, bench)] if fallback is not None and fallback.status != "disabled" else []
+    out += labeled_markdown(accuracy.checks)
+    out += (["", "## Failed checks", ""] + [f"- {f}" for f in accuracy.failures]) if accuracy.failures else []
     if notes:
         out += ["", "## Notes", ""] + [f"- {n}" for n in notes]
     return "\n".join(out) + "\n"

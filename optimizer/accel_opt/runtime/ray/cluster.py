@@ -100,10 +100,11 @@ def ray_session(address: str | None, verbose: bool = False, num_cpus: int | None
     temp_dir = tempfile.mkdtemp(prefix="aoray-", dir="/tmp") if local else None  # short: Ray's socket paths are limited
     options = {"log_to_driver": verbose, "logging_level": logging.INFO if verbose else logging.ERROR}
     if local:
-        # Token authentication (Ray 2.52+, on by default for local clusters from 2.59): without it anyone who reaches
-        # the cluster's ports runs code in it. Set here too, so an older default cannot leave it off; an explicit
-        # RAY_AUTH_MODE (disabled) is the user's choice, and the summary says which mode ran.
-        os.environ.setdefault("RAY_AUTH_MODE", "token")
+        # Token authentication: without it anyone who reaches the cluster's ports runs code in it. Ray (>= 2.59, the
+        # version required) turns it on for the local cluster ray.init starts, refreshing its cached config; setting
+        # RAY_AUTH_MODE here, after `import ray` read the config, would leave this driver without its token while the
+        # cluster demands one ("Failed to start GCS"). An explicit RAY_AUTH_MODE=disabled is the user's choice; the
+        # summary says which mode ran.
         options.update(address="local", num_cpus=num_cpus or available_cpus(), include_dashboard=False,
                        object_store_memory=LOCAL_OBJECT_STORE_MIB << 20, _temp_dir=temp_dir, _node_ip_address="127.0.0.1")
     else:

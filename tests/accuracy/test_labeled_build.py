@@ -1,0 +1,107 @@
+"""A build judged on real labels: scikit-learn's digits (1797 labeled 8x8 images shipped in the package) as an ImageFolder
+of .npz samples and as a CSV, a softmax classifier trained on half of them at a fixed seed, built at fp32 and int8
+with the labels: fp32 and candidate accuracy reported on the held-out samples and the drop gated by its paired bound."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+from onnx import TensorProto, helper, numpy_helper
+
+from accel_opt.cli import main
+
+from ..conftest import FAST_BENCH, make_model, save
+
+
+@pytest.fixture(scope="module")
+def digits(tmp_path_factory) -> tuple[Path, Path, Path]:
+    """(model, ImageFolder of the held-out half, CSV labels of the same files in one flat folder)."""
+    from sklearn.datasets import load_digits
+
+    images, labels = load_digits(return_X_y=True)
+    x = (images / 16.0).astype(np.float32)
+    rng = np.random.default_rng(0)
+    order = rng.permutation(len(x))
+    train, test = order[: len(x) // 2], order[len(x) // 2:]
+    weights, bias = np.zeros((64, 10)), np.zeros(10)  # softmax regression, full-batch gradient descent
+    onehot = np.eye(10)[labels[train]]
+    for _ in range(300):
+        logits = x[train] @ weights + bias
+        p = np.exp(logits - logits.max(1, keepdims=True))
+        p /= p.sum(1, keepdims=True)
+        weights -= 0.5 * x[train].T @ (p - onehot) / len(train)
+        bias -= 0.5 * (p - onehot).mean(0)
+    root = tmp_path_factory.mktemp("digits")
+    model = save(make_model([helper.make_node("MatMul", ["x", "W"], ["h"]), helper.make_node("Add", ["h", "b"], ["logits"])],
+                            [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 64])],
+                            [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["N", 10])],
+                            [numpy_helper.from_array(weights.astype(np.float32), "W"),
+                             numpy_helper.from_array(bias.astype(np.float32), "b")]), root / "digits.onnx")
+    folders, flat = root / "folders", root / "flat"
+    flat.mkdir()
+    rows = ["file,label"]
+    for i in test:
+        (folders / f"{labels[i]}").mkdir(parents=True, exist_ok=True)
+        np.savez(folders / f"{labels[i]}" / f"d{i:04d}.npz", x=x[i:i + 1])
+        np.savez(flat / f"d{i:04d}.npz", x=x[i:i + 1])
+        rows.append(f"d{i:04d}.npz,{labels[i]}")
+    (root / "labels.csv").write_text("\n".join(rows) + "\n")
+    recipe = root / "fast.yaml"
+    # Every held-out sample judged (the default caps the verdict at 300): the bound needs hundreds.
+    recipe.write_text(json.dumps({"name": "fast", "benchmark": FAST_BENCH, "accuracy": {"max_samples": 2000}}))
+    return model, folders, root
+
+
+def _build(model, data, *args):
+    return CliRunner().invoke(main, ["build", str(model), "--data", str(data), *map(str, args), "--json"])
+
+
+def test_an_image_folder_of_digits_reports_and_gates_accuracy_on_its_labels(digits, tmp_path):
+    model, folders, root = digits
+    done = _build(model, folders, "--labels", "folders", "--precision", "int8", "--max-accuracy-drop", "0.02",
+                  "--recipe", root / "fast.yaml", "--out", tmp_path)
+    assert done.exit_code == 0, done.output
+    result = json.loads(done.stdout)
+    accuracy = json.loads((Path(result["artifact_dir"]) / "accuracy.json").read_text())
+    labeled = {c["name"]: c for c in accuracy["checks"] if c["name"].startswith("labels:")}
+    top1 = labeled["labels: top-1 accuracy"]["labeled"]
+    assert top1["samples"] >= 437 and top1["limit"] == 0.02 and top1["status"] == "pass"
+    assert top1["reference_correct"] / top1["samples"] > 0.85  # the classifier works: its labels are read right
+    assert labeled["labels: top-5 accuracy"]["labeled"]["limit"] is None  # top-5 reported, not gated
+    signoff = (Path(result["artifact_dir"]) / "signoff.md").read_text()
+    assert "## Accuracy on the labels" in signoff and "top-1 accuracy on the labels: fp32" in signoff
+
+
+def test_a_csv_of_labels_gives_the_same_counts_and_a_tight_limit_needs_more_samples(digits, tmp_path):
+    model, folders, root = digits
+    by_folder = _build(model, folders, "--labels", "folders", "--recipe", root / "fast.yaml", "--out", tmp_path / "a")
+    by_csv = _build(model, root / "flat", "--labels", root / "labels.csv", "--recipe", root / "fast.yaml",
+                    "--out", tmp_path / "b")
+    assert by_folder.exit_code == by_csv.exit_code == 0, (by_folder.output, by_csv.output)
+
+    def top1(done):
+        folder = Path(json.loads(done.stdout)["artifact_dir"])
+        checks = json.loads((folder / "accuracy.json").read_text())["checks"]
+        return next(c["labeled"] for c in checks if c["name"] == "labels: top-1 accuracy")
+
+    # The same labels either way (the split deals the two orders differently: the held-out sets differ slightly).
+    for result in (top1(by_folder), top1(by_csv)):
+        assert result["samples"] > 800 and result["reference_correct"] / result["samples"] > 0.9, result
+    tight = _build(model, folders, "--labels", "folders", "--precision", "int8", "--max-accuracy-drop", "0.001",
+                   "--recipe", root / "fast.yaml", "--out", tmp_path / "c")
+    assert tight.exit_code == 6, tight.output  # 0.1 point needs 4,425 held-out samples
+    assert json.loads(tight.stdout)["samples_needed"] >= 4000
+
+
+def test_bad_label_options_are_usage_errors(digits, tmp_path):
+    model, folders, root = digits
+    for args, message in ((["--max-accuracy-drop", "0.01"], "need --labels"),
+                          (["--labels", "nope.csv"], "not 'folders' and not a CSV file"),
+                          (["--labels", "folders", "--max-accuracy-drop", "0.01", "--min-relative-accuracy", "0.99"],
+                           "give one")):
+        done = _build(model, folders, *args, "--out", tmp_path)
+        assert done.exit_code == 2 and message in done.stderr, done.output
