@@ -59,6 +59,8 @@ def test_too_few_samples_to_certify_the_limit_is_insufficient_with_the_number_ne
     few = labeled_accuracy(ref, cand, labels, "logits", max_drop=0.01)
     assert few.status == "insufficient" and few.samples_needed == samples_to_certify_drop(0.01) == 437
     assert "437 held-out samples needed" in few.line()
+    observed = labeled_accuracy(ref, cand, labels, "logits", max_drop=0.01, bounded=False)  # fp32 builds, steering
+    assert observed.status == "pass" and "observed drop within the limit" in observed.line()
     assert labeled_accuracy(ref, cand, labels, "logits").limit is None  # no limit: reported, not gated
     top5 = labeled_accuracy(ref, cand, labels, "logits", k=5)
     assert top5.reference_correct >= labeled_accuracy(ref, cand, labels, "logits").reference_correct

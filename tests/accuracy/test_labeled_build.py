@@ -72,6 +72,8 @@ def test_an_image_folder_of_digits_reports_and_gates_accuracy_on_its_labels(digi
     assert top1["samples"] >= 437 and top1["limit"] == 0.02 and top1["status"] == "pass"
     assert top1["reference_correct"] / top1["samples"] > 0.85  # the classifier works: its labels are read right
     assert labeled["labels: top-5 accuracy"]["labeled"]["limit"] is None  # top-5 reported, not gated
+    assert [r["k"] for r in result["labeled"]] == [1, 5] and result["labeled"][0]["drop"] == pytest.approx(
+        top1["reference_accuracy"] - top1["candidate_accuracy"])  # --json carries the figures
     signoff = (Path(result["artifact_dir"]) / "signoff.md").read_text()
     assert "## Accuracy on the labels" in signoff and "top-1 accuracy on the labels: fp32" in signoff
 

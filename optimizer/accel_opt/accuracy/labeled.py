@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from pydantic import BaseModel
+from pydantic import BaseModel, computed_field
 
 from accel_opt.accuracy.evidence import DEFAULT_CONFIDENCE, Status, lower_bound, upper_bound
 
@@ -67,16 +67,20 @@ class LabeledAccuracy(BaseModel):
     limit: float | None = None  # the largest drop allowed (absolute); None: reported, not gated
     limit_basis: str = ""  # "absolute" or "relative: 99% of fp32's accuracy"
     samples_needed: int | None = None  # held-out samples the limit needs at best (no discordant pair)
+    bounded: bool = True  # judged by the bound (reduced-precision sign-offs); else by the observed drop
     status: Status = "pass"
 
+    @computed_field
     @property
     def reference_accuracy(self) -> float:
         return self.reference_correct / self.samples if self.samples else 0.0
 
+    @computed_field
     @property
     def candidate_accuracy(self) -> float:
         return self.candidate_correct / self.samples if self.samples else 0.0
 
+    @computed_field
     @property
     def drop(self) -> float:
         return self.reference_accuracy - self.candidate_accuracy
@@ -85,6 +89,8 @@ class LabeledAccuracy(BaseModel):
         """The verdict if the bound were taken at `confidence` (auto's family-wise level)."""
         if self.limit is None:
             return "pass"
+        if not self.bounded:
+            return "pass" if self.drop <= self.limit else "fail"
         if drop_upper_bound(self.lost, self.gained, self.samples, confidence) <= self.limit:
             return "pass"
         needed = samples_to_certify_drop(self.limit, confidence)
@@ -98,6 +104,7 @@ class LabeledAccuracy(BaseModel):
         if self.limit is None:
             return head
         verdict = {"pass": "within", "fail": "beyond", "insufficient": "cannot be certified within"}[self.status]
+        verdict = verdict if self.bounded else f"observed drop {'within' if self.status == 'pass' else 'beyond'}"
         more = f" ({self.samples_needed} held-out samples needed)" if self.status == "insufficient" else ""
         return f"{head}; {verdict} the limit {self.limit:.2%} ({self.limit_basis}){more}"
 
@@ -110,15 +117,17 @@ def correct_top_k(outputs: list[dict[str, np.ndarray]], output: str, labels: lis
 
 def labeled_accuracy(ref_outs: list[dict[str, np.ndarray]], cand_outs: list[dict[str, np.ndarray]], labels: list[int],
                      output: str, k: int = 1, confidence: float = DEFAULT_CONFIDENCE, max_drop: float | None = None,
-                     min_relative: float | None = None) -> LabeledAccuracy:
+                     min_relative: float | None = None, bounded: bool = True) -> LabeledAccuracy:
     """Score both models' outputs against `labels` (paired, sample by sample) and gate the drop: at most `max_drop`
     (absolute, NNCF/Olive style), or at least `min_relative` of fp32's accuracy (MLPerf's 0.99; the limit is then
-    (1 - min_relative) times fp32's observed accuracy)."""
+    (1 - min_relative) times fp32's observed accuracy). Not `bounded`: the observed drop is judged against the limit
+    (fp32 builds and steering samples, like every other rate), the bound reported beside it."""
     ref_ok, cand_ok = correct_top_k(ref_outs, output, labels, k), correct_top_k(cand_outs, output, labels, k)
     n, lost, gained = len(labels), int((ref_ok & ~cand_ok).sum()), int((~ref_ok & cand_ok).sum())
     result = LabeledAccuracy(output=output, k=k, samples=n, reference_correct=int(ref_ok.sum()),
                              candidate_correct=int(cand_ok.sum()), lost=lost, gained=gained,
-                             drop_bound=drop_upper_bound(lost, gained, n, confidence), confidence=confidence)
+                             drop_bound=drop_upper_bound(lost, gained, n, confidence), confidence=confidence,
+                             bounded=bounded)
     if max_drop is None and min_relative is None:
         return result
     if max_drop is not None:

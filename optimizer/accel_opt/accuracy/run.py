@@ -90,7 +90,7 @@ def compare(
     report = judge(ref_outs, cand_outs, names, tolerance, task_metrics, reference.name, candidate.name, evaluation,
                    noise_floor, confidence, bounded, groups)
     if labels:
-        labeled = labeled_checks(ref_outs, cand_outs, labels, labels_config or LabelsConfig(), confidence)
+        labeled = labeled_checks(ref_outs, cand_outs, labels, labels_config or LabelsConfig(), confidence, bounded)
         report.checks += labeled
         report.failures += [c.line for c in labeled if not c.passed]
     report._reference_outputs = ref_outs
@@ -200,9 +200,10 @@ def run_candidate(runner: BaseRunner, samples: list[Sample], ref_outs: list[dict
 
 
 def labeled_checks(ref_outs: list[dict[str, np.ndarray]], cand_outs: list[dict[str, np.ndarray]], labels: list[int],
-                   config, confidence: float) -> list:
+                   config, confidence: float, bounded: bool = True) -> list:
     """The gate's checks on the labels (recipe.gate.LabelsConfig `config`): top-1 gated when a limit is given, every
-    other k (up to the number of classes) reported as a passing check, so each lands in signoff.md, JUnit and JSON."""
+    other k (up to the number of classes) reported as a passing check, so each lands in signoff.md, JUnit and JSON.
+    Not `bounded` (fp32 builds, steering samples): the observed drop is judged, its bound reported, like every rate."""
     output = config.output or next(iter(ref_outs[0]))
     classes = int(np.asarray(ref_outs[0][output]).size)
     if max(labels, default=0) >= classes:
@@ -211,7 +212,7 @@ def labeled_checks(ref_outs: list[dict[str, np.ndarray]], cand_outs: list[dict[s
     for k in sorted({k for k in config.top_k if k < classes} | {1}):
         gated = k == 1
         result = labeled_accuracy(ref_outs, cand_outs, labels, output, k, confidence,
-                                  config.max_drop if gated else None, config.min_relative if gated else None)
+                                  config.max_drop if gated else None, config.min_relative if gated else None, bounded)
         checks.append(Check(name=f"labels: top-{k} accuracy", passed=result.status == "pass", line=result.line(),
                             labeled=result))
     return checks

@@ -145,6 +145,11 @@ class BuildContext:
         return [self.sample_labels[i] for i in self.split.verdict] if self.sample_labels else None
 
     @property
+    def steering_labels(self) -> list[int] | None:
+        """The steering samples' classes (--labels): auto's shortlist reads the labeled gate there too."""
+        return [self.sample_labels[i] for i in self.split.steering] if self.sample_labels else None
+
+    @property
     def bounded(self) -> bool:
         """Whether the verdict's rates must clear their minimums by their confidence bound: every reduced precision
         on real data. An fp32 build is judged against the float32 noise floor by its observed rates, never refused for

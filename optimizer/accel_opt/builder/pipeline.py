@@ -374,7 +374,8 @@ def _stage_accuracy(ctx: BuildContext) -> tuple[StageStatus, str]:
         steered = compare(reference, candidate, ctx.steering_samples, tolerance, metrics, names=ctx.steering_names,
                           batch_size=deployment.batch_size, batch_axes=deployment.batch_axes,
                           candidate_samples=ctx.steering_deploy, padding=deployment.padding,
-                          noise_floor={o.name: o.noise_floor for o in ctx.accuracy.outputs}, reference_cache=cache)
+                          noise_floor={o.name: o.noise_floor for o in ctx.accuracy.outputs}, reference_cache=cache,
+                          labels=ctx.steering_labels, labels_config=recipe.accuracy.labels)
         ctx.accuracy.steering = SteeringVerdict(sample_count=steered.sample_count, passed=steered.passed and not hopeless,
                                                 loss=steered.loss, worst_cosine=steered.worst_cosine,
                                                 failures=(hopeless + steered.failures)[:3])

@@ -153,6 +153,7 @@ def build(model, precision, backend, device, recipe_path, data_dir, eval_data_di
         if selection is not None:
             payload["selection"] = selection.model_dump(mode="json")
         payload["signature"] = str(Path(result.artifact_dir) / "model.sig") if result and signer else None
+        payload["labeled"] = _labeled(result.artifact_dir) if result else []
         click.echo(json.dumps(payload))
     else:
         if selection is not None:
@@ -169,6 +170,12 @@ def build(model, precision, backend, device, recipe_path, data_dir, eval_data_di
     if no_winner:
         click.echo(f"accel-opt: {no_winner}", err=True)
     sys.exit(exit_code)
+
+
+def _labeled(artifact_dir: str) -> list[dict]:
+    """The labeled-accuracy figures of a build (accuracy.json's checks on --labels): [] without labels."""
+    checks = json.loads((Path(artifact_dir) / "accuracy.json").read_text())["checks"]
+    return [c["labeled"] for c in checks if c.get("labeled")]
 
 
 def _label_overrides(labels, classes, max_drop, min_relative, data) -> dict:
