@@ -107,3 +107,50 @@ def test_bad_label_options_are_usage_errors(digits, tmp_path):
                            "give one")):
         done = _build(model, folders, *args, "--out", tmp_path)
         assert done.exit_code == 2 and message in done.stderr, done.output
+
+
+def _recipe(root: Path, name: str, **labels) -> Path:
+    """The fast recipe with an agreement tolerance no int8 build meets (errors of 1e-7 of the logits' spread), and
+    `labels` as accuracy.labels."""
+    path = root / f"{name}.yaml"
+    path.write_text(json.dumps({"name": name, "benchmark": FAST_BENCH, "accuracy": {
+        "max_samples": 2000, "tolerances": {"int8": {"max_error": 1e-7, "max_sample_error": 1e-7}}, "labels": labels}}))
+    return path
+
+
+def test_a_recipe_can_gate_on_the_labels_alone_and_its_folder_re_checks_on_them(digits, tmp_path):
+    model, folders, root = digits
+    both = _build(model, folders, "--labels", "folders", "--precision", "int8", "--recipe",
+                  _recipe(tmp_path, "both", max_drop=0.02), "--out", tmp_path / "both")
+    assert both.exit_code == 1, both.output  # agreement with fp32 gates too: int8 is not within 1e-7
+    labels_only = _build(model, folders, "--labels", "folders", "--precision", "int8", "--recipe",
+                         _recipe(tmp_path, "labels", max_drop=0.02, gate="labels"), "--out", tmp_path / "labels")
+    assert labels_only.exit_code == 0, labels_only.output
+    folder = Path(json.loads(labels_only.stdout)["artifact_dir"])
+    checks = json.loads((folder / "accuracy.json").read_text())["checks"]
+    ungated = [c for c in checks if not c["gated"]]
+    assert ungated and all(c["labeled"] is None for c in ungated) and any(not c["passed"] for c in ungated)
+    assert all(c["passed"] for c in checks if c["gated"]) and any(c["labeled"] for c in checks if c["gated"])
+    assert "reported, not gated" in (folder / "signoff.md").read_text()
+    assert "(not gated)" in (folder / "signoff.html").read_text()
+    probe = json.loads((folder / "probe.json").read_text())
+    assert probe["labels"] and probe["labels_config"]["gate"] == "labels"
+
+    # On another CPU class the folder is re-checked on its probe samples: on their labels, not on agreement.
+    manifest = json.loads((folder / "manifest.json").read_text())
+    manifest["cpu_class"] = "avx2" if manifest["cpu_class"] != "avx2" else "amx"
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    recheck = CliRunner(env={"XDG_CACHE_HOME": str(tmp_path / "cache")}).invoke(
+        main, ["verify", str(folder), "--accuracy"])
+    assert recheck.exit_code == 0 and "FAILED" not in recheck.output, recheck.output
+    assert "re-checked" in recheck.output and "top-1 accuracy on the labels" in recheck.output, recheck.output
+
+
+@pytest.mark.parametrize(("labels", "args", "message"), [
+    ({"gate": "labels"}, ["--labels", "folders"], "needs a limit on the drop"),
+    ({"gate": "labels", "max_drop": 0.02}, [], "give --labels")])
+def test_gating_on_labels_alone_needs_labels_and_a_limit(digits, tmp_path, labels, args, message):
+    model, folders, _ = digits
+    done = _build(model, folders, *args, "--recipe", _recipe(tmp_path, "r", **labels), "--out", tmp_path / "out")
+    assert done.exit_code == 2 and message in done.stderr, done.output
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").rglob("manifest.json"))

@@ -82,6 +82,7 @@ class Check(BaseModel):
     # A rate judged by its confidence bound: its counts, minimum and bound (None: a point check, e.g. a cosine).
     evidence: RateEvidence | None = None
     labeled: LabeledAccuracy | None = None  # accuracy on the labels, its drop bounded on the paired outcomes
+    gated: bool = True  # False: reported, not gated (agreement under accuracy.labels.gate: labels)
 
     @property
     def insufficient(self) -> bool:
@@ -157,7 +158,7 @@ class AccuracyReport(BaseModel):
     @property
     def verdict(self) -> str:
         """"pass", "fail", or "insufficient": every failing check is a rate its samples are too few to certify."""
-        failing = [c for c in self.checks if not c.passed]
+        failing = [c for c in self.checks if c.gated and not c.passed]
         if not failing:
             return "pass"
         return "insufficient" if all(c.insufficient for c in failing) else "fail"
@@ -166,13 +167,13 @@ class AccuracyReport(BaseModel):
     @property
     def samples_needed(self) -> int | None:
         """Held-out samples that, with none failing, would certify every rate this verdict found too few for."""
-        needed = [c.needed for c in self.checks if c.insufficient and c.needed]
+        needed = [c.needed for c in self.checks if c.gated and c.insufficient and c.needed]
         return max(needed, default=None)
 
     def verdict_at(self, confidence: float) -> str:
         """The verdict if every bounded rate were judged at `confidence` (auto's family-wise level); point checks
         are as judged."""
-        statuses = [c.status_at(confidence) for c in self.checks]
+        statuses = [c.status_at(confidence) for c in self.checks if c.gated]
         if all(s == "pass" for s in statuses):
             return "pass"
         return "insufficient" if all(s in ("pass", "insufficient") for s in statuses) else "fail"
@@ -180,7 +181,11 @@ class AccuracyReport(BaseModel):
     @property
     def loss(self) -> float:
         """How far the verdict is from passing, in units of each check's limit (1.0: at the limit; <= 1 passes): what
-        the rescue search lowers and auto's shortlist reads."""
+        the rescue search lowers and auto's shortlist reads. Gated on the labels alone: the observed drop against
+        its limit."""
+        if any(not c.gated for c in self.checks):
+            labeled = [c.labeled for c in self.checks if c.gated and c.labeled is not None and c.labeled.limit is not None]
+            return max((_over(max(r.drop, 0.0), r.limit) for r in labeled), default=0.0)
         tol = self.tolerance
         ratios = [0.0]
         for o in self.outputs:

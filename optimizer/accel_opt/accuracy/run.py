@@ -90,9 +90,7 @@ def compare(
     report = judge(ref_outs, cand_outs, names, tolerance, task_metrics, reference.name, candidate.name, evaluation,
                    noise_floor, confidence, bounded, groups)
     if labels:
-        labeled = labeled_checks(ref_outs, cand_outs, labels, labels_config or LabelsConfig(), confidence, bounded)
-        report.checks += labeled
-        report.failures += [c.line for c in labeled if not c.passed]
+        add_labeled_checks(report, ref_outs, cand_outs, labels, labels_config or LabelsConfig(), bounded)
     report._reference_outputs = ref_outs
     return report
 
@@ -197,6 +195,18 @@ def run_candidate(runner: BaseRunner, samples: list[Sample], ref_outs: list[dict
     outs = [_infer(runner, s, f"sample {i}") for i, s in enumerate(samples)]
     rows = min(rows_of(s, axes) for s in samples)
     return outs, Evaluation(mode="per-sample", batch_size=rows, calls=len(samples), note=note)
+
+
+def add_labeled_checks(report: AccuracyReport, ref_outs: list[dict[str, np.ndarray]],
+                       cand_outs: list[dict[str, np.ndarray]], labels: list[int], config: LabelsConfig,
+                       bounded: bool) -> None:
+    """Add the labels' checks to `report` (at its confidence); under `gate: labels` the checks already there
+    (agreement with fp32) stay reported but no longer gate: the verdict and its failures are the labels' alone."""
+    report.checks += labeled_checks(ref_outs, cand_outs, labels, config, report.confidence, bounded)
+    if config.labels_only:
+        for check in report.checks:
+            check.gated = check.labeled is not None
+    report.failures = [c.line for c in report.checks if c.gated and not c.passed]
 
 
 def labeled_checks(ref_outs: list[dict[str, np.ndarray]], cand_outs: list[dict[str, np.ndarray]], labels: list[int],

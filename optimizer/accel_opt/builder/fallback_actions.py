@@ -46,6 +46,7 @@ def fallback_actions(ctx: BuildContext, probes: list[Sample], shapes: dict[str, 
     tolerance = (fallback.stricter(gate), metrics)
     padding = ctx.text_encoder.padding if ctx.text_encoder is not None else None  # texts of several lengths
     timed = padding.same_length(probes) if padding is not None else probes  # timed batches have one shape
+    probe_labels = ctx.steering_labels[:len(probes)] if ctx.steering_labels else None  # the probes are steering's first
 
     def build(keep: list[str], out: Path, calibration: str | None = None) -> PrecisionReport:
         chosen = recipe if calibration is None else recipe.with_overrides(
@@ -61,7 +62,8 @@ def fallback_actions(ctx: BuildContext, probes: list[Sample], shapes: dict[str, 
         result = compare(reference_runner(ctx.fp32_path, ctx.threads), candidate, probes, *tolerance, batch_size=ctx.deploy_batch,
                          batch_axes=ctx.shapes.batch_axes, noise_floor=noise_floor or None,
                          noise_reference=None if noise_floor else reference_runner(ctx.fp32_path, ctx.threads, optimize=True),
-                         reference_outputs=reference_outputs or None, padding=padding)
+                         reference_outputs=reference_outputs or None, padding=padding, labels=probe_labels,
+                         labels_config=recipe.accuracy.labels)
         noise_floor.update({o.name: o.noise_floor for o in result.outputs})
         reference_outputs[:] = result._reference_outputs
         return fallback.ProbeVerdict(passed=result.passed, worst_cosine=result.worst_cosine, failures=result.failures[:3],

@@ -161,7 +161,8 @@ def write_probe_set(ctx: BuildContext, folder: Path) -> int:
     preprocessing = ctx.resource_config.preprocessing
     return probe.write_probe(folder, ctx.deploy_samples, ctx.accuracy._reference_outputs, ctx.eval_names, count,
                              ctx.recipe.tolerance, ctx.recipe.accuracy.task_metrics, noise,
-                             runtime.machine_class(ctx.resource_config, ctx.cpu), preprocessing.host_part() if preprocessing else None)
+                             runtime.machine_class(ctx.resource_config, ctx.cpu), preprocessing.host_part() if preprocessing else None,
+                             ctx.eval_labels, ctx.recipe.accuracy.labels)
 
 
 def write_reports(ctx: BuildContext) -> str:

@@ -33,6 +33,8 @@ def read_and_split(ctx: BuildContext) -> list[Sample]:
     split into roles (ctx.split, ctx.sample_names); sets ctx.data / ctx.eval_data. Returns the samples."""
     recipe = ctx.recipe
     accuracy = recipe.accuracy
+    if accuracy.labels.gate == "labels" and accuracy.labels.source is None:
+        raise UsageError("the recipe gates on the labels alone (accuracy.labels.gate: labels): give --labels")
     if ctx.data_dir is None and ctx.eval_data_dir is None:
         steering = min(accuracy.split.max_steering, accuracy.synthetic_samples)
         ctx.shapes = resolve_shapes(ctx.inputs, recipe.shapes, given_batch_axes=recipe.batch_axes)

@@ -168,7 +168,9 @@ class SplitConfig(_Strict):
 class LabelsConfig(_Strict):
     """Accuracy on the user's labels (--labels): top-k accuracy under fp32 and the candidate on the held-out samples,
     and a gate on the drop, bounded by a paired one-sided bound at accuracy.confidence (accuracy.labeled). The
-    agreement gate still applies; `max_drop` or `min_relative` adds this one."""
+    agreement gate still applies (`gate: both`); `max_drop` or `min_relative` adds this one. `gate: labels` gates on
+    the labels alone: agreement with fp32 is still measured and reported, not gated (a model whose reduced precision
+    flips many predictions without losing accuracy ships)."""
 
     source: str | None = None  # "folders" (ImageFolder layout of --data) or a file,label CSV
     classes: str | None = None  # class names, one per line: CSV labels may be names
@@ -176,12 +178,20 @@ class LabelsConfig(_Strict):
     top_k: list[Annotated[int, Field(ge=1)]] = Field(default_factory=lambda: [1, 5])  # k above the classes: left out
     max_drop: float | None = Field(default=None, ge=0, le=1)  # absolute: 0.01 is one point of top-1 (NNCF, Olive)
     min_relative: float | None = Field(default=None, gt=0, le=1)  # of fp32's top-1 accuracy: 0.99 (MLPerf)
+    gate: Literal["both", "labels"] = "both"  # which gates decide: agreement with fp32 and the labels, or the labels
 
     @model_validator(mode="after")
     def _one_limit(self) -> LabelsConfig:
         if self.max_drop is not None and self.min_relative is not None:
             raise ValueError("give max_drop (absolute) or min_relative (of fp32's accuracy), not both")
+        if self.gate == "labels" and self.max_drop is None and self.min_relative is None:
+            raise ValueError("gate: labels needs a limit on the drop (max_drop or min_relative), or nothing is gated")
         return self
+
+    @property
+    def labels_only(self) -> bool:
+        """Only the labels gate: agreement with fp32 is reported, not gated."""
+        return self.gate == "labels" and self.source is not None
 
 
 class AccuracyConfig(_Strict):

@@ -35,7 +35,7 @@ from accel_opt.files import now_utc, sha256_file, tool_versions, user_cache_dir,
 from accel_opt.machine.cpu import cpu_class
 from accel_opt.preprocess.images import to_model_input
 from accel_opt.recipe.deployed import Preprocessing
-from accel_opt.recipe.gate import TaskMetric, Tolerance
+from accel_opt.recipe.gate import LabelsConfig, TaskMetric, Tolerance
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +58,8 @@ class ProbeSet(BaseModel):
     task_metrics: list[TaskMetric] = []
     noise_floor: dict[str, float] = {}  # the gate's float32 noise floor per output, as measured at build
     cpu_class: str  # the machine class whose kernels the build's gate ran (kernel_class, or the GPU)
+    labels: list[int] = []  # each probe sample's class, where the build had labels (--labels)
+    labels_config: LabelsConfig | None = None  # and how they gate (accuracy.labels)
 
 
 class Scope(BaseModel):
@@ -95,9 +97,10 @@ def probe_count(evaluated: int, wanted: int) -> int:
 
 def write_probe(folder: Path, inputs: list[dict[str, np.ndarray]], references: list[dict[str, np.ndarray]],
                 names: list[str], count: int, tolerance: Tolerance, task_metrics: list, noise_floor: dict[str, float],
-                machine_class: str, preprocessing: Preprocessing | None) -> int:
-    """Write the first `count` samples into `folder`, images as their uint8 crops where that rebuilds them exactly;
-    return the count written."""
+                machine_class: str, preprocessing: Preprocessing | None, labels: list[int] | None = None,
+                labels_config: LabelsConfig | None = None) -> int:
+    """Write the first `count` samples into `folder`, images as their uint8 crops where that rebuilds them exactly,
+    with their `labels` where the build had them; return the count written."""
     inputs, references = inputs[:count], references[:count]
     input_names, output_names = list(inputs[0]), list(references[0])
     encoding = {n: UINT8_IMAGE for n in input_names if _crops_rebuild(inputs, n, preprocessing)}
@@ -113,7 +116,8 @@ def write_probe(folder: Path, inputs: list[dict[str, np.ndarray]], references: l
     write_json(folder / PROBE_JSON, ProbeSet(
         samples=names[:len(inputs)], evaluated=len(names), inputs=input_names, input_encoding=encoding,
         image_preprocessing=preprocessing if encoding else None, outputs=output_names, tolerance=tolerance,
-        task_metrics=task_metrics, noise_floor=noise_floor, cpu_class=machine_class))
+        task_metrics=task_metrics, noise_floor=noise_floor, cpu_class=machine_class,
+        labels=(labels or [])[:len(inputs)], labels_config=labels_config if labels else None))
     return len(inputs)
 
 
@@ -185,6 +189,7 @@ def recheck(deployment):
     the verdict is remembered for this folder and machine class. Returns the AccuracyReport, whose `sample_count`
     says how many samples were judged."""
     from accel_opt.accuracy import judge, run_candidate
+    from accel_opt.accuracy.run import add_labeled_checks
 
     probe, inputs, refs = read_probe(deployment.files)
     runner = deployment.runner({name: array.dtype for name, array in inputs[0].items()})
@@ -195,6 +200,8 @@ def recheck(deployment):
     report = judge(refs, outs, probe.samples, probe.tolerance, probe.task_metrics,
                    f"reference-fp32 (recorded on {probe.cpu_class})", f"{runner.name} on {here}", evaluation,
                    probe.noise_floor)
+    if probe.labels and probe.labels_config is not None:  # observed, like every rate of a re-check
+        add_labeled_checks(report, refs, outs, probe.labels, probe.labels_config, bounded=False)
     _remember(deployment.files, here, report.passed)
     return report
 
@@ -205,6 +212,8 @@ def recheck_reach(report, evaluated: int | None) -> list[str]:
     the `evaluated` held-out samples of the build."""
     lines = []
     for check in report.checks:
+        if check.labeled is not None:
+            lines.append(f"on the probe samples, {check.labeled.line()}")
         ev = check.evidence
         if ev is None:
             continue
@@ -212,7 +221,7 @@ def recheck_reach(report, evaluated: int | None) -> list[str]:
         if ev.minimum < 1.0 and ev.needed and ev.trials < ev.needed:
             reach += (f"; it cannot confirm the minimum {ev.minimum:.1%} alone ({ev.needed} needed)"
                       + (f": that rests on the {evaluated} held-out samples the build judged" if evaluated else ""))
-        lines.append(f"the probe set confirms {reach}")
+        lines.append(("reported, not gated: " if not check.gated else "") + f"the probe set confirms {reach}")
     return lines
 
 
