@@ -101,3 +101,21 @@ def test_a_class_list(tmp_path):
     (tmp_path / "twice.txt").write_text("ant\nant\n")
     with pytest.raises(InputRejected, match="listed twice"):
         read_classes(tmp_path / "twice.txt")
+
+
+def test_a_tie_in_the_candidates_scores_reads_the_same_in_agreement_and_on_the_labels():
+    """int8 logits take a few hundred levels, so ties happen: both take the lower class index (argmax's rule), and a
+    label lost to a tie is a changed prediction, never agreement with fp32 and a lost label at once."""
+    from accel_opt.accuracy.metrics import task_metric
+    from accel_opt.recipe.gate import TopKMetric
+
+    logits = np.round(np.random.default_rng(0).normal(size=(1, 1000)), 1)  # ImageNet's 1000 classes, 0.1 steps
+    logits[0, 500] = 5.0
+    ref = [{"logits": logits.copy()} for _ in range(64)]
+    cand = [{"logits": logits.copy()} for _ in range(64)]
+    cand[5]["logits"][0, 5] = 5.0  # ties with fp32's (and the label's) class 500: numpy's default sort ranks 500 first
+    names = [f"s{i}" for i in range(64)]
+    agreement = task_metric(TopKMetric(kind="topk", min_agreement={1: 0.5}), ref, cand, names)
+    labeled = labeled_accuracy(ref, cand, [500] * 64, "logits")
+    assert agreement.evidence["top1"].failures == labeled.lost + labeled.gained == 1
+    assert agreement.worst_samples == ["s5"]

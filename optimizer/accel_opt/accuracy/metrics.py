@@ -48,7 +48,9 @@ def task_metric(metric: TaskMetric, ref_outs, cand_outs, names: list[str], confi
     owner = np.repeat(np.arange(len(names)), [len(r) for r in ref_rows])
     if isinstance(metric, TopKMetric):
         ref_top1 = ref.argmax(axis=1)
-        ranked = np.argsort(-cand, axis=1)
+        # Ties (an int8 output's logits are a few hundred levels) go to the lower class index, as argmax and the
+        # labels' top-k do: one rule, so a tie cannot read as agreement here and as a lost label there.
+        ranked = np.argsort(-cand, axis=1, kind="stable")
         values, thresholds = {}, {}
         for k, minimum in metric.min_agreement.items():
             agreed = np.array([r in row[:k] for r, row in zip(ref_top1, ranked)], dtype=bool)
