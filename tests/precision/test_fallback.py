@@ -89,7 +89,7 @@ def _steps(fallback: dict) -> list[tuple[str, str, str]]:
 
 @pytest.mark.slow
 def test_int8_collapse_is_rescued_by_the_measured_search(spiky, fast_recipe, tmp_path):
-    """One channel x2000 breaks per-tensor int8 of one tensor: no calibration alone saves it; restoring the 1x1 conv
+    """One channel x2000 breaks per-tensor int8 of one tensor: no whole-graph remedy alone saves it; restoring the 1x1 conv
     group that reads it gains the most, measured; it is kept, and nothing that did not help is."""
     model, data = spiky
     result = build(model, fast_recipe.with_overrides(precision="int8", **ANY_SPEED), data_dir=data, out_dir=tmp_path / "out")
@@ -100,7 +100,7 @@ def test_int8_collapse_is_rescued_by_the_measured_search(spiky, fast_recipe, tmp
     assert fallback["naive"]["worst_cosine"] < 0.5 and fallback["fp32_flops_fraction"] < 0.2
     assert {k["node"] for k in fallback["kept"]} >= {"c_after"}
     kinds = [s["kind"] for s in fallback["steps"]]
-    assert kinds[0] == "speed" and "calibration" in kinds and "measure" in kinds and kinds[-1] == "stop"
+    assert kinds[0] == "speed" and "remedy" in kinds and "measure" in kinds and kinds[-1] == "stop"
     measured = {s["what"]: s["gain"] for s in fallback["steps"] if s["kind"] == "measure"}
     best = max(measured, key=measured.get)
     assert any(best.removeprefix("restore ").removesuffix(" alone") in s["what"] and s["decision"] == "kept"
@@ -257,7 +257,7 @@ def test_a_variant_the_converter_cannot_write_leaves_the_build_before_it(tiny_cn
 
     first = onnx.load(str(tiny_cnn_path)).graph.node[0]
 
-    def build(kept: list[str], path: Path, calibration: str | None = None) -> PrecisionReport:
+    def build(kept: list[str], path: Path, overrides: dict | None = None) -> PrecisionReport:
         if kept:
             raise Unsupported("the float16 converter wrote a model ONNX Runtime refuses (round1-fp16.onnx)")
         shutil.copy(tiny_cnn_path, path)

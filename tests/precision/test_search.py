@@ -7,7 +7,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from accel_opt.precision.search import Build, SearchActions, Unit, search
+from accel_opt.precision.search import Build, SearchActions, Unit, int8_remedies, search
+from accel_opt.recipe.stages import CalibrationConfig
 
 UNITS = [Unit("Conv 16x16x1x1", ["p1", "p2", "p3"], flops=300, added_error=9.0),  # the diagnosis blames it most...
          Unit("Conv 16x1x3x3", ["d1", "d2"], flops=20, added_error=1.0),  # ...but this one carries the loss
@@ -17,15 +18,18 @@ UNITS = [Unit("Conv 16x16x1x1", ["p1", "p2", "p3"], flops=300, added_error=9.0),
 class Model:
     """loss = 3 - what each restored unit takes away (capped at 0); speed-up = 2.0 - 0.2 per restored layer."""
 
-    def __init__(self, gains: dict[str, float], calibration_gain: float = 0.0, build_seconds: float = 0.0):
-        self.gains, self.calibration_gain, self.build_seconds = gains, calibration_gain, build_seconds
+    def __init__(self, gains: dict[str, float], remedy_gains: dict[tuple, float] | None = None,
+                 build_seconds: float = 0.0):
+        self.gains, self.remedy_gains, self.build_seconds = gains, remedy_gains or {}, build_seconds
         self.builds: list[list[str]] = []
+        self.overrides: list[dict | None] = []
 
-    def build_and_judge(self, keep: list[str], path: Path, calibration: str | None) -> Build:
+    def build_and_judge(self, keep: list[str], path: Path, overrides: dict | None) -> Build:
         time.sleep(self.build_seconds)
         self.builds.append(sorted(keep))
+        self.overrides.append(overrides)
         loss = 3.0 - sum(g for key, g in self.gains.items() if set(_unit(key).nodes) <= set(keep))
-        loss = max(loss - (self.calibration_gain if calibration else 0.0), 0.0)
+        loss = max(loss - sum(g for item, g in self.remedy_gains.items() if item in (overrides or {}).items()), 0.0)
         return Build(path=path.with_name("+".join(sorted(keep)) or "naive"), loss=loss, passed=loss <= 1.0,
                      failures=[] if loss <= 1.0 else [f"loss {loss}"], worst_cosine=1.0)
 
@@ -65,7 +69,7 @@ class Overlapping(Model):
     LOSS = {(): 3.0, ("p",): 1.2, ("d",): 1.5, ("f",): 1.6, ("d", "p"): 1.1, ("d", "f", "p"): 0.5, ("d", "f"): 0.9,
             ("f", "p"): 1.05}
 
-    def build_and_judge(self, keep, path, calibration):
+    def build_and_judge(self, keep, path, overrides):
         self.builds.append(sorted(keep))
         key = tuple(sorted({n[0] for n in keep}))
         loss = self.LOSS[key]
@@ -91,11 +95,31 @@ def test_the_search_never_trades_for_a_build_below_the_speed_budget(tmp_path):
     assert slow.status == "no speed-up" and [s.kind for s in slow.steps] == ["speed", "stop"]
 
 
-def test_a_calibration_that_passes_ends_the_search_before_any_layer_leaves_int8(tmp_path):
-    model = Model({"Conv 16x1x3x3": 2.5}, calibration_gain=2.5)
-    found = _run(model, tmp_path, calibration_remedies=("percentile", "entropy"))
-    assert found.status == "rescued" and found.calibration == "percentile" and found.kept == []
-    assert [s.kind for s in found.steps] == ["speed", "calibration", "stop"]
+BIAS = ("precision_options.calibration.bias_correction", True)
+PERCENTILE = ("precision_options.calibration.method", "percentile")
+ENTROPY = ("precision_options.calibration.method", "entropy")
+REMEDIES = int8_remedies(CalibrationConfig())
+
+
+def test_a_remedy_that_passes_ends_the_search_before_any_layer_leaves_int8(tmp_path):
+    model = Model({"Conv 16x1x3x3": 2.5}, remedy_gains={PERCENTILE: 2.5})
+    found = _run(model, tmp_path, remedies=REMEDIES)
+    assert found.status == "rescued" and list(found.remedies) == ["percentile calibration"] and found.kept == []
+    assert [(s.kind, s.decision) for s in found.steps] == [
+        ("speed", "fast enough to search"), ("remedy", "not better"), ("remedy", "adopted"), ("stop", found.reason)]
+
+
+def test_remedies_add_up_and_what_follows_is_built_with_them(tmp_path):
+    """Bias correction gains, percentile gains on top of it; entropy would replace percentile and gains less: not
+    adopted. Every later build carries both adopted remedies."""
+    model = Model({"Conv 16x1x3x3": 1.5}, remedy_gains={BIAS: 0.5, PERCENTILE: 0.3, ENTROPY: 0.1})
+    found = _run(model, tmp_path, remedies=REMEDIES)
+    assert [r.name for r in REMEDIES] == ["bias correction", "percentile calibration", "entropy calibration"]
+    assert [s.decision for s in found.steps if s.kind == "remedy"] == ["adopted", "adopted", "not better"]
+    assert found.status == "rescued" and list(found.remedies) == ["bias correction", "percentile calibration"]
+    assert sorted(found.kept) == ["d1", "d2"]  # 3 - 0.5 - 0.3 = 2.2; with the depthwise pair restored, 0.7 passes
+    assert all(dict([BIAS, PERCENTILE]) == o for o in model.overrides[4:])  # measured and added with both
+    assert not int8_remedies(CalibrationConfig(bias_correction=True, method="percentile"))[0].name.startswith("bias")
 
 
 def test_the_time_budget_is_exceeded_by_one_build_at_most(tmp_path):

@@ -23,7 +23,7 @@ from accel_opt.graph.inspect import io_specs, with_batch
 from accel_opt.precision import fallback, transform
 from accel_opt.precision.diagnose import Diagnosis, diagnose, emulate_bfloat16
 from accel_opt.precision.report import PrecisionReport
-from accel_opt.precision.search import CALIBRATION_REMEDIES
+from accel_opt.precision.search import int8_remedies
 from accel_opt.recipe.stages import BenchmarkConfig
 from accel_opt.recipe.types import Precision
 
@@ -48,9 +48,8 @@ def fallback_actions(ctx: BuildContext, probes: list[Sample], shapes: dict[str, 
     timed = padding.same_length(probes) if padding is not None else probes  # timed batches have one shape
     probe_labels = ctx.steering_labels[:len(probes)] if ctx.steering_labels else None  # the probes are steering's first
 
-    def build(keep: list[str], out: Path, calibration: str | None = None) -> PrecisionReport:
-        chosen = recipe if calibration is None else recipe.with_overrides(
-            **{"precision_options.calibration.method": calibration})
+    def build(keep: list[str], out: Path, overrides: dict | None = None) -> PrecisionReport:
+        chosen = recipe.with_overrides(**overrides) if overrides else recipe
         return transform(ctx.fp32_path, precision, chosen, ctx.backend.name, ctx.calibration_samples, out,
                          calibration_cache, ctx.cpu, keep_float=keep)
 
@@ -110,8 +109,7 @@ def fallback_actions(ctx: BuildContext, probes: list[Sample], shapes: dict[str, 
     if precision is Precision.int8 and isinstance(ctx.backend, OnnxRuntimeBackend):
         def companions(path: Path) -> list[str]:
             return float_run_quantized_ops(path, ctx.threads)
-    remedies = tuple(m for m in CALIBRATION_REMEDIES if m != recipe.precision_options.calibration.method.value) \
-        if precision is Precision.int8 else ()
+    remedies = int8_remedies(recipe.precision_options.calibration) if precision is Precision.int8 else ()
     return fallback.Actions(build=build, judge=judge, diagnose=examine, flops_of=flops_of, companions=companions,
                             judge_emulated=judge_emulated if precision is Precision.int8 else None, speedup=speedup,
-                            calibration_remedies=remedies)
+                            remedies=remedies)

@@ -2,9 +2,9 @@
 
 The naive build is judged on probe samples with the recipe's tolerance and task metrics (the gate's own rules).
 When it fails, the search in precision/search.py takes over: it times the naive build against fp32 first (no rescue
-can make a build pay that is not faster to begin with), tries other activation calibrations for int8, measures
-what restoring each group of same-shaped layers to float gains, adds them in that order while the build stays
-`min_speedup` faster than fp32, and drops what did not help, within a wall-clock budget. For fp16 every node whose
+can make a build pay that is not faster to begin with), tries whole-graph remedies for int8 (bias correction, other
+activation calibrations), measures what restoring each group of same-shaped layers to float gains, adds them in that
+order while the build stays `min_speedup` faster than fp32, and drops what did not help, within a wall-clock budget. For fp16 every node whose
 fp32 activations exceed `fp16_activation_max` on a probe (and every consumer of a weight beyond 65504) is kept in
 fp32 before the first build is judged, so a GPU build inherits it. The per-layer diagnosis (precision/diagnose.py)
 still ranks the layers for the report and chooses which groups to measure when there are too many.
@@ -30,7 +30,7 @@ from pydantic import BaseModel
 from accel_opt.errors import CandidateDropped, Unsupported, first_line
 from accel_opt.precision.diagnose import Diagnosis
 from accel_opt.precision.report import KeptNode, PrecisionReport
-from accel_opt.precision.search import Build, SearchActions, SearchStep, Unit, search
+from accel_opt.precision.search import Build, Remedy, SearchActions, SearchStep, Unit, search
 from accel_opt.recipe.gate import Tolerance
 from accel_opt.recipe.stages import FallbackConfig
 from accel_opt.recipe.types import Precision
@@ -81,7 +81,7 @@ class FallbackReport(BaseModel):
     final_profile: list[tuple[int, float]] = []
     naive_model: str = ""  # the naive build's file in the work folder (benchmarked beside the chosen one)
     steps: list[SearchStep] = []  # every build, measurement and decision of the search, in order
-    calibration: str | None = None  # the activation calibration the search chose instead of the recipe's
+    remedies: list[str] = []  # the whole-graph remedies the search adopted (bias correction, another calibration)
     search_seconds: float = 0.0
     time_budget_s: float = 0.0
     min_speedup: float = 0.0
@@ -89,8 +89,8 @@ class FallbackReport(BaseModel):
 
 @dataclass
 class Actions:
-    # (nodes kept in fp32, out path, another activation calibration or None) -> the transform's report
-    build: Callable[[list[str], Path, str | None], PrecisionReport]
+    # (nodes kept in fp32, out path, recipe keys of the adopted remedies or None) -> the transform's report
+    build: Callable[[list[str], Path, dict | None], PrecisionReport]
     judge: Callable[[Path], ProbeVerdict]  # the build, on the probe samples, against the recipe's tolerance
     diagnose: Callable[[Path], Diagnosis | None]  # per-layer errors of a build (None: not available for it)
     # Conv/MatMul/Gemm FLOPs per node of a build, counted on the naive build (its node names are the ones kept)
@@ -104,7 +104,7 @@ class Actions:
     judge_emulated: Callable[[Path], ProbeVerdict] | None = None
     # The build's speed-up against the same backend's fp32 build on the deployed kernels (None: not measurable)
     speedup: Callable[[Path], float | None] = lambda path: None
-    calibration_remedies: tuple[str, ...] = ()  # int8: the activation calibrations to try besides the recipe's
+    remedies: tuple[Remedy, ...] = ()  # whole-graph remedies to try first (search.int8_remedies)
     flops: dict[str, int] = field(default_factory=dict)  # flops_of(the naive build), set by run()
 
 
@@ -177,11 +177,11 @@ def _search(precision: Precision, config: FallbackConfig, actions: Actions, repo
     fixed = dict(kept)
     reports: dict[Path, PrecisionReport] = {naive_path: precision_report}
 
-    def build_and_judge(keep: list[str], path: Path, calibration: str | None) -> Build:
+    def build_and_judge(keep: list[str], path: Path, overrides: dict | None) -> Build:
         path = out_path.with_name(f"{path.stem}-{out_path.name}")
         trial = {**fixed, **{n: KeptNode(node=n, op_type=groups.get(n, "").split(" ")[0], reason="") for n in keep}}
         try:
-            reports[path] = _build_with_companions(actions, trial, primaries | set(keep), path, 1, config, calibration)
+            reports[path] = _build_with_companions(actions, trial, primaries | set(keep), path, 1, config, overrides)
         except Unsupported as exc:  # the converter cannot write this mix (float16: a kept If/Loop body)
             return Build(path=path, loss=math.inf, passed=False, failures=[f"could not be built: {first_line(exc)}"],
                          worst_cosine=0.0)
@@ -209,14 +209,14 @@ def _search(precision: Precision, config: FallbackConfig, actions: Actions, repo
     started = time.monotonic()
     found = search(naive, units, SearchActions(build_and_judge=build_and_judge, speedup=actions.speedup),
                    out_path.parent, time_budget_s=config.time_budget_s, min_speedup=config.min_speedup,
-                   max_additions=config.max_rounds, calibration_remedies=actions.calibration_remedies,
+                   max_additions=config.max_rounds, remedies=actions.remedies,
                    max_flops_fraction=config.max_fp32_flops_fraction, total_flops=total_flops,
                    cannot_win=limits.cannot_win if limits is not None else None,
                    on_step=limits.on_step if limits is not None else None)
     if found.status == "cannot win":
         raise CandidateDropped(found.reason)
     report.search_seconds = round(time.monotonic() - started, 1)
-    report.status, report.reason, report.steps, report.calibration = found.status, found.reason, found.steps, found.calibration
+    report.status, report.reason, report.steps, report.remedies = found.status, found.reason, found.steps, list(found.remedies)
     gains = found.gains
     for node in found.kept:
         key = groups.get(node, "")
@@ -264,12 +264,12 @@ def stricter(tolerance: Tolerance, factor: float = PROBE_MARGIN) -> Tolerance:
 
 
 def _build_with_companions(actions: Actions, kept: dict[str, KeptNode], primaries: set[str], path: Path,
-                           number: int, config: FallbackConfig, calibration: str | None = None) -> PrecisionReport:
+                           number: int, config: FallbackConfig, overrides: dict | None = None) -> PrecisionReport:
     """Build with `kept` in fp32, and with the nodes whose output still reaches them through a Q/DQ pair
     (see `requantized_sources`). Nodes the backend then runs in float anyway (Actions.companions) are not
     excluded, since excluding them would make their producers float in turn, up the whole graph: they are
     recorded in the model's metadata (FLOAT_BY_DESIGN) for the backend's int8-kernel check, and reported."""
-    report = actions.build(list(kept), path, calibration)
+    report = actions.build(list(kept), path, overrides)
     budget = config.max_fp32_flops_fraction * max(sum(actions.flops.values()), 1)
     extra = []
     for name in requantized_sources(path, primaries):  # within the FLOPs budget, like the picks
@@ -281,7 +281,7 @@ def _build_with_companions(actions: Actions, kept: dict[str, KeptNode], primarie
         for name in extra:
             kept[name] = KeptNode(node=name, op_type=op_types.get(name, ""), reason=(
                 f"fallback round {number}: its output reached a node kept in fp32 through a Q/DQ pair"))
-        report = actions.build(list(kept), path, calibration)
+        report = actions.build(list(kept), path, overrides)
     floating = [n for n in (actions.companions(path) if actions.companions else []) if n not in kept]
     why = ("the backend has no integer kernel for it in this graph: it runs in float on dequantized inputs"
            if not number else f"fallback round {number}: runs in float on the backend once its neighbours are kept in fp32")

@@ -31,6 +31,8 @@ from accel_opt.files import copy_file, sha256_file
 from accel_opt.graph.inspect import opset_of
 from accel_opt.graph.save import EXTERNAL_DATA_ABOVE_BYTES, upgrade_opset
 from accel_opt.machine.cpu import CpuProfile
+from accel_opt.precision.bias_correction import correct_biases
+from accel_opt.precision.calibration import calibration_errors
 from accel_opt.precision.fp16 import validate
 from accel_opt.precision.int8_presets import QuantPreset, resolve_preset, weight_range
 from accel_opt.precision.report import CalibrationReport, KeptNode, PrecisionReport
@@ -56,6 +58,7 @@ class QuantSettings:
     op_types: tuple[str, ...] | None = None  # None: every op with a Q/DQ kernel in ORT
     reduce_range: bool = False  # 7-bit weights (see weight_range)
     num_quantized_bins: int = 128  # entropy: bins of the quantized distribution in the KL search (ORT and TensorRT use 128)
+    bias_correction: bool = False  # biases absorb the mean shift of their rounded weights (bias_correction.py)
 
 
 def quantize(
@@ -80,7 +83,8 @@ def quantize(
     preset = resolve_preset(config.target, backend_name)
     target_cpu, reduce_range, reduce_range_reason = weight_range(preset, config, cpu)
     settings = QuantSettings(preset, config.method, config.per_channel, config.percentile, config.num_bins,
-                             tuple(config.op_types) if config.op_types else None, reduce_range)
+                             tuple(config.op_types) if config.op_types else None, reduce_range,
+                             bias_correction=config.bias_correction)
     key, ranges_key = calibration_keys(model_path, samples, settings)  # auto's two int8 candidates share the ranges
     key = key if not exclude else hashlib.sha256(f"{key}|{sorted(exclude)}".encode()).hexdigest()
     opset_before = opset_of(onnx.load(str(model_path), load_external_data=False))
@@ -108,6 +112,8 @@ def quantize(
             overrides = _signed_input_overrides(prepared, ranges) if settings.preset.symmetric_signed_inputs else {}
             movers = [name for name, _ in output_movers(prepared)]
             _quantize_with_ranges(prepared, ranges, overrides, settings, staged, large, [*exclude, *movers])
+            if settings.bias_correction and not large:  # a model beyond protobuf's 2 GB is corrected nowhere yet
+                notes.append(correct_biases(prepared, staged, samples))
             validate(staged, run_session=True, tmp=tmp)
             for produced in staged.parent.iterdir():
                 shutil.move(str(produced), str(out_path.parent / produced.name))
@@ -125,7 +131,7 @@ def quantize(
         kept_in_higher_precision=kept,
         transform=f"static int8 Q/DQ ({preset.activation_type} activations, {'7-bit ' if reduce_range else ''}"
         f"{preset.weight_type} {'per-channel' if config.per_channel else 'per-tensor'} weights), "
-        f"{config.method.value} calibration, for {target_cpu} CPUs",
+        f"{config.method.value} calibration{', biases corrected' if settings.bias_correction else ''}, for {target_cpu} CPUs",
         opset_before=opset_before,
         opset_after=opset_of(onnx.load(str(out_path), load_external_data=False)),
         keep_io_types=True,
@@ -276,7 +282,7 @@ def _calibrate(model: Path, samples: list[Sample], settings: QuantSettings, tmp:
         "num_quantized_bins": settings.num_quantized_bins,
         "percentile": settings.percentile,
     }
-    with contextlib.redirect_stdout(io.StringIO()), _calibration_errors(settings.method):  # the collector prints progress
+    with contextlib.redirect_stdout(io.StringIO()), calibration_errors(settings.method):  # the collector prints progress
         calibrator = create_calibrator(
             model,
             _op_types(settings),
@@ -374,22 +380,6 @@ def _signed_input_overrides(model: Path, ranges_file: Path) -> dict[str, list[di
     inputs = [i.name for i in onnx.load(str(model), load_external_data=False).graph.input]
     return {name: [{"quant_type": QuantType.QInt8, "symmetric": True}] for name in inputs
             if name in ranges and float(np.min(ranges[name].range_value[0])) < 0}
-
-
-@contextlib.contextmanager
-def _calibration_errors(method: CalibrationMethod):
-    """ORT's histogram calibrators fail on tensors spanning ~float max (attention masks filled with
-    -3.4e38): turn that into a one-line error with the way out, not a crash."""
-    try:
-        yield
-    except ValueError as exc:
-        if "bins" not in str(exc):
-            raise
-        raise Unsupported(
-            f"{method.value} calibration cannot histogram a tensor whose range spans ~float max "
-            f"(typically an attention mask): quantize only matrix ops (precision_options.calibration.op_types: "
-            f"[MatMul, Gemm]) or use --calibration minmax ({exc})"
-        ) from None
 
 
 def _external_files(model_path: Path) -> list[Path]:

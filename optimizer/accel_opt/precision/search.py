@@ -6,8 +6,9 @@ probes' cosine went from 0.9859 to 0.9855). So every decision here is measured, 
 
 1. Speed first: the naive build is timed against the same backend's fp32 build on the deployed kernels. If it is
    not `min_speedup` faster, no rescue can make it pay, and the search says so instead of spending its budget.
-2. Another calibration for the activations (percentile, entropy) on the whole graph: one build each, no layer
-   leaves int8. A calibration that lowers the loss becomes the base of what follows.
+2. Remedies that keep every layer reduced, one build each: bias correction (each bias absorbs the mean shift of its
+   rounded weights), then another calibration for the activations (percentile, entropy). A remedy that lowers the
+   loss is adopted and the next is tried on top of it; what is adopted is the base of what follows.
 3. The gain of each unit (a group of same-shaped layers: the same layer of every repeated block) measured when it
    alone is restored to float with everything else reduced: one build per unit (the worst `max_measured_units` by
    the diagnosis when there are more).
@@ -32,7 +33,24 @@ from typing import Literal
 
 from pydantic import BaseModel
 
-CALIBRATION_REMEDIES = ("percentile", "entropy")
+from accel_opt.recipe.stages import CalibrationConfig
+
+
+
+@dataclass(frozen=True)
+class Remedy:
+    """A change to how the whole graph is reduced (no layer leaves the reduced precision): the recipe keys it sets."""
+
+    name: str  # "bias correction", "percentile calibration"
+    overrides: dict[str, object]
+
+
+def int8_remedies(calibration: CalibrationConfig) -> tuple[Remedy, ...]:
+    """The remedies an int8 search tries on top of the recipe's `calibration`, cheapest and most general first."""
+    remedies = [] if calibration.bias_correction else [
+        Remedy("bias correction", {"precision_options.calibration.bias_correction": True})]
+    return (*remedies, *(Remedy(f"{method} calibration", {"precision_options.calibration.method": method})
+                         for method in ("percentile", "entropy") if method != calibration.method.value))
 
 
 @dataclass
@@ -53,7 +71,7 @@ class SearchStep(BaseModel):
     """One decision of the search: what was built or timed, what it showed, what was done with it."""
 
     step: int
-    kind: Literal["speed", "calibration", "measure", "add", "drop", "stop"]
+    kind: Literal["speed", "remedy", "calibration", "measure", "add", "drop", "stop"]  # "calibration": older folders
     what: str
     loss: float | None = None  # the probes' loss of this build (<= 1 passes)
     gain: float | None = None  # the loss it took away, against the build it was compared with
@@ -74,10 +92,10 @@ class Build:
 
 @dataclass
 class SearchActions:
-    """What the search needs from the build: a variant with `keep` in float (and optionally another activation
-    calibration), judged on the probes; and the speed-up of a variant against fp32 (None: not measurable here)."""
+    """What the search needs from the build: a variant with `keep` in float (and the recipe keys of the remedies
+    adopted, or None), judged on the probes; and the speed-up of a variant against fp32 (None: not measurable here)."""
 
-    build_and_judge: Callable[[list[str], Path, str | None], Build]
+    build_and_judge: Callable[[list[str], Path, dict | None], Build]
     speedup: Callable[[Path], float | None]
 
 
@@ -87,13 +105,13 @@ class SearchResult:
     reason: str
     best: Build
     kept: list[str]
-    calibration: str | None
+    remedies: dict[str, dict[str, object]]  # adopted: name -> the recipe keys it sets
     steps: list[SearchStep] = field(default_factory=list)
     gains: dict[str, float] = field(default_factory=dict)  # unit label -> measured gain
 
 
 def search(naive: Build, units: Sequence[Unit], actions: SearchActions, work: Path, *, time_budget_s: float,
-           min_speedup: float, max_additions: int, calibration_remedies: Sequence[str] = (),
+           min_speedup: float, max_additions: int, remedies: Sequence[Remedy] = (),
            max_flops_fraction: float = 1.0, total_flops: int = 1,
            cannot_win: Callable[[float | None], str | None] | None = None,
            on_step: Callable[[SearchStep], None] | None = None) -> SearchResult:
@@ -115,9 +133,9 @@ def search(naive: Build, units: Sequence[Unit], actions: SearchActions, work: Pa
     def out_of_time() -> bool:
         return time.monotonic() >= deadline
 
-    def result(status, reason, best, kept, calibration, gains=None) -> SearchResult:
+    def result(status, reason, best, kept, adopted, gains=None) -> SearchResult:
         record("stop", status, decision=reason)
-        return SearchResult(status, reason, best, list(kept), calibration, steps, gains or {})
+        return SearchResult(status, reason, best, list(kept), dict(adopted), steps, gains or {})
 
     started = time.monotonic()
     speed = actions.speedup(naive.path)
@@ -127,25 +145,29 @@ def search(naive: Build, units: Sequence[Unit], actions: SearchActions, work: Pa
     if speed is not None and speed < min_speedup:
         return result("no speed-up", f"the naive build runs {speed:.2f}x the fp32 build's speed on this machine's "
                       f"kernels (the search needs >= {min_speedup:.2f}x): keeping layers in float only slows it "
-                      "further, so nothing was searched", naive, [], None)
+                      "further, so nothing was searched", naive, [], {})
     why = cannot_win(speed) if cannot_win is not None else None
     if why:
-        return result("cannot win", why, naive, [], None)
+        return result("cannot win", why, naive, [], {})
 
-    base, calibration = naive, None
-    for method in calibration_remedies:  # 2. another calibration, no layer leaves the reduced precision
+    base, adopted = naive, {}
+    for remedy in remedies:  # 2. remedies on the whole graph, each on top of those adopted before it
         if out_of_time():
-            return result("time budget", f"the {time_budget_s:.0f} s budget ran out trying calibrations", base, [], calibration)
+            return result("time budget", f"the {time_budget_s:.0f} s budget ran out trying remedies", base, [], adopted)
         started = time.monotonic()
-        tried = actions.build_and_judge([], work / f"calibrate-{method}.onnx", method)
+        # A remedy that sets the keys of one adopted before (another calibration method) replaces it.
+        trial = {n: o for n, o in adopted.items() if not o.keys() & remedy.overrides.keys()} | {remedy.name: remedy.overrides}
+        tried = actions.build_and_judge([], work / f"remedy-{len(steps)}.onnx", _merged(trial))
         gain = base.loss - tried.loss
         better = tried.passed or gain > 0
-        record("calibration", f"{method} calibration of every activation", tried, gain=gain, started=started,
-               decision="adopted" if better else "not better")
+        record("remedy", remedy.name + (f" (with {', '.join(adopted)})" if adopted else ""), tried, gain=gain,
+               started=started, decision="adopted" if better else "not better")
         if better:
-            base, calibration = tried, method
+            base, adopted = tried, trial
         if tried.passed:
-            return result("rescued", f"{method} calibration passes the probes with every layer reduced", tried, [], method)
+            return result("rescued", f"the probes pass with every layer reduced, with {' and '.join(adopted)}", tried,
+                          [], adopted)
+    overrides = _merged(adopted) or None
 
     gains: dict[str, float] = {}
     measured: list[tuple[float, Unit]] = []
@@ -153,7 +175,7 @@ def search(naive: Build, units: Sequence[Unit], actions: SearchActions, work: Pa
         if out_of_time():
             break
         started = time.monotonic()
-        alone = actions.build_and_judge(unit.nodes, work / f"measure-{len(steps)}.onnx", calibration)
+        alone = actions.build_and_judge(unit.nodes, work / f"measure-{len(steps)}.onnx", overrides)
         gain = base.loss - alone.loss
         gains[unit.label] = gain
         record("measure", f"restore {unit.label} alone", alone, gain=gain, started=started,
@@ -162,21 +184,21 @@ def search(naive: Build, units: Sequence[Unit], actions: SearchActions, work: Pa
     ranked = [unit for gain, unit in sorted(measured, key=lambda pair: -pair[0]) if gain > 0]
     if not ranked:
         why = "no unit's restoration lowered the loss" if measured else f"the {time_budget_s:.0f} s budget ran out"
-        return result("budget exhausted" if measured else "time budget", why, base, [], calibration, gains)
+        return result("budget exhausted" if measured else "time budget", why, base, [], adopted, gains)
 
     kept: list[Unit] = []
     current = base
     for unit in ranked[:max_additions]:  # 4. add in the order of the measured gain; keep only what helps
         if out_of_time():
             return result("time budget", f"the {time_budget_s:.0f} s budget ran out after {len(kept)} unit(s)", current,
-                          _nodes(kept), calibration, gains)
+                          _nodes(kept), adopted, gains)
         flops = sum(u.flops for u in [*kept, unit])
         if max_flops_fraction < 1.0 and flops / max(total_flops, 1) > max_flops_fraction:
             record("add", f"restore {unit.label}", decision=f"skipped: {flops / total_flops:.0%} of the FLOPs in float "
                    f"> the recipe's cap {max_flops_fraction:.0%}")
             continue
         started = time.monotonic()
-        tried = actions.build_and_judge(_nodes([*kept, unit]), work / f"add-{len(steps)}.onnx", calibration)
+        tried = actions.build_and_judge(_nodes([*kept, unit]), work / f"add-{len(steps)}.onnx", overrides)
         gain = current.loss - tried.loss
         if gain <= 0 and not tried.passed:
             record("add", f"restore {unit.label}", tried, gain=gain, started=started, decision="dropped: no gain together")
@@ -187,7 +209,7 @@ def search(naive: Build, units: Sequence[Unit], actions: SearchActions, work: Pa
                    decision=f"not kept: {speed:.2f}x fp32 < {min_speedup:.2f}x")
             return result("budget exhausted", f"restoring {unit.label} as well would take the build to {speed:.2f}x "
                           f"the fp32 build's speed (< {min_speedup:.2f}x): it would no longer pay", current,
-                          _nodes(kept), calibration, gains)
+                          _nodes(kept), adopted, gains)
         kept.append(unit)
         current = tried
         record("add", f"restore {unit.label}", tried, gain=gain, speedup=speed, started=started, decision="kept")
@@ -195,22 +217,27 @@ def search(naive: Build, units: Sequence[Unit], actions: SearchActions, work: Pa
             break
     if not current.passed:
         return result("budget exhausted", f"still failing with {len(kept)} unit(s) restored (loss {current.loss:.3g})",
-                      current, _nodes(kept), calibration, gains)
+                      current, _nodes(kept), adopted, gains)
 
     for unit in sorted(kept, key=lambda u: gains.get(u.label, 0.0)):  # 5. drop what did not help
         if len(kept) == 1 or out_of_time():
             break
         rest = [u for u in kept if u is not unit]
         started = time.monotonic()
-        tried = actions.build_and_judge(_nodes(rest), work / f"drop-{len(steps)}.onnx", calibration)
+        tried = actions.build_and_judge(_nodes(rest), work / f"drop-{len(steps)}.onnx", overrides)
         if tried.passed:
             kept, current = rest, tried
             record("drop", f"without {unit.label}", tried, started=started, decision="dropped: passes without it")
         else:
             record("drop", f"without {unit.label}", tried, started=started, decision="kept: needed")
     return result("rescued", f"passes the probes with {len(kept)} unit(s) ({len(_nodes(kept))} layers) restored"
-                  + (f" and {calibration} calibration" if calibration else ""), current, _nodes(kept), calibration, gains)
+                  + (f" with {' and '.join(adopted)}" if adopted else ""), current, _nodes(kept), adopted, gains)
 
 
 def _nodes(units: Sequence[Unit]) -> list[str]:
     return [n for u in units for n in u.nodes]
+
+
+def _merged(adopted: dict[str, dict[str, object]]) -> dict[str, object]:
+    """The recipe keys of the adopted remedies together."""
+    return {key: value for overrides in adopted.values() for key, value in overrides.items()}

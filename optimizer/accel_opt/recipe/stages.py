@@ -53,6 +53,9 @@ class CalibrationConfig(_Strict):
     target_cpu: TargetCpu = "host"
     # 7-bit weights: None follows target_cpu (on where the kernels saturate); true/false overrides that.
     reduce_range: bool | None = None
+    # Each quantized Conv/Gemm's bias absorbs the mean shift its rounded weights add, measured on the calibration
+    # samples (depthwise convolutions shift most). Off: the rescue search tries it as a remedy and keeps it on gain.
+    bias_correction: bool = False
 
 
 class FallbackConfig(_Strict):

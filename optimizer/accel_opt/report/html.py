@@ -146,7 +146,8 @@ def _fallback(build: dict) -> str:
     if not fb or fb["status"] == "disabled" or not fb.get("naive"):
         return ""
     slack = "" if fb.get("probe_slack", 1) == 1 else f" at {fb['probe_slack']:.0%} of their slack"
-    calibration = f"; activations calibrated by {escape(fb['calibration'])}" if fb.get("calibration") else ""
+    remedies = fb.get("remedies") or ([f"{fb['calibration']} calibration"] if fb.get("calibration") else [])  # older
+    calibration = f"; remedies adopted: {escape(', '.join(remedies))}" if remedies else ""
     out = [f"<h2>Fallback (measured search): {escape(fb['status'])}</h2>",
            f"<p>{escape(fb['reason'])}. Judged with the gate's tolerance and task metrics{slack} on {fb['probe_samples']} "
            f"{escape(fb['probe_source'])}; searched {fb.get('search_seconds', 0):.0f} s of a {fb.get('time_budget_s', 0):.0f} s "

@@ -200,7 +200,7 @@ def fallback_markdown(fallback: FallbackReport, bench: BenchmarkReport | None) -
            f"{'' if fallback.probe_slack == 1 else f' at {fallback.probe_slack:.0%} of their slack'} on "
            f"{fallback.probe_samples} {fallback.probe_source}; {budget}; searched {fallback.search_seconds:.0f} s; "
            f"{fallback.fp32_flops_fraction:.1%} of the Conv/MatMul/Gemm FLOPs in float"
-           + (f"; activations calibrated by {fallback.calibration}" if fallback.calibration else "") + ".", ""]
+           + (f"; remedies adopted: {', '.join(fallback.remedies)}" if fallback.remedies else "") + ".", ""]
     if fallback.naive is None:
         return out
     out.append(f"The naive build: worst cosine {fallback.naive.worst_cosine:.6f}, probes "
