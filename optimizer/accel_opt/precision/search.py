@@ -36,7 +36,6 @@ from pydantic import BaseModel
 from accel_opt.recipe.stages import CalibrationConfig
 
 
-
 @dataclass(frozen=True)
 class Remedy:
     """A change to how the whole graph is reduced (no layer leaves the reduced precision): the recipe keys it sets."""
