@@ -87,8 +87,9 @@ def _shift_probe(float_model: onnx.ModelProto, layers: list) -> onnx.ModelProto:
 
 
 def correct_biases(float_path: Path, quantized_path: Path, samples: list[Sample]) -> str:
-    """Correct the int32 biases of the Q/DQ graph at `quantized_path` in place, from the `float_path` model it was
-    quantized from, measured on `samples` (the calibration samples). Returns a line for the build's notes."""
+    """Correct the biases (int32, or float where they stay float) of the Q/DQ graph at `quantized_path` in place, from
+    the `float_path` model it was quantized from, measured on `samples` (the calibration samples). Returns a line for
+    the build's notes."""
     import onnxruntime as ort
 
     start = time.perf_counter()
@@ -103,11 +104,10 @@ def correct_biases(float_path: Path, quantized_path: Path, samples: list[Sample]
     session = ort.InferenceSession(probe.SerializeToString(), options, providers=["CPUExecutionProvider"])
     names = [f"{i}{_SUFFIX}" for i in range(len(layers))]
     inputs = {i.name for i in session.get_inputs()}
-    totals = [np.zeros(d.shape[0] if o.op_type == "Conv" else d.shape[0 if _trans_b(o) else 1], np.float64)
-              for o, _, _, d in layers]
+    totals = [np.float64(0.0)] * len(layers)  # per layer, the sum over samples of its per-channel shift
     for sample in samples:
-        for total, shift in zip(totals, session.run(names, {k: v for k, v in sample.items() if k in inputs})):
-            total += shift
+        shifts = session.run(names, {k: v for k, v in sample.items() if k in inputs})
+        totals = [total + shift.astype(np.float64) for total, shift in zip(totals, shifts)]
     q_inits = {i.name: i for i in quantized.graph.initializer}
     largest = 0.0
     for (_, node, bias_dq, _), total in zip(layers, totals):
@@ -129,7 +129,3 @@ def correct_biases(float_path: Path, quantized_path: Path, samples: list[Sample]
 
 def _opset(model: onnx.ModelProto) -> int:
     return next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
-
-
-def _trans_b(node: onnx.NodeProto) -> bool:
-    return any(a.name == "transB" and a.i for a in node.attribute)
