@@ -14,7 +14,10 @@ probes' cosine went from 0.9859 to 0.9855). So every decision here is measured, 
    the diagnosis when there are more).
 4. Units added in the order of their measured gain, each kept only if it lowers the loss, each timed: a unit that
    would take the build below `min_speedup` is not added, and the search stops there.
-5. Once the probes pass, every kept unit is tried without (least gain first): what did not help is dropped.
+5. Once units are restored, every adopted remedy is tried without: one that lowered the loss of the all-reduced build
+   may stand in the way once a layer is restored, and is dropped where the loss is lower without it (remedies cost no
+   speed, so one that still helps stays). Once the probes pass, every kept unit is tried without (least gain first):
+   what the probes pass without is dropped.
 
 The loss is how far the probes are from passing, in units of each threshold: the largest of each output's error,
 worst-sample error, cosine and gain shortfall, and each task metric's (top-k agreement, detection recall, embedding
@@ -214,6 +217,18 @@ def search(naive: Build, units: Sequence[Unit], actions: SearchActions, work: Pa
         record("add", f"restore {unit.label}", tried, gain=gain, speedup=speed, started=started, decision="kept")
         if tried.passed:
             break
+    for name in reversed(list(adopted) if kept else []):  # 4b. a remedy adopted before any layer was restored may
+        if out_of_time():  # no longer help once one is (measured: the right unit restored passed without them)
+            break
+        rest = {n: o for n, o in adopted.items() if n != name}
+        started = time.monotonic()
+        tried = actions.build_and_judge(_nodes(kept), work / f"unremedy-{len(steps)}.onnx", _merged(rest) or None)
+        if tried.loss < current.loss or (tried.passed and not current.passed):  # remedies cost no speed: kept on gain
+            record("drop", f"without {name}", tried, gain=current.loss - tried.loss, started=started,
+                   decision="dropped: lower loss without it")
+            adopted, current, overrides = rest, tried, _merged(rest) or None
+        else:
+            record("drop", f"without {name}", tried, started=started, decision="kept: needed")
     if not current.passed:
         return result("budget exhausted", f"still failing with {len(kept)} unit(s) restored (loss {current.loss:.3g})",
                       current, _nodes(kept), adopted, gains)
