@@ -276,3 +276,27 @@ def test_build_signs_the_folder_as_its_last_step(tiny_cnn_path, fast_recipe, tmp
     again = build(tiny_cnn_path, fast_recipe, out_dir=tmp_path / "out", signer=signer_of(tmp_path / "next.pem"))
     assert again.reused and again.artifact_dir == result.artifact_dir
     assert _cli("verify", folder, "--public-key", tmp_path / "next.pub").exit_code == 0
+
+
+def test_a_killed_process_leaves_its_copy_to_the_next_load_not_forever(classifier, tmp_path, monkeypatch):
+    """SIGKILL (how Ray stops its workers, at shutdown and when a node goes) runs no finalizer: the copy stays until
+    the next load on the machine removes it. Copies of live processes, and of other users, are left alone."""
+    import signal
+    import subprocess
+    import sys
+    import tempfile
+
+    from accel_opt.artifact.verified import sweep_orphaned_copies
+
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    killed = subprocess.run([sys.executable, "-c", "import os, signal\nfrom accel_opt import runtime\n"
+                             f"d = runtime.load({str(classifier)!r})\nos.kill(os.getpid(), signal.SIGKILL)"],
+                            env={**os.environ, "TMPDIR": str(temp)}, capture_output=True, timeout=120)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    left = [p for p in temp.iterdir() if p.name.startswith(COPY_PREFIX)]
+    assert len(left) == 1 and (left[0] / "manifest.json").is_file()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
+    mine = runtime.load(classifier)  # the next load removes the dead process's copy, and makes its own
+    assert not left[0].exists() and mine.files.parent == temp and mine.files.exists()
+    assert sweep_orphaned_copies(temp) == [] and mine.files.exists()  # a live process's copy is left alone

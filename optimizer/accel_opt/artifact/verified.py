@@ -3,7 +3,8 @@
 A folder can change between its check and its load: a shared model store another user writes to, a file swapped
 after `verify` (or while a runner starts). So `runtime.load` copies every file of the folder into a folder only this
 user can open, then verifies the signature, the hashes and the config on that copy and loads from it: nothing is
-read from the original folder again. The copy is removed when its Deployment is.
+read from the original folder again. The copy is removed when its Deployment is; one whose process was killed
+(Ray stops its workers with SIGKILL, at shutdown and when a node goes) is removed by the next load on the machine.
 
 Shape: every entry of a folder is a regular file with a plain name; sub-folders, symbolic links, devices, pipes and
 sockets are refused (exit 3), signed or not, so no loader follows a path out of the folder.
@@ -54,10 +55,48 @@ class PrivateCopy:
         self._finalizer()
 
 
+def _owner_tag() -> str:
+    """This process in a copy's name: its PID namespace (containers sharing /tmp number processes apart) and PID."""
+    try:
+        namespace = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        namespace = 0
+    return f"{namespace}-{os.getpid()}-"
+
+
+def sweep_orphaned_copies(root: Path | None = None) -> list[Path]:
+    """Remove this user's private copies whose process is gone (killed: it could not remove its own), in this PID
+    namespace only; returns what was removed."""
+    root = Path(root or tempfile.gettempdir())
+    namespace = _owner_tag().split("-")[0]
+    removed = []
+    for entry in root.glob(f"{COPY_PREFIX}{namespace}-*-*"):
+        pid = entry.name[len(COPY_PREFIX):].split("-")[1]
+        try:
+            mine = entry.lstat().st_uid == os.getuid() and stat.S_ISDIR(entry.lstat().st_mode)
+        except OSError:
+            continue
+        if mine and pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(entry, ignore_errors=True)
+            removed.append(entry)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process holds the PID now
+        return True
+    return True
+
+
 def private_copy(folder: Path) -> PrivateCopy:
     """A fresh folder (mode 0700) holding a copy of every file of `folder`, each opened without following links:
     an entry that is not a regular file is refused (exit 3). What the copy holds is then checked like any folder."""
-    copy = Path(tempfile.mkdtemp(prefix=COPY_PREFIX))
+    sweep_orphaned_copies()
+    copy = Path(tempfile.mkdtemp(prefix=COPY_PREFIX + _owner_tag()))
     try:
         for name in sorted(os.listdir(folder)):
             with os.fdopen(_open_regular(folder / name), "rb") as source, open(copy / name, "xb") as target:
