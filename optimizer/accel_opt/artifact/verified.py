@@ -55,28 +55,26 @@ class PrivateCopy:
         self._finalizer()
 
 
-def _owner_tag() -> str:
-    """This process in a copy's name: its PID namespace (containers sharing /tmp number processes apart) and PID."""
+def _pid_namespace() -> int:
+    """The PID namespace's id: containers sharing /tmp number their processes apart (0 where it cannot be read)."""
     try:
-        namespace = os.stat("/proc/self/ns/pid").st_ino
+        return os.stat("/proc/self/ns/pid").st_ino
     except OSError:
-        namespace = 0
-    return f"{namespace}-{os.getpid()}-"
+        return 0
 
 
 def sweep_orphaned_copies(root: Path | None = None) -> list[Path]:
     """Remove this user's private copies whose process is gone (killed: it could not remove its own), in this PID
-    namespace only; returns what was removed."""
+    namespace only; returns what was removed. A copy is named COPY_PREFIX + namespace-pid-random."""
     root = Path(root or tempfile.gettempdir())
-    namespace = _owner_tag().split("-")[0]
     removed = []
-    for entry in root.glob(f"{COPY_PREFIX}{namespace}-*-*"):
+    for entry in root.glob(f"{COPY_PREFIX}{_pid_namespace()}-*-*"):
         pid = entry.name[len(COPY_PREFIX):].split("-")[1]
         try:
-            mine = entry.lstat().st_uid == os.getuid() and stat.S_ISDIR(entry.lstat().st_mode)
+            info = entry.lstat()
         except OSError:
             continue
-        if mine and pid.isdigit() and not _alive(int(pid)):
+        if info.st_uid == os.getuid() and stat.S_ISDIR(info.st_mode) and pid.isdigit() and not _alive(int(pid)):
             shutil.rmtree(entry, ignore_errors=True)
             removed.append(entry)
     return removed
@@ -96,7 +94,7 @@ def private_copy(folder: Path) -> PrivateCopy:
     """A fresh folder (mode 0700) holding a copy of every file of `folder`, each opened without following links:
     an entry that is not a regular file is refused (exit 3). What the copy holds is then checked like any folder."""
     sweep_orphaned_copies()
-    copy = Path(tempfile.mkdtemp(prefix=COPY_PREFIX + _owner_tag()))
+    copy = Path(tempfile.mkdtemp(prefix=f"{COPY_PREFIX}{_pid_namespace()}-{os.getpid()}-"))
     try:
         for name in sorted(os.listdir(folder)):
             with os.fdopen(_open_regular(folder / name), "rb") as source, open(copy / name, "xb") as target:

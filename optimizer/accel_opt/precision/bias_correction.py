@@ -21,6 +21,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from accel_opt.data import Sample
+from accel_opt.graph.inspect import opset_of
 
 CORRECTED_OPS = ("Conv", "Gemm")
 _SUFFIX = "__accel_opt_bias_shift"
@@ -69,7 +70,7 @@ def _shift_probe(float_model: onnx.ModelProto, layers: list) -> onnx.ModelProto:
     input through W_q - W (no bias)."""
     probe = onnx.ModelProto()
     probe.CopyFrom(float_model)
-    axes_as_input = _opset(probe) >= 18  # ReduceMean takes its axes as an input from opset 18, an attribute before
+    axes_as_input = opset_of(probe) >= 18  # ReduceMean takes its axes as an input from opset 18, an attribute before
     for index, (original, _, _, delta) in enumerate(layers):
         name = f"{index}{_SUFFIX}"
         probe.graph.initializer.append(numpy_helper.from_array(delta, f"{name}_weight"))
@@ -125,7 +126,3 @@ def correct_biases(float_path: Path, quantized_path: Path, samples: list[Sample]
     onnx.save(quantized, str(quantized_path))
     return (f"bias correction: {len(layers)} layers' biases absorb the mean shift of their rounded weights, measured "
             f"on {len(samples)} calibration samples (largest {largest:.3g}) in {time.perf_counter() - start:.1f} s")
-
-
-def _opset(model: onnx.ModelProto) -> int:
-    return next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)

@@ -4,10 +4,11 @@ The naive build is judged on probe samples with the recipe's tolerance and task 
 When it fails, the search in precision/search.py takes over: it times the naive build against fp32 first (no rescue
 can make a build pay that is not faster to begin with), tries whole-graph remedies for int8 (bias correction, other
 activation calibrations), measures what restoring each group of same-shaped layers to float gains, adds them in that
-order while the build stays `min_speedup` faster than fp32, and drops what did not help, within a wall-clock budget. For fp16 every node whose
-fp32 activations exceed `fp16_activation_max` on a probe (and every consumer of a weight beyond 65504) is kept in
-fp32 before the first build is judged, so a GPU build inherits it. The per-layer diagnosis (precision/diagnose.py)
-still ranks the layers for the report and chooses which groups to measure when there are too many.
+order while the build stays `min_speedup` faster than fp32, and drops what did not help, within a wall-clock budget.
+For fp16 every node whose fp32 activations exceed `fp16_activation_max` on a probe (and every consumer of a weight
+beyond 65504) is kept in fp32 before the first build is judged, so a GPU build inherits it. The per-layer diagnosis
+(precision/diagnose.py) still ranks the layers for the report and chooses which groups to measure when there are too
+many.
 
 The orchestration takes its actions as callables (build, judge, diagnose, speedup), so the pipeline chooses the
 backend that judges and this module stays testable on its own.
