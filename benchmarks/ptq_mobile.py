@@ -57,16 +57,11 @@ def lite0(work: Path) -> tuple[Path, int]:
 
 
 def demo(work: Path) -> tuple[Path, int]:
+    """`make demo`'s classifier, made by the demo's own prepare(): (path, input size)."""
     sys.path.insert(0, str(ROOT / "examples"))
-    from demo import IMAGE_SIZE
+    from demo import IMAGE_SIZE, prepare
 
-    from accel_opt import zoo
-
-    samples, labels = zoo.photo_dataset(IMAGE_SIZE)
-    head = zoo.HEAD_TRAINING_COUNT
-    path = work / "demo_classifier.onnx"
-    zoo.save(zoo.demo_classifier(head_training=(samples[:head], labels[:head])), path)
-    return path, IMAGE_SIZE
+    return prepare(work / "demo")[0], IMAGE_SIZE
 
 
 def variants_by_quantizer(model: Path, calibration: list[dict], work: Path) -> dict[str, tuple[Path, float]]:
