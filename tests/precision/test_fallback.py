@@ -188,6 +188,25 @@ def test_float_by_design_nodes_pass_the_int8_kernel_check(tmp_path):
     assert compiled.settings["integer_kernels_by_op"] == {}
 
 
+def test_a_layer_kept_in_float_runs_in_float_in_the_session_that_ships(tiny_cnn_path, samples, tmp_path):
+    """ONNX Runtime (>= 1.20, WeightBiasQuantization) quantizes the float weights of a Conv fed by a DequantizeLinear
+    to per-tensor int8 when it opens the session: the layer the fallback kept in float would run in int8, coarser than
+    before. Every session this project opens turns that rewrite off, so the graph ORT runs keeps the layer float."""
+    from accel_opt.backends.onnxruntime.backend import CPU_PROVIDER, create_session
+
+    convs = [n.name for n in onnx.load(str(tiny_cnn_path)).graph.node if n.op_type == "Conv"]
+    kept = convs[len(convs) // 2]
+    model = tmp_path / "int8.onnx"
+    quantize(tiny_cnn_path, samples, CalibrationConfig(samples=8), "onnxruntime", model, None, CPU, exclude=[kept])
+    graph = onnx.load(str(model)).graph
+    assert any(n.op_type == "DequantizeLinear" and n.output[0] in next(c for c in graph.node if c.name == kept).input
+               for n in graph.node)  # the kept layer reads a dequantized input: the pattern ORT rewrites
+    optimized = tmp_path / "optimized.onnx"
+    create_session(model, [CPU_PROVIDER], 1, optimized_model_path=optimized)
+    ran = [n.op_type for n in onnx.load(str(optimized)).graph.node]
+    assert ran.count("Conv") == 1 and ran.count("QLinearConv") == len(convs) - 1
+
+
 def test_a_build_that_passes_is_left_alone(tiny_cnn_path, fast_recipe, tmp_path):
     data = image_npz_folder(tmp_path / "data", 100)  # 60 held out: none failing shows >= 95% within tolerance
     result = build(tiny_cnn_path, fast_recipe.with_overrides(precision="int8"), data_dir=data, out_dir=tmp_path / "out")
