@@ -9,10 +9,12 @@ Models:
   accuracy is reported beside agreement.
 
 Images: random crops of scikit-image's photos (zoo.photo_dataset), the first `--build-crops` for building (calibration
-on their first 64), the rest held out: every variant is judged there, on top-1 agreement with the fp32 model.
+on their first 64), the rest held out: every variant is judged there, on top-1 agreement with the fp32 model and on
+the RMS error of its logits against fp32's (continuous and paired: it moves where one flip is 0.4 points).
 
 Variants, ONNX Runtime CPU unless named: fp32; int8 naive (this project's Q/DQ: u8 activations, per-channel s8
-weights, minmax); + bias correction; percentile; percentile + bias correction; ONNX Runtime's quantizer options alone
+weights, minmax); + bias correction; percentile; percentile + bias correction; entropy; AdaRound (minutes each),
++ bias correction, + percentile; ONNX Runtime's quantizer options alone
 (moving-average minmax, QDQKeepRemovableActivations, per-tensor weights); NNCF PTQ on the ONNX model (its own
 placement, fast bias correction); `accel-opt build --precision int8` (the rescue search on, its own held-out verdict);
 NNCF's accuracy-controlled quantization on OpenVINO (`--qac`, minutes).
@@ -73,7 +75,10 @@ def variants_by_quantizer(model: Path, calibration: list[dict], work: Path) -> d
     configs = {"int8 naive (minmax)": {}, "+ bias correction": {"bias_correction": True},
                "percentile": {"method": "percentile"}, "percentile + bias correction": {"method": "percentile",
                                                                                          "bias_correction": True},
-               "entropy": {"method": "entropy"}}
+               "entropy": {"method": "entropy"}, "AdaRound": {"weight_rounding": "adaround"},
+               "AdaRound + bias correction": {"weight_rounding": "adaround", "bias_correction": True},
+               "percentile + AdaRound + bias correction": {"method": "percentile", "weight_rounding": "adaround",
+                                                           "bias_correction": True}}
     out = {}
     for name, fields in configs.items():
         path = work / f"q-{len(out)}.onnx"
@@ -182,11 +187,11 @@ def judge_and_time(variants: dict[str, Path], held_out: list[dict], labels: np.n
             runners[name] = backend.runner(compiled)
         else:
             runners[name] = reference_runner(path, threads, optimize=True)  # as deployed: graph optimizations on
-    top1 = {}
+    logits = {}
     for name, runner in runners.items():
         with runner:
-            top1[name] = np.array([int(np.argmax(next(iter(runner.infer(s, check_inputs=False).values()))))
-                                   for s in held_out])
+            logits[name] = np.concatenate([next(iter(runner.infer(s, check_inputs=False).values())) for s in held_out])
+    top1 = {name: values.argmax(1) for name, values in logits.items()}
     config = BenchmarkConfig(warmup_iterations=5, min_iterations=40, min_seconds=1.5, max_iterations=2000)
     report = run_benchmark([Target(n, r) for n, r in runners.items()], held_out, list(TIMED_BATCHES), config, threads,
                            {"image": 0})
@@ -196,6 +201,7 @@ def judge_and_time(variants: dict[str, Path], held_out: list[dict], labels: np.n
     for name in variants:
         agreed = int((top1[name] == top1[fp32]).sum())
         results[name] = {"agreement": agreed / len(held_out), "changed": len(held_out) - agreed,
+                         "logit_rms_error": float(np.sqrt(np.mean((logits[name] - logits[fp32]) ** 2))),
                          "accuracy": float((top1[name] == labels).mean()) if labels is not None else None,
                          **{f"speedup_b{b}": by_label[fp32].at(b).latency.p50_ms / by_label[name].at(b).latency.p50_ms
                             for b in TIMED_BATCHES},
@@ -234,10 +240,10 @@ def main() -> int:
         results = judge_and_time({n: p for n, (p, _) in made.items()}, held_out,
                                  labels[args.build_crops:] if args.model == "demo" else None, work)
     cpu = CpuProfile.here()
-    header = ["variant", "top-1 agreement", "accuracy", "vs ORT fp32 b1", "vs ORT fp32 b8", "quantize s", "build"]
+    header = ["variant", "top-1 agreement", "logit RMS error", "accuracy", "vs ORT fp32 b1", "vs ORT fp32 b8", "quantize s", "build"]
     rows = [header]
     for name, r in results.items():
-        rows.append([name, f"{r['agreement']:.1%} ({r['changed']} changed)",
+        rows.append([name, f"{r['agreement']:.1%} ({r['changed']} changed)", f"{r['logit_rms_error']:.4f}",
                      "-" if r["accuracy"] is None else f"{r['accuracy']:.1%}", f"{r['speedup_b1']:.2f}x",
                      f"{r['speedup_b8']:.2f}x", f"{made[name][1]:.1f}", verdicts.get(name, "")])
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]

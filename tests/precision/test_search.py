@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from accel_opt.precision.search import Build, SearchActions, Unit, int8_remedies, search
+from accel_opt.precision.search import Build, Remedy, SearchActions, Unit, int8_remedies, search
 from accel_opt.recipe.stages import CalibrationConfig
 
 UNITS = [Unit("Conv 16x16x1x1", ["p1", "p2", "p3"], flops=300, added_error=9.0),  # the diagnosis blames it most...
@@ -107,21 +107,39 @@ def test_a_remedy_that_passes_ends_the_search_before_any_layer_leaves_int8(tmp_p
     assert found.status == "rescued" and list(found.remedies) == ["percentile calibration"] and found.kept == []
     assert [(s.kind, s.decision) for s in found.steps] == [
         ("speed", "fast enough to search"), ("remedy", "not better"), ("remedy", "adopted"), ("stop", found.reason)]
+    assert "AdaRound" not in [s.what for s in found.steps]  # minutes: only once the cheap remedies have not passed
 
 
 def test_remedies_add_up_and_what_follows_is_built_with_them(tmp_path):
     """Bias correction gains, percentile gains on top of it; entropy would replace percentile and gains less: not
-    adopted. Every later build carries both adopted remedies."""
+    adopted; AdaRound gains nothing here. Every later build carries both adopted remedies."""
     model = Model({"Conv 16x1x3x3": 1.3}, remedy_gains={BIAS: 0.5, PERCENTILE: 0.3, ENTROPY: 0.1})
     found = _run(model, tmp_path, remedies=REMEDIES)
-    assert [r.name for r in REMEDIES] == ["bias correction", "percentile calibration", "entropy calibration"]
-    assert [s.decision for s in found.steps if s.kind == "remedy"] == ["adopted", "adopted", "not better"]
+    assert [r.name for r in REMEDIES] == ["bias correction", "percentile calibration", "entropy calibration", "AdaRound"]
+    assert [s.decision for s in found.steps if s.kind == "remedy"] == ["adopted", "adopted", "not better", "not better"]
     assert found.status == "rescued" and list(found.remedies) == ["bias correction", "percentile calibration"]
     assert sorted(found.kept) == ["d1", "d2"]  # 3 - 0.5 - 0.3 = 2.2; with the depthwise pair restored, 0.9 passes
-    assert all(dict([BIAS, PERCENTILE]) == o for o in model.overrides[4:-2])  # measured and added with both
+    assert all(dict([BIAS, PERCENTILE]) == o for o in model.overrides[1 + len(REMEDIES):-2])  # measured and added with both
     assert [(s.what, s.decision) for s in found.steps if s.kind == "drop"] == [  # each still needed: 1.2, 1.4 without
         ("without percentile calibration", "kept: needed"), ("without bias correction", "kept: needed")]
     assert not int8_remedies(CalibrationConfig(bias_correction=True, method="percentile"))[0].name.startswith("bias")
+
+
+ADAROUND = ("precision_options.calibration.weight_rounding", "adaround")
+
+
+def test_adaround_is_adopted_on_its_gain_and_skipped_with_the_install_line_without_torch(tmp_path):
+    model = Model({"Conv 16x1x3x3": 1.5}, remedy_gains={ADAROUND: 2.2})
+    found = _run(model, tmp_path, remedies=REMEDIES)
+    assert found.status == "rescued" and list(found.remedies) == ["AdaRound"] and found.kept == []
+    without_torch = [r if r.name != "AdaRound" else Remedy(r.name, r.overrides, "needs PyTorch: pip install "
+                                                                                 "'accel-opt[ptq]'") for r in REMEDIES]
+    model = Model({"Conv 16x1x3x3": 2.5}, remedy_gains={ADAROUND: 2.2})
+    found = _run(model, tmp_path, remedies=without_torch)
+    assert ("remedy", "AdaRound", "skipped: needs PyTorch: pip install 'accel-opt[ptq]'") in [
+        (s.kind, s.what, s.decision) for s in found.steps]
+    assert ADAROUND not in [item for o in model.overrides for item in (o or {}).items()]  # never built
+    assert found.status == "rescued" and sorted(found.kept) == ["d1", "d2"]
 
 
 def test_the_time_budget_is_exceeded_by_one_build_at_most(tmp_path):

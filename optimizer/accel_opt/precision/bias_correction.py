@@ -22,47 +22,27 @@ from onnx import TensorProto, helper, numpy_helper
 
 from accel_opt.data import Sample
 from accel_opt.graph.inspect import opset_of
+from accel_opt.precision.qdq_weights import dequantized, quantized_layers
 
-CORRECTED_OPS = ("Conv", "Gemm")
 _SUFFIX = "__accel_opt_bias_shift"
-
-
-def _dequantized(node: onnx.NodeProto, initializers: dict[str, onnx.TensorProto]) -> np.ndarray | None:
-    """The float value a DequantizeLinear node makes of its initializer (None: its input is not an initializer)."""
-    if any(name not in initializers for name in node.input):
-        return None
-    values, scale, *zero = (numpy_helper.to_array(initializers[name]).astype(np.float64) for name in node.input)
-    zero_point = zero[0] if zero else np.zeros_like(scale)
-    if scale.ndim == 1 and scale.size > 1:  # per channel, along `axis` (1 by default)
-        axis = next((a.i for a in node.attribute if a.name == "axis"), 1)
-        shape = [1] * values.ndim
-        shape[axis] = -1
-        scale, zero_point = scale.reshape(shape), zero_point.reshape(shape)
-    return (values - zero_point) * scale
 
 
 def _layers(float_model: onnx.ModelProto, quantized: onnx.ModelProto):
     """(float node, quantized node, the bias's DequantizeLinear or None where the bias stays float (TensorRT's preset),
-    W_q - W) for each quantized layer with a bias that both graphs name alike (ONNX Runtime's quantizer keeps node
-    names)."""
-    float_nodes = {n.name: n for n in float_model.graph.node if n.op_type in CORRECTED_OPS and n.name}
-    float_weights = {i.name: i for i in float_model.graph.initializer}
+    W_q - W) for each quantized layer with a bias."""
     q_inits = {i.name: i for i in quantized.graph.initializer}
     producer = {out: n for n in quantized.graph.node for out in n.output}
-    for node in quantized.graph.node:
-        original = float_nodes.get(node.name)
-        if node.op_type not in CORRECTED_OPS or original is None or len(node.input) < 3 or len(original.input) < 2:
+    for layer in quantized_layers(float_model, quantized):
+        node = layer.node
+        if len(node.input) < 3 or not node.input[2]:
             continue
-        weight_dq, bias_dq = producer.get(node.input[1]), producer.get(node.input[2])
-        if not (weight_dq and weight_dq.op_type == "DequantizeLinear"):
-            continue  # left in float, or a weight that is computed: nothing rounded to correct
+        bias_dq = producer.get(node.input[2])
         if bias_dq is not None and (bias_dq.op_type != "DequantizeLinear" or bias_dq.input[0] not in q_inits):
             continue
-        weight = float_weights.get(original.input[1])
-        rounded = _dequantized(weight_dq, q_inits)
-        if weight is None or rounded is None or (bias_dq is None and node.input[2] not in q_inits):
+        if bias_dq is None and node.input[2] not in q_inits:
             continue
-        yield original, node, bias_dq, (rounded - numpy_helper.to_array(weight).astype(np.float64)).astype(np.float32)
+        rounded = dequantized(layer.weight_dq, q_inits)
+        yield layer.original, node, bias_dq, (rounded - layer.float_weight.astype(np.float64)).astype(np.float32)
 
 
 def _shift_probe(float_model: onnx.ModelProto, layers: list) -> onnx.ModelProto:

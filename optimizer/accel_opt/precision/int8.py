@@ -31,6 +31,7 @@ from accel_opt.files import copy_file, sha256_file
 from accel_opt.graph.inspect import opset_of
 from accel_opt.graph.save import EXTERNAL_DATA_ABOVE_BYTES, upgrade_opset
 from accel_opt.machine.cpu import CpuProfile
+from accel_opt.precision.adaround import round_weights
 from accel_opt.precision.bias_correction import correct_biases
 from accel_opt.precision.calibration import calibration_errors
 from accel_opt.precision.fp16 import validate
@@ -59,6 +60,8 @@ class QuantSettings:
     reduce_range: bool = False  # 7-bit weights (see weight_range)
     num_quantized_bins: int = 128  # entropy: bins of the quantized distribution in the KL search (ORT and TensorRT use 128)
     bias_correction: bool = False  # biases absorb the mean shift of their rounded weights (bias_correction.py)
+    weight_rounding: str = "nearest"  # or "adaround" (adaround.py)
+    adaround_iterations: int = 300
 
 
 def quantize(
@@ -84,7 +87,8 @@ def quantize(
     target_cpu, reduce_range, reduce_range_reason = weight_range(preset, config, cpu)
     settings = QuantSettings(preset, config.method, config.per_channel, config.percentile, config.num_bins,
                              tuple(config.op_types) if config.op_types else None, reduce_range,
-                             bias_correction=config.bias_correction)
+                             bias_correction=config.bias_correction, weight_rounding=config.weight_rounding,
+                             adaround_iterations=config.adaround_iterations)
     key, ranges_key = calibration_keys(model_path, samples, settings)  # auto's two int8 candidates share the ranges
     key = key if not exclude else hashlib.sha256(f"{key}|{sorted(exclude)}".encode()).hexdigest()
     opset_before = opset_of(onnx.load(str(model_path), load_external_data=False))
@@ -112,6 +116,10 @@ def quantize(
             overrides = _signed_input_overrides(prepared, ranges) if settings.preset.symmetric_signed_inputs else {}
             movers = [name for name, _ in output_movers(prepared)]
             _quantize_with_ranges(prepared, ranges, overrides, settings, staged, large, [*exclude, *movers])
+            if settings.weight_rounding == "adaround" and not large:
+                rounding_key = calibration_keys(model_path, samples, dataclasses.replace(settings, bias_correction=False))[0]
+                notes.append(round_weights(prepared, staged, samples, settings.reduce_range, settings.adaround_iterations,
+                                           Path(cache_dir) / f"{rounding_key}.rounding.npz" if cache_dir else None))
             if settings.bias_correction and not large:  # a model beyond protobuf's 2 GB is corrected nowhere yet
                 notes.append(correct_biases(prepared, staged, samples))
             validate(staged, run_session=True, tmp=tmp)
@@ -131,7 +139,8 @@ def quantize(
         kept_in_higher_precision=kept,
         transform=f"static int8 Q/DQ ({preset.activation_type} activations, {'7-bit ' if reduce_range else ''}"
         f"{preset.weight_type} {'per-channel' if config.per_channel else 'per-tensor'} weights), "
-        f"{config.method.value} calibration{', biases corrected' if settings.bias_correction else ''}, for {target_cpu} CPUs",
+        f"{config.method.value} calibration{', AdaRound' if settings.weight_rounding == 'adaround' else ''}"
+        f"{', biases corrected' if settings.bias_correction else ''}, for {target_cpu} CPUs",
         opset_before=opset_before,
         opset_after=opset_of(onnx.load(str(out_path), load_external_data=False)),
         keep_io_types=True,

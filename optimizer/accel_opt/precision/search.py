@@ -7,8 +7,10 @@ probes' cosine went from 0.9859 to 0.9855). So every decision here is measured, 
 1. Speed first: the naive build is timed against the same backend's fp32 build on the deployed kernels. If it is
    not `min_speedup` faster, no rescue can make it pay, and the search says so instead of spending its budget.
 2. Remedies that keep every layer reduced, one build each: bias correction (each bias absorbs the mean shift of its
-   rounded weights), then another calibration for the activations (percentile, entropy). A remedy that lowers the
-   loss is adopted and the next is tried on top of it; what is adopted is the base of what follows.
+   rounded weights), percentile or entropy calibration of the activations, then AdaRound (each layer's weights
+   rounded to fit the float model's output; minutes). A remedy that lowers the loss is adopted and the next is
+   tried on top of it; what is adopted is the base of what follows. One that needs a missing package is recorded
+   as skipped, with the install line.
 3. The gain of each unit (a group of same-shaped layers: the same layer of every repeated block) measured when it
    alone is restored to float with everything else reduced: one build per unit (the worst `max_measured_units` by
    the diagnosis when there are more).
@@ -28,6 +30,7 @@ the search. A wall-clock budget (`time_budget_s`) bounds it; it is checked befor
 
 from __future__ import annotations
 
+import importlib.util
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -45,14 +48,21 @@ class Remedy:
 
     name: str  # "bias correction", "percentile calibration"
     overrides: dict[str, object]
+    unavailable: str | None = None  # why it cannot be tried here (a missing optional package): recorded, skipped
 
 
 def int8_remedies(calibration: CalibrationConfig) -> tuple[Remedy, ...]:
-    """The remedies an int8 search tries on top of the recipe's `calibration`, cheapest and most general first."""
+    """The remedies an int8 search tries on top of the recipe's `calibration`, cheapest and most general first:
+    seconds each, but AdaRound minutes (it learns every layer's rounding for the activation ranges chosen before it,
+    so it comes last and is learned once)."""
     remedies = [] if calibration.bias_correction else [
         Remedy("bias correction", {"precision_options.calibration.bias_correction": True})]
-    return (*remedies, *(Remedy(f"{method} calibration", {"precision_options.calibration.method": method})
-                         for method in ("percentile", "entropy") if method != calibration.method.value))
+    remedies += [Remedy(f"{method} calibration", {"precision_options.calibration.method": method})
+                 for method in ("percentile", "entropy") if method != calibration.method.value]
+    if calibration.weight_rounding != "adaround":
+        missing = None if importlib.util.find_spec("torch") else "needs PyTorch: pip install 'accel-opt[ptq]'"
+        remedies.append(Remedy("AdaRound", {"precision_options.calibration.weight_rounding": "adaround"}, missing))
+    return tuple(remedies)
 
 
 @dataclass
@@ -156,6 +166,9 @@ def search(naive: Build, units: Sequence[Unit], actions: SearchActions, work: Pa
     for remedy in remedies:  # 2. remedies on the whole graph, each on top of those adopted before it
         if out_of_time():
             return result("time budget", f"the {time_budget_s:.0f} s budget ran out trying remedies", base, [], adopted)
+        if remedy.unavailable:
+            record("remedy", remedy.name, decision=f"skipped: {remedy.unavailable}")
+            continue
         started = time.monotonic()
         # A remedy that sets the keys of one adopted before (another calibration method) replaces it.
         trial = {n: o for n, o in adopted.items() if not o.keys() & remedy.overrides.keys()} | {remedy.name: remedy.overrides}

@@ -56,6 +56,11 @@ class CalibrationConfig(_Strict):
     # Each quantized Conv/Gemm's bias absorbs the mean shift its rounded weights add, measured on the calibration
     # samples (depthwise convolutions shift most). Off: the rescue search tries it as a remedy and keeps it on gain.
     bias_correction: bool = False
+    # "adaround": each layer's integer weights rounded up or down so its output on the calibration samples is closest
+    # to the float model's, layer by layer (precision/adaround.py; needs PyTorch, the `ptq` extra): minutes on a mobile
+    # net (EfficientNet-Lite0: ~5 min on 2 cores). "nearest": off, and the rescue search tries it as a remedy.
+    weight_rounding: Literal["nearest", "adaround"] = "nearest"
+    adaround_iterations: int = Field(default=300, ge=1)  # optimizer steps per layer
 
 
 class FallbackConfig(_Strict):

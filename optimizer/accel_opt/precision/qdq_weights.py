@@ -1,0 +1,60 @@
+"""The quantized layers of a Q/DQ graph beside the float layers they were quantized from: what bias correction and
+AdaRound both work on. ONNX Runtime's quantizer keeps node names, so a layer is found in both graphs by its name."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+WEIGHTED_OPS = ("Conv", "Gemm")
+
+
+def dequantized(node: onnx.NodeProto, initializers: dict[str, onnx.TensorProto]) -> np.ndarray | None:
+    """The float value a DequantizeLinear node makes of its initializer (None: its input is not an initializer)."""
+    if any(name not in initializers for name in node.input):
+        return None
+    values, scale, *zero = (numpy_helper.to_array(initializers[name]).astype(np.float64) for name in node.input)
+    zero_point = zero[0] if zero else np.zeros_like(scale)
+    return (values - broadcast_along(zero_point, node, values.ndim)) * broadcast_along(scale, node, values.ndim)
+
+
+def broadcast_along(per_channel: np.ndarray, dequantize: onnx.NodeProto, ndim: int) -> np.ndarray:
+    """A DequantizeLinear's scale or zero point shaped to broadcast over its `ndim`-dimensional input: per channel
+    along its `axis` (1 by default), or as it is (per tensor)."""
+    if per_channel.ndim != 1 or per_channel.size == 1:
+        return per_channel
+    axis = next((a.i for a in dequantize.attribute if a.name == "axis"), 1)
+    shape = [1] * ndim
+    shape[axis] = -1
+    return per_channel.reshape(shape)
+
+
+@dataclass
+class QuantizedLayer:
+    original: onnx.NodeProto  # in the float graph
+    node: onnx.NodeProto  # in the Q/DQ graph
+    weight_dq: onnx.NodeProto  # the DequantizeLinear of its integer weights (an initializer)
+    float_weight: np.ndarray
+
+
+def quantized_layers(float_model: onnx.ModelProto, quantized: onnx.ModelProto) -> Iterator[QuantizedLayer]:
+    """Each Conv/Gemm of `quantized` whose weights are an integer initializer through a DequantizeLinear, with the
+    float layer of the same name (graph order); layers left in float or with computed weights are not among them."""
+    float_nodes = {n.name: n for n in float_model.graph.node if n.op_type in WEIGHTED_OPS and n.name}
+    float_weights = {i.name: i for i in float_model.graph.initializer}
+    q_inits = {i.name for i in quantized.graph.initializer}
+    producer = {out: n for n in quantized.graph.node for out in n.output}
+    for node in quantized.graph.node:
+        original = float_nodes.get(node.name)
+        if node.op_type not in WEIGHTED_OPS or original is None or len(node.input) < 2 or len(original.input) < 2:
+            continue
+        weight_dq = producer.get(node.input[1])
+        if not (weight_dq and weight_dq.op_type == "DequantizeLinear" and set(weight_dq.input) <= q_inits):
+            continue
+        weight = float_weights.get(original.input[1])
+        if weight is not None:
+            yield QuantizedLayer(original, node, weight_dq, numpy_helper.to_array(weight))
