@@ -122,8 +122,9 @@ def nncf_ptq(model: Path, calibration: list[dict], work: Path) -> tuple[Path, fl
     return path, time.perf_counter() - started
 
 
-def accel_opt_build(model: Path, crops: list[dict], work: Path) -> tuple[Path, float, str]:
-    """`accel-opt build --precision int8` on the build crops, the rescue search on: (its model, seconds, verdict)."""
+def accel_opt_build(model: Path, crops: list[dict], work: Path) -> tuple[Path, float, str, list[str]]:
+    """`accel-opt build --precision int8` on the build crops, the rescue search on: (its model, seconds, verdict, a
+    line per step of its search)."""
     from accel_opt import build, load_recipe
 
     data = work / "build-crops"
@@ -138,7 +139,10 @@ def accel_opt_build(model: Path, crops: list[dict], work: Path) -> tuple[Path, f
     verdict = (("signed off" if result.signed_off else f"not signed off ({result.verdict})")
                + f"; search {fallback.get('status', '-')}" + (f", remedies {', '.join(fallback['remedies'])}"
                                                                if fallback.get("remedies") else ""))
-    return folder / "model.onnx", time.perf_counter() - started, verdict
+    steps = [f"{s['step']}. {s['kind']} {s['what']}: {s['decision']} ("
+             + (f"loss {s['loss']:.3g}, " if s.get("loss") is not None else "") + f"{s['seconds']:.0f} s)"
+             for s in fallback.get("steps", [])]
+    return folder / "model.onnx", time.perf_counter() - started, verdict, steps
 
 
 def nncf_accuracy_control(model: Path, calibration: list[dict], validation: list[dict], work: Path) -> tuple[Path, float]:
@@ -231,9 +235,9 @@ def main() -> int:
         made |= variants_by_quantizer(model, calibration, work)
         made |= variants_by_ort_options(model, calibration, work)
         made["NNCF PTQ (ONNX)"] = nncf_ptq(model, calibration, work)
-        verdicts = {}
+        verdicts, steps = {}, []
         if not args.no_build:
-            path, seconds, verdicts["accel-opt build int8 (search)"] = accel_opt_build(model, build_crops, work)
+            path, seconds, verdicts["accel-opt build int8 (search)"], steps = accel_opt_build(model, build_crops, work)
             made["accel-opt build int8 (search)"] = (path, seconds)
         if args.qac:
             made["NNCF accuracy control (OpenVINO)"] = nncf_accuracy_control(model, calibration, build_crops, work)
@@ -251,12 +255,14 @@ def main() -> int:
              f"class {cpu.cpu_class} ({cpu.model}, {os.cpu_count()} vCPUs); fp32 p50 "
              f"{results['fp32']['p50_ms_b1']:.2f} ms at b1, {results['fp32']['p50_ms_b8']:.2f} ms at b8", ""]
     lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+    lines += ["", "the build's rescue search, step by step (loss: how far its probes are from passing, 1 passes):",
+              *(f"  {step}" for step in steps)] if steps else []
     text = "\n".join(lines) + "\n"
     print(text)
     args.out.mkdir(parents=True, exist_ok=True)
     stem = f"ptq_mobile-{args.model}-{cpu.cpu_class}"
     (args.out / f"{stem}.txt").write_text(text)
-    (args.out / f"{stem}.json").write_text(json.dumps({"results": results, "verdicts": verdicts}, indent=1) + "\n")
+    (args.out / f"{stem}.json").write_text(json.dumps({"results": results, "verdicts": verdicts, "search_steps": steps}, indent=1) + "\n")
     return 0
 
 

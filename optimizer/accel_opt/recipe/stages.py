@@ -58,7 +58,7 @@ class CalibrationConfig(_Strict):
     bias_correction: bool = False
     # "adaround": each layer's integer weights rounded up or down so its output on the calibration samples is closest
     # to the float model's, layer by layer (precision/adaround.py; needs PyTorch, the `ptq` extra): minutes on a mobile
-    # net (EfficientNet-Lite0: ~5 min on 2 cores). "nearest": off, and the rescue search tries it as a remedy.
+    # net (EfficientNet-Lite0: 4.5 to 5 min on 2 cores). "nearest": off, and the rescue search tries it as a remedy.
     weight_rounding: Literal["nearest", "adaround"] = "nearest"
     adaround_iterations: int = Field(default=300, ge=1)  # optimizer steps per layer
 
