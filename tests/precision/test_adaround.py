@@ -105,3 +105,16 @@ def test_a_build_keeping_layers_in_float_reuses_the_rounding_learned_on_the_all_
     everything, fewer = _weights(tmp_path / "all.onnx"), _weights(tmp_path / "partial.onnx")
     shared = [n for n in fewer if n.endswith("_quantized") and fewer[n].dtype == np.int8]
     assert len(shared) == 3 and all(np.array_equal(everything[n], fewer[n]) for n in shared)  # fc stays float
+
+
+def test_once_its_time_budget_is_spent_the_layers_left_keep_nearest_rounding(block, tmp_path):
+    model, calibration, _ = block
+    config = CalibrationConfig(samples=32, adaround_iterations=20)
+    quantize(model, calibration, config, "onnxruntime", tmp_path / "nearest.onnx", None, CPU)
+    spent = quantize(model, calibration, config.model_copy(update={"weight_rounding": "adaround",
+                                                                   "adaround_time_budget_s": 1e-9}),
+                     "onnxruntime", tmp_path / "spent.onnx", None, CPU)
+    note = next(n for n in spent.notes if n.startswith("AdaRound:"))
+    assert "0 of 4 layers re-rounded" in note and "the last 4 layers keep nearest rounding" in note, note
+    before, after = _weights(tmp_path / "nearest.onnx"), _weights(tmp_path / "spent.onnx")
+    assert all(np.array_equal(before[name], after[name]) for name in before)

@@ -134,10 +134,11 @@ def _forward(layer: QuantizedLayer, torch, functional):
 
 
 def adaround(float_model: onnx.ModelProto, quantized: onnx.ModelProto, samples: list[Sample], *, qmin: int, qmax: int,
-             iterations: int, seed: int = 0) -> tuple[dict[str, np.ndarray], str]:
+             iterations: int, time_budget_s: float = float("inf"), seed: int = 0) -> tuple[dict[str, np.ndarray], str]:
     """Re-round the integer weights of `quantized` (a Q/DQ graph of `float_model`, changed in place), layer by layer in
     graph order, each kept only where it lowers the layer's output error on `samples` against round-to-nearest.
-    `qmin`/`qmax`: the integer range the weights were quantized to. Returns ({weight initializer: its integers}, a
+    `qmin`/`qmax`: the integer range the weights were quantized to. Once `time_budget_s` has passed (checked before
+    each layer), the layers left keep nearest rounding. Returns ({weight initializer: its integers}, a
     line for the build's notes)."""
     try:
         import torch
@@ -164,8 +165,11 @@ def adaround(float_model: onnx.ModelProto, quantized: onnx.ModelProto, samples: 
                                   [{k: v for k, v in s.items() if k in float_inputs} for s in samples])
     model_inputs = {i.name for i in quantized_session.get_inputs()} - integers.keys()
 
-    rerounded, changed, total = {}, 0, 0
+    rerounded, changed, total, fitted = {}, 0, 0, 0
     for layer, forward in layers:
+        if time.monotonic() - start >= time_budget_s:
+            break
+        fitted += 1
         target = targets[layer.node.name]
         source = layer.node.input[0]
         x = torch.from_numpy(np.concatenate([s[source] if source in s else quantized_session.run(
@@ -183,7 +187,9 @@ def adaround(float_model: onnx.ModelProto, quantized: onnx.ModelProto, samples: 
     return rerounded, (
         f"AdaRound: {len(rerounded)} of {len(layers)} layers re-rounded ({changed} of {total} weights away from "
         f"nearest), each fitted to the float model's output over {len(samples)} calibration samples, {iterations} "
-        f"steps per layer, in {time.monotonic() - start:.1f} s")
+        f"steps per layer, in {time.monotonic() - start:.1f} s"
+        + (f"; the {time_budget_s:.0f} s budget ran out: the last {len(layers) - fitted} layers keep nearest rounding"
+           if fitted < len(layers) else ""))
 
 
 def _fit(layer: QuantizedLayer, forward, target: _Target, x, y, nearest: np.ndarray, inits, quantized, qmin: int,
@@ -237,7 +243,7 @@ def _bias(node: onnx.NodeProto, quantized: onnx.ModelProto, inits: dict[str, onn
 
 
 def round_weights(float_path: Path, quantized_path: Path, samples: list[Sample], reduce_range: bool, iterations: int,
-                  cache: Path | None) -> str:
+                  time_budget_s: float, cache: Path | None) -> str:
     """AdaRound the Q/DQ graph at `quantized_path` in place (see adaround): its weights symmetric int8 as every preset
     makes them, 7-bit where `reduce_range`. The rounding is learned once on the
     graph with every layer quantized and kept at `cache` (.npz): a build that keeps some layers in float (the rescue
@@ -260,7 +266,7 @@ def round_weights(float_path: Path, quantized_path: Path, samples: list[Sample],
 
         qmin, qmax = get_qmin_qmax_for_qType(onnx.TensorProto.INT8, reduce_range, symmetric=True)
         learned, note = adaround(onnx.load(str(float_path)), quantized, samples, qmin=int(qmin), qmax=int(qmax),
-                                 iterations=iterations)
+                                 iterations=iterations, time_budget_s=time_budget_s)
         if cache is not None:
             cache.parent.mkdir(parents=True, exist_ok=True)
             np.savez(cache, names=np.array(list(learned)), **{f"w{i}": w for i, w in enumerate(learned.values())})

@@ -62,6 +62,7 @@ class QuantSettings:
     bias_correction: bool = False  # biases absorb the mean shift of their rounded weights (bias_correction.py)
     weight_rounding: str = "nearest"  # or "adaround" (adaround.py)
     adaround_iterations: int = 300
+    adaround_time_budget_s: float = 600.0
 
 
 def quantize(
@@ -88,7 +89,8 @@ def quantize(
     settings = QuantSettings(preset, config.method, config.per_channel, config.percentile, config.num_bins,
                              tuple(config.op_types) if config.op_types else None, reduce_range,
                              bias_correction=config.bias_correction, weight_rounding=config.weight_rounding,
-                             adaround_iterations=config.adaround_iterations)
+                             adaround_iterations=config.adaround_iterations,
+                             adaround_time_budget_s=config.adaround_time_budget_s)
     key, ranges_key = calibration_keys(model_path, samples, settings)  # auto's two int8 candidates share the ranges
     key = key if not exclude else hashlib.sha256(f"{key}|{sorted(exclude)}".encode()).hexdigest()
     opset_before = opset_of(onnx.load(str(model_path), load_external_data=False))
@@ -119,7 +121,7 @@ def quantize(
             if settings.weight_rounding == "adaround" and not large:
                 rounding_key = calibration_keys(model_path, samples, dataclasses.replace(settings, bias_correction=False))[0]
                 notes.append(round_weights(prepared, staged, samples, settings.reduce_range, settings.adaround_iterations,
-                                           Path(cache_dir) / f"{rounding_key}.rounding.npz" if cache_dir else None))
+                                           settings.adaround_time_budget_s, Path(cache_dir) / f"{rounding_key}.rounding.npz" if cache_dir else None))
             if settings.bias_correction and not large:  # a model beyond protobuf's 2 GB is corrected nowhere yet
                 notes.append(correct_biases(prepared, staged, samples))
             validate(staged, run_session=True, tmp=tmp)

@@ -61,6 +61,9 @@ class CalibrationConfig(_Strict):
     # net (EfficientNet-Lite0: 4.5 to 5 min on 2 cores). "nearest": off, and the rescue search tries it as a remedy.
     weight_rounding: Literal["nearest", "adaround"] = "nearest"
     adaround_iterations: int = Field(default=300, ge=1)  # optimizer steps per layer
+    # Wall clock, checked before each layer; the layers left keep nearest rounding. AdaRound's cost grows with the
+    # model's FLOPs and weights: this bounds what it adds to a build, and to the rescue search that tries it.
+    adaround_time_budget_s: float = Field(default=600.0, gt=0)
 
 
 class FallbackConfig(_Strict):
