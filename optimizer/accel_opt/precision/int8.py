@@ -119,9 +119,10 @@ def quantize(
             movers = [name for name, _ in output_movers(prepared)]
             _quantize_with_ranges(prepared, ranges, overrides, settings, staged, large, [*exclude, *movers])
             if settings.weight_rounding == "adaround" and not large:
-                rounding_key = calibration_keys(model_path, samples, dataclasses.replace(settings, bias_correction=False))[0]
+                rounding = calibration_keys(model_path, samples, dataclasses.replace(settings, bias_correction=False))[0]
+                learned = Path(cache_dir) / f"{rounding}.rounding.npz" if cache_dir else None  # bias correction follows
                 notes.append(round_weights(prepared, staged, samples, settings.reduce_range, settings.adaround_iterations,
-                                           settings.adaround_time_budget_s, Path(cache_dir) / f"{rounding_key}.rounding.npz" if cache_dir else None))
+                                           settings.adaround_time_budget_s, learned))
             if settings.bias_correction and not large:  # a model beyond protobuf's 2 GB is corrected nowhere yet
                 notes.append(correct_biases(prepared, staged, samples))
             validate(staged, run_session=True, tmp=tmp)
