@@ -105,6 +105,18 @@ def save(model: onnx.ModelProto, path: Path) -> Path:
     return path
 
 
+def outputs_as_written(path: Path, samples) -> np.ndarray:
+    """The first output of the model at `path` on each sample, concatenated, with ONNX Runtime's graph optimizations
+    off: a Q/DQ graph runs as written (float arithmetic on dequantized values, no integer kernel), so what is
+    compared is the graph a transform changed, alike on every CPU class."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    return np.concatenate([session.run(None, s)[0] for s in samples])
+
+
 def image_npz_folder(folder: Path, count: int, seed: int = 0, name: str = "image", size: int = 32) -> Path:
     """`count` .npz feed dicts of one random [1, 3, size, size] image each (`s00.npz`, ...)."""
     folder.mkdir(parents=True)

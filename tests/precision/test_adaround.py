@@ -8,7 +8,6 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
@@ -16,7 +15,7 @@ from accel_opt.machine.cpu import CpuProfile
 from accel_opt.precision.int8 import quantize
 from accel_opt.recipe.stages import CalibrationConfig
 
-from ..conftest import make_model, save
+from ..conftest import make_model, outputs_as_written, save
 
 pytest.importorskip("torch", reason="AdaRound learns the rounding with PyTorch (the `ptq` extra)")
 
@@ -46,15 +45,6 @@ def _mobile_block(path: Path) -> Path:
     return save(model, path)
 
 
-def _outputs(path: Path, samples) -> np.ndarray:
-    """The Q/DQ graph as written (no integer kernel): what is compared is the graph AdaRound changed, alike on every
-    CPU class."""
-    options = ort.SessionOptions()
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
-    return np.concatenate([session.run(None, s)[0] for s in samples])
-
-
 def _weights(path: Path) -> dict[str, np.ndarray]:
     return {i.name: numpy_helper.to_array(i) for i in onnx.load(str(path)).graph.initializer}
 
@@ -77,9 +67,9 @@ def test_adaround_brings_the_int8_output_closer_to_fp32_on_inputs_it_never_saw(b
     note = next(n for n in rounded.notes if n.startswith("AdaRound:"))
     assert "of 4 layers re-rounded" in note, note  # stem, depthwise, projection, fc
 
-    reference = _outputs(model, held_out)
-    error_nearest = np.sqrt(np.mean((_outputs(tmp_path / "nearest.onnx", held_out) - reference) ** 2))
-    error_adaround = np.sqrt(np.mean((_outputs(tmp_path / "adaround.onnx", held_out) - reference) ** 2))
+    reference = outputs_as_written(model, held_out)
+    error_nearest = np.sqrt(np.mean((outputs_as_written(tmp_path / "nearest.onnx", held_out) - reference) ** 2))
+    error_adaround = np.sqrt(np.mean((outputs_as_written(tmp_path / "adaround.onnx", held_out) - reference) ** 2))
     assert error_adaround < 0.85 * error_nearest, (error_nearest, error_adaround)  # 0.72x measured
 
     before, after = _weights(tmp_path / "nearest.onnx"), _weights(tmp_path / "adaround.onnx")

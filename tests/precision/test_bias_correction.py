@@ -8,7 +8,6 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
@@ -16,7 +15,7 @@ from accel_opt.machine.cpu import CpuProfile
 from accel_opt.precision.int8 import quantize
 from accel_opt.recipe.stages import CalibrationConfig
 
-from ..conftest import make_model, save
+from ..conftest import make_model, outputs_as_written, save
 
 CPU = CpuProfile.of_class("avx2")  # 7-bit weights for ORT's preset (the class picks the range: any would do here)
 LEVELS = {"ort_cpu": 63, "tensorrt": 127}  # each preset's largest weight step: 7-bit for ORT on the AVX2 profile
@@ -47,15 +46,6 @@ def _depthwise_net(path: Path, levels: int) -> Path:
     return save(model, path)
 
 
-def _outputs(path: Path, samples) -> np.ndarray:
-    """Q/DQ evaluated as written (graph optimizations off: float arithmetic on dequantized values, no integer
-    kernel), so what is compared is the graph the correction changed, alike on every CPU class."""
-    options = ort.SessionOptions()
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
-    return np.concatenate([session.run(None, s)[0] for s in samples])
-
-
 @pytest.fixture(scope="module")
 def net(tmp_path_factory):
     folder = tmp_path_factory.mktemp("bias")
@@ -76,9 +66,9 @@ def test_corrected_biases_bring_the_int8_outputs_mean_back_to_fp32s(net, target,
     assert "biases corrected" in corrected.transform and "biases corrected" not in plain.transform
     note = next(n for n in corrected.notes if n.startswith("bias correction:"))
     assert note.startswith("bias correction: 3 layers' biases")  # stem, depthwise, fc
-    reference = _outputs(model, held_out)
-    shift_before = np.abs((_outputs(tmp_path / "plain.onnx", held_out) - reference).mean(0)).mean()
-    shift_after = np.abs((_outputs(tmp_path / "corrected.onnx", held_out) - reference).mean(0)).mean()
+    reference = outputs_as_written(model, held_out)
+    shift_before = np.abs((outputs_as_written(tmp_path / "plain.onnx", held_out) - reference).mean(0)).mean()
+    shift_after = np.abs((outputs_as_written(tmp_path / "corrected.onnx", held_out) - reference).mean(0)).mean()
     assert shift_after < 0.5 * shift_before, (shift_before, shift_after)
 
     before, after = onnx.load(str(tmp_path / "plain.onnx")), onnx.load(str(tmp_path / "corrected.onnx"))

@@ -91,7 +91,7 @@ def quantize(
                              bias_correction=config.bias_correction, weight_rounding=config.weight_rounding,
                              adaround_iterations=config.adaround_iterations,
                              adaround_time_budget_s=config.adaround_time_budget_s)
-    key, ranges_key = calibration_keys(model_path, samples, settings)  # auto's two int8 candidates share the ranges
+    key, ranges_key, rounding_key = calibration_keys(model_path, samples, settings)  # auto's int8 candidates share ranges
     key = key if not exclude else hashlib.sha256(f"{key}|{sorted(exclude)}".encode()).hexdigest()
     opset_before = opset_of(onnx.load(str(model_path), load_external_data=False))
     notes: list[str] = []
@@ -119,8 +119,7 @@ def quantize(
             movers = [name for name, _ in output_movers(prepared)]
             _quantize_with_ranges(prepared, ranges, overrides, settings, staged, large, [*exclude, *movers])
             if settings.weight_rounding == "adaround" and not large:
-                rounding = calibration_keys(model_path, samples, dataclasses.replace(settings, bias_correction=False))[0]
-                learned = Path(cache_dir) / f"{rounding}.rounding.npz" if cache_dir else None  # bias correction follows
+                learned = Path(cache_dir) / f"{rounding_key}.rounding.npz" if cache_dir else None
                 notes.append(round_weights(prepared, staged, samples, settings.reduce_range, settings.adaround_iterations,
                                            settings.adaround_time_budget_s, learned))
             if settings.bias_correction and not large:  # a model beyond protobuf's 2 GB is corrected nowhere yet
@@ -168,10 +167,11 @@ def quantize(
     )
 
 
-def calibration_keys(model_path: Path, samples: list[Sample], settings: QuantSettings) -> tuple[str, str]:
-    """(the quantized graph's key, the activation ranges' key): content hashes of (model bytes + external data, sample
-    bytes, settings, tool versions), the model and samples hashed once. The ranges' key takes only the settings the
-    calibrator reads: ONNX Runtime's and OpenVINO's presets make different graphs from the same ranges."""
+def calibration_keys(model_path: Path, samples: list[Sample], settings: QuantSettings) -> tuple[str, str, str]:
+    """(the quantized graph's key, the activation ranges' key, AdaRound's rounding's key): content hashes of (model
+    bytes + external data, sample bytes, settings, tool versions), the model and samples hashed once. The ranges' key
+    takes only the settings the calibrator reads: ONNX Runtime's and OpenVINO's presets make different graphs from the
+    same ranges. The rounding's leaves bias correction out: it corrects the biases after the rounding."""
     import onnxruntime
 
     content = hashlib.sha256()
@@ -193,7 +193,7 @@ def calibration_keys(model_path: Path, samples: list[Sample], settings: QuantSet
         digest.update(f"{sorted(fields.items())}|{tools}".encode())
         return digest.hexdigest()
 
-    return key(graph), key(calibrator)
+    return key(graph), key(calibrator), key(graph | {"bias_correction": False})
 
 
 # Ops that move, squash or combine values elementwise: at a graph output their Q/DQ pair rounds what the
