@@ -266,6 +266,25 @@ def test_task_metrics(tmp_path):
     assert other.task_metrics[0].worst_samples and other.task_metrics[0].worst_samples[0].startswith("s")
 
 
+
+def test_every_changed_prediction_is_counted_and_the_outputs_loss_is_apart_from_the_task_metric():
+    """What the rescue search compares two builds on: every sample whose top-1 changed (the report lists the first 20,
+    and does not serialize the rest), and the numeric part of the loss, continuous however few samples changed."""
+    rng = np.random.default_rng(0)
+    ref = [{"logits": rng.normal(size=(1, 10))} for _ in range(30)]
+    cand = [{"logits": r["logits"] + 0.01} for r in ref]  # a uniform shift: no prediction changes
+    for i in range(25):  # 25 samples swap their best class with their worst
+        row = cand[i]["logits"][0]
+        row[[row.argmax(), row.argmin()]] = row[[row.argmin(), row.argmax()]]
+    names = [f"s{i}" for i in range(30)]
+    report = judge(ref, cand, names, OPEN, [TopKMetric(min_agreement={1: 0.97})])
+    assert report.changed_samples == sorted(names[:25]) and len(report.task_metrics[0].worst_samples) == 20
+    assert "changed" not in report.task_metrics[0].model_dump()
+    assert report.loss == pytest.approx((25 / 30) / 0.03) and report.output_loss < 1  # the metric's part is not in it
+    labels_only = report.model_copy(update={"checks": [c.model_copy(update={"gated": False}) for c in report.checks]})
+    assert labels_only.changed_samples is None  # gated on labels: a changed prediction is not a failure
+    assert judge(ref, ref, names, OPEN, [CosineMetric()]).changed_samples is None  # no metric counts samples
+
 def test_topk_agreement_is_judged_by_its_bound_and_too_few_rows_are_their_own_verdict(tmp_path):
     ref = save(matmul_model(out_dim=8), tmp_path / "m.onnx")
     metric = [TopKMetric(min_agreement={1: 0.97})]

@@ -5,9 +5,10 @@ torch backend's in tests/backends/test_torch_package.py, and benchmarks/rescue.p
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from pathlib import Path
 
-from accel_opt.precision.search import Build, Remedy, SearchActions, Unit, int8_remedies, search
+from accel_opt.precision.search import Build, Remedy, SearchActions, Unit, better, int8_remedies, search
 from accel_opt.recipe.stages import CalibrationConfig
 
 UNITS = [Unit("Conv 16x16x1x1", ["p1", "p2", "p3"], flops=300, added_error=9.0),  # the diagnosis blames it most...
@@ -105,7 +106,7 @@ def test_a_remedy_that_passes_ends_the_search_before_any_layer_leaves_int8(tmp_p
     model = Model({"Conv 16x1x3x3": 2.5}, remedy_gains={PERCENTILE: 2.5})
     found = _run(model, tmp_path, remedies=REMEDIES)
     assert found.status == "rescued" and list(found.remedies) == ["percentile calibration"] and found.kept == []
-    assert [(s.kind, s.decision) for s in found.steps] == [
+    assert [(s.kind, s.decision.split(":")[0]) for s in found.steps] == [
         ("speed", "fast enough to search"), ("remedy", "not better"), ("remedy", "adopted"), ("stop", found.reason)]
     assert "AdaRound" not in [s.what for s in found.steps]  # minutes: only once the cheap remedies have not passed
 
@@ -116,12 +117,13 @@ def test_remedies_add_up_and_what_follows_is_built_with_them(tmp_path):
     model = Model({"Conv 16x1x3x3": 1.3}, remedy_gains={BIAS: 0.5, PERCENTILE: 0.3, ENTROPY: 0.1})
     found = _run(model, tmp_path, remedies=REMEDIES)
     assert [r.name for r in REMEDIES] == ["bias correction", "percentile calibration", "entropy calibration", "AdaRound"]
-    assert [s.decision for s in found.steps if s.kind == "remedy"] == ["adopted", "adopted", "not better", "not better"]
+    assert [s.decision.split(":")[0] for s in found.steps if s.kind == "remedy"] == [
+        "adopted", "adopted", "not better", "not better"]
     assert found.status == "rescued" and list(found.remedies) == ["bias correction", "percentile calibration"]
     assert sorted(found.kept) == ["d1", "d2"]  # 3 - 0.5 - 0.3 = 2.2; with the depthwise pair restored, 0.9 passes
     assert all(dict([BIAS, PERCENTILE]) == o for o in model.overrides[1 + len(REMEDIES):-2])  # measured and added with both
     assert [(s.what, s.decision) for s in found.steps if s.kind == "drop"] == [  # each still needed: 1.2, 1.4 without
-        ("without percentile calibration", "kept: needed"), ("without bias correction", "kept: needed")]
+        ("without percentile calibration", "kept: needed: fails"), ("without bias correction", "kept: needed: fails")]
     assert not int8_remedies(CalibrationConfig(bias_correction=True, method="percentile"))[0].name.startswith("bias")
 
 
@@ -166,5 +168,46 @@ class Interfering(Model):
 def test_a_remedy_in_the_way_of_the_rescue_is_dropped_once_units_are_restored(tmp_path):
     found = _run(Interfering({}), tmp_path, remedies=REMEDIES[:1], min_speedup=0.0)
     assert found.status == "rescued" and sorted(found.kept) == ["d1", "d2"] and found.remedies == {}
-    assert ("drop", "without bias correction", "dropped: lower loss without it") in [
+    assert ("drop", "without bias correction", "dropped: better without it: passes") in [
         (s.kind, s.what, s.decision) for s in found.steps]
+
+
+def _judged(loss: float, output_loss: float, changed: str) -> Build:
+    return Build(path=Path(f"{loss}-{changed}"), loss=loss, passed=loss <= 1.0, failures=[], worst_cosine=1.0,
+                 output_loss=output_loss, changed=frozenset(changed))
+
+
+def test_changed_predictions_decide_only_where_a_paired_sign_test_separates_the_builds():
+    base = _judged(1.96, 1.96, "")  # no probe changed; its numeric error is twice its limit
+    two_flips = _judged(12.0, 0.8, "ab")  # 2 of 32 changed (each ~6 loss units), error on every probe 2.4x lower
+    adopt, why = better(two_flips, base)
+    assert adopt and "sign test p = 0.5: too few to tell" in why and "output error 1.96 -> 0.8" in why
+    six_flips = _judged(36.0, 0.8, "abcdef")  # p = 2 / 64: a real difference in the task, whatever the error
+    adopt, why = better(six_flips, base)
+    assert not adopt and "changed predictions 0 -> 6 (sign test p = 0.031)" in why
+    # Paired: the probes that changed in both builds say nothing; 6 that changed in the base alone do.
+    assert better(_judged(30.0, 2.5, "uvwxyz"), _judged(36.0, 2.0, "abcdefuvwxyz"))[0]
+    assert better(_judged(42.0, 0.5, "abcdefg"), _judged(36.0, 2.0, "abcdef"))[0]  # 1 more changed: the error decides
+    assert better(_judged(0.9, 0.9, "a"), _judged(0.5, 0.5, ""))[0] is False  # both pass: the error decides
+    no_counts = Build(Path("x"), loss=2.0, passed=False, failures=[], worst_cosine=1.0)  # a detector: loss alone
+    assert better(no_counts, _judged(3.0, 0.1, ""))[0] and not better(_judged(3.0, 0.1, ""), no_counts)[0]
+
+
+class Flipping(Model):
+    """EfficientNet-Lite0's case, measured: AdaRound flips 2 steering crops (loss 12 against the naive build's 3) but
+    lowers the error on all of them; with the depthwise pair restored on top it passes, without AdaRound it does
+    not."""
+
+    def build_and_judge(self, keep, path, overrides):
+        self.builds.append(sorted(keep))
+        rounded, restored = ADAROUND in (overrides or {}).items(), {"d1", "d2"} <= set(keep)
+        loss, output_loss, changed = {(False, False): (3.0, 3.0, ""), (True, False): (12.0, 0.8, "ab"),
+                                      (True, True): (0.7, 0.7, ""), (False, True): (1.5, 1.5, "")}[(rounded, restored)]
+        return replace(_judged(loss, output_loss, changed), path=path.with_name("+".join(sorted(keep)) or "naive"))
+
+
+def test_a_remedy_that_flips_a_few_probes_but_lowers_the_error_on_all_is_the_base_of_the_rescue(tmp_path):
+    found = _run(Flipping({}), tmp_path, remedies=REMEDIES[-1:], min_speedup=0.0)
+    assert [(s.what, s.decision.split(":")[0]) for s in found.steps if s.kind in ("remedy", "drop")] == [
+        ("AdaRound", "adopted"), ("without AdaRound", "kept")]
+    assert found.status == "rescued" and list(found.remedies) == ["AdaRound"] and sorted(found.kept) == ["d1", "d2"]

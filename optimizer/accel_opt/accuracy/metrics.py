@@ -29,7 +29,7 @@ def task_metric(metric: TaskMetric, ref_outs, cand_outs, names: list[str], confi
     samples' own rates. `trials`: where samples are grouped, each group is one trial."""
     trials = trials or Trials.of(names)
     name = metric.output or next(iter(ref_outs[0].keys()))
-    note, worst = None, []
+    note, worst, changed = None, [], None
     evidence: dict[str, RateEvidence] = {}
 
     def rate(key: str, what: str, agreed: np.ndarray, owner: np.ndarray, minimum: float, failure: str,
@@ -56,8 +56,8 @@ def task_metric(metric: TaskMetric, ref_outs, cand_outs, names: list[str], confi
             agreed = np.array([r in row[:k] for r, row in zip(ref_top1, ranked)], dtype=bool)
             values[f"top{k}"] = rate(f"top{k}", f"top-{k} agreement", agreed, owner, minimum, "changed")
             thresholds[f"top{k}"] = minimum
-        changed = sorted({int(i) for i in owner[ranked[:, 0] != ref_top1]})
-        worst = [names[i] for i in changed][:MAX_LISTED_SAMPLES]
+        changed = [names[i] for i in sorted({int(i) for i in owner[ranked[:, 0] != ref_top1]})]  # top-5 misses among them
+        worst = changed[:MAX_LISTED_SAMPLES]
     elif isinstance(metric, CosineMetric):
         dots = (ref * cand).sum(axis=1)
         norms = np.linalg.norm(ref, axis=1) * np.linalg.norm(cand, axis=1)
@@ -78,17 +78,19 @@ def task_metric(metric: TaskMetric, ref_outs, cand_outs, names: list[str], confi
             same = nearest_neighbours(ref) == nearest_neighbours(cand)
             values = {"neighbour_agreement": rate("neighbour_agreement", "nearest-neighbour agreement", same, owner,
                                                   metric.min_agreement, "changed", "embeddings")}
-        worst = [names[int(owner[i])] for i in np.flatnonzero(~same)][:MAX_LISTED_SAMPLES]
+        changed = list(dict.fromkeys(names[int(owner[i])] for i in np.flatnonzero(~same)))
+        worst = changed[:MAX_LISTED_SAMPLES]
     else:  # pragma: no cover - the recipe schema admits only the kinds above
         raise TypeError(f"unknown task metric {metric!r}")
-    return _result(metric.kind, name, values, thresholds, evidence, note, worst)
+    return _result(metric.kind, name, values, thresholds, evidence, note, worst, changed)
 
 
 def _result(kind: str, output: str, values: dict[str, float], thresholds: dict[str, float],
-            evidence: dict[str, RateEvidence], note: str | None, worst: list[str]) -> TaskMetricResult:
+            evidence: dict[str, RateEvidence], note: str | None, worst: list[str],
+            changed: list[str] | None = None) -> TaskMetricResult:
     passed = all(evidence[k].status == "pass" if k in evidence else values[k] >= v for k, v in thresholds.items())
     return TaskMetricResult(kind=kind, output=output, values=values, thresholds=thresholds, evidence=evidence,
-                            passed=passed, note=note, worst_samples=worst)
+                            passed=passed, note=note, worst_samples=worst, changed=changed)
 
 
 def _detection_metric(metric: DetectionMetric, name: str, ref_outs, cand_outs, names: list[str],

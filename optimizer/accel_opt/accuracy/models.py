@@ -6,7 +6,7 @@ import logging
 from typing import Literal
 
 import numpy as np
-from pydantic import BaseModel, PrivateAttr, computed_field
+from pydantic import BaseModel, Field, PrivateAttr, computed_field
 
 from accel_opt.accuracy.evidence import DEFAULT_CONFIDENCE, METHOD, RateEvidence
 from accel_opt.accuracy.labeled import LabeledAccuracy
@@ -71,6 +71,9 @@ class TaskMetricResult(BaseModel):
     passed: bool
     note: str | None = None  # e.g. how many boxes the rates count
     worst_samples: list[str] = []  # samples whose prediction changed (top-k) or that lost most (detection)
+    # Every sample whose outcome changed, for metrics whose outcome per sample is one (top-k, neighbours; None: not
+    # one of those): what a paired comparison of two builds counts. In memory only: reports list `worst_samples`.
+    changed: list[str] | None = Field(default=None, exclude=True)
 
 
 class Check(BaseModel):
@@ -186,6 +189,20 @@ class AccuracyReport(BaseModel):
         if any(not c.gated for c in self.checks):
             labeled = [c.labeled for c in self.checks if c.gated and c.labeled is not None and c.labeled.limit is not None]
             return max((_over(max(r.drop, 0.0), r.limit) for r in labeled), default=0.0)
+        ratios = [self.output_loss]
+        for metric in self.task_metrics:
+            for key, limit in metric.thresholds.items():
+                value = metric.values.get(key)
+                if value is None:
+                    continue
+                # every task threshold is a minimum (agreement, precision, recall, cosine) on a 0..1 scale
+                ratios.append((1 - value) / max(1 - limit, 1e-12))
+        return max(ratios)
+
+    @property
+    def output_loss(self) -> float:
+        """The part of `loss` the outputs' numeric checks set: continuous where the task metrics count samples, so
+        it can still rank two builds whose changed predictions are too few to tell them apart (search.better)."""
         tol = self.tolerance
         ratios = [0.0]
         for o in self.outputs:
@@ -198,14 +215,16 @@ class AccuracyReport(BaseModel):
                        (1 - o.cosine) / max(1 - tol.min_cosine, 1e-12), _over(abs(o.gain - 1), tol.max_gain_error)]
             if o.worst_sample_cosine is not None:
                 ratios.append((1 - o.worst_sample_cosine) / max(1 - tol.min_sample_cosine, 1e-12))
-        for metric in self.task_metrics:
-            for key, limit in metric.thresholds.items():
-                value = metric.values.get(key)
-                if value is None:
-                    continue
-                # every task threshold is a minimum (agreement, precision, recall, cosine) on a 0..1 scale
-                ratios.append((1 - value) / max(1 - limit, 1e-12))
         return max(ratios)
+
+    @property
+    def changed_samples(self) -> list[str] | None:
+        """The samples whose outcome changed under any task metric that counts them (None: no such metric, or the
+        verdict is gated on labels, where a changed prediction is not itself a failure)."""
+        if any(not c.gated for c in self.checks):
+            return None
+        counted = [m.changed for m in self.task_metrics if m.changed is not None]
+        return sorted(set().union(*counted)) if counted else None
 
     @property
     def worst_cosine(self) -> float:

@@ -66,7 +66,7 @@ def fallback_actions(ctx: BuildContext, probes: list[Sample], shapes: dict[str, 
         noise_floor.update({o.name: o.noise_floor for o in result.outputs})
         reference_outputs[:] = result._reference_outputs
         return fallback.ProbeVerdict(passed=result.passed, worst_cosine=result.worst_cosine, failures=result.failures[:3],
-                                     loss=result.loss)
+                                     loss=result.loss, output_loss=result.output_loss, changed=result.changed_samples)
 
     compiled: dict[Path, object] = {}  # each build compiled once: judged, then perhaps timed
 

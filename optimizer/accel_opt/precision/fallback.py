@@ -47,6 +47,8 @@ class ProbeVerdict(BaseModel):
     worst_cosine: float
     failures: list[str]
     loss: float | None = None  # how far from passing, in units of each check's threshold (AccuracyReport.loss)
+    output_loss: float | None = None  # its outputs' numeric part (AccuracyReport.output_loss)
+    changed: list[str] | None = None  # the probes whose task outcome changed (AccuracyReport.changed_samples)
 
 
 class LayerRow(BaseModel):
@@ -187,8 +189,7 @@ def _search(precision: Precision, config: FallbackConfig, actions: Actions, repo
             return Build(path=path, loss=math.inf, passed=False, failures=[f"could not be built: {first_line(exc)}"],
                          worst_cosine=0.0)
         judged = actions.judge(path)
-        return Build(path=path, loss=judged.loss if judged.loss is not None else (0.0 if judged.passed else math.inf),
-                     passed=judged.passed, failures=judged.failures, worst_cosine=judged.worst_cosine)
+        return _build(path, judged)
 
     units_by_key: dict[str, list[str]] = {}
     for node, key in groups.items():
@@ -205,8 +206,7 @@ def _search(precision: Precision, config: FallbackConfig, actions: Actions, repo
         if why:
             raise CandidateDropped(why)
     units = units[: config.max_measured_units]
-    naive = Build(path=naive_path, loss=verdict.loss if verdict.loss is not None else math.inf, passed=False,
-                  failures=verdict.failures, worst_cosine=verdict.worst_cosine)
+    naive = _build(naive_path, verdict)
     started = time.monotonic()
     found = search(naive, units, SearchActions(build_and_judge=build_and_judge, speedup=actions.speedup),
                    out_path.parent, time_budget_s=config.time_budget_s, min_speedup=config.min_speedup,
@@ -228,6 +228,13 @@ def _search(precision: Precision, config: FallbackConfig, actions: Actions, repo
             if gain is not None else "restored by the search"))
     chosen = found.best.path
     return chosen, reports.get(chosen, precision_report)
+
+
+def _build(path: Path, judged: ProbeVerdict) -> Build:
+    """A build as the search sees it: its path and its verdict on the probes."""
+    return Build(path=path, loss=judged.loss if judged.loss is not None else (0.0 if judged.passed else math.inf),
+                 passed=judged.passed, failures=judged.failures, worst_cosine=judged.worst_cosine,
+                 output_loss=judged.output_loss, changed=frozenset(judged.changed) if judged.changed is not None else None)
 
 
 # A build is hopeless when, even if restoring the `max_rounds` groups of layers the per-layer diagnosis blames most
