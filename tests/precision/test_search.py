@@ -63,6 +63,13 @@ def test_units_are_added_by_measured_gain_until_the_probes_pass(tmp_path):
     assert [s.decision for s in found.steps if s.kind == "add"] == ["kept", "kept"]
 
 
+
+def test_of_the_units_that_pass_alone_the_cheapest_is_restored_first(tmp_path):
+    """The 1x1 group gains most (3 -> 0.2) but the depthwise pair, 1/15 of its FLOPs, passes alone too (3 -> 0.8)."""
+    found = _run(Model({"Conv 16x16x1x1": 2.8, "Conv 16x1x3x3": 2.2}), tmp_path)
+    assert found.status == "rescued" and sorted(found.kept) == ["d1", "d2"]
+    assert [s.what for s in found.steps if s.kind == "add"] == ["restore Conv 16x1x3x3 (2 layers)"]
+
 class Overlapping(Model):
     """Restorations that overlap: the unit that gains most alone (the 1x1 group) is redundant once the other two are
     kept, which pass without it."""
