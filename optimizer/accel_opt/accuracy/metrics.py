@@ -56,7 +56,7 @@ def task_metric(metric: TaskMetric, ref_outs, cand_outs, names: list[str], confi
             agreed = np.array([r in row[:k] for r, row in zip(ref_top1, ranked)], dtype=bool)
             values[f"top{k}"] = rate(f"top{k}", f"top-{k} agreement", agreed, owner, minimum, "changed")
             thresholds[f"top{k}"] = minimum
-        changed = [names[i] for i in sorted({int(i) for i in owner[ranked[:, 0] != ref_top1]})]  # top-5 misses among them
+        changed = [names[i] for i in sorted({int(i) for i in owner[ranked[:, 0] != ref_top1]})]  # a top-k miss is a top-1 change too
         worst = changed[:MAX_LISTED_SAMPLES]
     elif isinstance(metric, CosineMetric):
         dots = (ref * cand).sum(axis=1)

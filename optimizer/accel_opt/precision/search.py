@@ -16,8 +16,8 @@ probes' cosine went from 0.9859 to 0.9855). So every decision here is measured, 
    alone is restored to float with everything else reduced: one build per unit (the worst `max_measured_units` by
    the diagnosis when there are more).
 4. Units added in the order of their measured gain (those that pass alone first, fewest FLOPs first), each kept only
-   if it lowers the loss, each timed: a unit that
-   would take the build below `min_speedup` is not added, and the search stops there.
+   if it lowers the loss, each timed: a unit that would take the build below `min_speedup` is not added, and the
+   search stops there.
 5. Once units are restored, every adopted remedy is tried without: one that helped the all-reduced build may stand in
    the way once a layer is restored, and is dropped where the build is better without it (`better` again; remedies
    cost no speed, so one that still helps stays). Once the probes pass, every kept unit is tried without (least gain first):
@@ -231,9 +231,9 @@ def search(naive: Build, units: Sequence[Unit], actions: SearchActions, work: Pa
     # The units that pass alone first, cheapest first: on a few dozen probes one flipped near-tie can be what fails,
     # and then most units pass alone, their gains apart only by their numeric error, which the unit with the most
     # FLOPs lowers most (measured on EfficientNet-Lite0 with AdaRound: 24 of 32 units passed alone; the four 1152x192
-    # 1x1 convs, taken by gain, left the build at 1.37x fp32's speed, one 5x5 depthwise conv of ~1/40 their FLOPs
-    # passed too). Then by gain.
-    ranked = [unit for gain, unit, _ in sorted(measured, key=lambda m: (not m[2], m[1].flops if m[2] else -m[0]))
+    # 1x1 convs, taken by gain, left the build at 1.37x fp32's speed; one 240-channel 3x3 depthwise conv, taken
+    # cheapest first, passed too and left 1.56x). Then by gain.
+    ranked = [unit for gain, unit, _ in sorted(measured, key=lambda m: (0, m[1].flops) if m[2] else (1, -m[0]))
               if gain > 0]
     if not ranked:
         why = "no unit's restoration lowered the loss" if measured else f"the {time_budget_s:.0f} s budget ran out"
