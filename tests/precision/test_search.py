@@ -218,3 +218,39 @@ def test_a_remedy_that_flips_a_few_probes_but_lowers_the_error_on_all_is_the_bas
     assert [(s.what, s.decision.split(":")[0]) for s in found.steps if s.kind in ("remedy", "drop")] == [
         ("AdaRound", "adopted"), ("without AdaRound", "kept")]
     assert found.status == "rescued" and list(found.remedies) == ["AdaRound"] and sorted(found.kept) == ["d1", "d2"]
+
+
+class Clock:
+    """The search's clock, advanced by the builds: AdaRound's take `adaround_s`, every other build none."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+class SlowAdaRound(Model):
+    def __init__(self, clock: Clock, adaround_s: float, **gains):
+        super().__init__(**gains)
+        self.clock, self.adaround_s = clock, adaround_s
+
+    def build_and_judge(self, keep, path, overrides):
+        self.clock.now += self.adaround_s if ADAROUND in (overrides or {}).items() else 0.0
+        return super().build_and_judge(keep, path, overrides)
+
+
+def test_a_drop_that_would_relearn_adaround_past_the_budget_is_not_started(tmp_path, monkeypatch):
+    import accel_opt.precision.search as search_module
+
+    clock = Clock()
+    monkeypatch.setattr(search_module, "time", clock)
+    # AdaRound and percentile adopted (3 -> 2), the depthwise pair restored passes (0.5): five AdaRound builds by then
+    # (the remedy, three measures, the addition), 550 s of a 650 s budget.
+    model = SlowAdaRound(clock, 110.0, gains={"Conv 16x1x3x3": 1.5}, remedy_gains={PERCENTILE: 0.5, ADAROUND: 0.5})
+    found = _run(model, tmp_path, remedies=REMEDIES, time_budget_s=650.0)
+    assert found.status == "rescued" and set(found.remedies) == {"percentile calibration", "AdaRound"}
+    drops = [(s.what, s.decision) for s in found.steps if s.kind == "drop"]
+    assert drops[0][0] == "without AdaRound" and drops[0][1].startswith("kept")  # percentile is cached: built
+    assert drops[1] == ("without percentile calibration", "skipped: its build may take ~110 s, 100 s of the budget left")
+    assert clock.now <= 650.0
