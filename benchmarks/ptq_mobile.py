@@ -14,7 +14,9 @@ the RMS error of its logits against fp32's (continuous and paired: it moves wher
 
 Variants, ONNX Runtime CPU unless named: fp32; int8 naive (this project's Q/DQ: u8 activations, per-channel s8
 weights, minmax); + bias correction; percentile; percentile + bias correction; entropy; AdaRound (minutes each),
-+ bias correction, + percentile; ONNX Runtime's quantizer options alone
++ bias correction, + percentile; the last 4, 10 and 20 layers kept in float on top of those (float fallback's reach);
+the same with every activation left unrounded (an emulation, not a build: each activation Q/DQ pair becomes a Clip
+to its range, so what is left is the weights' error); ONNX Runtime's quantizer options alone
 (moving-average minmax, QDQKeepRemovableActivations, per-tensor weights); NNCF PTQ on the ONNX model (its own
 placement, fast bias correction); `accel-opt build --precision int8` (the rescue search on, its own held-out verdict);
 NNCF's accuracy-controlled quantization on OpenVINO (`--qac`, minutes).
@@ -38,6 +40,8 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 TIMED_BATCHES = (1, 8)
 CALIBRATION = 64
+BEST_REMEDIES = "percentile + AdaRound + bias correction"
+FLOAT_TAILS = (4, 10, 20)  # the head's layers first: on EfficientNet-Lite0 the tail buys the most agreement per speed
 
 
 def lite0(work: Path) -> tuple[Path, int]:
@@ -77,15 +81,72 @@ def variants_by_quantizer(model: Path, calibration: list[dict], work: Path) -> d
                                                                                          "bias_correction": True},
                "entropy": {"method": "entropy"}, "AdaRound": {"weight_rounding": "adaround"},
                "AdaRound + bias correction": {"weight_rounding": "adaround", "bias_correction": True},
-               "percentile + AdaRound + bias correction": {"method": "percentile", "weight_rounding": "adaround",
-                                                           "bias_correction": True}}
+               BEST_REMEDIES: {"method": "percentile", "weight_rounding": "adaround", "bias_correction": True}}
     out = {}
     for name, fields in configs.items():
         path = work / f"q-{len(out)}.onnx"
         report = quantize(model, calibration, CalibrationConfig(samples=len(calibration), **fields), "onnxruntime",
-                          path, None, CpuProfile.here())
+                          path, work / "rounding-cache" if name == BEST_REMEDIES else None, CpuProfile.here())
         out[name] = (path, report.seconds)
     return out
+
+
+def float_tail_variants(model: Path, calibration: list[dict], work: Path) -> dict[str, tuple[Path, float]]:
+    """The best remedies with the last k Conv/Gemm layers kept in float, as the rescue search would keep them (the
+    rounding learned on the all-int8 graph reused): how much agreement float fallback buys, and at what speed."""
+    import onnx
+
+    from accel_opt.machine.cpu import CpuProfile
+    from accel_opt.precision.int8 import quantize
+    from accel_opt.recipe.stages import CalibrationConfig
+
+    layers = [n.name for n in onnx.load(str(model), load_external_data=False).graph.node if n.op_type in ("Conv", "Gemm")]
+    config = CalibrationConfig(samples=len(calibration), method="percentile", weight_rounding="adaround",
+                               bias_correction=True)
+    out = {}
+    for k in FLOAT_TAILS:
+        path = work / f"tail-{k}.onnx"
+        report = quantize(model, calibration, config, "onnxruntime", path, work / "rounding-cache", CpuProfile.here(),
+                          exclude=layers[-k:])
+        out[f"{BEST_REMEDIES}, last {k} of {len(layers)} layers float"] = (path, report.seconds)
+    return out
+
+
+def activations_unrounded(quantized: Path, work: Path) -> Path:
+    """`quantized` with every activation Q/DQ pair replaced by a Clip to the pair's range: saturation kept (a ReLU6
+    folded into its Conv's range stays), rounding gone, so its error is the weights' alone. An emulation, not a build."""
+    import onnx
+    from onnx import helper, numpy_helper
+
+    model = onnx.load(str(quantized))
+    graph, constants = model.graph, {i.name: i for i in model.graph.initializer}
+    outputs = {o.name for o in graph.output}  # a pair on a graph output stays
+    pairs = {n.output[0]: n for n in graph.node if n.op_type == "QuantizeLinear" and n.input[0] not in constants}
+    kept = {n.input[0] for n in graph.node if n.op_type == "DequantizeLinear" and n.output[0] in outputs}
+    nodes = []
+    for node in graph.node:
+        if node.op_type == "QuantizeLinear" and node.output[0] in pairs and node.output[0] not in kept:
+            continue
+        quantizer = pairs.get(node.input[0]) if node.op_type == "DequantizeLinear" else None
+        if quantizer is None or node.input[0] in kept:
+            nodes.append(node)
+            continue
+        scale = float(numpy_helper.to_array(constants[quantizer.input[1]]))
+        zero = numpy_helper.to_array(constants[quantizer.input[2]])
+        low, high = np.iinfo(zero.dtype).min, np.iinfo(zero.dtype).max
+        bounds = [node.output[0] + "_low", node.output[0] + "_high"]
+        graph.initializer.extend(numpy_helper.from_array(np.array((v - int(zero)) * scale, np.float32), b)
+                                 for v, b in zip((low, high), bounds))
+        nodes.append(helper.make_node("Clip", [quantizer.input[0], *bounds], [node.output[0]]))
+    del graph.node[:]
+    graph.node.extend(nodes)
+    read = {name for node in nodes for name in node.input}
+    unread = [i for i in graph.initializer if i.name not in read]  # the pairs' scales and zero points
+    for initializer in unread:
+        graph.initializer.remove(initializer)
+    path = work / "activations-unrounded.onnx"
+    onnx.save(model, str(path))
+    return path
 
 
 def variants_by_ort_options(model: Path, calibration: list[dict], work: Path) -> dict[str, tuple[Path, float]]:
@@ -233,6 +294,9 @@ def main() -> int:
         calibration = build_crops[:CALIBRATION]
         made: dict[str, tuple[Path, float]] = {"fp32": (model, 0.0)}
         made |= variants_by_quantizer(model, calibration, work)
+        made |= float_tail_variants(model, calibration, work)
+        made[f"{BEST_REMEDIES}, activations unrounded (emulated)"] = (activations_unrounded(made[BEST_REMEDIES][0],
+                                                                                            work), 0.0)
         made |= variants_by_ort_options(model, calibration, work)
         made["NNCF PTQ (ONNX)"] = nncf_ptq(model, calibration, work)
         verdicts, steps = {}, []
