@@ -41,6 +41,7 @@ RESULTS = ROOT / "benchmarks" / "results"
 TIMED_BATCHES = (1, 8)
 CALIBRATION = 64
 BEST_REMEDIES = "percentile + AdaRound + bias correction"
+BEST_FIELDS = {"method": "percentile", "weight_rounding": "adaround", "bias_correction": True}  # its recipe keys
 FLOAT_TAILS = (4, 10, 20)  # the head's layers first: on EfficientNet-Lite0 the tail buys the most agreement per speed
 
 
@@ -81,7 +82,7 @@ def variants_by_quantizer(model: Path, calibration: list[dict], work: Path) -> d
                                                                                          "bias_correction": True},
                "entropy": {"method": "entropy"}, "AdaRound": {"weight_rounding": "adaround"},
                "AdaRound + bias correction": {"weight_rounding": "adaround", "bias_correction": True},
-               BEST_REMEDIES: {"method": "percentile", "weight_rounding": "adaround", "bias_correction": True}}
+               BEST_REMEDIES: BEST_FIELDS}
     out = {}
     for name, fields in configs.items():
         path = work / f"q-{len(out)}.onnx"
@@ -101,8 +102,7 @@ def float_tail_variants(model: Path, calibration: list[dict], work: Path) -> dic
     from accel_opt.recipe.stages import CalibrationConfig
 
     layers = [n.name for n in onnx.load(str(model), load_external_data=False).graph.node if n.op_type in ("Conv", "Gemm")]
-    config = CalibrationConfig(samples=len(calibration), method="percentile", weight_rounding="adaround",
-                               bias_correction=True)
+    config = CalibrationConfig(samples=len(calibration), **BEST_FIELDS)
     out = {}
     for k in FLOAT_TAILS:
         path = work / f"tail-{k}.onnx"
