@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import tempfile
 from collections import Counter
 from pathlib import Path
 
@@ -32,6 +34,24 @@ def pytest_terminal_summary(terminalreporter) -> None:
         counts = "; ".join(f"{name}: " + ", ".join(f"{n} {outcome}" for outcome, n in sorted(_by_class[name].items()))
                            for name in CPU_CLASSES)
         terminalreporter.write_line(f"class-dependent decisions tested under each CPU class (injected) -- {counts}")
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _temporary_files_under_pytest(tmp_path_factory):
+    """What accel-opt leaves in the temporary folder on purpose (crash logs, TensorRT build logs: the user reads them)
+    goes under pytest's own folder, which pytest prunes, in this process and the CLI runs it starts; Ray keeps the
+    system's (its socket paths have a length limit)."""
+    saved = {name: os.environ.get(name) for name in ("TMPDIR", "RAY_TMPDIR")}
+    os.environ.setdefault("RAY_TMPDIR", tempfile.gettempdir())
+    os.environ["TMPDIR"] = str(tmp_path_factory.mktemp("tmpdir"))
+    tempfile.tempdir = None  # gettempdir() reads TMPDIR again
+    yield
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+    tempfile.tempdir = None
 
 
 FAST_BENCH = {"warmup_iterations": 1, "min_iterations": 5, "min_seconds": 0.05, "max_iterations": 50, "batch_sizes": [1, 2],

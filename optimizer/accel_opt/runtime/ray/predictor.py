@@ -31,8 +31,10 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import socket
 import tempfile
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -112,7 +114,7 @@ class Predictor:
         self.pool = ThreadPoolExecutor(max(1, self.threads), thread_name_prefix="accel-opt-read")
         self.runner = self.deployment.runner()
         self.runner.activate()  # the session is built here, in the actor: never pickled
-        self.scratch = tempfile.mkdtemp(prefix="accel-opt-ray-")
+        self.scratch: str | None = None  # remote inputs' local copies: made on the first, removed with the actor
         log.info("on node %s: loaded %s with %d threads", where, self.deployment.describe(), self.threads)
 
     def __call__(self, batch: dict[str, np.ndarray]):
@@ -171,6 +173,9 @@ class Predictor:
                     blob = stream.read()
             except FileNotFoundError:
                 raise InputRejected("not found") from None
+        if self.scratch is None:
+            self.scratch = tempfile.mkdtemp(prefix="accel-opt-ray-")
+            weakref.finalize(self, shutil.rmtree, self.scratch, ignore_errors=True)  # also at the worker's exit
         with tempfile.NamedTemporaryFile(dir=self.scratch, suffix=Path(uri).suffix, delete=False) as f:
             f.write(blob)
         return f.name
