@@ -32,6 +32,7 @@ from onnx import helper, numpy_helper
 from accel_opt.data import Sample
 from accel_opt.errors import Unsupported
 from accel_opt.precision.qdq_weights import QuantizedLayer, broadcast_along, dequantized, quantized_layers
+from accel_opt.precision.torch_graph import conv_or_gemm
 
 ZETA, GAMMA = 1.1, -0.1  # the rectified sigmoid's stretch: h(V) reaches 0 and 1 exactly
 REGULARIZER_WEIGHT = 0.01
@@ -123,24 +124,6 @@ class _FloatTargets:
         return self.ready.pop(name)
 
 
-def _forward(layer: QuantizedLayer, torch, functional):
-    """fn(x, weight, bias) computing the layer as ONNX defines it (Conv with explicit pads, Gemm without alpha/beta)."""
-    attrs = {a.name: helper.get_attribute_value(a) for a in layer.node.attribute}
-    if layer.node.op_type == "Gemm":
-        if attrs.get("alpha", 1.0) != 1.0 or attrs.get("beta", 1.0) != 1.0 or attrs.get("transA", 0):
-            return None
-        trans_b = attrs.get("transB", 0)
-        return lambda x, w, b: functional.linear(x, w if trans_b else w.T, b)
-    spatial = layer.float_weight.ndim - 2
-    if attrs.get("auto_pad", b"NOTSET") not in (b"NOTSET", b"VALID") or spatial not in (1, 2, 3):
-        return None
-    pads = list(attrs.get("pads", [0] * 2 * spatial))
-    torch_pads = [p for axis in reversed(range(spatial)) for p in (pads[axis], pads[axis + spatial])]  # last axis first
-    conv = getattr(functional, f"conv{spatial}d")
-    stride, dilation, groups = attrs.get("strides", 1), attrs.get("dilations", 1), attrs.get("group", 1)
-    return lambda x, w, b: conv(functional.pad(x, torch_pads) if any(torch_pads) else x, w, b, stride, 0, dilation, groups)
-
-
 def adaround(float_model: onnx.ModelProto, quantized: onnx.ModelProto, samples: list[Sample], *, qmin: int, qmax: int,
              iterations: int, time_budget_s: float = float("inf"), seed: int = 0) -> tuple[dict[str, np.ndarray], str]:
     """Re-round the integer weights of `quantized` (a Q/DQ graph of `float_model`, changed in place), layer by layer in
@@ -158,7 +141,7 @@ def adaround(float_model: onnx.ModelProto, quantized: onnx.ModelProto, samples: 
     rng = np.random.default_rng(seed)
     inits = {i.name: i for i in quantized.graph.initializer}
     layers = [(layer, forward) for layer in quantized_layers(float_model, quantized)
-              if (forward := _forward(layer, torch, functional)) is not None]
+              if (forward := conv_or_gemm(layer.node, layer.float_weight.ndim, functional)) is not None]
     if not layers or not samples:
         return {}, "AdaRound: no quantized Conv/Gemm layer to re-round"
     targets = _activation_targets(float_model, [layer.original for layer, _ in layers])

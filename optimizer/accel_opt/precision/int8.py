@@ -31,12 +31,11 @@ from accel_opt.files import copy_file, sha256_file
 from accel_opt.graph.inspect import opset_of
 from accel_opt.graph.save import EXTERNAL_DATA_ABOVE_BYTES, upgrade_opset
 from accel_opt.machine.cpu import CpuProfile
-from accel_opt.precision.adaround import round_weights
-from accel_opt.precision.bias_correction import correct_biases
 from accel_opt.precision.calibration import calibration_errors
 from accel_opt.precision.fp16 import validate
 from accel_opt.precision.int8_presets import QuantPreset, resolve_preset, weight_range
 from accel_opt.precision.report import CalibrationReport, KeptNode, PrecisionReport
+from accel_opt.precision.weight_remedies import refine
 from accel_opt.recipe.stages import CalibrationConfig
 from accel_opt.recipe.types import CalibrationMethod, Precision
 
@@ -63,18 +62,17 @@ class QuantSettings:
     weight_rounding: str = "nearest"  # or "adaround" (adaround.py)
     adaround_iterations: int = 300
     adaround_time_budget_s: float = 600.0
+    bias_fit: bool = False  # every layer's bias fitted together to the outputs (bias_fit.py)
+    bias_fit_steps: int = 200
+    bias_fit_time_budget_s: float = 600.0
 
 
-def quantize(
-    model_path: Path,
-    samples: list[Sample],
-    config: CalibrationConfig,
-    backend_name: str,
-    out_path: Path,
-    cache_dir: Path | None,
-    cpu: CpuProfile,
-    exclude: Sequence[str] = (),
-) -> PrecisionReport:
+_REFINEMENTS = ("bias_correction", "weight_rounding", "adaround_iterations", "adaround_time_budget_s", "bias_fit",
+                "bias_fit_steps", "bias_fit_time_budget_s")  # QuantSettings' fields taken as the recipe names them
+
+
+def quantize(model_path: Path, samples: list[Sample], config: CalibrationConfig, backend_name: str, out_path: Path,
+             cache_dir: Path | None, cpu: CpuProfile, exclude: Sequence[str] = ()) -> PrecisionReport:
     """Write the calibrated Q/DQ int8 version of `model_path` to `out_path` (validated), reusing the cache; the weights'
     range suits the int8 kernels of the CPU `cpu` unless the recipe targets another class (weight_range).
     `exclude`: nodes left in float. The pre-processed model and the activation ranges are cached apart
@@ -88,10 +86,9 @@ def quantize(
     target_cpu, reduce_range, reduce_range_reason = weight_range(preset, config, cpu)
     settings = QuantSettings(preset, config.method, config.per_channel, config.percentile, config.num_bins,
                              tuple(config.op_types) if config.op_types else None, reduce_range,
-                             bias_correction=config.bias_correction, weight_rounding=config.weight_rounding,
-                             adaround_iterations=config.adaround_iterations,
-                             adaround_time_budget_s=config.adaround_time_budget_s)
+                             **{name: getattr(config, name) for name in _REFINEMENTS})
     key, ranges_key, rounding_key = calibration_keys(model_path, samples, settings)  # auto's int8 candidates share ranges
+    fit_key = key  # what the bias fit learns on the whole graph serves the builds with layers excluded
     key = key if not exclude else hashlib.sha256(f"{key}|{sorted(exclude)}".encode()).hexdigest()
     opset_before = opset_of(onnx.load(str(model_path), load_external_data=False))
     notes: list[str] = []
@@ -118,12 +115,8 @@ def quantize(
             overrides = _signed_input_overrides(prepared, ranges) if settings.preset.symmetric_signed_inputs else {}
             movers = [name for name, _ in output_movers(prepared)]
             _quantize_with_ranges(prepared, ranges, overrides, settings, staged, large, [*exclude, *movers])
-            if settings.weight_rounding == "adaround" and not large:
-                learned = Path(cache_dir) / f"{rounding_key}.rounding.npz" if cache_dir else None
-                notes.append(round_weights(prepared, staged, samples, settings.reduce_range, settings.adaround_iterations,
-                                           settings.adaround_time_budget_s, learned))
-            if settings.bias_correction and not large:  # a model beyond protobuf's 2 GB is corrected nowhere yet
-                notes.append(correct_biases(prepared, staged, samples))
+            if not large:  # a model beyond protobuf's 2 GB is refined nowhere yet
+                notes += refine(prepared, staged, samples, settings, cache_dir, rounding_key, fit_key)
             validate(staged, run_session=True, tmp=tmp)
             for produced in staged.parent.iterdir():
                 shutil.move(str(produced), str(out_path.parent / produced.name))
@@ -171,7 +164,7 @@ def calibration_keys(model_path: Path, samples: list[Sample], settings: QuantSet
     """(the quantized graph's key, the activation ranges' key, AdaRound's rounding's key): content hashes of (model
     bytes + external data, sample bytes, settings, tool versions), the model and samples hashed once. The ranges' key
     takes only the settings the calibrator reads: ONNX Runtime's and OpenVINO's presets make different graphs from the
-    same ranges. The rounding's leaves bias correction out: it corrects the biases after the rounding."""
+    same ranges. The rounding's leaves bias correction and the bias fit out: both come after the rounding."""
     import onnxruntime
 
     content = hashlib.sha256()
@@ -193,7 +186,8 @@ def calibration_keys(model_path: Path, samples: list[Sample], settings: QuantSet
         digest.update(f"{sorted(fields.items())}|{tools}".encode())
         return digest.hexdigest()
 
-    return key(graph), key(calibrator), key(graph | {"bias_correction": False})
+    after_rounding = {"bias_correction": False, "bias_fit": False, "bias_fit_steps": 0, "bias_fit_time_budget_s": 0}
+    return key(graph), key(calibrator), key(graph | after_rounding)
 
 
 # Ops that move, squash or combine values elementwise: at a graph output their Q/DQ pair rounds what the

@@ -1,0 +1,34 @@
+"""What changes a Q/DQ graph's integers after the quantizer placed them, in the order each builds on the one before:
+AdaRound (each layer's weights rounded to fit that layer's float output), bias correction (each bias absorbs its
+rounded weights' mean shift), the bias fit (every bias trained together to the float model's outputs)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from accel_opt.data import Sample
+from accel_opt.precision.adaround import round_weights
+from accel_opt.precision.bias_correction import correct_biases
+from accel_opt.precision.bias_fit import fit_file
+
+if TYPE_CHECKING:
+    from accel_opt.precision.int8 import QuantSettings
+
+
+def refine(float_path: Path, staged: Path, samples: list[Sample], settings: QuantSettings, cache_dir: Path | None,
+           rounding_key: str, fit_key: str) -> list[str]:
+    """Apply the remedies `settings` turns on to the Q/DQ graph at `staged`, in place; what AdaRound and the bias fit
+    learn is kept in `cache_dir` under their keys. Returns a line per remedy for the build's notes."""
+    notes = []
+    if settings.weight_rounding == "adaround":
+        learned = Path(cache_dir) / f"{rounding_key}.rounding.npz" if cache_dir else None
+        notes.append(round_weights(float_path, staged, samples, settings.reduce_range, settings.adaround_iterations,
+                                   settings.adaround_time_budget_s, learned))
+    if settings.bias_correction:
+        notes.append(correct_biases(float_path, staged, samples))
+    if settings.bias_fit:
+        fitted = Path(cache_dir) / f"{fit_key}.fit.npz" if cache_dir else None
+        notes.append(fit_file(float_path, staged, samples, settings.bias_fit_steps, settings.bias_fit_time_budget_s,
+                              fitted))
+    return notes
