@@ -107,7 +107,6 @@ BIAS = ("precision_options.calibration.bias_correction", True)
 PERCENTILE = ("precision_options.calibration.method", "percentile")
 ENTROPY = ("precision_options.calibration.method", "entropy")
 REMEDIES = int8_remedies(CalibrationConfig())
-THROUGH_ADAROUND = tuple(r for r in REMEDIES if r.name != "bias fit")  # the bias fit, last, is tried on its own below
 
 
 def test_a_remedy_that_passes_ends_the_search_before_any_layer_leaves_int8(tmp_path):
@@ -124,10 +123,9 @@ def test_remedies_add_up_and_what_follows_is_built_with_them(tmp_path):
     adopted; AdaRound gains nothing here. Every later build carries both adopted remedies."""
     model = Model({"Conv 16x1x3x3": 1.3}, remedy_gains={BIAS: 0.5, PERCENTILE: 0.3, ENTROPY: 0.1})
     found = _run(model, tmp_path, remedies=REMEDIES)
-    assert [r.name for r in REMEDIES] == [
-        "bias correction", "percentile calibration", "entropy calibration", "AdaRound", "bias fit"]
+    assert [r.name for r in REMEDIES] == ["bias correction", "percentile calibration", "entropy calibration", "AdaRound"]
     assert [s.decision.split(":")[0] for s in found.steps if s.kind == "remedy"] == [
-        "adopted", "adopted", "not better", "not better", "not better"]
+        "adopted", "adopted", "not better", "not better"]
     assert found.status == "rescued" and list(found.remedies) == ["bias correction", "percentile calibration"]
     assert sorted(found.kept) == ["d1", "d2"]  # 3 - 0.5 - 0.3 = 2.2; with the depthwise pair restored, 0.9 passes
     assert all(dict([BIAS, PERCENTILE]) == o for o in model.overrides[1 + len(REMEDIES):-2])  # measured and added with both
@@ -216,7 +214,7 @@ class Flipping(Model):
 
 
 def test_a_remedy_that_flips_a_few_probes_but_lowers_the_error_on_all_is_the_base_of_the_rescue(tmp_path):
-    found = _run(Flipping({}), tmp_path, remedies=THROUGH_ADAROUND[-1:], min_speedup=0.0)
+    found = _run(Flipping({}), tmp_path, remedies=REMEDIES[-1:], min_speedup=0.0)
     assert [(s.what, s.decision.split(":")[0]) for s in found.steps if s.kind in ("remedy", "drop")] == [
         ("AdaRound", "adopted"), ("without AdaRound", "kept")]
     assert found.status == "rescued" and list(found.remedies) == ["AdaRound"] and sorted(found.kept) == ["d1", "d2"]
@@ -250,18 +248,9 @@ def test_a_drop_that_would_relearn_adaround_past_the_budget_is_not_started(tmp_p
     # AdaRound and percentile adopted (3 -> 2), the depthwise pair restored passes (0.5): five AdaRound builds by then
     # (the remedy, three measures, the addition), 550 s of a 650 s budget.
     model = SlowAdaRound(clock, 110.0, gains={"Conv 16x1x3x3": 1.5}, remedy_gains={PERCENTILE: 0.5, ADAROUND: 0.5})
-    found = _run(model, tmp_path, remedies=THROUGH_ADAROUND, time_budget_s=650.0)
+    found = _run(model, tmp_path, remedies=REMEDIES, time_budget_s=650.0)
     assert found.status == "rescued" and set(found.remedies) == {"percentile calibration", "AdaRound"}
     drops = [(s.what, s.decision) for s in found.steps if s.kind == "drop"]
     assert drops[0][0] == "without AdaRound" and drops[0][1].startswith("kept")  # percentile is cached: built
     assert drops[1] == ("without percentile calibration", "skipped: its build may take ~110 s, 100 s of the budget left")
     assert clock.now <= 650.0
-
-
-def test_without_pytorch_the_remedies_that_train_carry_the_install_line(monkeypatch):
-    import accel_opt.precision.search as search_module
-
-    monkeypatch.setattr(search_module.importlib.util, "find_spec", lambda name: None)
-    unavailable = {r.name: r.unavailable for r in int8_remedies(CalibrationConfig())}
-    assert unavailable["AdaRound"] == unavailable["bias fit"] == "needs PyTorch: pip install 'accel-opt[ptq]'"
-    assert unavailable["bias correction"] is None

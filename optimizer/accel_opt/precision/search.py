@@ -8,8 +8,7 @@ probes' cosine went from 0.9859 to 0.9855). So every decision here is measured, 
    not `min_speedup` faster, no rescue can make it pay, and the search says so instead of spending its budget.
 2. Remedies that keep every layer reduced, one build each: bias correction (each bias absorbs the mean shift of its
    rounded weights), percentile or entropy calibration of the activations, then AdaRound (each layer's weights
-   rounded to fit the float model's output; minutes), then the bias fit (every layer's bias trained together to
-   the float model's outputs; minutes). A remedy that makes the build better (`better`: passing, else
+   rounded to fit the float model's output; minutes). A remedy that makes the build better (`better`: passing, else
    fewer changed predictions where a paired sign test separates the two builds, else a lower numeric error on every
    probe) is adopted and the next is tried on top of it; what is adopted is the base of what follows. One that needs
    a missing package is recorded as skipped, with the install line.
@@ -62,11 +61,9 @@ def int8_remedies(calibration: CalibrationConfig) -> tuple[Remedy, ...]:
         Remedy("bias correction", {"precision_options.calibration.bias_correction": True})]
     remedies += [Remedy(f"{method} calibration", {"precision_options.calibration.method": method})
                  for method in ("percentile", "entropy") if method != calibration.method.value]
-    missing = None if importlib.util.find_spec("torch") else "needs PyTorch: pip install 'accel-opt[ptq]'"
     if calibration.weight_rounding != "adaround":
+        missing = None if importlib.util.find_spec("torch") else "needs PyTorch: pip install 'accel-opt[ptq]'"
         remedies.append(Remedy("AdaRound", {"precision_options.calibration.weight_rounding": "adaround"}, missing))
-    if not calibration.bias_fit:  # trains every bias together on what the others made: last
-        remedies.append(Remedy("bias fit", {"precision_options.calibration.bias_fit": True}, missing))
     return tuple(remedies)
 
 
