@@ -11,10 +11,10 @@ after 50 steps (measured: 11,341 integers moved, 0.96x at best, then rising).
 
 A quarter of the samples is held back from the fitting: the biases kept are those of the checkpoint with the lowest
 output error there, and none are kept unless that beats the graph as it came. Measured on EfficientNet-Lite0 (64
-calibration crops, 240 held out, 2-vCPU AMX host), logit RMS error: naive int8 0.212 -> 0.113 after 100 steps (bias
-correction: 0.201 -> 0.164); after percentile + AdaRound + bias correction 0.077 -> 0.074, but top-1 agreement
-95.1% -> 93.8% on 144 held-out crops (7 -> 9 changed, within chance). So it is a recipe option, cheaper than AdaRound
-(132 s against 305 s there, 91.7% against 93.1% alone), and not a remedy the rescue search spends its budget on.
+calibration crops, 144 held out, 2-vCPU AMX host, benchmarks/ptq_mobile.py): logit RMS error of naive int8 0.201 ->
+0.112 and top-1 agreement 86.8% -> 91.7% in 135 s (bias correction: 0.164, 90.3%; AdaRound: 0.074, 93.1% in 310 s);
+after percentile + AdaRound + bias correction 0.077 -> 0.074, but 7 -> 9 changed (within chance). So it is a recipe
+option, cheaper than AdaRound, and not a remedy the rescue search spends its budget on.
 """
 
 from __future__ import annotations

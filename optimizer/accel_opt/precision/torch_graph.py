@@ -1,8 +1,9 @@
 """An ONNX graph evaluated in PyTorch, node by node, so that a loss on its outputs has gradients: what fitting a Q/DQ
 graph's integer weights to the float model's outputs (output_fit.py) trains through.
 
-Written here because no library runs a QuantizeLinear/DequantizeLinear graph differentiably: onnx2torch and
-onnx2pytorch have no converter for either op, and ONNX Runtime's training API trains float graphs. Rounding passes
+Written here because no library found runs a QuantizeLinear/DequantizeLinear graph differentiably with its rounding
+kept: onnx2torch has no converter for either op (forks that add one skip the rounding, making a float model), and
+ONNX Runtime's training API trains float graphs. Rounding passes
 its gradient straight through (the straight-through estimator) and saturation stops it, as quantization-aware
 training does. Only the operators of convolutional and dense networks are here; any other raises Unsupported, and
 the caller checks the torch form against ONNX Runtime's output before trusting it.
@@ -81,7 +82,8 @@ class TorchGraph:
 
     def __call__(self, feeds: dict[str, object]) -> list:
         """The graph's outputs for `feeds` (tensors by input name)."""
-        values = dict(self.constants) | {name: value() if callable(value) else value for name, value in self.overrides.items()} | feeds
+        trained = {name: value() if callable(value) else value for name, value in self.overrides.items()}
+        values = dict(self.constants) | trained | feeds
         for node in self.graph.node:
             attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
             inputs = [values[name] if name else None for name in node.input]
@@ -95,8 +97,8 @@ class TorchGraph:
                 for name in self.outputs]
 
     # Quantization: the integers are kept as floats, rounding's gradient passes straight through (saturation stops
-    # it). A per-tensor QuantizeLinear read only by its DequantizeLinear (an activation's pair) is one fused
-    # fake-quantize: a third of the time of a training step on EfficientNet-Lite0 went to the seven separate ops.
+    # it). A per-tensor QuantizeLinear read by its own DequantizeLinear (an activation's pair) is one fused
+    # fake-quantize, not seven ops whose every intermediate tensor the backward pass would keep.
     def _QuantizeLinear(self, node, attrs, x, scale, zero_point=None):
         low, high = self.integer_ranges.get(node.input[2], (0, 255)) if len(node.input) > 2 else (0, 255)
         if scale.numel() == 1:
