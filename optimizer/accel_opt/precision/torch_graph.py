@@ -22,12 +22,14 @@ from accel_opt.errors import Unsupported
 
 
 def conv_or_gemm(node: onnx.NodeProto, weight_ndim: int, functional) -> Callable | None:
-    """fn(x, weight, bias) computing a Conv (explicit pads or none) or Gemm node as ONNX defines it, or None."""
+    """fn(x, weight, bias) computing a Conv (explicit pads or none) or Gemm node as ONNX defines it, or None where
+    samples stacked along the first axis would not stay apart (a Gemm reading its input transposed)."""
     attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
     if node.op_type == "Gemm":
-        alpha, beta = attrs.get("alpha", 1.0), attrs.get("beta", 1.0)
-        trans_a, trans_b = attrs.get("transA", 0), attrs.get("transB", 0)
-        return lambda x, w, b: alpha * ((x.T if trans_a else x) @ (w.T if trans_b else w)) + (0 if b is None else beta * b)
+        if attrs.get("transA", 0):
+            return None
+        alpha, beta, trans_b = attrs.get("alpha", 1.0), attrs.get("beta", 1.0), attrs.get("transB", 0)
+        return lambda x, w, b: alpha * (x @ (w.T if trans_b else w)) + (0 if b is None else beta * b)
     spatial = weight_ndim - 2
     if attrs.get("auto_pad", b"NOTSET") not in (b"NOTSET", b"VALID") or spatial not in (1, 2, 3):
         return None
@@ -131,7 +133,10 @@ class TorchGraph:
         return forward(x, w, b)
 
     def _Gemm(self, node, attrs, a, b, c=None):
-        return conv_or_gemm(node, b.ndim, self.functional)(a, b, c)
+        forward = conv_or_gemm(node, b.ndim, self.functional)
+        if forward is None:
+            raise Unsupported(f"no differentiable form of {node.name}'s transposed input over stacked samples")
+        return forward(a, b, c)
 
     def _MatMul(self, node, attrs, a, b):
         return a @ b
