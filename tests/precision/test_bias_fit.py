@@ -15,19 +15,11 @@ from accel_opt.precision.int8 import quantize
 from accel_opt.recipe.stages import CalibrationConfig
 
 from ..conftest import make_model, outputs_as_written, save
-from .test_adaround import CPU, _mobile_block, _weights
+from .conftest import CPU, weights_of
 
 torch = pytest.importorskip("torch", reason="the bias fit trains with PyTorch (the `ptq` extra)")
 
 from accel_opt.precision.torch_graph import TorchGraph  # noqa: E402  (needs torch)
-
-
-@pytest.fixture(scope="module")
-def block(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("bias-fit")
-    rng = np.random.default_rng(1)
-    samples = [{"x": rng.uniform(-1, 1, (1, 3, 16, 16)).astype(np.float32)} for _ in range(64)]
-    return _mobile_block(folder / "block.onnx"), samples[:32], samples[32:]
 
 
 def _torch_outputs(path, samples) -> np.ndarray:
@@ -89,7 +81,7 @@ def test_the_bias_fit_brings_the_int8_output_closer_to_fp32_on_inputs_it_never_s
     error_fitted = np.sqrt(np.mean((outputs_as_written(tmp_path / "fitted.onnx", held_out) - reference) ** 2))
     assert error_fitted < 0.9 * error_plain, (error_plain, error_fitted)
 
-    before, after = _weights(tmp_path / "plain.onnx"), _weights(tmp_path / "fitted.onnx")
+    before, after = weights_of(tmp_path / "plain.onnx"), weights_of(tmp_path / "fitted.onnx")
     assert before.keys() == after.keys()
     changed = [name for name in before if not np.array_equal(before[name], after[name])]
     assert changed and all(before[name].dtype == np.int32 for name in changed), changed  # int32 biases only
@@ -103,7 +95,7 @@ def test_a_build_keeping_layers_in_float_reuses_the_fit_learned_on_the_all_int8_
     partial = quantize(model, calibration, config, "onnxruntime", tmp_path / "partial.onnx", cache, CPU, exclude=["fc"])
     note = next(n for n in partial.notes if n.startswith("bias fit:"))
     assert note.startswith("bias fit: the biases fitted on the whole graph reused for 3 of its 4"), note
-    everything, fewer = _weights(tmp_path / "all.onnx"), _weights(tmp_path / "partial.onnx")
+    everything, fewer = weights_of(tmp_path / "all.onnx"), weights_of(tmp_path / "partial.onnx")
     shared = [n for n in fewer if n.endswith("_quantized") and fewer[n].dtype == np.int32]
     assert len(shared) == 3 and all(np.array_equal(everything[n], fewer[n]) for n in shared)  # fc stays float
 

@@ -31,7 +31,14 @@ from onnx import helper, numpy_helper
 
 from accel_opt.data import Sample
 from accel_opt.errors import Unsupported
-from accel_opt.precision.qdq_weights import QuantizedLayer, broadcast_along, dequantized, quantized_layers
+from accel_opt.precision.qdq_weights import (
+    QuantizedLayer,
+    broadcast_along,
+    dequantized,
+    quantized_layers,
+    restore_tensors,
+    save_tensors,
+)
 from accel_opt.precision.torch_graph import conv_or_gemm
 
 ZETA, GAMMA = 1.1, -0.1  # the rectified sigmoid's stretch: h(V) reaches 0 and 1 exactly
@@ -242,16 +249,8 @@ def round_weights(float_path: Path, quantized_path: Path, samples: list[Sample],
     the build's notes."""
     quantized = onnx.load(str(quantized_path))
     if cache is not None and cache.is_file():
-        inits = {i.name: i for i in quantized.graph.initializer}
-        layers = list(quantized_layers(onnx.load(str(float_path)), quantized))
-        with np.load(cache) as stored:
-            learned = dict(zip(stored["names"].tolist(), (stored[f"w{i}"] for i in range(len(stored["names"])))))
-        applied = 0
-        for name in (layer.weight_dq.input[0] for layer in layers):
-            if name in learned and tuple(inits[name].dims) == learned[name].shape:
-                inits[name].CopyFrom(numpy_helper.from_array(learned[name], name))
-                applied += 1
-        note = f"AdaRound: the rounding learned for {len(learned)} layers reused for the {applied} still quantized"
+        applied, learned = restore_tensors(cache, {i.name: i for i in quantized.graph.initializer})
+        note = f"AdaRound: the rounding learned for {learned} layers reused for the {applied} still quantized"
     else:
         from onnxruntime.quantization.quant_utils import get_qmin_qmax_for_qType
 
@@ -259,7 +258,6 @@ def round_weights(float_path: Path, quantized_path: Path, samples: list[Sample],
         learned, note = adaround(onnx.load(str(float_path)), quantized, samples, qmin=int(qmin), qmax=int(qmax),
                                  iterations=iterations, time_budget_s=time_budget_s)
         if cache is not None:
-            cache.parent.mkdir(parents=True, exist_ok=True)
-            np.savez(cache, names=np.array(list(learned)), **{f"w{i}": w for i, w in enumerate(learned.values())})
+            save_tensors(cache, learned)
     onnx.save(quantized, str(quantized_path))
     return note

@@ -24,11 +24,11 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-from onnx import helper, numpy_helper
+from onnx import numpy_helper
 
 from accel_opt.data import Sample
 from accel_opt.errors import Unsupported
-from accel_opt.precision.qdq_weights import quantized_layers
+from accel_opt.precision.qdq_weights import quantized_layers, restore_tensors, save_tensors
 
 BATCH = 8
 HELD_BACK = 0.25  # of the samples: judge the checkpoints, never fitted
@@ -43,9 +43,9 @@ TORCH_FORM_TOLERANCE = 0.1
 
 
 def fit_biases(float_model: onnx.ModelProto, quantized: onnx.ModelProto, samples: list[Sample], *, steps: int,
-               time_budget_s: float = float("inf"), seed: int = 0) -> str:
+               time_budget_s: float = float("inf"), seed: int = 0) -> tuple[dict[str, np.ndarray], str]:
     """Fit the biases of `quantized` (a Q/DQ graph of `float_model`, changed in place) to the float model's outputs on
-    `samples` (see the module). Returns a line for the build's notes."""
+    `samples` (see the module). Returns ({bias initializer: the values written}, a line for the build's notes)."""
     try:
         import torch
     except ImportError as exc:
@@ -54,13 +54,13 @@ def fit_biases(float_model: onnx.ModelProto, quantized: onnx.ModelProto, samples
 
     start = time.monotonic()
     if len(samples) < 4:
-        return f"bias fit: skipped, {len(samples)} samples are too few to hold any back"
+        return {}, f"bias fit: skipped, {len(samples)} samples are too few to hold any back"
     torch.manual_seed(seed)
     rng = np.random.default_rng(seed)
     inits = {i.name: i for i in quantized.graph.initializer}
     biases = _biases(float_model, quantized, inits)
     if not biases:
-        return "bias fit: skipped, no quantized Conv/Gemm layer with a bias"
+        return {}, "bias fit: skipped, no quantized Conv/Gemm layer with a bias"
     trained = {tensor: torch.nn.Parameter(torch.from_numpy(values)) for tensor, (values, _) in biases.items()}
     graph = TorchGraph(quantized, trained)
     inputs = [i.name for i in quantized.graph.input if i.name not in inits]
@@ -75,7 +75,8 @@ def fit_biases(float_model: onnx.ModelProto, quantized: onnx.ModelProto, samples
 
     _check_torch_form(quantized, graph, samples[:BATCH], inputs, [t[0] for t in targets[:BATCH]], torch)
     order = rng.permutation(len(samples)).tolist()
-    held_back, fitted = order[: max(1, int(len(samples) * HELD_BACK))], order[max(1, int(len(samples) * HELD_BACK)):]
+    held_back_count = max(1, int(len(samples) * HELD_BACK))
+    held_back, fitted = order[:held_back_count], order[held_back_count:]
 
     def held_back_loss() -> float:
         with torch.no_grad():
@@ -98,15 +99,17 @@ def fit_biases(float_model: onnx.ModelProto, quantized: onnx.ModelProto, samples
     summary = (f"{step} steps of {BATCH} over {len(fitted)} samples, {len(held_back)} held back, "
                f"in {time.monotonic() - start:.1f} s")
     if best_state is None:
-        return f"bias fit: nothing kept, no checkpoint beat the graph as it came on the held-back samples ({summary})"
+        return {}, f"bias fit: nothing kept, no checkpoint beat the graph as it came on the held-back samples ({summary})"
+    written = {}
     for tensor, (_, stored) in biases.items():
         if stored is None:  # a float bias
-            inits[tensor].CopyFrom(numpy_helper.from_array(best_state[tensor], tensor))
+            written[tensor] = best_state[tensor]
         else:
             name, scale = stored
-            values = np.clip(np.round(best_state[tensor] / scale), -2**31, 2**31 - 1).astype(np.int32)
-            inits[name].CopyFrom(numpy_helper.from_array(values, name))
-    return (f"bias fit: the biases of {len(biases)} layers from step {best_step} kept, the held-back samples' output "
+            written[name] = np.clip(np.round(best_state[tensor] / scale), -2**31, 2**31 - 1).astype(np.int32)
+    for name, values in written.items():
+        inits[name].CopyFrom(numpy_helper.from_array(values, name))
+    return written, (f"bias fit: the biases of {len(biases)} layers from step {best_step} kept, the held-back samples' output "
             f"error {best / baseline:.2f}x the graph's as it came ({summary})")
 
 
@@ -166,22 +169,13 @@ def fit_file(float_path: Path, quantized_path: Path, samples: list[Sample], step
     layer quantized, and kept at `cache` (.npz): a build that keeps some layers in float (the rescue search makes
     many) takes its biases for the layers still quantized instead of fitting again. Returns a line for the notes."""
     quantized = onnx.load(str(quantized_path))
-    inits = {i.name: i for i in quantized.graph.initializer}
     if cache is not None and cache.is_file():
-        with np.load(cache) as stored:
-            fitted = dict(zip(stored["names"].tolist(), (stored[f"t{i}"] for i in range(len(stored["names"])))))
-        matching = [name for name, values in fitted.items() if name in inits and tuple(inits[name].dims) == values.shape
-                    and inits[name].data_type == helper.np_dtype_to_tensor_dtype(values.dtype)]
-        for name in matching:
-            inits[name].CopyFrom(numpy_helper.from_array(fitted[name], name))
-        note = f"bias fit: the biases fitted on the whole graph reused for {len(matching)} of its {len(fitted)} layers"
+        applied, fitted = restore_tensors(cache, {i.name: i for i in quantized.graph.initializer})
+        note = f"bias fit: the biases fitted on the whole graph reused for {applied} of its {fitted} layers"
     else:
-        before = {name: numpy_helper.to_array(i) for name, i in inits.items()}
-        note = fit_biases(onnx.load(str(float_path)), quantized, samples, steps=steps, time_budget_s=time_budget_s)
+        written, note = fit_biases(onnx.load(str(float_path)), quantized, samples, steps=steps,
+                                   time_budget_s=time_budget_s)
         if cache is not None:
-            changed = {name: numpy_helper.to_array(i) for name, i in inits.items()
-                       if not np.array_equal(numpy_helper.to_array(i), before[name])}
-            cache.parent.mkdir(parents=True, exist_ok=True)
-            np.savez(cache, names=np.array(list(changed)), **{f"t{i}": t for i, t in enumerate(changed.values())})
+            save_tensors(cache, written)
     onnx.save(quantized, str(quantized_path))
     return note

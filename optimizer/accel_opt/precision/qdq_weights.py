@@ -1,14 +1,16 @@
-"""The quantized layers of a Q/DQ graph beside the float layers they were quantized from: what bias correction and
-AdaRound both work on. ONNX Runtime's quantizer keeps node names, so a layer is found in both graphs by its name."""
+"""The quantized layers of a Q/DQ graph beside the float layers they were quantized from: what bias correction,
+AdaRound and the bias fit work on. ONNX Runtime's quantizer keeps node names, so a layer is found in both graphs by its
+name. Also the cache of what AdaRound and the bias fit learn, by initializer name, for the builds that reuse it."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import onnx
-from onnx import numpy_helper
+from onnx import helper, numpy_helper
 
 WEIGHTED_OPS = ("Conv", "Gemm")
 
@@ -58,3 +60,24 @@ def quantized_layers(float_model: onnx.ModelProto, quantized: onnx.ModelProto) -
         weight = float_weights.get(original.input[1])
         if weight is not None:
             yield QuantizedLayer(original, node, weight_dq, numpy_helper.to_array(weight))
+
+
+def save_tensors(path: Path, tensors: dict[str, np.ndarray]) -> None:
+    """Keep initializer values by name in one .npz (the names apart: an initializer's name need not be a valid key)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    np.savez(path, names=np.array(list(tensors)), **{f"w{i}": values for i, values in enumerate(tensors.values())})
+
+
+def restore_tensors(path: Path, initializers: dict[str, onnx.TensorProto]) -> tuple[int, int]:
+    """Write the values kept at `path` into the initializers of the same name, shape and type (a graph with fewer
+    layers quantized has fewer of them): (how many were written, how many were kept)."""
+    with np.load(path) as stored:
+        kept = dict(zip(stored["names"].tolist(), (stored[f"w{i}"] for i in range(len(stored["names"])))))
+    written = 0
+    for name, values in kept.items():
+        target = initializers.get(name)
+        if target is not None and tuple(target.dims) == values.shape and \
+                target.data_type == helper.np_dtype_to_tensor_dtype(values.dtype):
+            target.CopyFrom(numpy_helper.from_array(values, name))
+            written += 1
+    return written, len(kept)
