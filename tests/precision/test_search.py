@@ -254,3 +254,34 @@ def test_a_drop_that_would_relearn_adaround_past_the_budget_is_not_started(tmp_p
     assert drops[0][0] == "without AdaRound" and drops[0][1].startswith("kept")  # percentile is cached: built
     assert drops[1] == ("without percentile calibration", "skipped: its build may take ~110 s, 100 s of the budget left")
     assert clock.now <= 650.0
+
+
+class TimedBuilds(Model):
+    """Every build takes `build_s` on the search's clock."""
+
+    def __init__(self, clock: Clock, build_s: float, gains: dict[str, float]):
+        super().__init__(gains)
+        self.clock, self.build_s = clock, build_s
+
+    def build_and_judge(self, keep, path, overrides):
+        self.clock.now += self.build_s
+        return super().build_and_judge(keep, path, overrides)
+
+
+def test_measuring_stops_where_the_budget_left_is_needed_to_add_what_gains(tmp_path, monkeypatch):
+    """10 s a build, 25 s of budget: the first unit measured passes alone (3 -> 0.5). Measuring the other two would
+    leave no time to add it (EfficientNet-Lite0's case, measured: all 31 units measured, 24 passing alone, none
+    added); with the 20 s kept for adding, it is added and the build passes."""
+    import accel_opt.precision.search as search_module
+
+    clock = Clock()
+    monkeypatch.setattr(search_module, "time", clock)
+    found = _run(TimedBuilds(clock, 10.0, {"Conv 16x16x1x1": 2.5}), tmp_path, time_budget_s=25.0)
+    assert found.status == "rescued" and sorted(found.kept) == ["p1", "p2", "p3"]
+    assert [(s.kind, s.what, s.decision) for s in found.steps][1:3] == [
+        ("measure", "restore Conv 16x16x1x1 (3 layers) alone", "gains"),
+        ("measure", "the other 2 unit(s)", "skipped: 15 s of the budget left, kept to add what was measured (~10 s a unit)")]
+    # Nothing gained yet: measuring goes on whatever is left (nothing could be added).
+    clock.now = 0.0
+    found = _run(TimedBuilds(clock, 10.0, {"Gemm 10x16": 2.5}), tmp_path, time_budget_s=25.0)
+    assert [s.kind for s in found.steps] == ["speed", *["measure"] * 3, "stop"] and found.status == "time budget"
