@@ -19,14 +19,19 @@ outputs, ~2 min each); the last 4, 10 and 20 layers kept in float on top of thos
 the same with every activation left unrounded (an emulation, not a build: each activation Q/DQ pair becomes a Clip
 to its range, so what is left is the weights' error); ONNX Runtime's quantizer options alone
 (moving-average minmax, QDQKeepRemovableActivations, per-tensor weights); NNCF PTQ on the ONNX model (its own
-placement, fast bias correction); `accel-opt build --precision int8` (the rescue search on, its own held-out verdict);
-NNCF's accuracy-controlled quantization on OpenVINO (`--qac`, minutes).
+placement, fast bias correction); `accel-opt build --precision int8` (the rescue search on, its own held-out verdict).
+Rows marked [OpenVINO] are compiled by OpenVINO (their speed still against ONNX Runtime fp32, the goal's reference):
+fp32; this project's Q/DQ placed for OpenVINO, naive and with the best remedies, and the float tails on top; NNCF's PTQ
+of the OpenVINO model, where its other algorithms run (its defaults; full bias correction + channel alignment;
+SmoothQuant on the convolutions); `accel-opt build --precision int8 --backend openvino`; NNCF's accuracy-controlled
+quantization (`--qac`, minutes).
 
 Below the table: how many changed crops the gate allows to certify 97%, the fp32 top-1 margins of the crops the best
 remedies change, and the execution noise floor: the same int8 graph run by ONNX Runtime with and without graph
 optimizations (another summation order), whose top-1 already differs on a few crops.
 
-    python -m benchmarks.ptq_mobile [--model lite0|demo] [--build-crops 192] [--qac] [--out benchmarks/results]
+    python -m benchmarks.ptq_mobile [--model lite0|demo] [--build-crops 192] [--qac] [--no-openvino] [--no-build]
+                                    [--out benchmarks/results]
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ import os
 import sys
 import tempfile
 import time
+from importlib.metadata import version
 from pathlib import Path
 
 import numpy as np
@@ -47,7 +53,9 @@ TIMED_BATCHES = (1, 8)
 CALIBRATION = 64
 BEST_REMEDIES = "percentile + AdaRound + bias correction"
 BEST_FIELDS = {"method": "percentile", "weight_rounding": "adaround", "bias_correction": True}  # its recipe keys
-FLOAT_TAILS = (4, 10, 20)  # the head's layers first: on EfficientNet-Lite0 the tail buys the most agreement per speed
+OPENVINO = " [OpenVINO]"  # the suffix of a variant compiled by OpenVINO (its speed still against ONNX Runtime fp32)
+FLOAT_TAILS = (4, 10, 20)
+BUILD_BACKENDS = ("onnxruntime", "openvino")  # the head's layers first: on EfficientNet-Lite0 the tail buys the most agreement per speed
 
 
 def lite0(work: Path) -> tuple[Path, int]:
@@ -76,8 +84,10 @@ def demo(work: Path) -> tuple[Path, int]:
     return prepare(work / "demo")[0], IMAGE_SIZE
 
 
-def variants_by_quantizer(model: Path, calibration: list[dict], work: Path) -> dict[str, tuple[Path, float]]:
-    """This project's int8 transform under each whole-graph remedy, alone and combined: name -> (model, seconds)."""
+def variants_by_quantizer(model: Path, calibration: list[dict], work: Path,
+                          names: tuple[str, ...] | None = None, backend: str = "onnxruntime") -> dict[str, tuple[Path, float]]:
+    """This project's int8 transform under each whole-graph remedy, alone and combined (or those `names`), placed for
+    `backend`: name -> (model, seconds)."""
     from accel_opt.machine.cpu import CpuProfile
     from accel_opt.precision.int8 import quantize
     from accel_opt.recipe.stages import CalibrationConfig
@@ -91,14 +101,17 @@ def variants_by_quantizer(model: Path, calibration: list[dict], work: Path) -> d
                f"{BEST_REMEDIES} + bias fit": BEST_FIELDS | {"bias_fit": True}}
     out = {}
     for name, fields in configs.items():
-        path = work / f"q-{len(out)}.onnx"
-        report = quantize(model, calibration, CalibrationConfig(samples=len(calibration), **fields), "onnxruntime",
+        if names is not None and name not in names:
+            continue
+        path = work / f"q-{backend}-{len(out)}.onnx"
+        report = quantize(model, calibration, CalibrationConfig(samples=len(calibration), **fields), backend,
                           path, work / "rounding-cache", CpuProfile.here())  # AdaRound learned once per ranges
         out[name] = (path, report.seconds)
     return out
 
 
-def float_tail_variants(model: Path, calibration: list[dict], work: Path) -> dict[str, tuple[Path, float]]:
+def float_tail_variants(model: Path, calibration: list[dict], work: Path,
+                        backend: str = "onnxruntime") -> dict[str, tuple[Path, float]]:
     """The best remedies with the last k Conv/Gemm layers kept in float, as the rescue search would keep them (the
     rounding learned on the all-int8 graph reused): how much agreement float fallback buys, and at what speed."""
     import onnx
@@ -110,9 +123,9 @@ def float_tail_variants(model: Path, calibration: list[dict], work: Path) -> dic
     layers = [n.name for n in onnx.load(str(model), load_external_data=False).graph.node if n.op_type in ("Conv", "Gemm")]
     config = CalibrationConfig(samples=len(calibration), **BEST_FIELDS)
     out = {}
-    for k in FLOAT_TAILS:
-        path = work / f"tail-{k}.onnx"
-        report = quantize(model, calibration, config, "onnxruntime", path, work / "rounding-cache", CpuProfile.here(),
+    for k in (k for k in FLOAT_TAILS if k < len(layers)):  # some layer left in int8
+        path = work / f"tail-{backend}-{k}.onnx"
+        report = quantize(model, calibration, config, backend, path, work / "rounding-cache", CpuProfile.here(),
                           exclude=layers[-k:])
         out[f"{BEST_REMEDIES}, last {k} of {len(layers)} layers float"] = (path, report.seconds)
     return out
@@ -189,18 +202,55 @@ def nncf_ptq(model: Path, calibration: list[dict], work: Path) -> tuple[Path, fl
     return path, time.perf_counter() - started
 
 
-def accel_opt_build(model: Path, crops: list[dict], work: Path) -> tuple[Path, float, str, list[str]]:
-    """`accel-opt build --precision int8` on the build crops, the rescue search on: (its model, seconds, verdict, a
-    line per step of its search)."""
+def nncf_ptq_openvino(model: Path, calibration: list[dict], work: Path) -> tuple[dict[str, tuple[Path, float]],
+                                                                                  dict[str, str]]:
+    """NNCF's post-training quantization of the OpenVINO model, where its other algorithms run: its defaults (fast bias
+    correction); full bias correction with channel alignment; SmoothQuant on the convolutions (NNCF runs it for the
+    transformer model type only; alpha 0.15, NNCF's own for convolutions).
+
+    The model comes from `ov.convert_model`, not `Core.read_model`: measured here on both models, NNCF's bias
+    correction (fast or full, even with no threshold) changed no output of a model read by `read_model` (its Conv
+    biases stay behind an unfolded constant path NNCF does not match), and changed them once converted."""
+    import nncf
+    import openvino as ov
+    from nncf.quantization.advanced_parameters import AdvancedQuantizationParameters, AdvancedSmoothQuantParameters
+
+    options = {"NNCF PTQ": {}, "NNCF PTQ, full bias correction": {"fast_bias_correction": False},
+               "NNCF PTQ, full bias correction + channel alignment": {
+                   "fast_bias_correction": False,
+                   "advanced_parameters": AdvancedQuantizationParameters(disable_channel_alignment=False)},
+               "NNCF PTQ, SmoothQuant + full bias correction": {
+                   "fast_bias_correction": False, "model_type": nncf.ModelType.TRANSFORMER,
+                   "advanced_parameters": AdvancedQuantizationParameters(
+                       smooth_quant_alphas=AdvancedSmoothQuantParameters(convolution=0.15, matmul=-1))}}
+    out, failed = {}, {}
+    for name, extra in options.items():
+        started = time.perf_counter()
+        try:
+            quantized = nncf.quantize(ov.convert_model(str(model)), nncf.Dataset(calibration, lambda s: s["image"]),
+                                      subset_size=len(calibration), **extra)
+        except Exception as exc:  # NNCF's own failure on this model: reported under the table, the run goes on
+            failed[name] = f"{type(exc).__name__}: {exc}"[:160]
+            continue
+        path = work / f"nncf-openvino-{len(out)}.xml"
+        ov.save_model(quantized, str(path), compress_to_fp16=False)
+        out[name] = (path, time.perf_counter() - started)
+    return out, failed
+
+
+def accel_opt_build(model: Path, crops: list[dict], work: Path, backend: str) -> tuple[Path, float, str, list[str]]:
+    """`accel-opt build --precision int8 --backend BACKEND` on the build crops, the rescue search on: (its model,
+    seconds, verdict, a line per step of its search)."""
     from accel_opt import build, load_recipe
 
     data = work / "build-crops"
-    data.mkdir()
-    for i, sample in enumerate(crops):
-        np.savez(data / f"crop_{i:03d}.npz", **sample)
+    if not data.is_dir():
+        data.mkdir()
+        for i, sample in enumerate(crops):
+            np.savez(data / f"crop_{i:03d}.npz", **sample)
     started = time.perf_counter()
-    result = build(model, load_recipe("image-classifier").with_overrides(precision="int8"), data_dir=data,
-                   out_dir=work / "builds")
+    result = build(model, load_recipe("image-classifier").with_overrides(precision="int8", backend=backend),
+                   data_dir=data, out_dir=work / f"builds-{backend}")
     folder = Path(result.artifact_dir)
     fallback = json.loads((folder / "build.json").read_text()).get("fallback") or {}
     verdict = (("signed off" if result.signed_off else f"not signed off ({result.verdict})")
@@ -219,7 +269,7 @@ def nncf_accuracy_control(model: Path, calibration: list[dict], validation: list
 
     core = ov.Core()
     started = time.perf_counter()
-    ov_model = core.read_model(str(model))
+    ov_model = ov.convert_model(str(model))  # see nncf_ptq_openvino: read_model would leave bias correction idle
     fp32 = core.compile_model(ov_model, "CPU", {"INFERENCE_PRECISION_HINT": "f32"})
     references = [int(np.argmax(fp32(s["image"])[0])) for s in validation]
 
@@ -252,8 +302,9 @@ def execution_noise(quantized: Path, held_out: list[dict]) -> tuple[int, float]:
 
 
 def judge_and_time(variants: dict[str, Path], held_out: list[dict], labels: np.ndarray | None, work: Path) -> dict:
-    """Per variant: top-1 on the held-out crops against fp32's (and the labels), and p50 latency against ONNX Runtime
-    fp32 at each timed batch, every variant timed in one interleaved run."""
+    """Per variant: top-1 on the held-out crops against ONNX Runtime fp32's (the first variant; and the labels), and
+    p50 latency against it at each timed batch, every variant timed in one interleaved run. A variant named
+    `... [OpenVINO]` (or an IR) is compiled by this project's OpenVINO backend, the rest run by ONNX Runtime."""
     from accel_opt.backends.onnxruntime.backend import reference_runner
     from accel_opt.bench import Target, run_benchmark
     from accel_opt.machine.cpu import available_cpus
@@ -262,14 +313,15 @@ def judge_and_time(variants: dict[str, Path], held_out: list[dict], labels: np.n
     threads = available_cpus()
     runners = {}
     for name, path in variants.items():
-        if path.suffix == ".xml":  # OpenVINO IR
+        if name.endswith(OPENVINO) or path.suffix == ".xml":
             from accel_opt.backends.openvino.backend import OpenVinoBackend
             from accel_opt.recipe.schema import Recipe
             from accel_opt.recipe.types import Precision
 
             backend = OpenVinoBackend()
             size = held_out[0]["image"].shape[-1]
-            compiled = backend.compile(path, Precision.int8, Recipe(dynamic_shapes=True), work / f"ov-{len(runners)}",
+            precision = Precision.fp32 if name.startswith("fp32") else Precision.int8
+            compiled = backend.compile(path, precision, Recipe(dynamic_shapes=True), work / f"ov-{len(runners)}",
                                        shapes={"image": [1, 3, size, size]})
             runners[name] = backend.runner(compiled)
         else:
@@ -306,7 +358,8 @@ def main() -> int:
     parser.add_argument("--build-crops", type=int, default=192, help="crops the builds see; the rest are held out (192: "
                         "the build judges 96, too few to certify 97%% top-1, so its search does not run; 288 lets it)")
     parser.add_argument("--qac", action="store_true", help="also NNCF's accuracy-controlled quantization (minutes)")
-    parser.add_argument("--no-build", action="store_true", help="skip accel-opt's own build (its search takes minutes)")
+    parser.add_argument("--no-build", action="store_true", help="skip accel-opt's own builds (each search takes minutes)")
+    parser.add_argument("--no-openvino", action="store_true", help="ONNX Runtime's variants and build only")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     from accel_opt import zoo
@@ -326,12 +379,21 @@ def main() -> int:
                                                                                             work), 0.0)
         made |= variants_by_ort_options(model, calibration, work)
         made["NNCF PTQ (ONNX)"] = nncf_ptq(model, calibration, work)
-        verdicts, steps = {}, []
-        if not args.no_build:
-            path, seconds, verdicts["accel-opt build int8 (search)"], steps = accel_opt_build(model, build_crops, work)
-            made["accel-opt build int8 (search)"] = (path, seconds)
+        nncf_failed: dict[str, str] = {}
+        if not args.no_openvino:  # this project's Q/DQ placed for OpenVINO and compiled by it, beside NNCF's own PTQ
+            made["fp32" + OPENVINO] = (model, 0.0)
+            placed = variants_by_quantizer(model, calibration, work, ("int8 naive (minmax)", BEST_REMEDIES), "openvino")
+            placed |= float_tail_variants(model, calibration, work, "openvino")
+            made |= {name + OPENVINO: variant for name, variant in placed.items()}
+            nncf_made, nncf_failed = nncf_ptq_openvino(model, calibration, work)
+            made |= {name + OPENVINO: variant for name, variant in nncf_made.items()}
+        verdicts, steps = {}, {}
+        for backend in [] if args.no_build else BUILD_BACKENDS[:1 if args.no_openvino else 2]:
+            name = "accel-opt build int8 (search)" + (OPENVINO if backend == "openvino" else "")
+            path, seconds, verdicts[name], steps[name] = accel_opt_build(model, build_crops, work, backend)
+            made[name] = (path, seconds)
         if args.qac:
-            made["NNCF accuracy control (OpenVINO)"] = nncf_accuracy_control(model, calibration, build_crops, work)
+            made["NNCF accuracy control" + OPENVINO] = nncf_accuracy_control(model, calibration, build_crops, work)
         results = judge_and_time({n: p for n, (p, _) in made.items()}, held_out,
                                  labels[args.build_crops:] if args.model == "demo" else None, work)
         noise_changed, noise_rms = execution_noise(made[BEST_REMEDIES][0], held_out)
@@ -356,14 +418,16 @@ def main() -> int:
               f"{results['fp32']['margins_below_0.05']} of the {len(held_out)} crops (every variant's in the JSON)",
               f"the same graph run by ONNX Runtime with and without its graph optimizations: top-1 differs on "
               f"{noise_changed} crops, logit RMS difference {noise_rms:.4f} (another summation order, no other change)"]
-    lines += ["", "the build's rescue search, step by step (loss: how far its probes are from passing, 1 passes):",
-              *(f"  {step}" for step in steps)] if steps else []
+    lines += [f"{name}{OPENVINO}: NNCF {version('nncf')} failed: {why}" for name, why in nncf_failed.items()]
+    for name, build_steps in ((n, s) for n, s in steps.items() if s):  # a build whose search ran
+        lines += ["", f"{name}: its rescue search, step by step (loss: how far its probes are from passing, 1 passes):",
+                  *(f"  {step}" for step in build_steps)]
     text = "\n".join(lines) + "\n"
     print(text)
     args.out.mkdir(parents=True, exist_ok=True)
     stem = f"ptq_mobile-{args.model}-{cpu.cpu_class}"
     (args.out / f"{stem}.txt").write_text(text)
-    (args.out / f"{stem}.json").write_text(json.dumps({"results": results, "verdicts": verdicts, "search_steps": steps,
+    (args.out / f"{stem}.json").write_text(json.dumps({"results": results, "verdicts": verdicts, "search_steps": steps, "nncf_failed": nncf_failed,
                                                        "execution_noise": {"changed": noise_changed, "logit_rms": noise_rms}},
                                                       indent=1) + "\n")
     return 0
