@@ -22,8 +22,8 @@ to its range, so what is left is the weights' error); ONNX Runtime's quantizer o
 placement, fast bias correction); `accel-opt build --precision int8` (the rescue search on, its own held-out verdict).
 Rows marked [OpenVINO] are compiled by OpenVINO (their speed still against ONNX Runtime fp32, the goal's reference):
 fp32; this project's Q/DQ placed for OpenVINO, naive and with the best remedies, and the float tails on top; NNCF's PTQ
-of the OpenVINO model, where its other algorithms run (its defaults; full bias correction + channel alignment;
-SmoothQuant on the convolutions); `accel-opt build --precision int8 --backend openvino`; NNCF's accuracy-controlled
+of the OpenVINO model, where its other algorithms run (its defaults; full bias correction, alone and with channel
+alignment; SmoothQuant on the convolutions); `accel-opt build --precision int8 --backend openvino`; NNCF's accuracy-controlled
 quantization (`--qac`, minutes).
 
 Below the table: how many changed crops the gate allows to certify 97%, the fp32 top-1 margins of the crops the best
@@ -205,7 +205,7 @@ def nncf_ptq(model: Path, calibration: list[dict], work: Path) -> tuple[Path, fl
 def nncf_ptq_openvino(model: Path, calibration: list[dict], work: Path) -> tuple[dict[str, tuple[Path, float]],
                                                                                   dict[str, str]]:
     """NNCF's post-training quantization of the OpenVINO model, where its other algorithms run: its defaults (fast bias
-    correction); full bias correction with channel alignment; SmoothQuant on the convolutions (NNCF runs it for the
+    correction); full bias correction, alone and with channel alignment; SmoothQuant on the convolutions (NNCF runs it for the
     transformer model type only; alpha 0.15, NNCF's own for convolutions).
 
     The model comes from `ov.convert_model`, not `Core.read_model`: measured here on both models, NNCF's bias
