@@ -230,13 +230,16 @@ class Clock:
         return self.now
 
 
-class SlowAdaRound(Model):
-    def __init__(self, clock: Clock, adaround_s: float, **gains):
+class TimedBuilds(Model):
+    """Every build takes `build_s` on the search's clock, one that learns AdaRound `adaround_s` (if given)."""
+
+    def __init__(self, clock: Clock, build_s: float, adaround_s: float | None = None, **gains):
         super().__init__(**gains)
-        self.clock, self.adaround_s = clock, adaround_s
+        self.clock, self.build_s, self.adaround_s = clock, build_s, adaround_s
 
     def build_and_judge(self, keep, path, overrides):
-        self.clock.now += self.adaround_s if ADAROUND in (overrides or {}).items() else 0.0
+        rounding = self.adaround_s is not None and ADAROUND in (overrides or {}).items()
+        self.clock.now += self.adaround_s if rounding else self.build_s
         return super().build_and_judge(keep, path, overrides)
 
 
@@ -247,25 +250,13 @@ def test_a_drop_that_would_relearn_adaround_past_the_budget_is_not_started(tmp_p
     monkeypatch.setattr(search_module, "time", clock)
     # AdaRound and percentile adopted (3 -> 2), the depthwise pair restored passes (0.5): five AdaRound builds by then
     # (the remedy, three measures, the addition), 550 s of a 650 s budget.
-    model = SlowAdaRound(clock, 110.0, gains={"Conv 16x1x3x3": 1.5}, remedy_gains={PERCENTILE: 0.5, ADAROUND: 0.5})
+    model = TimedBuilds(clock, 0.0, 110.0, gains={"Conv 16x1x3x3": 1.5}, remedy_gains={PERCENTILE: 0.5, ADAROUND: 0.5})
     found = _run(model, tmp_path, remedies=REMEDIES, time_budget_s=650.0)
     assert found.status == "rescued" and set(found.remedies) == {"percentile calibration", "AdaRound"}
     drops = [(s.what, s.decision) for s in found.steps if s.kind == "drop"]
     assert drops[0][0] == "without AdaRound" and drops[0][1].startswith("kept")  # percentile is cached: built
     assert drops[1] == ("without percentile calibration", "skipped: its build may take ~110 s, 100 s of the budget left")
     assert clock.now <= 650.0
-
-
-class TimedBuilds(Model):
-    """Every build takes `build_s` on the search's clock."""
-
-    def __init__(self, clock: Clock, build_s: float, gains: dict[str, float]):
-        super().__init__(gains)
-        self.clock, self.build_s = clock, build_s
-
-    def build_and_judge(self, keep, path, overrides):
-        self.clock.now += self.build_s
-        return super().build_and_judge(keep, path, overrides)
 
 
 def test_measuring_stops_where_the_budget_left_is_needed_to_add_what_gains(tmp_path, monkeypatch):
@@ -276,12 +267,12 @@ def test_measuring_stops_where_the_budget_left_is_needed_to_add_what_gains(tmp_p
 
     clock = Clock()
     monkeypatch.setattr(search_module, "time", clock)
-    found = _run(TimedBuilds(clock, 10.0, {"Conv 16x16x1x1": 2.5}), tmp_path, time_budget_s=25.0)
+    found = _run(TimedBuilds(clock, 10.0, gains={"Conv 16x16x1x1": 2.5}), tmp_path, time_budget_s=25.0)
     assert found.status == "rescued" and sorted(found.kept) == ["p1", "p2", "p3"]
     assert [(s.kind, s.what, s.decision) for s in found.steps][1:3] == [
         ("measure", "restore Conv 16x16x1x1 (3 layers) alone", "gains"),
         ("measure", "the other 2 unit(s)", "skipped: 15 s of the budget left, kept to add what was measured (~10 s a unit)")]
     # Nothing gained yet: measuring goes on whatever is left (nothing could be added).
     clock.now = 0.0
-    found = _run(TimedBuilds(clock, 10.0, {"Gemm 10x16": 2.5}), tmp_path, time_budget_s=25.0)
+    found = _run(TimedBuilds(clock, 10.0, gains={"Gemm 10x16": 2.5}), tmp_path, time_budget_s=25.0)
     assert [s.kind for s in found.steps] == ["speed", *["measure"] * 3, "stop"] and found.status == "time budget"
