@@ -90,7 +90,11 @@ class FallbackConfig(_Strict):
     max_measured_units: int = Field(default=32, ge=1)
     # An optional cap on the Conv/MatMul/Gemm FLOPs left in float; the speed budget decides by default.
     max_fp32_flops_fraction: float = Field(default=1.0, gt=0, le=1)
-    probe_samples: int = Field(default=16, ge=1)  # the first steering samples, judged for every variant of the search
+    # The first steering samples (at most accuracy.split.max_steering, 32), judged for every variant of the search.
+    # All 32: aimed at what the held-out verdict certifies, the probes may show no change, and a build changing 5% of
+    # its answers shows none on 16 samples 44% of the time (0.95^16), on 32 19%. Measured on EfficientNet-Lite0 with
+    # OpenVINO (AVX-512 VNNI): the search stopped at 91.7% held-out top-1 agreement on 16 probes, 95.1% on 32.
+    probe_samples: int = Field(default=32, ge=1)
     diagnosis_samples: int = Field(default=4, ge=1)  # the first probes, run layer by layer (the costly part)
     # fp16: nodes whose fp32 activations exceed this on a probe sample stay fp32 before any build is judged
     # (float16 holds at most 65504; the margin covers inputs larger than the probes).
