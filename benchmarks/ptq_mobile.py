@@ -243,10 +243,11 @@ def nncf_ptq_openvino(model: Path, calibration: list[dict], work: Path) -> tuple
     return out, failed
 
 
-def accel_opt_build(model: Path, crops: list[dict], work: Path, backend: str,
-                    overrides: dict | None = None) -> tuple[Path, float, str, list[str]]:
-    """`accel-opt build --precision int8 --backend BACKEND` on the build crops, the rescue search on, the image
-    classifier recipe with `overrides` (dotted keys): (its model, seconds, verdict, a line per step of its search)."""
+def accel_opt_build(model: Path, crops: list[dict], work: Path, backend: str, overrides: dict,
+                    out_dir: Path) -> tuple[Path, float, str, list[str]]:
+    """`accel-opt build --precision int8 --backend BACKEND` on the build crops (written once, shared by the builds),
+    the rescue search on, the image classifier recipe with `overrides` (dotted keys), into `out_dir`: (its model,
+    seconds, verdict, a line per step of its search)."""
     from accel_opt import build, load_recipe
 
     data = work / "build-crops"
@@ -255,8 +256,8 @@ def accel_opt_build(model: Path, crops: list[dict], work: Path, backend: str,
         for i, sample in enumerate(crops):
             np.savez(data / f"crop_{i:03d}.npz", **sample)
     started = time.perf_counter()
-    recipe = load_recipe("image-classifier").with_overrides(precision="int8", backend=backend, **(overrides or {}))
-    result = build(model, recipe, data_dir=data, out_dir=work / f"builds-{len(list(work.glob('builds-*')))}")
+    recipe = load_recipe("image-classifier").with_overrides(precision="int8", backend=backend, **overrides)
+    result = build(model, recipe, data_dir=data, out_dir=out_dir)
     folder = Path(result.artifact_dir)
     fallback = json.loads((folder / "build.json").read_text()).get("fallback") or {}
     verdict = (("signed off" if result.signed_off else f"not signed off ({result.verdict})")
@@ -394,9 +395,11 @@ def main() -> int:
             nncf_made, nncf_failed = nncf_ptq_openvino(model, calibration, work)
             made |= {name + OPENVINO: variant for name, variant in nncf_made.items()}
         verdicts, steps = {}, {}
-        for suffix, backend, overrides in [] if args.no_build else BUILDS[:1 if args.no_openvino else None]:
+        builds = [] if args.no_build else BUILDS[:1 if args.no_openvino else None]
+        for number, (suffix, backend, overrides) in enumerate(builds):
             name = "accel-opt build int8 (search)" + suffix
-            path, seconds, verdicts[name], steps[name] = accel_opt_build(model, build_crops, work, backend, overrides)
+            path, seconds, verdicts[name], steps[name] = accel_opt_build(model, build_crops, work, backend, overrides,
+                                                                         work / f"builds-{number}")
             made[name] = (path, seconds)
         if args.qac:
             made["NNCF accuracy control" + OPENVINO] = nncf_accuracy_control(model, calibration, build_crops, work)
