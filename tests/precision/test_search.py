@@ -8,7 +8,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from accel_opt.precision.search import Build, Remedy, SearchActions, Unit, better, int8_remedies, search
+from accel_opt.precision.search import Build, Remedy, SearchActions, Unit, better, int8_remedies, search, tail_units
 from accel_opt.recipe.stages import CalibrationConfig
 
 UNITS = [Unit("Conv 16x16x1x1", ["p1", "p2", "p3"], flops=300, added_error=9.0),  # the diagnosis blames it most...
@@ -276,3 +276,35 @@ def test_measuring_stops_where_the_budget_left_is_needed_to_add_what_gains(tmp_p
     clock.now = 0.0
     found = _run(TimedBuilds(clock, 10.0, gains={"Gemm 10x16": 2.5}), tmp_path, time_budget_s=25.0)
     assert [s.kind for s in found.steps] == ["speed", *["measure"] * 3, "stop"] and found.status == "time budget"
+
+
+LAYERS_IN_ORDER = ["p1", "d1", "p2", "x1", "x2", "p3", "d2", "fc"]  # UNITS' layers and two others, as the graph runs
+
+
+def test_the_network_tail_is_a_unit_of_its_own_up_to_a_quarter_of_the_layers():
+    tails = tail_units(LAYERS_IN_ORDER, [4, 2, 2], {"d2": 10, "fc": 10})
+    assert [(u.label, u.nodes, u.flops) for u in tails] == [("the last 2 of 8 layers", ["d2", "fc"], 20)]
+    assert tail_units(LAYERS_IN_ORDER, []) == [] and tail_units(["fc"], [1]) == []
+
+
+class TailAndPair(Model):
+    """The tail (d2, fc) takes 1.5 off the loss, the depthwise pair (d1, d2) 1.0: neither passes alone, both pass."""
+
+    def build_and_judge(self, keep, path, overrides):
+        self.builds.append(list(keep))
+        loss = 3.0 - 1.5 * ({"d2", "fc"} <= set(keep)) - 1.0 * ({"d1", "d2"} <= set(keep))
+        return Build(path=path.with_name("+".join(sorted(keep)) or "naive"), loss=loss, passed=loss <= 1.0,
+                     failures=[], worst_cosine=1.0)
+
+
+def test_a_tail_is_measured_first_and_kept_beside_a_group_sharing_a_layer_with_it(tmp_path):
+    model = TailAndPair({})
+    units = [*tail_units(LAYERS_IN_ORDER, [2]), *UNITS]
+    naive = model.build_and_judge([], tmp_path / "naive", None)
+    found = search(naive, units, SearchActions(model.build_and_judge, model.speedup), tmp_path, time_budget_s=60.0,
+                   min_speedup=0.0, max_additions=8)
+    assert [s.what for s in found.steps if s.kind == "measure"][0] == "restore the last 2 of 8 layers alone"
+    assert found.status == "rescued" and [u.label for u in found.kept_units] == [
+        "the last 2 of 8 layers", "Conv 16x1x3x3 (2 layers)"]
+    assert found.kept == ["d2", "fc", "d1"]  # d2, in both, once
+    assert all(len(keep) == len(set(keep)) for keep in model.builds)

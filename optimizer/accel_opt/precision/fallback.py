@@ -31,7 +31,7 @@ from pydantic import BaseModel
 from accel_opt.errors import CandidateDropped, Unsupported, first_line
 from accel_opt.precision.diagnose import Diagnosis
 from accel_opt.precision.report import KeptNode, PrecisionReport
-from accel_opt.precision.search import Build, Remedy, SearchActions, SearchStep, Unit, search
+from accel_opt.precision.search import Build, Remedy, SearchActions, SearchStep, Unit, search, tail_units
 from accel_opt.recipe.gate import Tolerance
 from accel_opt.recipe.stages import FallbackConfig
 from accel_opt.recipe.types import Precision
@@ -205,7 +205,8 @@ def _search(precision: Precision, config: FallbackConfig, actions: Actions, repo
         why = hopeless(verdict.loss, units, diagnosis, config.max_rounds)
         if why:
             raise CandidateDropped(why)
-    units = units[: config.max_measured_units]
+    tails = tail_units([n for n in groups if n not in kept], config.tail_layers, actions.flops)
+    units = (tails + units)[: config.max_measured_units]
     naive = _build(naive_path, verdict)
     started = time.monotonic()
     found = search(naive, units, SearchActions(build_and_judge=build_and_judge, speedup=actions.speedup),
@@ -218,14 +219,12 @@ def _search(precision: Precision, config: FallbackConfig, actions: Actions, repo
         raise CandidateDropped(found.reason)
     report.search_seconds = round(time.monotonic() - started, 1)
     report.status, report.reason, report.steps, report.remedies = found.status, found.reason, found.steps, list(found.remedies)
-    gains = found.gains
-    for node in found.kept:
-        key = groups.get(node, "")
-        unit = next((u for u in units if node in u.nodes), None)
-        gain = gains.get(unit.label) if unit else None
-        kept[node] = KeptNode(node=node, op_type=key.split(" ")[0], reason=(
-            f"restoring {unit.label if unit else key} to float took {gain:.3g} off the probes' loss (measured)"
-            if gain is not None else "restored by the search"))
+    for unit in reversed(found.kept_units):  # a node in two kept units: the reason of the first kept
+        gain = found.gains.get(unit.label)
+        for node in unit.nodes:
+            kept[node] = KeptNode(node=node, op_type=groups.get(node, "").split(" ")[0], reason=(
+                f"restoring {unit.label} to float took {gain:.3g} off the probes' loss (measured)"
+                if gain is not None else "restored by the search"))
     chosen = found.best.path
     return chosen, reports.get(chosen, precision_report)
 
