@@ -32,7 +32,7 @@ remedies change, and the execution noise floor: the same int8 graph run by ONNX 
 optimizations (another summation order), whose top-1 already differs on a few crops.
 
     python -m benchmarks.ptq_mobile [--model lite0|demo] [--build-crops 192] [--qac] [--no-openvino] [--no-build]
-                                    [--out benchmarks/results]
+                                    [--builds-only] [--out benchmarks/results]
 """
 
 from __future__ import annotations
@@ -367,6 +367,9 @@ def main() -> int:
     parser.add_argument("--qac", action="store_true", help="also NNCF's accuracy-controlled quantization (minutes)")
     parser.add_argument("--no-build", action="store_true", help="skip accel-opt's own builds (each search takes minutes)")
     parser.add_argument("--no-openvino", action="store_true", help="ONNX Runtime's variants and build only")
+    parser.add_argument("--builds-only", action="store_true", help="re-measure the search after a change to it: fp32, "
+                        "the best remedies and their float tails (OpenVINO's, or ONNX Runtime's with --no-openvino) and "
+                        "the builds on the shipped recipe (~30 min instead of ~70); results in <stem>-builds.*")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     from accel_opt import zoo
@@ -380,22 +383,30 @@ def main() -> int:
         build_crops, held_out = crops[: args.build_crops], crops[args.build_crops:]
         calibration = build_crops[:CALIBRATION]
         made: dict[str, tuple[Path, float]] = {"fp32": (model, 0.0)}
-        made |= variants_by_quantizer(model, calibration, work)
-        made |= float_tail_variants(model, calibration, work)
-        made[f"{BEST_REMEDIES}, activations unrounded (emulated)"] = (activations_unrounded(made[BEST_REMEDIES][0],
-                                                                                            work), 0.0)
-        made |= variants_by_ort_options(model, calibration, work)
-        made["NNCF PTQ (ONNX)"] = nncf_ptq(model, calibration, work)
+        if args.builds_only and args.no_openvino:
+            made |= variants_by_quantizer(model, calibration, work, (BEST_REMEDIES,))
+            made |= float_tail_variants(model, calibration, work)
+        elif not args.builds_only:
+            made |= variants_by_quantizer(model, calibration, work)
+            made |= float_tail_variants(model, calibration, work)
+            made[f"{BEST_REMEDIES}, activations unrounded (emulated)"] = (
+                activations_unrounded(made[BEST_REMEDIES][0], work), 0.0)
+            made |= variants_by_ort_options(model, calibration, work)
+            made["NNCF PTQ (ONNX)"] = nncf_ptq(model, calibration, work)
         nncf_failed: dict[str, str] = {}
         if not args.no_openvino:  # this project's Q/DQ placed for OpenVINO and compiled by it, beside NNCF's own PTQ
             made["fp32" + OPENVINO] = (model, 0.0)
-            placed = variants_by_quantizer(model, calibration, work, ("int8 naive (minmax)", BEST_REMEDIES), "openvino")
+            placed = variants_by_quantizer(model, calibration, work, (BEST_REMEDIES,) if args.builds_only else
+                                           ("int8 naive (minmax)", BEST_REMEDIES), "openvino")
             placed |= float_tail_variants(model, calibration, work, "openvino")
             made |= {name + OPENVINO: variant for name, variant in placed.items()}
-            nncf_made, nncf_failed = nncf_ptq_openvino(model, calibration, work)
-            made |= {name + OPENVINO: variant for name, variant in nncf_made.items()}
+            if not args.builds_only:
+                nncf_made, nncf_failed = nncf_ptq_openvino(model, calibration, work)
+                made |= {name + OPENVINO: variant for name, variant in nncf_made.items()}
         verdicts, steps = {}, {}
         builds = [] if args.no_build else BUILDS[:1 if args.no_openvino else None]
+        if args.builds_only:
+            builds = [b for b in builds if not b[2]]  # as recipes ship them
         for number, (suffix, backend, overrides) in enumerate(builds):
             name = "accel-opt build int8 (search)" + suffix
             path, seconds, verdicts[name], steps[name] = accel_opt_build(model, build_crops, work, backend, overrides,
@@ -405,7 +416,7 @@ def main() -> int:
             made["NNCF accuracy control" + OPENVINO] = nncf_accuracy_control(model, calibration, build_crops, work)
         results = judge_and_time({n: p for n, (p, _) in made.items()}, held_out,
                                  labels[args.build_crops:] if args.model == "demo" else None, work)
-        noise_changed, noise_rms = execution_noise(made[BEST_REMEDIES][0], held_out)
+        noise = execution_noise(made[BEST_REMEDIES][0], held_out) if BEST_REMEDIES in made else None
     cpu = CpuProfile.here()
     header = ["variant", "top-1 agreement", "logit RMS error", "accuracy", "vs ORT fp32 b1", "vs ORT fp32 b8", "quantize s", "build"]
     rows = [header]
@@ -419,14 +430,15 @@ def main() -> int:
              f"{results['fp32']['p50_ms_b1']:.2f} ms at b1, {results['fp32']['p50_ms_b8']:.2f} ms at b8", ""]
     lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
     allowed = failures_allowed(0.97, len(held_out))
-    margins = results[BEST_REMEDIES]["changed_fp32_margins"]
     lines += ["", f"what the gate can certify: >= 97% top-1 agreement (one-sided 95% bound) on {len(held_out)} held-out "
-              f"crops takes at most {'none: too few crops' if allowed is None else allowed} changed",
-              f"{BEST_REMEDIES}: the changed crops' fp32 top-1 margin (top logit over the runner-up): "
-              f"{', '.join(f'{m:.3f}' for m in margins)}; fp32's margin is below 0.05 on "
-              f"{results['fp32']['margins_below_0.05']} of the {len(held_out)} crops (every variant's in the JSON)",
-              f"the same graph run by ONNX Runtime with and without its graph optimizations: top-1 differs on "
-              f"{noise_changed} crops, logit RMS difference {noise_rms:.4f} (another summation order, no other change)"]
+              f"crops takes at most {'none: too few crops' if allowed is None else allowed} changed"]
+    if noise is not None:
+        margins = results[BEST_REMEDIES]["changed_fp32_margins"]
+        lines += [f"{BEST_REMEDIES}: the changed crops' fp32 top-1 margin (top logit over the runner-up): "
+                  f"{', '.join(f'{m:.3f}' for m in margins)}; fp32's margin is below 0.05 on "
+                  f"{results['fp32']['margins_below_0.05']} of the {len(held_out)} crops (every variant's in the JSON)",
+                  f"the same graph run by ONNX Runtime with and without its graph optimizations: top-1 differs on "
+                  f"{noise[0]} crops, logit RMS difference {noise[1]:.4f} (another summation order, no other change)"]
     lines += [f"{name}{OPENVINO}: NNCF {version('nncf')} failed: {why}" for name, why in nncf_failed.items()]
     for name, build_steps in ((n, s) for n, s in steps.items() if s):  # a build whose search ran
         lines += ["", f"{name}: its rescue search, step by step (loss: how far its probes are from passing, 1 passes):",
@@ -434,10 +446,10 @@ def main() -> int:
     text = "\n".join(lines) + "\n"
     print(text)
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = f"ptq_mobile-{args.model}-{cpu.cpu_class}"
+    stem = f"ptq_mobile-{args.model}-{cpu.cpu_class}" + ("-builds" if args.builds_only else "")
     (args.out / f"{stem}.txt").write_text(text)
     (args.out / f"{stem}.json").write_text(json.dumps({"results": results, "verdicts": verdicts, "search_steps": steps, "nncf_failed": nncf_failed,
-                                                       "execution_noise": {"changed": noise_changed, "logit_rms": noise_rms}},
+                                                       "execution_noise": noise and {"changed": noise[0], "logit_rms": noise[1]}},
                                                       indent=1) + "\n")
     return 0
 
