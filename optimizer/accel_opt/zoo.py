@@ -246,19 +246,23 @@ def demo_classifier(head_training: tuple[list[dict[str, np.ndarray]], np.ndarray
 HEAD_TRAINING_COUNT = 96  # photo_dataset() images the demo and benchmarks train the head on, then set aside
 
 
-def photo_dataset(size: int = 224, per_photo: int = 48, seed: int = 0) -> tuple[list[dict[str, np.ndarray]], np.ndarray]:
+def photo_dataset(size: int = 224, per_photo: int = 48, seed: int = 0, photos: list[np.ndarray] | None = None,
+                  mean_std: tuple[tuple[float, ...], tuple[float, ...]] | None = None,
+                  ) -> tuple[list[dict[str, np.ndarray]], np.ndarray]:
     """Labelled images: random crops (45-100% of the side, aspect 0.8-1.25, half of them mirrored)
-    of the distinct photos shipped with scikit-image, ImageNet-preprocessed to `image` feed dicts
-    (batch 1). The label is the photo a crop came from. Shuffled, deterministic for a seed."""
+    of `photos` (RGB uint8; by default the distinct photos shipped with scikit-image), preprocessed
+    to `image` feed dicts (batch 1), normalized by `mean_std` (of pixels in 0-1; default ImageNet's).
+    The label is the photo a crop came from. Shuffled, deterministic for a seed."""
     from PIL import Image
 
     from accel_opt.preprocess.images import preprocess_image
     from accel_opt.recipe.deployed import Preprocessing
 
     rng = np.random.default_rng(seed)
-    pre = Preprocessing(resize=round(size * 256 / 224), crop=size)
+    pre = Preprocessing(resize=round(size * 256 / 224), crop=size,
+                        **({"mean": mean_std[0], "std": mean_std[1]} if mean_std else {}))
     samples, labels = [], []
-    for label, photo in enumerate(_skimage_photos()):
+    for label, photo in enumerate(_skimage_photos() if photos is None else photos):
         base = Image.fromarray(photo)
         width, height = base.size
         for _ in range(per_photo):

@@ -93,7 +93,8 @@ def tail_units(layers: Sequence[str], sizes: Sequence[int], flops: dict[str, int
     the search's 32 probes neither tail gained."""
     flops = flops or {}
     return [Unit(key=f"the last {k} of {len(layers)} layers", nodes=list(layers[-k:]), tail=True,
-                 flops=sum(flops.get(n, 0) for n in layers[-k:])) for k in sorted(set(sizes)) if 0 < k <= len(layers) // 4]
+                 flops=sum(flops.get(n, 0) for n in layers[-k:]))
+            for k in sorted(set(sizes)) if 0 < k <= len(layers) // 4]
 
 
 class SearchStep(BaseModel):
@@ -164,7 +165,7 @@ class SearchResult:
     status: Literal["rescued", "budget exhausted", "no speed-up", "time budget", "cannot win"]
     reason: str
     best: Build
-    kept_units: list[Unit]  # what was restored to float, unit by unit (they may share nodes: a tail and a block's layer)
+    kept_units: list[Unit]  # restored to float, unit by unit (a tail and a group may share a node)
     remedies: dict[str, dict[str, object]]  # adopted: name -> the recipe keys it sets
     steps: list[SearchStep] = field(default_factory=list)
     gains: dict[str, float] = field(default_factory=dict)  # unit label -> measured gain
