@@ -421,16 +421,16 @@ def main() -> int:
         build_crops, held_out = crops[: args.build_crops], crops[args.build_crops:]
         calibration = build_crops[:CALIBRATION]
         made: dict[str, tuple[Path, float]] = {"fp32": (model, 0.0)}
-        if args.builds_only and args.no_openvino:
-            made |= variants_by_quantizer(model, calibration, work, (BEST_REMEDIES,))
-            made |= float_tail_variants(model, calibration, work)
-        elif not args.builds_only:
+        if not args.builds_only:
             made |= variants_by_quantizer(model, calibration, work)
             made |= float_tail_variants(model, calibration, work)
             made[f"{BEST_REMEDIES}, activations unrounded (emulated)"] = (
                 activations_unrounded(made[BEST_REMEDIES][0], work), 0.0)
             made |= variants_by_ort_options(model, calibration, work)
             made["NNCF PTQ (ONNX)"] = nncf_ptq(model, calibration, work)
+        elif args.no_openvino:  # the builds' backend: its best remedies and their tails beside them
+            made |= variants_by_quantizer(model, calibration, work, (BEST_REMEDIES,))
+            made |= float_tail_variants(model, calibration, work)
         nncf_failed: dict[str, str] = {}
         if not args.no_openvino:  # this project's Q/DQ placed for OpenVINO and compiled by it, beside NNCF's own PTQ
             made["fp32" + OPENVINO] = (model, 0.0)

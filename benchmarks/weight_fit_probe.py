@@ -36,15 +36,15 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     import onnx
-    import onnxruntime as ort
     import torch
     from onnx import numpy_helper
 
     from accel_opt import zoo
-    from accel_opt.machine.cpu import CpuProfile
+    from accel_opt.backends.onnxruntime.backend import reference_runner
+    from accel_opt.machine.cpu import CpuProfile, available_cpus
     from accel_opt.precision.int8 import quantize
     from accel_opt.precision.qdq_weights import quantized_layers
-    from accel_opt.precision.torch_graph import TorchGraph
+    from accel_opt.precision.torch_graph import TorchGraph, round_straight_through
     from accel_opt.recipe.stages import CalibrationConfig
 
     torch.manual_seed(0)
@@ -66,10 +66,9 @@ def main() -> int:
         quantize(model_path, calibration, CalibrationConfig(samples=len(calibration), bias_correction=True),
                  "onnxruntime", quantized_path, None, CpuProfile.here())
 
-        def logits(path: Path, items: list[dict]) -> np.ndarray:
-            session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-            return np.concatenate([session.run(None, {"image": np.concatenate([c["image"] for c in items[i:i + 16]])})[0]
-                                   for i in range(0, len(items), 16)])
+        def logits(path: Path, items: list[dict]) -> np.ndarray:  # as ptq_mobile judges: graph optimizations on
+            with reference_runner(path, available_cpus(), optimize=True) as runner:
+                return np.concatenate([next(iter(runner.infer(c, check_inputs=False).values())) for c in items])
 
         reference, targets = logits(model_path, held_out), torch.from_numpy(logits(model_path, train))
 
@@ -90,10 +89,8 @@ def main() -> int:
             name = layer.weight_dq.input[0]
             latent[name] = torch.nn.Parameter(torch.from_numpy(numpy_helper.to_array(inits[name]).astype(np.float32)))
 
-        def rounded(weights):  # int8's range; rounding's gradient straight through
-            return lambda: (weights + (torch.round(weights) - weights).detach()).clamp(-128, 127)
-
-        graph = TorchGraph(quantized, {name: rounded(p) for name, p in latent.items()})
+        graph = TorchGraph(quantized, {name: (lambda p=p: round_straight_through(p, -128, 127))
+                                       for name, p in latent.items()})
         optimizer = torch.optim.Adam(latent.values(), lr=args.lr)
         images = [torch.from_numpy(c["image"]) for c in train]
         started = time.monotonic()

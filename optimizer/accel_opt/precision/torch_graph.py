@@ -40,6 +40,12 @@ def conv_or_gemm(node: onnx.NodeProto, weight_ndim: int, functional) -> Callable
     return lambda x, w, b: conv(functional.pad(x, torch_pads) if any(torch_pads) else x, w, b, stride, 0, dilation, groups)
 
 
+def round_straight_through(x, low: int, high: int):
+    """`x` (a torch tensor) rounded and clamped to [low, high], rounding's gradient passed straight through
+    (saturation stops it)."""
+    return (x + (x.round() - x).detach()).clamp(low, high)
+
+
 @dataclass
 class _Quantized:
     """A per-tensor QuantizeLinear's output, kept as its input until it is read: by its own DequantizeLinear (fused
@@ -52,8 +58,7 @@ class _Quantized:
     high: int
 
     def integers(self, torch):
-        scaled = self.x / self.scale + self.zero_point
-        return (scaled + (torch.round(scaled) - scaled).detach()).clamp(self.low, self.high)
+        return round_straight_through(self.x / self.scale + self.zero_point, self.low, self.high)
 
 
 def _integer_range(zero_point: onnx.TensorProto) -> tuple[int, int]:
@@ -107,7 +112,7 @@ class TorchGraph:
             return _Quantized(x, float(scale), 0 if zero_point is None else int(zero_point), low, high)
         scaled = x / self._along(scale, attrs, x.ndim) + (0 if zero_point is None else
                                                           self._along(zero_point.float(), attrs, x.ndim))
-        return (scaled + (self.torch.round(scaled) - scaled).detach()).clamp(low, high)
+        return round_straight_through(scaled, low, high)
 
     def _DequantizeLinear(self, node, attrs, q, scale, zero_point=None):
         if isinstance(q, _Quantized):
