@@ -43,7 +43,7 @@ log = logging.getLogger(__name__)
 
 MIN_OPSET = 13  # per-channel DequantizeLinear (`axis`) exists from opset 13; opset 12 gives invalid models
 CALIBRATION_CHUNK = 8  # samples per calibrator pass: bounds the memory of histogram calibration
-_CACHE_FORMAT = 3  # bump when this module's output for the same inputs changes
+_CACHE_FORMAT = 4  # bump when this module's output for the same inputs changes
 
 
 @dataclass(frozen=True)
@@ -62,13 +62,18 @@ class QuantSettings:
     weight_rounding: str = "nearest"  # or "adaround" (adaround.py)
     adaround_iterations: int = 300
     adaround_time_budget_s: float = 600.0
-    bias_fit: bool = False  # every layer's bias fitted together to the outputs (bias_fit.py)
+    bias_fit: bool = False  # every layer's bias fitted together to the outputs (output_fit.py)
     bias_fit_steps: int = 200
     bias_fit_time_budget_s: float = 600.0
+    weight_fit: bool = False  # the int8 weights fitted with the biases (output_fit.py)
+    weight_fit_steps: int = 600
+    weight_fit_time_budget_s: float = 900.0
 
 
-_REFINEMENTS = ("bias_correction", "weight_rounding", "adaround_iterations", "adaround_time_budget_s", "bias_fit",
-                "bias_fit_steps", "bias_fit_time_budget_s")  # QuantSettings' fields taken as the recipe names them
+_FITS = ("bias_fit", "bias_fit_steps", "bias_fit_time_budget_s", "weight_fit", "weight_fit_steps",
+         "weight_fit_time_budget_s")
+_REFINEMENTS = ("bias_correction", "weight_rounding", "adaround_iterations", "adaround_time_budget_s",
+                *_FITS)  # QuantSettings' fields taken as the recipe names them
 
 
 def quantize(model_path: Path, samples: list[Sample], config: CalibrationConfig, backend_name: str, out_path: Path,
@@ -164,7 +169,7 @@ def calibration_keys(model_path: Path, samples: list[Sample], settings: QuantSet
     """(the quantized graph's key, the activation ranges' key, AdaRound's rounding's key): content hashes of (model
     bytes + external data, sample bytes, settings, tool versions), the model and samples hashed once. The ranges' key
     takes only the settings the calibrator reads: ONNX Runtime's and OpenVINO's presets make different graphs from the
-    same ranges. The rounding's leaves bias correction and the bias fit out: both come after the rounding."""
+    same ranges. The rounding's leaves bias correction and the fits out: they come after the rounding."""
     import onnxruntime
 
     content = hashlib.sha256()
@@ -186,7 +191,7 @@ def calibration_keys(model_path: Path, samples: list[Sample], settings: QuantSet
         digest.update(f"{sorted(fields.items())}|{tools}".encode())
         return digest.hexdigest()
 
-    after_rounding = {"bias_correction": False, "bias_fit": False, "bias_fit_steps": 0, "bias_fit_time_budget_s": 0}
+    after_rounding = dict.fromkeys(("bias_correction", *_FITS))
     return key(graph), key(calibrator), key(graph | after_rounding)
 
 

@@ -1,16 +1,19 @@
 """What changes a Q/DQ graph's integers after the quantizer placed them, in the order each builds on the one before:
 AdaRound (each layer's weights rounded to fit that layer's float output), bias correction (each bias absorbs its
-rounded weights' mean shift), the bias fit (every bias trained together to the float model's outputs)."""
+rounded weights' mean shift), the bias fit (every bias trained together to the float model's outputs) or the weight fit
+(every bias and int8 weight)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import onnx
+
 from accel_opt.data import Sample
 from accel_opt.precision.adaround import round_weights
 from accel_opt.precision.bias_correction import correct_biases
-from accel_opt.precision.bias_fit import fit_file
+from accel_opt.precision.output_fit import fit_file
 
 if TYPE_CHECKING:
     from accel_opt.precision.int8 import QuantSettings
@@ -27,8 +30,16 @@ def refine(float_path: Path, staged: Path, samples: list[Sample], settings: Quan
                                    settings.adaround_time_budget_s, learned))
     if settings.bias_correction:
         notes.append(correct_biases(float_path, staged, samples))
-    if settings.bias_fit:
+    if settings.bias_fit or settings.weight_fit:  # the weight fit trains the biases too: one fit
         fitted = Path(cache_dir) / f"{fit_key}.fit.npz" if cache_dir else None
-        notes.append(fit_file(float_path, staged, samples, settings.bias_fit_steps, settings.bias_fit_time_budget_s,
-                              fitted))
+        if settings.weight_fit:
+            from onnxruntime.quantization.quant_utils import get_qmin_qmax_for_qType
+
+            low, high = get_qmin_qmax_for_qType(onnx.TensorProto.INT8, settings.reduce_range, symmetric=True)
+            notes.append(fit_file(float_path, staged, samples, settings.weight_fit_steps,
+                                  settings.weight_fit_time_budget_s, fitted, weights=True,
+                                  weight_range=(int(low), int(high))))
+        else:
+            notes.append(fit_file(float_path, staged, samples, settings.bias_fit_steps, settings.bias_fit_time_budget_s,
+                                  fitted))
     return notes

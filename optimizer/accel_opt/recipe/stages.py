@@ -66,11 +66,18 @@ class CalibrationConfig(_Strict):
     adaround_time_budget_s: float = Field(default=600.0, gt=0)
     # Every quantized layer's bias trained together, after the other remedies, so the graph's outputs come closest
     # to the float model's on the calibration samples, a quarter held back to choose the checkpoint (a distillation;
-    # precision/bias_fit.py, needs PyTorch, the `ptq` extra): about 2 min on a mobile net on 2 cores. Not a remedy
+    # precision/output_fit.py, needs PyTorch, the `ptq` extra): about 2 min on a mobile net on 2 cores. Not a remedy
     # of the rescue search: after AdaRound it gained nothing on EfficientNet-Lite0 and took a quarter of its budget.
     bias_fit: bool = False
     bias_fit_steps: int = Field(default=200, ge=1)  # optimizer steps of 8 samples
     bias_fit_time_budget_s: float = Field(default=600.0, gt=0)  # wall clock, checked before each step
+    # The fit's stronger form: every quantized layer's int8 weights trained too, with the biases, in one fit
+    # (precision/output_fit.py; the `ptq` extra): ~0.75 s a step on EfficientNet-Lite0 on 2 cores. It needs hundreds of
+    # calibration samples (calibration.samples): on a few dozen it overfits, and the held-back quarter keeps nothing.
+    # Not a remedy of the rescue search: minutes on top of AdaRound exceed its budget.
+    weight_fit: bool = False
+    weight_fit_steps: int = Field(default=600, ge=1)  # optimizer steps of 8 samples
+    weight_fit_time_budget_s: float = Field(default=900.0, gt=0)  # wall clock, checked before each step
 
 
 class FallbackConfig(_Strict):

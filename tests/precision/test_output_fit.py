@@ -1,7 +1,8 @@
-"""The bias fit on the build's own Q/DQ graph: the torch form it trains through computes what ONNX Runtime computes,
-the fitted biases bring the int8 output closer to fp32's on inputs the fit never saw, nothing but the biases changes,
-the fit is learned once and reused by builds that keep layers in float, and a graph with an operator it has no
-differentiable form of is refused by that operator's name."""
+"""The bias and weight fits on the build's own Q/DQ graph: the torch form they train through computes what ONNX Runtime
+computes, the fitted biases (and int8 weights) bring the int8 output closer to fp32's on inputs the fit never saw,
+nothing but those integers changes and the weights stay in their range, a fit that cannot show a gain on held-back
+samples keeps nothing, the fit is learned once and reused by builds that keep layers in float, and a graph with an
+operator it has no differentiable form of is refused by that operator's name."""
 
 from __future__ import annotations
 
@@ -87,17 +88,22 @@ def test_the_bias_fit_brings_the_int8_output_closer_to_fp32_on_inputs_it_never_s
     assert changed and all(before[name].dtype == np.int32 for name in changed), changed  # int32 biases only
 
 
-def test_a_build_keeping_layers_in_float_reuses_the_fit_learned_on_the_all_int8_graph(block, tmp_path):
+@pytest.mark.parametrize(("fit", "reused", "dtypes"), [
+    ({"bias_fit": True, "bias_fit_steps": 25}, "bias fit: the biases fitted on the whole graph reused for 3 of its 4 layers",
+     {np.int32}),
+    ({"weight_fit": True, "weight_fit_steps": 300},
+     "weight fit: the biases and weights fitted on the whole graph reused for 6 of its 8 tensors", {np.int32, np.int8})])
+def test_a_build_keeping_layers_in_float_reuses_the_fit_learned_on_the_all_int8_graph(block, tmp_path, fit, reused,
+                                                                                       dtypes):
     model, calibration, _ = block
     cache = tmp_path / "cache"
-    config = CalibrationConfig(samples=32, bias_fit=True, bias_fit_steps=25)
+    config = CalibrationConfig(samples=32, **fit)
     quantize(model, calibration, config, "onnxruntime", tmp_path / "all.onnx", cache, CPU)
     partial = quantize(model, calibration, config, "onnxruntime", tmp_path / "partial.onnx", cache, CPU, exclude=["fc"])
-    note = next(n for n in partial.notes if n.startswith("bias fit:"))
-    assert note.startswith("bias fit: the biases fitted on the whole graph reused for 3 of its 4"), note
+    assert reused in partial.notes, partial.notes
     everything, fewer = weights_of(tmp_path / "all.onnx"), weights_of(tmp_path / "partial.onnx")
-    shared = [n for n in fewer if n.endswith("_quantized") and fewer[n].dtype == np.int32]
-    assert len(shared) == 3 and all(np.array_equal(everything[n], fewer[n]) for n in shared)  # fc stays float
+    shared = [n for n in fewer if n.endswith("_quantized") and fewer[n].dtype.type in dtypes]
+    assert len(shared) == 3 * len(dtypes) and all(np.array_equal(everything[n], fewer[n]) for n in shared)  # fc float
 
 
 def test_an_operator_without_a_differentiable_form_is_refused_by_name(tmp_path):
@@ -106,3 +112,39 @@ def test_an_operator_without_a_differentiable_form_is_refused_by_name(tmp_path):
                        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4])])
     with pytest.raises(Unsupported, match="no differentiable form of Erf"):
         TorchGraph(model)
+
+
+def test_the_weight_fit_moves_int8_weights_within_their_range_and_beats_the_graph_as_it_came(block, tmp_path):
+    model, calibration, held_out = block
+    config = CalibrationConfig(samples=32, weight_fit_steps=300)
+    quantize(model, calibration, config, "onnxruntime", tmp_path / "plain.onnx", None, CPU)
+    fitted = quantize(model, calibration, config.model_copy(update={"weight_fit": True}), "onnxruntime",
+                      tmp_path / "fitted.onnx", None, CPU)
+    note = next(n for n in fitted.notes if n.startswith("weight fit:"))
+    assert "the biases of 4 layers and the weights of 4" in note and "8 held back" in note, note
+
+    reference = outputs_as_written(model, held_out)
+    error_plain = np.sqrt(np.mean((outputs_as_written(tmp_path / "plain.onnx", held_out) - reference) ** 2))
+    error_fitted = np.sqrt(np.mean((outputs_as_written(tmp_path / "fitted.onnx", held_out) - reference) ** 2))
+    assert error_fitted < 0.9 * error_plain, (error_plain, error_fitted)
+
+    before, after = weights_of(tmp_path / "plain.onnx"), weights_of(tmp_path / "fitted.onnx")
+    assert before.keys() == after.keys()  # the same graph: no scale, zero point or node changes
+    changed = {name for name in before if not np.array_equal(before[name], after[name])}
+    assert {after[name].dtype for name in changed} == {np.dtype(np.int8), np.dtype(np.int32)}, changed
+    low, high = -64, 64  # CPU is avx2: 7-bit symmetric weights
+    assert all(after[n].min() >= low and after[n].max() <= high for n in changed if after[n].dtype == np.int8)
+    assert onnx.load(str(tmp_path / "plain.onnx")).graph.node == onnx.load(str(tmp_path / "fitted.onnx")).graph.node
+
+
+def test_a_fit_that_shows_no_gain_on_the_held_back_samples_keeps_the_graph_as_it_came(block, tmp_path):
+    model, calibration, _ = block
+    config = CalibrationConfig(samples=32)
+    quantize(model, calibration, config, "onnxruntime", tmp_path / "plain.onnx", None, CPU)
+    spent = config.model_copy(update={"weight_fit": True, "weight_fit_time_budget_s": 1e-9})  # no step is taken
+    report = quantize(model, calibration, spent, "onnxruntime", tmp_path / "fitted.onnx", None, CPU)
+    note = next(n for n in report.notes if n.startswith("weight fit:"))
+    assert note.startswith("weight fit: nothing kept") and "0 steps" in note, note
+    before, after = weights_of(tmp_path / "plain.onnx"), weights_of(tmp_path / "fitted.onnx")
+    assert all(np.array_equal(before[name], after[name]) for name in before)
+
