@@ -4,6 +4,8 @@ changes; the rounding is learned once and reused by builds that keep layers in f
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -54,6 +56,20 @@ def test_a_build_keeping_layers_in_float_reuses_the_rounding_learned_on_the_all_
     everything, fewer = weights_of(tmp_path / "all.onnx"), weights_of(tmp_path / "partial.onnx")
     shared = [n for n in fewer if n.endswith("_quantized") and fewer[n].dtype == np.int8]
     assert len(shared) == 3 and all(np.array_equal(everything[n], fewer[n]) for n in shared)  # fc stays float
+
+
+def test_a_rounding_learned_beside_float_layers_is_never_reused_by_the_whole_graph(block, tmp_path):
+    model, calibration, _ = block
+    cache = tmp_path / "cache"
+    config = CalibrationConfig(samples=32, weight_rounding="adaround", adaround_iterations=20)
+    first = quantize(model, calibration, config, "onnxruntime", tmp_path / "partial.onnx", cache, CPU, exclude=["stem"])
+    whole = quantize(model, calibration, config, "onnxruntime", tmp_path / "all.onnx", cache, CPU)
+    later = quantize(model, calibration, config, "onnxruntime", tmp_path / "later.onnx", cache, CPU, exclude=["fc"])
+    assert any(n.startswith("AdaRound: 3 of 3 layers re-rounded") for n in first.notes), first.notes
+    assert any(re.match(r"AdaRound: \d of 4 layers re-rounded", n) for n in whole.notes), whole.notes  # learned anew
+    assert any(n.startswith("AdaRound: the rounding learned for") for n in later.notes), later.notes  # the whole's
+    everything, fewer = weights_of(tmp_path / "all.onnx"), weights_of(tmp_path / "later.onnx")
+    assert all(np.array_equal(everything[n], fewer[n]) for n in fewer if fewer[n].dtype == np.int8)
 
 
 def test_once_its_time_budget_is_spent_the_layers_left_keep_nearest_rounding(block, tmp_path):

@@ -121,7 +121,8 @@ def quantize(model_path: Path, samples: list[Sample], config: CalibrationConfig,
             movers = [name for name, _ in output_movers(prepared)]
             _quantize_with_ranges(prepared, ranges, overrides, settings, staged, large, [*exclude, *movers])
             if not large:  # a model beyond protobuf's 2 GB is refined nowhere yet
-                notes += refine(prepared, staged, samples, settings, cache_dir, rounding_key, fit_key)
+                notes += refine(prepared, staged, samples, settings, cache_dir, rounding_key, fit_key,
+                                key if exclude else None)
             validate(staged, run_session=True, tmp=tmp)
             for produced in staged.parent.iterdir():
                 shutil.move(str(produced), str(out_path.parent / produced.name))

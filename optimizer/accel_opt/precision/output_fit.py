@@ -66,23 +66,23 @@ def fit_outputs(float_model: onnx.ModelProto, quantized: onnx.ModelProto, sample
     """Fit the biases of `quantized` (a Q/DQ graph of `float_model`, changed in place), and its int8 weights where
     `weights` (kept within `weight_range`), to the float model's outputs on `samples` (see the module). Returns
     ({initializer: the values written}, a line for the build's notes)."""
-    name = "weight fit" if weights else "bias fit"
+    label = "weight fit" if weights else "bias fit"
     try:
         import torch
     except ImportError as exc:
-        raise Unsupported(f"{name} needs PyTorch: pip install 'accel-opt[ptq]'") from exc
+        raise Unsupported(f"{label} needs PyTorch: pip install 'accel-opt[ptq]'") from exc
     from accel_opt.precision.torch_graph import TorchGraph, round_straight_through
 
     start = time.monotonic()
     if len(samples) < 4:
-        return {}, f"{name}: skipped, {len(samples)} samples are too few to hold any back"
+        return {}, f"{label}: skipped, {len(samples)} samples are too few to hold any back"
     torch.manual_seed(seed)
     rng = np.random.default_rng(seed)
     inits = {i.name: i for i in quantized.graph.initializer}
     biases = _biases(float_model, quantized, inits)
     integers = _integer_weights(float_model, quantized, inits) if weights else {}
     if not biases and not integers:
-        return {}, f"{name}: skipped, no quantized Conv/Gemm layer with {'int8 weights or ' * weights}a bias"
+        return {}, f"{label}: skipped, no quantized Conv/Gemm layer with {'int8 weights or ' * weights}a bias"
     trained_biases = {tensor: torch.nn.Parameter(torch.from_numpy(values)) for tensor, (values, _) in biases.items()}
     latent = {tensor: torch.nn.Parameter(torch.from_numpy(values.copy())) for tensor, values in integers.items()}
     low, high = weight_range
@@ -98,7 +98,7 @@ def fit_outputs(float_model: onnx.ModelProto, quantized: onnx.ModelProto, sample
         return sum(((out - torch.cat([targets[i][k] for i in indices])) ** 2).mean() / power
                    for k, (out, power) in enumerate(zip(outputs, output_power)))
 
-    _check_torch_form(quantized, graph, samples[:BATCH], inputs, [t[0] for t in targets[:BATCH]], torch, name)
+    _check_torch_form(quantized, graph, samples[:BATCH], inputs, [t[0] for t in targets[:BATCH]], torch, label)
     order = rng.permutation(len(samples)).tolist()
     held_back_count = max(1, int(len(samples) * HELD_BACK))
     held_back, fitted = order[:held_back_count], order[held_back_count:]
@@ -125,14 +125,14 @@ def fit_outputs(float_model: onnx.ModelProto, quantized: onnx.ModelProto, sample
         if step % CHECK_EVERY and step != steps:
             continue
         checked = held_back_loss()
-        log.debug("%s: step %d, held-back output error %.4f (the graph as it came: %.4f)", name, step, checked, baseline)
+        log.debug("%s: step %d, held-back output error %.4f (the graph as it came: %.4f)", label, step, checked, baseline)
         if checked < best:
             best, best_step = checked, step
             best_state = {tensor: p.detach().numpy().copy() for tensor, p in (trained_biases | latent).items()}
     summary = (f"{step} steps of {BATCH} over {len(fitted)} samples, {len(held_back)} held back, "
                f"in {time.monotonic() - start:.1f} s")
     if best_state is None:
-        return {}, f"{name}: nothing kept, no checkpoint beat the graph as it came on the held-back samples ({summary})"
+        return {}, f"{label}: nothing kept, no checkpoint beat the graph as it came on the held-back samples ({summary})"
     written = {}
     for tensor, (_, stored) in biases.items():
         if stored is None:  # a float bias
@@ -148,7 +148,7 @@ def fit_outputs(float_model: onnx.ModelProto, quantized: onnx.ModelProto, sample
         inits[tensor].CopyFrom(numpy_helper.from_array(values, tensor))
     what = f"the biases of {len(biases)} layers" + (f" and the weights of {len(latent)} ({moved:,} integers moved)"
                                                      if latent else "")
-    return written, (f"{name}: {what} from step {best_step} kept, the held-back samples' output error "
+    return written, (f"{label}: {what} from step {best_step} kept, the held-back samples' output error "
                      f"{best / baseline:.2f}x the graph's as it came ({summary})")
 
 
@@ -193,7 +193,7 @@ def _biases(float_model: onnx.ModelProto, quantized: onnx.ModelProto, inits: dic
 
 
 def _check_torch_form(quantized: onnx.ModelProto, graph, samples: list[Sample], inputs: list[str], references,
-                      torch, name: str) -> None:
+                      torch, label: str) -> None:
     """Raise Unsupported where the torch form's first output is not ONNX Runtime's (an operator read differently):
     its gradients would fit another graph than the one that ships. `references`: the float model's, per sample."""
     import onnxruntime as ort
@@ -205,12 +205,12 @@ def _check_torch_form(quantized: onnx.ModelProto, graph, samples: list[Sample], 
         ours = graph({k: torch.cat([torch.from_numpy(np.asarray(s[k])) for s in samples]) for k in inputs})[0]
     theirs = np.concatenate([session.run(None, {k: s[k] for k in inputs})[0] for s in samples])
     if tuple(ours.shape) != theirs.shape:
-        raise Unsupported(f"{name}: the torch form's output has shape {tuple(ours.shape)}, ONNX Runtime's "
+        raise Unsupported(f"{label}: the torch form's output has shape {tuple(ours.shape)}, ONNX Runtime's "
                           f"{theirs.shape} (a batch of {len(samples)} fed)")
     difference = float(np.sqrt(np.mean((ours.numpy() - theirs) ** 2)))
     size = max(float(np.sqrt(np.mean(np.concatenate([r.numpy() for r in references]) ** 2))), 1e-6)
     if difference > TORCH_FORM_TOLERANCE * size:
-        raise Unsupported(f"{name}: the torch form's output differs from ONNX Runtime's by {difference:.3g} RMS, "
+        raise Unsupported(f"{label}: the torch form's output differs from ONNX Runtime's by {difference:.3g} RMS, "
                           f"{difference / size:.0%} of the float output's")
 
 
