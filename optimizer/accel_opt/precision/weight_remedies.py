@@ -8,12 +8,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import onnx
-
 from accel_opt.data import Sample
 from accel_opt.precision.adaround import round_weights
 from accel_opt.precision.bias_correction import correct_biases
 from accel_opt.precision.output_fit import fit_file
+from accel_opt.precision.qdq_weights import int8_weight_range
 
 if TYPE_CHECKING:
     from accel_opt.precision.int8 import QuantSettings
@@ -33,16 +32,11 @@ def refine(float_path: Path, staged: Path, samples: list[Sample], settings: Quan
         notes.append(correct_biases(float_path, staged, samples))
     if settings.bias_fit or settings.weight_fit:  # the weight fit trains the biases too: one fit
         fitted = _learned(cache_dir, fit_key, own_key, "fit")
-        if settings.weight_fit:
-            from onnxruntime.quantization.quant_utils import get_qmin_qmax_for_qType
-
-            low, high = get_qmin_qmax_for_qType(onnx.TensorProto.INT8, settings.reduce_range, symmetric=True)
-            notes.append(fit_file(float_path, staged, samples, settings.weight_fit_steps,
-                                  settings.weight_fit_time_budget_s, fitted, weights=True,
-                                  weight_range=(int(low), int(high))))
-        else:
-            notes.append(fit_file(float_path, staged, samples, settings.bias_fit_steps, settings.bias_fit_time_budget_s,
-                                  fitted))
+        weights = settings.weight_fit
+        steps, budget_s = ((settings.weight_fit_steps, settings.weight_fit_time_budget_s) if weights else
+                           (settings.bias_fit_steps, settings.bias_fit_time_budget_s))
+        notes.append(fit_file(float_path, staged, samples, steps, budget_s, fitted, weights=weights,
+                              weight_range=int8_weight_range(settings.reduce_range)))
     return notes
 
 
