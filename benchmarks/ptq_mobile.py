@@ -292,7 +292,8 @@ def accel_opt_build(model: Path, crops: list[dict], work: Path, backend: str, ov
     steps = [f"{s['step']}. {s['kind']} {s['what']}: {s['decision']} ("
              + (f"loss {s['loss']:.3g}, " if s.get("loss") is not None else "") + f"{s['seconds']:.0f} s)"
              for s in fallback.get("steps", [])]
-    return folder / "model.onnx", time.perf_counter() - started, verdict, steps
+    model_file = json.loads((folder / "resource_config.json").read_text())["model_file"]  # NNCF's remedy: model.xml
+    return folder / model_file, time.perf_counter() - started, verdict, steps
 
 
 def nncf_accuracy_control(model: Path, calibration: list[dict], validation: list[dict], work: Path) -> tuple[Path, float]:

@@ -140,3 +140,18 @@ def test_an_output_the_model_lacks_is_refused_when_the_recipe_meets_the_model(tm
     assert done.exit_code == 2 and done.stderr.count("\n") == 1, done.output
     assert f"the recipe's {key} names" in done.stderr and "(its outputs: y)" in done.stderr
     assert not any((tmp_path / "out").glob("m-*"))
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    ({"precision_options.calibration.weight_rounding": "adaround"},
+     "quantizer nncf calibrates with NNCF's own presets: weight_rounding must keep the default"),
+    ({"precision_options.calibration.per_channel": False}, "per_channel must keep the default"),
+    ({"preprocessing": {"fused": True}}, "preprocessing.fused rewrites the ONNX graph"),
+])
+def test_nncf_refuses_the_keys_it_would_silently_replace(overrides, message):
+    recipe = load_recipe("image-classifier").with_overrides(**{"precision_options.calibration.quantizer": "nncf"})
+    assert recipe.precision_options.calibration.quantizer == "nncf"
+    with pytest.raises(UsageError, match=message):
+        recipe.with_overrides(**overrides)
+    with pytest.raises(UsageError, match="smooth_quant run in NNCF only"):
+        load_recipe().with_overrides(**{"precision_options.calibration.smooth_quant": True})

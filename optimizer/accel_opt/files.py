@@ -19,7 +19,8 @@ from pydantic import BaseModel
 from accel_opt.errors import ResourceExhausted
 
 # Distributions whose versions key a result: a build's identity, a re-check's remembered verdict, a cached probe.
-_TOOLS = ("accel-opt", "onnx", "onnxruntime", "onnxruntime-gpu", "polygraphy", "onnxslim", "numpy", "openvino", "torch", "tensorrt")
+_TOOLS = ("accel-opt", "onnx", "onnxruntime", "onnxruntime-gpu", "polygraphy", "onnxslim", "numpy", "openvino", "nncf", "torch",
+          "tensorrt")
 
 
 def sha256_file(path: Path, chunk_bytes: int = 1 << 20) -> str:

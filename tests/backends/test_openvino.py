@@ -329,3 +329,68 @@ def test_throughput_with_concurrent_requests(fp32_model, tmp_path):
     result = throughput(compiled, _sample(2, 0), streams=2, seconds=0.2)
     assert result["requests"] == 2 and result["batch_size"] == 2 and result["iterations"] > 0
     assert result["samples_per_s"] > 0 and result["p50_ms"] <= result["p99_ms"]
+
+
+# --- NNCF's quantizer of the OpenVINO model: its IR ships ------------------------------------------
+
+needs_nncf = pytest.mark.skipif(importlib.util.find_spec("nncf") is None or importlib.util.find_spec("openvino") is None,
+                                reason="nncf and openvino are not installed (pip install 'accel-opt[openvino]')")
+
+
+@needs_nncf
+def test_the_search_adopts_nncf_where_it_holds_and_the_ir_it_wrote_is_what_ships(tmp_path):
+    """The spiky CNN's x2000 channel ruins this project's per-tensor activation ranges whatever the remedy; OpenVINO
+    folds the constant Mul into the next Conv's weights before NNCF calibrates, so NNCF's build holds. The search says
+    so on its own measurements, and the folder ships NNCF's IR, checked and hashed like any model file."""
+    from accel_opt import runtime
+
+    from ..conftest import FAST_BENCH, image_npz_folder, save, spiky_cnn
+
+    model = save(spiky_cnn(), tmp_path / "spiky.onnx")
+    data = image_npz_folder(tmp_path / "data", 120)
+    recipe = Recipe().with_overrides(backend="openvino", precision="int8", benchmark=FAST_BENCH, **{
+        "precision_options.fallback.min_speedup": 0.01, "precision_options.fallback.time_budget_s": 120})
+    result = build(model, recipe, data_dir=data, out_dir=tmp_path / "out")
+    assert result.signed_off, result.failures
+    folder = Path(result.artifact_dir)
+    record = json.loads((folder / "build.json").read_text())
+    remedies = [s for s in record["fallback"]["steps"] if s["kind"] == "remedy"]
+    assert record["fallback"]["remedies"] == ["NNCF on OpenVINO"], remedies
+    assert remedies[-1]["what"].startswith("NNCF on OpenVINO (instead of") and remedies[-1]["seconds"] > 0
+    assert record["precision"]["transform"].startswith("NNCF") and "OpenVINO IR" in record["precision"]["transform"]
+    config = json.loads((folder / "resource_config.json").read_text())
+    assert config["model_file"] == "model.xml" and "model.bin" in config["extra_files"]
+    assert not list(folder.glob("*.onnx"))
+    assert any(set(by_precision) & {"u8", "i8"}
+               for layer, by_precision in config["settings"]["execution_precision_by_layer_type"].items()
+               if layer == "Convolution")
+    manifest = json.loads((folder / "manifest.json").read_text())
+    assert "model.bin" in manifest["artifacts"] and "nncf" in manifest["tools"]
+    runtime.load(folder).runner().activate()  # loads as verified
+    (folder / "model.bin").write_bytes((folder / "model.bin").read_bytes()[:-4] + b"\0\0\0\0")
+    with pytest.raises(InputRejected, match="model.bin"):
+        runtime.load(folder)
+
+
+@needs_nncf
+def test_nncf_keeps_the_layers_it_is_told_in_float_and_refuses_what_it_cannot(fp32_model, tmp_path):
+    import onnx
+    import openvino as ov
+
+    from accel_opt.precision.nncf_openvino import quantize_ir
+    from accel_opt.recipe.stages import CalibrationConfig
+
+    samples = [_sample(1, seed) for seed in range(8)]
+    convs = [n.name for n in onnx.load(str(fp32_model)).graph.node if n.op_type == "Conv"]
+    out = tmp_path / "q.xml"
+    report = quantize_ir(fp32_model, samples, CalibrationConfig(quantizer="nncf"), "openvino", out, exclude=convs[:2])
+    assert out.is_file() and out.with_suffix(".bin").is_file() and "2 layer(s) left in float" in report.notes[0]
+    model = ov.Core().read_model(str(out))
+    fed_by_fake_quantize = {target.get_node().get_friendly_name() for op in model.get_ordered_ops()
+                            if op.get_type_name() == "FakeQuantize" for target in op.output(0).get_target_inputs()}
+    assert {f"{name}/WithoutBiases" for name in convs[2:]} <= fed_by_fake_quantize
+    assert not {f"{name}/WithoutBiases" for name in convs[:2]} & fed_by_fake_quantize
+    with pytest.raises(Unsupported, match="no operation named after them"):
+        quantize_ir(fp32_model, samples, CalibrationConfig(quantizer="nncf"), "openvino", out, exclude=["no_such_node"])
+    with pytest.raises(Unsupported, match="only the openvino backend runs"):
+        quantize_ir(fp32_model, samples, CalibrationConfig(quantizer="nncf"), "onnxruntime", out)

@@ -308,3 +308,28 @@ def test_a_tail_is_measured_first_and_kept_beside_a_group_sharing_a_layer_with_i
         "the last 2 of 8 layers", "Conv 16x1x3x3 (2 layers)"]
     assert found.kept == ["d2", "fc", "d1"]  # d2, in both, once
     assert all(len(keep) == len(set(keep)) for keep in model.builds)
+
+
+NNCF = ("precision_options.calibration.quantizer", "nncf")
+OPENVINO_REMEDIES = int8_remedies(CalibrationConfig(), "openvino")
+
+
+def test_nncf_is_tried_on_openvino_last_and_instead_of_the_remedies_adopted(tmp_path):
+    """NNCF is another quantizer: its build resets what the remedies before it set, and it is named as replacing them."""
+    nncf = ["NNCF on OpenVINO", "NNCF on OpenVINO + SmoothQuant", "NNCF on OpenVINO + ChannelAlignment"]
+    assert [r.name for r in OPENVINO_REMEDIES] == [r.name for r in REMEDIES] + nncf
+    assert not any(r.name.startswith("NNCF") for r in REMEDIES)  # ONNX Runtime's builds: ONNX Q/DQ only
+    model = Model({"Conv 16x1x3x3": 1.5}, remedy_gains={BIAS: 0.5, NNCF: 2.2})
+    found = _run(model, tmp_path, remedies=OPENVINO_REMEDIES)
+    assert found.status == "rescued" and list(found.remedies) == ["NNCF on OpenVINO"] and found.kept == []
+    assert [s.what for s in found.steps if s.kind == "remedy"][-1] == "NNCF on OpenVINO (instead of bias correction)"
+    built = model.overrides[-1]
+    assert built[NNCF[0]] == "nncf" and built[BIAS[0]] is False  # the bias correction it replaced is not carried
+    CalibrationConfig(**{key.rpartition(".")[2]: value for key, value in built.items()})  # a recipe NNCF accepts
+
+
+def test_nncf_is_offered_only_where_the_recipe_keeps_what_it_replaces():
+    assert int8_remedies(CalibrationConfig(quantizer="nncf"), "openvino") == ()  # NNCF already: nothing to add
+    assert not any(r.name.startswith("NNCF") for r in int8_remedies(CalibrationConfig(per_channel=False), "openvino"))
+    fused = [r for r in int8_remedies(CalibrationConfig(), "openvino", fused_preprocessing=True) if r.name.startswith("NNCF")]
+    assert fused and all("preprocessing.fused" in r.unavailable for r in fused)

@@ -20,7 +20,7 @@ from accel_opt.bench.efficiency import node_flops
 from accel_opt.data import Sample
 from accel_opt.errors import first_line
 from accel_opt.graph.inspect import io_specs, with_batch
-from accel_opt.precision import fallback, transform
+from accel_opt.precision import fallback, transform, written_path
 from accel_opt.precision.diagnose import Diagnosis, diagnose, emulate_bfloat16
 from accel_opt.precision.report import PrecisionReport
 from accel_opt.precision.search import int8_remedies
@@ -48,9 +48,11 @@ def fallback_actions(ctx: BuildContext, probes: list[Sample], shapes: dict[str, 
     timed = padding.same_length(probes) if padding is not None else probes  # timed batches have one shape
     probe_labels = ctx.steering_labels[:len(probes)] if ctx.steering_labels else None  # the probes are steering's first
 
+    def chosen(overrides: dict | None):
+        return recipe.with_overrides(**overrides) if overrides else recipe
+
     def build(keep: list[str], out: Path, overrides: dict | None = None) -> PrecisionReport:
-        chosen = recipe.with_overrides(**overrides) if overrides else recipe
-        return transform(ctx.fp32_path, precision, chosen, ctx.backend.name, ctx.calibration_samples, out,
+        return transform(ctx.fp32_path, precision, chosen(overrides), ctx.backend.name, ctx.calibration_samples, out,
                          calibration_cache, ctx.cpu, keep_float=keep)
 
     # The fp32 model's outputs and float32 noise on the probes: measured once, every build of the search reuses them.
@@ -73,7 +75,8 @@ def fallback_actions(ctx: BuildContext, probes: list[Sample], shapes: dict[str, 
     def deployed_runner(path: Path, as_precision: Precision = precision):
         if path not in compiled:
             compiled[path] = compile_for(ctx.backend, path, as_precision, recipe, ctx.workdir / "probe" / path.stem, shapes)
-        deployed = {spec.name: spec.dtype for spec in io_specs(onnx.load(str(path), load_external_data=False))[0]}
+        graph = path if fallback.is_onnx(path) else ctx.fp32_path  # NNCF's IR keeps the fp32 model's inputs
+        deployed = {spec.name: spec.dtype for spec in io_specs(onnx.load(str(graph), load_external_data=False))[0]}
         return casting_inputs(ctx.backend.runner(compiled[path]), runtime.feed_dtypes_of(probes), deployed)
 
     def judge(path: Path) -> fallback.ProbeVerdict:
@@ -91,7 +94,9 @@ def fallback_actions(ctx: BuildContext, probes: list[Sample], shapes: dict[str, 
     def judge_emulated(path: Path) -> fallback.ProbeVerdict:  # Q/DQ in float, graph optimizations off: as diagnosed
         return verdict(reference_runner(path, ctx.threads))
 
-    def examine(path: Path) -> Diagnosis:
+    def examine(path: Path) -> Diagnosis | None:
+        if not fallback.is_onnx(path):  # NNCF's IR: the diagnosis runs ONNX graphs on ONNX Runtime
+            return None
         if precision is Precision.bf16:
             (ctx.workdir / "probe").mkdir(parents=True, exist_ok=True)
             path = emulate_bfloat16(path, ctx.workdir / "probe" / f"emulated-{path.name}")
@@ -109,7 +114,10 @@ def fallback_actions(ctx: BuildContext, probes: list[Sample], shapes: dict[str, 
     if precision is Precision.int8 and isinstance(ctx.backend, OnnxRuntimeBackend):
         def companions(path: Path) -> list[str]:
             return float_run_quantized_ops(path, ctx.threads)
-    remedies = int8_remedies(recipe.precision_options.calibration) if precision is Precision.int8 else ()
+    fused = recipe.preprocessing is not None and recipe.preprocessing.fused
+    remedies = int8_remedies(recipe.precision_options.calibration, ctx.backend.name, fused) \
+        if precision is Precision.int8 else ()
     return fallback.Actions(build=build, judge=judge, diagnose=examine, flops_of=flops_of, companions=companions,
                             judge_emulated=judge_emulated if precision is Precision.int8 else None, speedup=speedup,
-                            remedies=remedies)
+                            remedies=remedies, structure=ctx.fp32_path,
+                            written=lambda path, overrides: written_path(path, precision, chosen(overrides)))

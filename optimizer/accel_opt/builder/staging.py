@@ -18,6 +18,8 @@ from accel_opt.errors import AccelOptError, first_line
 from accel_opt.files import write_json
 from accel_opt.graph.inspect import io_specs
 from accel_opt.graph.save import save_model
+from accel_opt.precision.fallback import is_onnx
+from accel_opt.precision.nncf_openvino import IR_SUFFIX, ir_files
 from accel_opt.preprocess.fit import image_input
 from accel_opt.preprocess.fuse import fuse_normalize
 from accel_opt.recipe.types import BackendName
@@ -35,6 +37,12 @@ def stage_deployment(ctx: BuildContext, shapes: dict[str, list[int]]) -> None:
                                        ctx.workdir / "torch", shapes)
         shutil.copy2(c.path, ctx.staging / c.path.name)
         deployed_inputs, deployed_outputs = ctx.inputs, ctx.outputs
+    elif not is_onnx(ctx.candidate_path):  # NNCF's OpenVINO IR (calibration.quantizer: nncf): it ships as written
+        model_file = ctx.staging / f"model{IR_SUFFIX}"
+        for source, target in zip(ir_files(ctx.candidate_path), ir_files(model_file)):
+            shutil.copy2(source, target)
+        ctx.compiled = c = compile_for(ctx.backend, model_file, ctx.recipe.precision, ctx.recipe, ctx.workdir, shapes)
+        deployed_inputs, deployed_outputs = ctx.inputs, ctx.outputs  # NNCF keeps the fp32 model's inputs and outputs
     else:
         model_file = ctx.staging / "model.onnx"
         source = ctx.candidate_path

@@ -2,7 +2,8 @@
 
 `transform()` is the single entry point the pipeline calls. fp16/bf16 rewrite tensor types with a
 block list kept in fp32 (fp16.py); int8 inserts calibrated QuantizeLinear/DequantizeLinear pairs
-(int8.py, with calibration.py adapting samples to ONNX Runtime's calibration contract).
+(int8.py, with calibration.py adapting samples to ONNX Runtime's calibration contract), or, with
+`calibration.quantizer: nncf`, NNCF quantizes the OpenVINO model and the build ships its IR (nncf_openvino.py).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from accel_opt.precision.report import CalibrationReport, KeptNode, PrecisionRep
 from accel_opt.recipe.schema import Recipe
 from accel_opt.recipe.types import Precision
 
-__all__ = ["CalibrationReport", "KeptNode", "PrecisionReport", "transform"]
+__all__ = ["CalibrationReport", "KeptNode", "PrecisionReport", "transform", "written_path"]
 
 
 def transform(
@@ -30,8 +31,8 @@ def transform(
     cpu: CpuProfile,
     keep_float: Sequence[str] = (),
 ) -> PrecisionReport:
-    """Write the `precision` version of `model_path` to `out_path` (validated: checker + session load).
-    `keep_float`: nodes kept in fp32 besides the recipe's block lists (the fallback's choice)."""
+    """Write the `precision` version of `model_path` to `written_path(out_path, ...)` (validated: checker + session
+    load). `keep_float`: nodes kept in fp32 besides the recipe's block lists (the fallback's choice)."""
     if precision in (Precision.fp16, Precision.bf16):
         from accel_opt.precision.fp16 import convert_float
 
@@ -39,9 +40,21 @@ def transform(
         if keep_float:
             options = options.model_copy(update={"block_nodes": [*options.block_nodes, *keep_float]})
         return convert_float(model_path, precision, options, out_path)
+    if precision is Precision.int8 and recipe.precision_options.calibration.quantizer == "nncf":
+        from accel_opt.precision.nncf_openvino import quantize_ir
+
+        return quantize_ir(model_path, calibration_samples, recipe.precision_options.calibration, backend_name,
+                           written_path(out_path, precision, recipe), exclude=keep_float)
     if precision is Precision.int8:
         from accel_opt.precision.int8 import quantize
 
         return quantize(model_path, calibration_samples, recipe.precision_options.calibration, backend_name, out_path,
                         cache_dir, cpu, exclude=keep_float)
     raise ValueError(f"no transform for {precision.value}")
+
+
+def written_path(out_path: Path, precision: Precision, recipe: Recipe) -> Path:
+    """Where `transform(..., out_path)` writes: `out_path`, or its OpenVINO IR (.xml, beside it) where NNCF quantizes."""
+    if precision is Precision.int8 and recipe.precision_options.calibration.quantizer == "nncf":
+        return Path(out_path).with_suffix(".xml")
+    return Path(out_path)

@@ -109,6 +109,12 @@ class Actions:
     speedup: Callable[[Path], float | None] = lambda path: None
     remedies: tuple[Remedy, ...] = ()  # whole-graph remedies to try first (search.int8_remedies)
     flops: dict[str, int] = field(default_factory=dict)  # flops_of(the naive build), set by run()
+    # (the out path given to `build`, the recipe keys of its remedies) -> the file it writes (precision.written_path):
+    # an OpenVINO IR (.xml) where NNCF quantizes
+    written: Callable[[Path, dict | None], Path] = lambda path, overrides: path
+    # The ONNX model whose node names the builds keep in float (the fp32 model): where a build is not ONNX, its FLOPs
+    # and layer groups are read from this. None: every build is ONNX.
+    structure: Path | None = None
 
 
 def run(precision: Precision, config: FallbackConfig, actions: Actions, out_path: Path, probe_samples: int,
@@ -126,11 +132,12 @@ def run(precision: Precision, config: FallbackConfig, actions: Actions, out_path
     kept: dict[str, KeptNode] = {k.node: k for k in fixed}
     if not config.enabled:
         report.reason = "turned off (--no-fallback or the recipe's precision_options.fallback.enabled)"
-        return actions.build(list(kept), out_path, None), report, out_path
+        return actions.build(list(kept), out_path, None), report, actions.written(out_path, None)
     primaries: set[str] = set()  # nodes kept for the error they add (not as a consequence of another)
-    naive_path = out_path.with_name(f"naive-{out_path.name}")
+    naive_path = actions.written(out_path.with_name(f"naive-{out_path.name}"), None)
     precision_report = _build_with_companions(actions, kept, primaries, naive_path, 0, config)
-    actions.flops, groups = actions.flops_of(naive_path), layer_groups(naive_path)
+    graph = naive_path if is_onnx(naive_path) or actions.structure is None else actions.structure
+    actions.flops, groups = actions.flops_of(graph), layer_groups(graph)
     total_flops = max(sum(actions.flops.values()), 1)
 
     def fraction() -> float:
@@ -150,7 +157,8 @@ def run(precision: Precision, config: FallbackConfig, actions: Actions, out_path
     current = naive_path
     if verdict.passed:
         report.status, report.reason = "not needed", "the build passes the recipe's tolerance on the probe samples"
-    elif actions.judge_emulated is not None and (emulated := actions.judge_emulated(naive_path)).passed:
+    elif (actions.judge_emulated is not None and is_onnx(naive_path)
+          and (emulated := actions.judge_emulated(naive_path)).passed):
         report.status, report.reason = "kernels", (
             f"the deployed kernels fail what the graph itself passes (probe worst cosine {verdict.worst_cosine:.4f} as "
             f"deployed, {emulated.worst_cosine:.4f} with Q/DQ emulated in float): the per-layer diagnosis cannot see "
@@ -181,7 +189,7 @@ def _search(precision: Precision, config: FallbackConfig, actions: Actions, repo
     reports: dict[Path, PrecisionReport] = {naive_path: precision_report}
 
     def build_and_judge(keep: list[str], path: Path, overrides: dict | None) -> Build:
-        path = out_path.with_name(f"{path.stem}-{out_path.name}")
+        path = actions.written(out_path.with_name(f"{path.stem}-{out_path.name}"), overrides)
         trial = {**fixed, **{n: KeptNode(node=n, op_type=groups.get(n, "").split(" ")[0], reason="") for n in keep}}
         try:
             reports[path] = _build_with_companions(actions, trial, primaries | set(keep), path, 1, config, overrides)
@@ -277,6 +285,8 @@ def _build_with_companions(actions: Actions, kept: dict[str, KeptNode], primarie
     excluded, since excluding them would make their producers float in turn, up the whole graph: they are
     recorded in the model's metadata (FLOAT_BY_DESIGN) for the backend's int8-kernel check, and reported."""
     report = actions.build(list(kept), path, overrides)
+    if not is_onnx(path):  # NNCF's IR: its own placement decides what feeds a kept layer, and no metadata records it
+        return report
     budget = config.max_fp32_flops_fraction * max(sum(actions.flops.values()), 1)
     extra = []
     for name in requantized_sources(path, primaries):  # within the FLOPs budget, like the picks
@@ -296,6 +306,11 @@ def _build_with_companions(actions: Actions, kept: dict[str, KeptNode], primarie
     if kept or floating:  # read by ONNX Runtime's int8-kernel check; nothing to record otherwise
         mark_float_by_design(path, [*kept, *floating])
     return report
+
+
+def is_onnx(path: Path) -> bool:
+    """Whether a build is an ONNX graph (the others: NNCF's OpenVINO IR, which no ONNX tool reads)."""
+    return Path(path).suffix == ".onnx"
 
 
 def mark_float_by_design(model_path: Path, nodes: list[str]) -> None:

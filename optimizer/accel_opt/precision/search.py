@@ -10,8 +10,10 @@ probes' cosine went from 0.9859 to 0.9855). So every decision here is measured, 
    rounded weights), percentile or entropy calibration of the activations, then AdaRound (each layer's weights
    rounded to fit the float model's output; minutes). A remedy that makes the build better (`better`: passing, else
    fewer changed predictions where a paired sign test separates the two builds, else a lower numeric error on every
-   probe) is adopted and the next is tried on top of it; what is adopted is the base of what follows. One that needs
-   a missing package is recorded as skipped, with the install line.
+   probe) is adopted and the next is tried on top of it; what is adopted is the base of what follows. On the OpenVINO
+   backend NNCF's quantizer of the OpenVINO model comes last (alone, with SmoothQuant, with ChannelAlignment): another
+   quantizer, tried instead of the remedies adopted, its IR shipped if it is better. One that needs a missing package
+   is recorded as skipped, with the install line; one whose build fails (NNCF's own error) as not better.
 3. The gain of each unit (a group of same-shaped layers: the same layer of every repeated block; or the network's
    tail, its last few layers, measured first) measured when it alone is restored to float with everything else
    reduced: one build per unit (the worst `max_measured_units` by the diagnosis when there are more). Once a unit
@@ -34,6 +36,7 @@ the search. A wall-clock budget (`time_budget_s`) bounds it; it is checked befor
 from __future__ import annotations
 
 import importlib.util
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -54,10 +57,14 @@ class Remedy:
     unavailable: str | None = None  # why it cannot be tried here (a missing optional package): recorded, skipped
 
 
-def int8_remedies(calibration: CalibrationConfig) -> tuple[Remedy, ...]:
+def int8_remedies(calibration: CalibrationConfig, backend_name: str = "onnxruntime",
+                  fused_preprocessing: bool = False) -> tuple[Remedy, ...]:
     """The remedies an int8 search tries on top of the recipe's `calibration`, cheapest and most general first:
     seconds each, but AdaRound minutes (it learns every layer's rounding for the activation ranges chosen before it,
-    so it comes last and is learned once)."""
+    so it comes after them and is learned once). Then, on the OpenVINO backend, NNCF's quantizer of the OpenVINO model
+    (nncf_remedies): another quantizer, tried instead of what was adopted, not on top of it."""
+    if calibration.quantizer == "nncf":
+        return ()  # NNCF's own presets: the remedies below set keys it replaces
     remedies = [] if calibration.bias_correction else [
         Remedy("bias correction", {"precision_options.calibration.bias_correction": True})]
     remedies += [Remedy(f"{method} calibration", {"precision_options.calibration.method": method})
@@ -65,7 +72,33 @@ def int8_remedies(calibration: CalibrationConfig) -> tuple[Remedy, ...]:
     if calibration.weight_rounding != "adaround":
         missing = None if importlib.util.find_spec("torch") else "needs PyTorch: pip install 'accel-opt[ptq]'"
         remedies.append(Remedy("AdaRound", {"precision_options.calibration.weight_rounding": "adaround"}, missing))
-    return tuple(remedies)
+    return tuple(remedies) + (nncf_remedies(calibration, fused_preprocessing) if backend_name == "openvino" else ())
+
+
+def nncf_remedies(calibration: CalibrationConfig, fused_preprocessing: bool = False) -> tuple[Remedy, ...]:
+    """NNCF's post-training quantization of the OpenVINO model (full bias correction), alone and with each of the
+    algorithms NNCF runs on that backend only: each a whole quantizer, whose keys reset every key of the remedies above,
+    so the search tries it instead of them (`search`: a remedy replaces those adopted that set the same keys). Offered
+    where the recipe keeps the defaults of what NNCF replaces beyond those (per_channel, op_types, target, ...)."""
+    from accel_opt.precision.nncf_openvino import missing
+    from accel_opt.recipe.stages import NNCF_REPLACES
+
+    calibration_key = "precision_options.calibration."
+    resets = {calibration_key + key: getattr(default, "value", default) for key, default in NNCF_REPLACES.items()
+              if key in REMEDY_KEYS}
+    if any(getattr(calibration, key) != default for key, default in NNCF_REPLACES.items() if key not in REMEDY_KEYS):
+        return ()
+    unavailable = ("the recipe fuses the preprocessing into the ONNX graph (preprocessing.fused), and NNCF's "
+                   "OpenVINO IR is not one") if fused_preprocessing else missing()
+    return tuple(Remedy(name, {calibration_key + "quantizer": "nncf", **resets,
+                               **{calibration_key + key: True for key in algorithms}}, unavailable)
+                 for name, algorithms in (("NNCF on OpenVINO", ()), ("NNCF on OpenVINO + SmoothQuant", ("smooth_quant",)),
+                                          ("NNCF on OpenVINO + ChannelAlignment", ("channel_alignment",))))
+
+
+# The calibration keys the remedies of this search set, and NNCF's reset (the recipe's other NNCF_REPLACES keys, which
+# no remedy changes, must keep their defaults for NNCF to be offered).
+REMEDY_KEYS = ("method", "bias_correction", "weight_rounding", "bias_fit", "weight_fit")
 
 
 @dataclass
@@ -230,8 +263,10 @@ def search(naive: Build, units: Sequence[Unit], actions: SearchActions, work: Pa
         trial = {n: o for n, o in adopted.items() if not o.keys() & remedy.overrides.keys()} | {remedy.name: remedy.overrides}
         tried = actions.build_and_judge([], work / f"remedy-{len(steps)}.onnx", _merged(trial))
         adopt, why = better(tried, base)
+        if tried.loss == math.inf and tried.failures:  # not built (NNCF's own error): say why
+            why = tried.failures[0]
         remedy_seconds[remedy.name] = time.monotonic() - started
-        record("remedy", remedy.name + (f" (with {', '.join(adopted)})" if adopted else ""), tried,
+        record("remedy", remedy.name + _alongside(trial, adopted, remedy.name), tried,
                gain=base.loss - tried.loss, started=started, decision=("adopted: " if adopt else "not better: ") + why)
         if adopt:
             base, adopted = tried, trial
@@ -337,6 +372,14 @@ def search(naive: Build, units: Sequence[Unit], actions: SearchActions, work: Pa
             record("drop", f"without {unit.label}", tried, started=started, decision="kept: needed")
     return result("rescued", f"passes the probes with {len(kept)} unit(s) ({len(_nodes(kept))} layers) restored"
                   + (f" with {' and '.join(adopted)}" if adopted else ""), current, kept, adopted, gains)
+
+
+def _alongside(trial: dict[str, dict], adopted: dict[str, dict], name: str) -> str:
+    """What a remedy's build holds besides it: the adopted remedies it kept (with) and those it replaced (instead of)."""
+    kept = [n for n in trial if n != name]
+    replaced = [n for n in adopted if n not in trial]
+    parts = ([f"with {', '.join(kept)}"] if kept else []) + ([f"instead of {', '.join(replaced)}"] if replaced else [])
+    return f" ({'; '.join(parts)})" if parts else ""
 
 
 def _nodes(units: Sequence[Unit]) -> list[str]:

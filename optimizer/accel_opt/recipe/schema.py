@@ -55,6 +55,9 @@ class Recipe(_Strict):
     def _one_input_kind(self) -> Recipe:
         if self.text is not None and self.preprocessing is not None:
             raise ValueError("a recipe takes images (preprocessing) or text (text), not both")
+        if self.precision_options.calibration.quantizer == "nncf" and self.preprocessing and self.preprocessing.fused:
+            raise ValueError("preprocessing.fused rewrites the ONNX graph, and calibration.quantizer nncf ships an "
+                             "OpenVINO IR: set one of them off")
         return self
 
     def fingerprint(self) -> str:

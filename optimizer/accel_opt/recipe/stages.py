@@ -78,6 +78,37 @@ class CalibrationConfig(_Strict):
     weight_fit: bool = False
     weight_fit_steps: int = Field(default=600, ge=1)  # optimizer steps of 8 samples
     weight_fit_time_budget_s: float = Field(default=900.0, gt=0)  # wall clock, checked before each step
+    # Who places and calibrates the int8 quantizers. "accel-opt": this project's Q/DQ ONNX (every backend; the keys
+    # above). "nncf": NNCF's post-training quantization of the OpenVINO model, with full bias correction
+    # (precision/nncf_openvino.py; the OpenVINO backend only, the `openvino` extra): the build ships the OpenVINO IR
+    # NNCF writes (model.xml + model.bin), and NNCF's own presets for the CPU plugin replace the keys above, which
+    # must keep their defaults. The rescue search of an OpenVINO int8 build tries it as a remedy.
+    quantizer: Literal["accel-opt", "nncf"] = "accel-opt"
+    # NNCF only: SmoothQuant on the convolutions (alpha 0.15, NNCF's own for them; NNCF runs it for its transformer
+    # model type only) and ChannelAlignment (NNCF 3.4.0 fails on EfficientNet-Lite0 with KeyError: numpy.float32).
+    smooth_quant: bool = False
+    channel_alignment: bool = False
+
+    @model_validator(mode="after")
+    def _nncf_keys(self) -> CalibrationConfig:
+        if self.quantizer == "accel-opt":
+            on = [k for k in ("smooth_quant", "channel_alignment") if getattr(self, k)]
+            if on:
+                raise ValueError(f"{' and '.join(on)} run in NNCF only: set quantizer: nncf")
+            return self
+        changed = [k for k, default in NNCF_REPLACES.items() if getattr(self, k) != default]
+        if changed:
+            raise ValueError(f"quantizer nncf calibrates with NNCF's own presets: {', '.join(changed)} must keep "
+                             "the default (" + ", ".join(f"{k}: {NNCF_REPLACES[k]}" for k in changed) + ")")
+        return self
+
+
+# What quantizer: nncf replaces (NNCF's own range estimators, per-channel symmetric weights and overflow handling for
+# OpenVINO's CPU plugin, its own bias correction): each key must keep this default.
+NNCF_REPLACES: dict[str, object] = {
+    "method": CalibrationMethod.minmax, "per_channel": True, "op_types": None, "target": QuantTarget.auto,
+    "target_cpu": "host", "reduce_range": None, "bias_correction": False, "weight_rounding": "nearest",
+    "bias_fit": False, "weight_fit": False}
 
 
 class FallbackConfig(_Strict):

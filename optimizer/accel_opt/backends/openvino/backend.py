@@ -156,7 +156,8 @@ class OpenVinoBackend:
             threads=threads,
             build_seconds=build_seconds,
             settings=settings,
-            extra_files=[blob_path, meta_path],
+            # An IR's weights (NNCF's int8 build): the .bin of the .xml's stem, which OpenVINO reads beside it.
+            extra_files=[*([onnx_path.with_suffix(".bin")] if onnx_path.suffix == ".xml" else []), blob_path, meta_path],
         )
 
     def runner(self, compiled: CompiledModel) -> OpenVinoRunner:
