@@ -155,3 +155,9 @@ def test_nncf_refuses_the_keys_it_would_silently_replace(overrides, message):
         recipe.with_overrides(**overrides)
     with pytest.raises(UsageError, match="smooth_quant run in NNCF only"):
         load_recipe().with_overrides(**{"precision_options.calibration.smooth_quant": True})
+
+
+def test_moving_average_is_refused_where_no_min_max_ranges_are_averaged():
+    with pytest.raises(UsageError, match="method percentile takes none"):
+        load_recipe().with_overrides(**{"precision_options.calibration.moving_average": True,
+                                        "precision_options.calibration.method": "percentile"})

@@ -262,3 +262,22 @@ def test_a_preset_reason_quotes_no_speed_measured_elsewhere():
 
     for preset in PRESETS.values():
         assert not re.search(r"\d+(\.\d+)?x\b|\bhere\b|\bms\b", preset.reason), preset.reason
+
+
+def test_onnx_runtimes_other_quantizer_options_change_the_graph_as_named(model_path, calib, evaluation, tmp_path):
+    """The rescue search's cheap remedies from ONNX Runtime's quantizer: moving-average ranges (never wider than the
+    extremes over all samples, some narrower), Relu kept explicit between Q/DQ pairs, per-tensor weights."""
+    def build(name: str, **options) -> Path:
+        out = tmp_path / f"{name}.onnx"
+        quantize(model_path, calib, CalibrationConfig(samples=16, **options), "onnxruntime", out, cache_dir=None, cpu=CPU)
+        assert _relative_error(_run(out, evaluation), _run(model_path, evaluation)) < 0.3
+        return out
+
+    plain, averaged = _activation_scales(build("plain")), _activation_scales(build("averaged", moving_average=True))
+    assert plain.keys() == averaged.keys()
+    assert all(averaged[n] <= plain[n] * (1 + 1e-6) for n in plain) and any(averaged[n] < plain[n] * 0.99 for n in plain)
+    relus = {str(path): sum(n.op_type == "Relu" for n in onnx.load(str(path)).graph.node)
+             for path in (tmp_path / "plain.onnx", build("explicit", keep_removable_activations=True))}
+    assert relus[str(tmp_path / "plain.onnx")] == 0 < relus[str(tmp_path / "explicit.onnx")]  # folded vs kept
+    model, inits = _quantize_ops(build("per-tensor", per_channel=False))
+    assert all(inits[n.input[1]].size == 1 for n in model.graph.node if n.op_type == "DequantizeLinear")

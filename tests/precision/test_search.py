@@ -106,6 +106,7 @@ def test_the_search_never_trades_for_a_build_below_the_speed_budget(tmp_path):
 BIAS = ("precision_options.calibration.bias_correction", True)
 PERCENTILE = ("precision_options.calibration.method", "percentile")
 ENTROPY = ("precision_options.calibration.method", "entropy")
+NOT_AVERAGED = ("precision_options.calibration.moving_average", False)
 REMEDIES = int8_remedies(CalibrationConfig())
 
 
@@ -123,12 +124,15 @@ def test_remedies_add_up_and_what_follows_is_built_with_them(tmp_path):
     adopted; AdaRound gains nothing here. Every later build carries both adopted remedies."""
     model = Model({"Conv 16x1x3x3": 1.3}, remedy_gains={BIAS: 0.5, PERCENTILE: 0.3, ENTROPY: 0.1})
     found = _run(model, tmp_path, remedies=REMEDIES)
-    assert [r.name for r in REMEDIES] == ["bias correction", "percentile calibration", "entropy calibration", "AdaRound"]
+    assert [r.name for r in REMEDIES] == ["bias correction", "percentile calibration", "entropy calibration",
+                                          "moving-average calibration", "per-tensor weights", "Relu/Clip kept explicit",
+                                          "AdaRound"]
     assert [s.decision.split(":")[0] for s in found.steps if s.kind == "remedy"] == [
-        "adopted", "adopted", "not better", "not better"]
+        "adopted", "adopted", "not better", "not better", "not better", "not better", "not better"]
     assert found.status == "rescued" and list(found.remedies) == ["bias correction", "percentile calibration"]
     assert sorted(found.kept) == ["d1", "d2"]  # 3 - 0.5 - 0.3 = 2.2; with the depthwise pair restored, 0.9 passes
-    assert all(dict([BIAS, PERCENTILE]) == o for o in model.overrides[1 + len(REMEDIES):-2])  # measured and added with both
+    with_both = dict([BIAS, PERCENTILE, NOT_AVERAGED])
+    assert all(with_both == o for o in model.overrides[1 + len(REMEDIES):-2])  # measured and added with both
     assert [(s.what, s.decision) for s in found.steps if s.kind == "drop"] == [  # each still needed: 1.2, 1.4 without
         ("without percentile calibration", "kept: needed: fails"), ("without bias correction", "kept: needed: fails")]
     assert not int8_remedies(CalibrationConfig(bias_correction=True, method="percentile"))[0].name.startswith("bias")
@@ -330,6 +334,6 @@ def test_nncf_is_tried_on_openvino_last_and_instead_of_the_remedies_adopted(tmp_
 
 def test_nncf_is_offered_only_where_the_recipe_keeps_what_it_replaces():
     assert int8_remedies(CalibrationConfig(quantizer="nncf"), "openvino") == ()  # NNCF already: nothing to add
-    assert not any(r.name.startswith("NNCF") for r in int8_remedies(CalibrationConfig(per_channel=False), "openvino"))
+    assert not any(r.name.startswith("NNCF") for r in int8_remedies(CalibrationConfig(reduce_range=True), "openvino"))
     fused = [r for r in int8_remedies(CalibrationConfig(), "openvino", fused_preprocessing=True) if r.name.startswith("NNCF")]
     assert fused and all("preprocessing.fused" in r.unavailable for r in fused)

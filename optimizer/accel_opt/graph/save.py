@@ -16,6 +16,19 @@ from accel_opt.errors import Unsupported, first_line
 EXTERNAL_DATA_ABOVE_BYTES = 1536 * 2**20
 
 
+def external_files(model_path: Path) -> list[Path]:
+    """The external data files the ONNX model at `model_path` refers to (beside it)."""
+    skeleton = onnx.load(str(model_path), load_external_data=False)
+    locations = {external_data_helper.ExternalDataInfo(t).location
+                 for t in external_data_helper._get_all_tensors(skeleton) if external_data_helper.uses_external_data(t)}
+    return [model_path.parent / loc for loc in sorted(locations)]
+
+
+def tensor_bytes(model_path: Path) -> int:
+    """The model file's bytes and its external data files'."""
+    return model_path.stat().st_size + sum(p.stat().st_size for p in external_files(model_path))
+
+
 def save_model(model: onnx.ModelProto, path: Path) -> None:
     """Save `model` (tensor data loaded) to `path`, with `<name>.data` beside it when the weights are large."""
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -23,13 +23,13 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-from onnx import external_data_helper, numpy_helper
+from onnx import numpy_helper
 
 from accel_opt.data import Sample
 from accel_opt.errors import InputRejected, Unsupported
 from accel_opt.files import copy_file, sha256_file
 from accel_opt.graph.inspect import opset_of
-from accel_opt.graph.save import EXTERNAL_DATA_ABOVE_BYTES, upgrade_opset
+from accel_opt.graph.save import EXTERNAL_DATA_ABOVE_BYTES, external_files, tensor_bytes, upgrade_opset
 from accel_opt.machine.cpu import CpuProfile
 from accel_opt.precision.calibration import calibration_errors
 from accel_opt.precision.fp16 import validate
@@ -58,6 +58,7 @@ class QuantSettings:
     op_types: tuple[str, ...] | None = None  # None: every op with a Q/DQ kernel in ORT
     reduce_range: bool = False  # 7-bit weights (see weight_range)
     num_quantized_bins: int = 128  # entropy: bins of the quantized distribution in the KL search (ORT and TensorRT use 128)
+    moving_average: bool = False  # minmax: ranges as a moving average of each sample's (ORT's CalibMovingAverage)
     bias_correction: bool = False  # biases absorb the mean shift of their rounded weights (bias_correction.py)
     weight_rounding: str = "nearest"  # or "adaround" (adaround.py)
     adaround_iterations: int = 300
@@ -88,10 +89,12 @@ def quantize(model_path: Path, samples: list[Sample], config: CalibrationConfig,
     if not samples:
         raise InputRejected("int8 calibration needs at least one sample")
     preset = resolve_preset(config.target, backend_name)
+    if config.keep_removable_activations:
+        preset = dataclasses.replace(preset, keep_removable_activations=True)
     target_cpu, reduce_range, reduce_range_reason = weight_range(preset, config, cpu)
     settings = QuantSettings(preset, config.method, config.per_channel, config.percentile, config.num_bins,
                              tuple(config.op_types) if config.op_types else None, reduce_range,
-                             **{name: getattr(config, name) for name in _REFINEMENTS})
+                             moving_average=config.moving_average, **{name: getattr(config, name) for name in _REFINEMENTS})
     key, ranges_key, rounding_key = calibration_keys(model_path, samples, settings)  # auto's int8 candidates share ranges
     fit_key = key  # what the bias fit learns on the whole graph serves the builds with layers excluded
     key = key if not exclude else hashlib.sha256(f"{key}|{sorted(exclude)}".encode()).hexdigest()
@@ -140,7 +143,9 @@ def quantize(model_path: Path, samples: list[Sample], config: CalibrationConfig,
         kept_in_higher_precision=kept,
         transform=f"static int8 Q/DQ ({preset.activation_type} activations, {'7-bit ' if reduce_range else ''}"
         f"{preset.weight_type} {'per-channel' if config.per_channel else 'per-tensor'} weights), "
-        f"{config.method.value} calibration{', AdaRound' if settings.weight_rounding == 'adaround' else ''}"
+        f"{config.method.value}{' moving-average' if config.moving_average else ''} calibration"
+        f"{', Relu/Clip kept explicit' if config.keep_removable_activations else ''}"
+        f"{', AdaRound' if settings.weight_rounding == 'adaround' else ''}"
         f"{', biases corrected' if settings.bias_correction else ''}, for {target_cpu} CPUs",
         opset_before=opset_before,
         opset_after=opset_of(onnx.load(str(out_path), load_external_data=False)),
@@ -174,7 +179,7 @@ def calibration_keys(model_path: Path, samples: list[Sample], settings: QuantSet
     import onnxruntime
 
     content = hashlib.sha256()
-    for path in [model_path, *_external_files(model_path)]:
+    for path in [model_path, *external_files(model_path)]:
         content.update(f"{path.name}|{sha256_file(path)}".encode())
     for sample in samples:
         for name in sorted(sample):
@@ -185,7 +190,7 @@ def calibration_keys(model_path: Path, samples: list[Sample], settings: QuantSet
     graph = {**dataclasses.asdict(settings), "method": settings.method.value}
     calibrator = {"method": settings.method.value, "symmetric": settings.preset.symmetric_activations,
                   "num_bins": settings.num_bins, "num_quantized_bins": settings.num_quantized_bins,
-                  "percentile": settings.percentile, "op_types": _op_types(settings)}
+                  "percentile": settings.percentile, "op_types": _op_types(settings), "moving_average": settings.moving_average}
 
     def key(fields: dict) -> str:
         digest = content.copy()
@@ -218,9 +223,9 @@ def _prepared_and_ranges(model_path: Path, samples: list[Sample], settings: Quan
     entry = Path(cache_dir) / "ranges" / key if cache_dir is not None else None
     if entry is not None and (entry / "ranges.json").is_file():  # ranges.json is written last
         notes.append(f"activation ranges from the cache (calibrated once for this model, samples and method): {entry.name}")
-        return entry / "prepared.onnx", entry / "ranges.json", _tensor_bytes(entry / "prepared.onnx") > EXTERNAL_DATA_ABOVE_BYTES
+        return entry / "prepared.onnx", entry / "ranges.json", tensor_bytes(entry / "prepared.onnx") > EXTERNAL_DATA_ABOVE_BYTES
     prepared = _prepare(model_path, tmp, notes)
-    large = _tensor_bytes(prepared) > EXTERNAL_DATA_ABOVE_BYTES
+    large = tensor_bytes(prepared) > EXTERNAL_DATA_ABOVE_BYTES
     ranges = _calibrate(prepared, samples, settings, tmp, large)
     if entry is None or large:
         return prepared, ranges, large
@@ -252,7 +257,7 @@ def _prepare(model_path: Path, tmp: Path, notes: list[str]) -> Path:
         source = upgrade_opset(model_path, MIN_OPSET, tmp / "upgraded.onnx", f"per-channel int8 (model at opset {opset})")
         notes.append(f"opset {opset} -> {MIN_OPSET}: per-channel DequantizeLinear needs opset 13")
     prepared = tmp / "prepared.onnx"
-    large = _tensor_bytes(source) > EXTERNAL_DATA_ABOVE_BYTES
+    large = tensor_bytes(source) > EXTERNAL_DATA_ABOVE_BYTES
     # Dynamic height/width make ORT's symbolic shape inference fail ("Incomplete symbolic shape
     # inference"); ONNX shape inference alone is enough for image models.
     skip_symbolic = _dynamic_spatial(skeleton)
@@ -289,7 +294,7 @@ def _calibrate(model: Path, samples: list[Sample], settings: QuantSettings, tmp:
 
     calibrator_options = {
         "symmetric": settings.preset.symmetric_activations,  # percentile: cut both tails unless the target is symmetric
-        "moving_average": False,  # plain min/max over all samples
+        "moving_average": settings.moving_average,  # False: plain min/max over all samples
         "num_bins": settings.num_bins,
         "num_quantized_bins": settings.num_quantized_bins,
         "percentile": settings.percentile,
@@ -392,20 +397,6 @@ def _signed_input_overrides(model: Path, ranges_file: Path) -> dict[str, list[di
     inputs = [i.name for i in onnx.load(str(model), load_external_data=False).graph.input]
     return {name: [{"quant_type": QuantType.QInt8, "symmetric": True}] for name in inputs
             if name in ranges and float(np.min(ranges[name].range_value[0])) < 0}
-
-
-def _external_files(model_path: Path) -> list[Path]:
-    skeleton = onnx.load(str(model_path), load_external_data=False)
-    locations = {
-        external_data_helper.ExternalDataInfo(t).location
-        for t in external_data_helper._get_all_tensors(skeleton)
-        if external_data_helper.uses_external_data(t)
-    }
-    return [model_path.parent / loc for loc in sorted(locations)]
-
-
-def _tensor_bytes(model_path: Path) -> int:
-    return model_path.stat().st_size + sum(p.stat().st_size for p in _external_files(model_path))
 
 
 def _dynamic_spatial(model: onnx.ModelProto) -> bool:

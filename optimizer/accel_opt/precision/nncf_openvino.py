@@ -77,7 +77,7 @@ def quantize_ir(model_path: Path, samples: list[Sample], config: CalibrationConf
     if ignored:
         options["ignored_scope"] = nncf.IgnoredScope(names=ignored)
     try:
-        with contextlib.redirect_stdout(io.StringIO()):  # NNCF's progress bars: the build prints its own progress
+        with _quiet():
             quantized = nncf.quantize(model, nncf.Dataset(samples), subset_size=len(samples),
                                       target_device=nncf.TargetDevice.CPU, **options)
     except Exception as exc:  # NNCF's own failure on this model (3.4.0's ChannelAlignment on Lite0: a KeyError)
@@ -102,6 +102,19 @@ def quantize_ir(model_path: Path, samples: list[Sample], config: CalibrationConf
         seconds=seconds,
         notes=[f"NNCF quantized the OpenVINO model on {len(samples)} samples in {seconds:.1f} s"
                + (f", {len(exclude)} layer(s) left in float" if exclude else "")])
+
+
+@contextlib.contextmanager
+def _quiet():
+    """NNCF's progress bars (stdout) and INFO lines (its own handler) silenced: the build prints its own progress."""
+    nncf_log = logging.getLogger("nncf")
+    level = nncf_log.level
+    nncf_log.setLevel(logging.WARNING)
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            yield
+    finally:
+        nncf_log.setLevel(level)
 
 
 def _ov_names(model, onnx_nodes: Sequence[str]) -> list[str]:

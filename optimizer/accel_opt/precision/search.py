@@ -7,8 +7,9 @@ probes' cosine went from 0.9859 to 0.9855). So every decision here is measured, 
 1. Speed first: the naive build is timed against the same backend's fp32 build on the deployed kernels. If it is
    not `min_speedup` faster, no rescue can make it pay, and the search says so instead of spending its budget.
 2. Remedies that keep every layer reduced, one build each: bias correction (each bias absorbs the mean shift of its
-   rounded weights), percentile or entropy calibration of the activations, then AdaRound (each layer's weights
-   rounded to fit the float model's output; minutes). A remedy that makes the build better (`better`: passing, else
+   rounded weights), percentile, entropy or moving-average calibration of the activations, ONNX Runtime's other
+   quantizer options (the weights' granularity flipped, Relu/Clip kept explicit), then AdaRound (each layer's
+   weights rounded to fit the float model's output; minutes). A remedy that makes the build better (`better`: passing, else
    fewer changed predictions where a paired sign test separates the two builds, else a lower numeric error on every
    probe) is adopted and the next is tried on top of it; what is adopted is the base of what follows. On the OpenVINO
    backend NNCF's quantizer of the OpenVINO model comes last (alone, with SmoothQuant, with ChannelAlignment): another
@@ -65,13 +66,22 @@ def int8_remedies(calibration: CalibrationConfig, backend_name: str = "onnxrunti
     (nncf_remedies): another quantizer, tried instead of what was adopted, not on top of it."""
     if calibration.quantizer == "nncf":
         return ()  # NNCF's own presets: the remedies below set keys it replaces
-    remedies = [] if calibration.bias_correction else [
-        Remedy("bias correction", {"precision_options.calibration.bias_correction": True})]
-    remedies += [Remedy(f"{method} calibration", {"precision_options.calibration.method": method})
+    key = "precision_options.calibration."
+    remedies = [] if calibration.bias_correction else [Remedy("bias correction", {key + "bias_correction": True})]
+    remedies += [Remedy(f"{method} calibration", {key + "method": method, key + "moving_average": False})
                  for method in ("percentile", "entropy") if method != calibration.method.value]
+    # ONNX Runtime's quantizer options, seconds each: another activation range, the weights' granularity flipped (per
+    # tensor where the recipe has per channel: a range per filter is finer, but a few large filters can be what
+    # holds), Relu/Clip kept explicit instead of folded into the ranges.
+    if not calibration.moving_average:  # replaces another method: it averages min/max ranges
+        remedies.append(Remedy("moving-average calibration", {key + "method": "minmax", key + "moving_average": True}))
+    remedies.append(Remedy(f"per-{'tensor' if calibration.per_channel else 'channel'} weights",
+                           {key + "per_channel": not calibration.per_channel}))
+    if not calibration.keep_removable_activations and not _preset_keeps_activations(calibration, backend_name):
+        remedies.append(Remedy("Relu/Clip kept explicit", {key + "keep_removable_activations": True}))
     if calibration.weight_rounding != "adaround":
         missing = None if importlib.util.find_spec("torch") else "needs PyTorch: pip install 'accel-opt[ptq]'"
-        remedies.append(Remedy("AdaRound", {"precision_options.calibration.weight_rounding": "adaround"}, missing))
+        remedies.append(Remedy("AdaRound", {key + "weight_rounding": "adaround"}, missing))
     return tuple(remedies) + (nncf_remedies(calibration, fused_preprocessing) if backend_name == "openvino" else ())
 
 
@@ -98,7 +108,18 @@ def nncf_remedies(calibration: CalibrationConfig, fused_preprocessing: bool = Fa
 
 # The calibration keys the remedies of this search set, and NNCF's reset (the recipe's other NNCF_REPLACES keys, which
 # no remedy changes, must keep their defaults for NNCF to be offered).
-REMEDY_KEYS = ("method", "bias_correction", "weight_rounding", "bias_fit", "weight_fit")
+REMEDY_KEYS = ("method", "moving_average", "per_channel", "keep_removable_activations", "bias_correction",
+               "weight_rounding", "bias_fit", "weight_fit")
+
+
+def _preset_keeps_activations(calibration: CalibrationConfig, backend_name: str) -> bool:
+    from accel_opt.errors import Unsupported
+    from accel_opt.precision.int8_presets import resolve_preset
+
+    try:
+        return resolve_preset(calibration.target, backend_name).keep_removable_activations
+    except Unsupported:  # no preset for this backend: its build says so
+        return True
 
 
 @dataclass

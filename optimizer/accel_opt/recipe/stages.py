@@ -38,6 +38,9 @@ class CleanupConfig(_Strict):
 
 class CalibrationConfig(_Strict):
     method: CalibrationMethod = CalibrationMethod.minmax
+    # minmax only: each sample's min and max enter an exponential moving average (ONNX Runtime's CalibMovingAverage,
+    # constant 0.01) instead of the extremes over all samples: one outlier sample no longer sets a range.
+    moving_average: bool = False
     samples: int = Field(default=64, ge=1)
     target: QuantTarget = QuantTarget.auto
     percentile: float = Field(default=99.999, gt=90, le=100)
@@ -45,6 +48,9 @@ class CalibrationConfig(_Strict):
     # calibrating a 10-class toy model after 120 s on 2 cores; 8192 bounds it at 16x the default's work.
     num_bins: int = Field(default=2048, ge=128, le=8192)
     per_channel: bool = True
+    # ONNX Runtime's QDQKeepRemovableActivations: a Relu/Clip stays explicit between Q/DQ pairs instead of folding into
+    # the quantization range (TensorRT's preset keeps them anyway). False: the preset decides.
+    keep_removable_activations: bool = False
     # Op types that get Q/DQ; None: every op ONNX Runtime has a Q/DQ kernel for (CNNs gain from
     # quantized Add/Pool too). Transformers: [MatMul, Gemm] keeps masks, softmax and norms in float.
     op_types: list[str] | None = None
@@ -91,6 +97,8 @@ class CalibrationConfig(_Strict):
 
     @model_validator(mode="after")
     def _nncf_keys(self) -> CalibrationConfig:
+        if self.moving_average and self.method is not CalibrationMethod.minmax:
+            raise ValueError(f"moving_average averages min/max ranges: method {self.method.value} takes none")
         if self.quantizer == "accel-opt":
             on = [k for k in ("smooth_quant", "channel_alignment") if getattr(self, k)]
             if on:
@@ -106,7 +114,8 @@ class CalibrationConfig(_Strict):
 # What quantizer: nncf replaces (NNCF's own range estimators, per-channel symmetric weights and overflow handling for
 # OpenVINO's CPU plugin, its own bias correction): each key must keep this default.
 NNCF_REPLACES: dict[str, object] = {
-    "method": CalibrationMethod.minmax, "per_channel": True, "op_types": None, "target": QuantTarget.auto,
+    "method": CalibrationMethod.minmax, "moving_average": False, "per_channel": True,
+    "keep_removable_activations": False, "op_types": None, "target": QuantTarget.auto,
     "target_cpu": "host", "reduce_range": None, "bias_correction": False, "weight_rounding": "nearest",
     "bias_fit": False, "weight_fit": False}
 
