@@ -96,7 +96,7 @@ class CalibrationConfig(_Strict):
     channel_alignment: bool = False
 
     @model_validator(mode="after")
-    def _nncf_keys(self) -> CalibrationConfig:
+    def _consistent_keys(self) -> CalibrationConfig:
         if self.moving_average and self.method is not CalibrationMethod.minmax:
             raise ValueError(f"moving_average averages min/max ranges: method {self.method.value} takes none")
         if self.quantizer == "accel-opt":
@@ -107,7 +107,8 @@ class CalibrationConfig(_Strict):
         changed = [k for k, default in NNCF_REPLACES.items() if getattr(self, k) != default]
         if changed:
             raise ValueError(f"quantizer nncf calibrates with NNCF's own presets: {', '.join(changed)} must keep "
-                             "the default (" + ", ".join(f"{k}: {NNCF_REPLACES[k]}" for k in changed) + ")")
+                             "the default (" + ", ".join(f"{k}: {getattr(NNCF_REPLACES[k], 'value', NNCF_REPLACES[k])}"
+                                                  for k in changed) + ")")
         return self
 
 
