@@ -161,3 +161,20 @@ def test_moving_average_is_refused_where_no_min_max_ranges_are_averaged():
     with pytest.raises(UsageError, match="method percentile takes none"):
         load_recipe().with_overrides(**{"precision_options.calibration.moving_average": True,
                                         "precision_options.calibration.method": "percentile"})
+
+
+def test_more_threads_than_cpus_is_refused_before_anything_is_built(tmp_path):
+    """A fuzzed recipe's 7919 threads once kept a two-node build running for minutes on 2 vCPUs."""
+    from accel_opt.builder.auto import build_auto
+    from accel_opt.builder.pipeline import build
+    from accel_opt.machine.cpu import available_cpus
+
+    from .conftest import matmul_model, save
+
+    recipe = load_recipe().with_overrides(**{"benchmark.threads": available_cpus() + 1})
+    model = save(matmul_model(), tmp_path / "m.onnx")
+    for run in (lambda: build(model, recipe, out_dir=tmp_path / "out"),
+                lambda: build_auto(model, recipe, "auto", "auto", None, out_dir=tmp_path / "out")):
+        with pytest.raises(UsageError, match=f"more than the {available_cpus()} CPUs this process may use"):
+            run()
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
