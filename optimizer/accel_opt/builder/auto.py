@@ -34,9 +34,10 @@ from accel_opt.accuracy import AccuracyReport
 from accel_opt.artifact.signing import TrustPolicy
 from accel_opt.backends.select import auto_backend_choice, candidate_precisions
 from accel_opt.bench import deployment_target, run_benchmark
+from accel_opt.builder.checks import refuse_oversubscribed_threads
 from accel_opt.builder.choice import choose, family_level, objective_batches, speed_floors
 from accel_opt.builder.context import CandidateLimits
-from accel_opt.builder.pipeline import build, refuse_oversubscribed_threads
+from accel_opt.builder.pipeline import build
 from accel_opt.data import Sample
 from accel_opt.errors import AccelOptError, CandidateDropped, TooFewToCertify, UsageError, write_crash_log
 from accel_opt.files import write_json, write_text
@@ -137,7 +138,7 @@ def build_auto(
     from accel_opt.backends.torch.backend import looks_like_factory
 
     cpu = cpu or CpuProfile.here()
-    refuse_oversubscribed_threads(recipe)
+    refuse_oversubscribed_threads(recipe.benchmark.threads)
     pairs, backend_reason = plan(recipe, backend, precision, data_dir is not None or eval_data_dir is not None,
                                  cpu, looks_like_factory(str(model)))
     if backend == AUTO:  # ONNX Runtime on a GPU: its CUDA EP, as the choice says

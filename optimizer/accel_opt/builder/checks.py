@@ -1,6 +1,6 @@
 """Checks a build makes of its own intermediate results, with the gate's rules: the simplified graph against the
 original (cleanup), and the artifact's image path on generated images where the build's data were not images; and
-of the recipe against the loaded model (refuse_recipe_misfits)."""
+of the recipe against the loaded model (refuse_recipe_misfits) and against this machine (refuse_oversubscribed_threads)."""
 
 from __future__ import annotations
 
@@ -13,12 +13,21 @@ from accel_opt.backends.onnxruntime.backend import reference_runner
 from accel_opt.data import Sample
 from accel_opt.errors import AccelOptError, ResourceExhausted, UsageError
 from accel_opt.graph.cleanup import CleanupReport, simplify
+from accel_opt.machine.cpu import available_cpus
 from accel_opt.preprocess.fit import generated_images, image_input
 from accel_opt.preprocess.images import preprocess_image, read_image
 from accel_opt.recipe.gate import Tolerance
 from accel_opt.runtime.local.job import errors_path, run_job
 
 log = logging.getLogger(__name__)
+
+
+def refuse_oversubscribed_threads(threads: int | None) -> None:
+    """UsageError (exit 2) for more intra-op threads than this process may use CPUs: they only contend with each other
+    (measured: a fuzzed recipe's 7919 threads kept a build of a two-node model on 2 vCPUs running for minutes)."""
+    if threads is not None and threads > available_cpus():
+        raise UsageError(f"benchmark.threads (--threads) {threads} is more than the {available_cpus()} CPUs this "
+                         "process may use: give at most that many, or none for all of them")
 
 
 def cleanup(

@@ -20,7 +20,13 @@ from accel_opt.artifact.folder import build_folder, publish
 from accel_opt.backends import get_backend
 from accel_opt.backends.onnxruntime.backend import reference_runner
 from accel_opt.builder.benchmark import benchmark_build, max_feed
-from accel_opt.builder.checks import cleanup, exercise_image_path, refuse_oversized, refuse_recipe_misfits
+from accel_opt.builder.checks import (
+    cleanup,
+    exercise_image_path,
+    refuse_oversized,
+    refuse_oversubscribed_threads,
+    refuse_recipe_misfits,
+)
 from accel_opt.builder.context import BuildContext, CandidateLimits
 from accel_opt.builder.fallback_actions import fallback_actions
 from accel_opt.builder.records import artifact_name, data_record, reuse, write_manifest, write_reports
@@ -95,7 +101,7 @@ def build(
         raise Unsupported(f"--precision {recipe.precision.value} on {backend.name}: {support.reason}")
     if recipe.precision is Precision.int8 and data_dir is None:
         raise UsageError("--precision int8 needs --data: calibrating on random inputs would set meaningless scales")
-    refuse_oversubscribed_threads(recipe)
+    refuse_oversubscribed_threads(recipe.benchmark.threads)
     stages: list[StageResult] = []
     try:
         with build_folder(out_dir, model_path.stem) as (staging, work):
@@ -188,15 +194,6 @@ def _stage_export(ctx: BuildContext) -> tuple[StageStatus, str]:
     ctx.notes.append(f"Exported from {ctx.factory.spec} ({exported.exporter} exporter, opset {exported.opset}); "
                      "the PyTorch module is the accuracy reference.")
     return "passed", f"{exported.exporter} exporter, opset {exported.opset}, verified against PyTorch"
-
-
-def refuse_oversubscribed_threads(recipe: Recipe) -> None:
-    """UsageError (exit 2) for more intra-op threads than this process may use CPUs: they only contend with each other
-    (measured: a fuzzed recipe's 7919 threads kept a build of a two-node model on 2 vCPUs running for minutes)."""
-    threads = recipe.benchmark.threads
-    if threads is not None and threads > available_cpus():
-        raise UsageError(f"benchmark.threads (--threads) {threads} is more than the {available_cpus()} CPUs this "
-                         "process may use: give at most that many, or none for all of them")
 
 
 def _factory_or_none(spec: str):
@@ -363,20 +360,10 @@ def _stage_accuracy(ctx: BuildContext) -> tuple[StageStatus, str]:
         else None
     candidate = deployment.runner(runtime.feed_dtypes_of(ctx.deploy_samples))
     ctx.accuracy = compare(
-        reference,
-        candidate,
-        ctx.eval_samples,
-        recipe.tolerance,
-        recipe.accuracy.task_metrics,
-        names=ctx.eval_names,
-        batch_size=deployment.batch_size,
-        batch_axes=deployment.batch_axes,
-        candidate_samples=ctx.deploy_samples,
-        noise_reference=reference_runner(ctx.model_path, ctx.threads, optimize=True),
-        padding=deployment.padding,
-        confidence=recipe.accuracy.confidence,
-        bounded=ctx.bounded,
-        reference_cache=cache,
+        reference, candidate, ctx.eval_samples, recipe.tolerance, recipe.accuracy.task_metrics, names=ctx.eval_names,
+        batch_size=deployment.batch_size, batch_axes=deployment.batch_axes, candidate_samples=ctx.deploy_samples,
+        noise_reference=reference_runner(ctx.model_path, ctx.threads, optimize=True), padding=deployment.padding,
+        confidence=recipe.accuracy.confidence, bounded=ctx.bounded, reference_cache=cache,
         groups=ctx.eval_groups, labels=ctx.eval_labels, labels_config=recipe.accuracy.labels)
     ctx.accuracy.roles = ctx.split.counts()
     if ctx.steering_samples:  # what auto's shortlist reads: the deployed build on samples the verdict never sees
