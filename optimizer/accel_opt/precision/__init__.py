@@ -40,7 +40,7 @@ def transform(
         if keep_float:
             options = options.model_copy(update={"block_nodes": [*options.block_nodes, *keep_float]})
         return convert_float(model_path, precision, options, out_path)
-    if precision is Precision.int8 and recipe.precision_options.calibration.quantizer == "nncf":
+    if _by_nncf(precision, recipe):
         from accel_opt.precision.nncf_openvino import quantize_ir
 
         return quantize_ir(model_path, calibration_samples, recipe.precision_options.calibration, backend_name,
@@ -55,6 +55,8 @@ def transform(
 
 def written_path(out_path: Path, precision: Precision, recipe: Recipe) -> Path:
     """Where `transform(..., out_path)` writes: `out_path`, or its OpenVINO IR (.xml, beside it) where NNCF quantizes."""
-    if precision is Precision.int8 and recipe.precision_options.calibration.quantizer == "nncf":
-        return Path(out_path).with_suffix(".xml")
-    return Path(out_path)
+    return Path(out_path).with_suffix(".xml") if _by_nncf(precision, recipe) else Path(out_path)
+
+
+def _by_nncf(precision: Precision, recipe: Recipe) -> bool:
+    return precision is Precision.int8 and recipe.precision_options.calibration.quantizer == "nncf"

@@ -36,9 +36,8 @@ from accel_opt.precision.qdq_weights import (
     broadcast_along,
     dequantized,
     int8_weight_range,
+    learned_in_place,
     quantized_layers,
-    restore_tensors,
-    save_tensors,
 )
 from accel_opt.precision.torch_graph import conv_or_gemm
 
@@ -248,15 +247,10 @@ def round_weights(float_path: Path, quantized_path: Path, samples: list[Sample],
     graph with every layer quantized and kept at `cache` (.npz): a build that keeps some layers in float (the rescue
     search makes many) reuses it for the layers that stay quantized instead of learning it again. Returns a line for
     the build's notes."""
-    quantized = onnx.load(str(quantized_path))
-    if cache is not None and cache.is_file():
-        applied, learned = restore_tensors(cache, {i.name: i for i in quantized.graph.initializer})
-        note = f"AdaRound: the rounding learned for {learned} layers reused for the {applied} still quantized"
-    else:
-        qmin, qmax = int8_weight_range(reduce_range)
-        learned, note = adaround(onnx.load(str(float_path)), quantized, samples, qmin=qmin, qmax=qmax,
-                                 iterations=iterations, time_budget_s=time_budget_s)
-        if cache is not None:
-            save_tensors(cache, learned)
-    onnx.save(quantized, str(quantized_path))
-    return note
+    qmin, qmax = int8_weight_range(reduce_range)
+    return learned_in_place(
+        quantized_path, cache,
+        lambda quantized: adaround(onnx.load(str(float_path)), quantized, samples, qmin=qmin, qmax=qmax,
+                                   iterations=iterations, time_budget_s=time_budget_s),
+        lambda applied, learned: f"AdaRound: the rounding learned for {learned} layers reused for the {applied} still "
+                                 "quantized")

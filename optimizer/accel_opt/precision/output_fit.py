@@ -38,7 +38,7 @@ from onnx import numpy_helper
 
 from accel_opt.data import Sample
 from accel_opt.errors import Unsupported
-from accel_opt.precision.qdq_weights import quantized_layers, restore_tensors, save_tensors
+from accel_opt.precision.qdq_weights import learned_in_place, quantized_layers
 
 BATCH = 8
 HELD_BACK = 0.25  # of the samples: judge the checkpoints, never fitted
@@ -223,16 +223,9 @@ def fit_file(float_path: Path, quantized_path: Path, samples: list[Sample], step
     layer quantized, and kept at `cache` (.npz): a build that keeps some layers in float (the rescue search makes
     many) takes what was fitted for the layers still quantized instead of fitting again. Returns a line for the
     notes."""
-    quantized = onnx.load(str(quantized_path))
-    if cache is not None and cache.is_file():
-        applied, fitted = restore_tensors(cache, {i.name: i for i in quantized.graph.initializer})
-        label, what, unit = (("weight fit", "biases and weights", "tensors") if weights else
-                             ("bias fit", "biases", "layers"))
-        note = f"{label}: the {what} fitted on the whole graph reused for {applied} of its {fitted} {unit}"
-    else:
-        written, note = fit_outputs(onnx.load(str(float_path)), quantized, samples, steps=steps, weights=weights,
-                                    weight_range=weight_range, time_budget_s=time_budget_s)
-        if cache is not None:
-            save_tensors(cache, written)
-    onnx.save(quantized, str(quantized_path))
-    return note
+    label, what, unit = ("weight fit", "biases and weights", "tensors") if weights else ("bias fit", "biases", "layers")
+    return learned_in_place(
+        quantized_path, cache,
+        lambda quantized: fit_outputs(onnx.load(str(float_path)), quantized, samples, steps=steps, weights=weights,
+                                      weight_range=weight_range, time_budget_s=time_budget_s),
+        lambda applied, fitted: f"{label}: the {what} fitted on the whole graph reused for {applied} of its {fitted} {unit}")

@@ -4,7 +4,7 @@ name. Also the cache of what AdaRound and the bias fit learn, by initializer nam
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -71,13 +71,13 @@ def int8_weight_range(reduce_range: bool) -> tuple[int, int]:
     return int(low), int(high)
 
 
-def save_tensors(path: Path, tensors: dict[str, np.ndarray]) -> None:
+def _save_tensors(path: Path, tensors: dict[str, np.ndarray]) -> None:
     """Keep initializer values by name in one .npz (the names apart: an initializer's name need not be a valid key)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     np.savez(path, names=np.array(list(tensors)), **{f"w{i}": values for i, values in enumerate(tensors.values())})
 
 
-def restore_tensors(path: Path, initializers: dict[str, onnx.TensorProto]) -> tuple[int, int]:
+def _restore_tensors(path: Path, initializers: dict[str, onnx.TensorProto]) -> tuple[int, int]:
     """Write the values kept at `path` into the initializers of the same name, shape and type (a graph with fewer
     layers quantized has fewer of them): (how many were written, how many were kept)."""
     with np.load(path) as stored:
@@ -90,3 +90,21 @@ def restore_tensors(path: Path, initializers: dict[str, onnx.TensorProto]) -> tu
             target.CopyFrom(numpy_helper.from_array(values, name))
             written += 1
     return written, len(kept)
+
+
+def learned_in_place(quantized_path: Path, cache: Path | None,
+                     learn: Callable[[onnx.ModelProto], tuple[dict[str, np.ndarray], str]],
+                     reused: Callable[[int, int], str]) -> str:
+    """Change the Q/DQ graph at `quantized_path` in place with what a remedy learned: the tensors kept at `cache`
+    (.npz) where it exists (learned once, on the graph with every layer quantized: a build that keeps some layers in
+    float reuses them for the layers still quantized; `reused(written, kept)` says so), else what `learn(graph)`
+    writes into the graph, then kept there. Returns the line for the build's notes."""
+    quantized = onnx.load(str(quantized_path))
+    if cache is not None and cache.is_file():
+        note = reused(*_restore_tensors(cache, {i.name: i for i in quantized.graph.initializer}))
+    else:
+        written, note = learn(quantized)
+        if cache is not None:
+            _save_tensors(cache, written)
+    onnx.save(quantized, str(quantized_path))
+    return note
