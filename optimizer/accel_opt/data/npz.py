@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 import zipfile
 from pathlib import Path
 
@@ -20,6 +21,12 @@ import numpy as np
 
 from accel_opt.errors import InputRejected, UsageError, first_line
 from accel_opt.graph.inspect import TensorSpec
+
+# numpy parses a .npy header with ast.literal_eval, and CPython 3.11 before 3.11.8 miscounts the AST's recursion depth
+# when two threads compile at once ("SystemError: AST constructor recursion depth mismatch", gh-106905; seen in
+# `accel-opt run`'s reader threads on 3.11.7). Reading a .npz, headers and arrays, is one thread at a time: one feed
+# dict's read, small next to the model call the other threads wait on.
+_NPZ_LOCK = threading.Lock()
 
 MAX_INPUT_MIB_ENV = "ACCEL_OPT_MAX_INPUT_MIB"
 DEFAULT_MAX_INPUT_MIB = 256
@@ -59,11 +66,11 @@ def read_npz(path: str | Path, specs: list[TensorSpec] | None = None, max_bytes:
     if not zipfile.is_zipfile(path):  # else numpy takes any other file for a pickle and says so
         raise InputRejected("not a .npz (zip) file")
     try:
-        with zipfile.ZipFile(path) as archive:
+        with _NPZ_LOCK, zipfile.ZipFile(path) as archive:
             declared = _declared_arrays(archive, limit)
         if specs is not None:
             _check_declared(declared, specs)
-        with np.load(path, allow_pickle=False) as archive:
+        with _NPZ_LOCK, np.load(path, allow_pickle=False) as archive:
             return {name: _native(archive[name]) for name in archive.files}
     except (ValueError, OSError, zipfile.BadZipFile, EOFError) as exc:
         raise InputRejected(f"not a readable .npz without pickles ({first_line(exc)})") from None
