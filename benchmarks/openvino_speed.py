@@ -250,7 +250,7 @@ def accel_opt_auto_variant(fp32_path: Path, photos: list[dict[str, np.ndarray]],
     kernels = json.loads((artifact / "resource_config.json").read_text())["settings"].get("kernels_by_layer_type")
     if kernels:
         summary += f"\nauto's compute kernels: {kernels}"
-    runner = runtime.load(artifact).runner({"image": np.dtype(np.float32)})
+    runner = runtime.load(artifact, allow_not_signed_off=True).runner({"image": np.dtype(np.float32)})
 
     def runner_for(_batch: int):
         runner.activate()

@@ -74,11 +74,12 @@ def main() -> int:
             f"{by_batch[1].latency_p50_ms:.2f}" if 1 in by_batch else "-",
             f"{by_batch[8].latency_p50_ms:.2f}" if 8 in by_batch else "-",
             speedups or "-",
-            ("signed off" if result.signed_off else f"NOT signed off ({result.verdict})") + top1_evidence(result),
+            ("signed off" if result.signed_off else f"NOT signed off ({result.verdict.outcome}, exit {result.exit_code})")
+            + top1_evidence(result) + benefit_of(result),
             result.artifact_dir,
         ))
 
-    header = ("precision", "p50 ms b1", "p50 ms b8", "speedup vs fp32 (b1 / b8)", "accuracy", "artifacts")
+    header = ("precision", "p50 ms b1", "p50 ms b8", "speedup vs fp32 (b1 / b8)", "verdict", "artifacts")
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
     for row in [header, *rows]:
         print("  ".join(str(cell).ljust(w) for cell, w in zip(row, widths)))
@@ -90,6 +91,14 @@ def main() -> int:
           "(exit 6).")
     # A gate that fails is a result the table shows, not a failed demo; errors are.
     return exit_code
+
+
+def benefit_of(result) -> str:
+    """A reduced precision's measured benefit, as its verdict judged it (the lower bound against the recipe's minimum)."""
+    benefit = result.verdict.benefit
+    if benefit is None:
+        return ""
+    return f"; benefit: lower bound {benefit.lower_bound or 0:.2f}x at batch {benefit.batch}, minimum {benefit.min_speedup:.2f}x"
 
 
 def top1_evidence(result) -> str:

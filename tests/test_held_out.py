@@ -10,6 +10,7 @@ samples only: the steering samples (what a small judged set would see) show no c
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from xml.etree import ElementTree
 
@@ -65,7 +66,7 @@ def test_a_build_that_passes_on_the_steering_samples_is_not_signed_off_when_held
     model = save(tie_classifier(), tmp_path / "tie.onnx")
     data, hard = write_data(tmp_path / "data", 120, hard_share=0.1)
     result = build(model, recipe, data_dir=data, out_dir=tmp_path / "out")
-    assert not result.signed_off and result.exit_code == 1 and result.verdict == "gate failed"
+    assert not result.signed_off and result.exit_code == 1 and result.verdict.outcome == "gate failed"
     accuracy = json.loads((Path(result.artifact_dir) / "accuracy.json").read_text())
     assert accuracy["steering"]["passed"]  # what a small judged set saw: no change at all
     (top1,) = [c for c in accuracy["checks"] if c["name"].endswith("top1")]
@@ -110,7 +111,7 @@ def test_sixteen_held_out_rows_against_95_percent_are_not_enough_evidence(recipe
     assert said["method"] == "Clopper-Pearson (exact binomial), one-sided" and said["status"] == "insufficient"
     assert (said["trials"], said["failures"], said["minimum"], said["confidence"]) == ("16", "0", "0.95", "0.95")
     payload = json.loads(done.stdout)
-    assert payload["verdict"] == "insufficient evidence" and payload["samples_needed"] == 59 and not payload["signed_off"]
+    assert payload["verdict"]["outcome"] == "too few samples" and payload["samples_needed"] == 59 and not payload["signed_off"]
     assert payload["data"]["evaluation_samples"] == 16 and payload["data"]["held_out_max"] == 300
     assert payload["data_samples_needed"] == 99  # 99 distinct samples: 25 calibrate, 15 steer, 59 held out
     assert payload["failures"] == [
@@ -235,9 +236,29 @@ def test_verify_and_compare_say_what_their_samples_can_confirm(recipe, fast_reci
     assert report["candidate"]["accuracy"]["sample_count"] == 65  # the held-out 65, as the build judged them
     few, _ = write_data(tmp_path / "few", 20, seed=3)
     compared = CliRunner().invoke(main, ["compare", fp32.artifact_dir, int8.artifact_dir, "--data", str(few), "--json"])
-    assert compared.exit_code == 1, compared.output
+    assert compared.exit_code == 6, compared.output  # too few samples is its own answer, as in the build
     (signs_off,) = [c for c in json.loads(compared.stdout)["checks"] if c["name"] == "candidate signs off"]
     assert signs_off["line"].startswith("too few samples to certify the candidate (59 needed): logits: samples within")
+
+    # The drop is gated by its paired bound, as the build bounds one: 65 samples with nothing lost bound it at 6.5%.
+    bounded = CliRunner().invoke(main, ["compare", fp32.artifact_dir, int8.artifact_dir, "--data", str(data), "--json",
+                                        "--max-accuracy-drop", "0.01"])
+    report = json.loads(bounded.stdout)
+    assert bounded.exit_code == 6 and 0.01 < report["accuracy_drop_bound"] < 0.1, bounded.output
+    (drop,) = [c for c in report["checks"] if c["name"] == "accuracy drop"]
+    assert "paired on 65 samples" in drop["line"] and "too few samples to certify it (437 samples needed" in drop["line"]
+    loose = CliRunner().invoke(main, ["compare", fp32.artifact_dir, int8.artifact_dir, "--data", str(data),
+                                      "--max-accuracy-drop", "0.2"])
+    assert loose.exit_code == 0, loose.output
+
+    # Copies of the samples that calibrated or steered a build, under new names, are told by their content.
+    renamed = tmp_path / "renamed"
+    renamed.mkdir()
+    split = json.loads((Path(int8.artifact_dir) / "manifest.json").read_text())["data"]["split"]
+    for i, name in enumerate(split["calibration"] + split["steering"]):
+        shutil.copy(data / name, renamed / f"new_{i:03d}.npz")
+    copied = CliRunner().invoke(main, ["compare", fp32.artifact_dir, int8.artifact_dir, "--data", str(renamed)])
+    assert copied.exit_code == 3 and "calibrated or steered one of the builds" in copied.stderr, copied.output
 
 
 @pytest.mark.parametrize("calibrates", [True, False])
@@ -253,15 +274,17 @@ def test_the_data_a_user_is_told_to_give_is_the_fewest_that_hold_enough_out(held
 
 def test_too_few_says_when_the_judged_cap_must_be_raised_too():
     from accel_opt.report.results import BuildResult, DataRecord
+    from accel_opt.report.verdict import Verdict
 
     data = DataRecord(source="npz", path="d", synthetic=False, samples=800, evaluation_samples=300,
                       calibration_samples=64, steering_samples=32, held_out_max=300)
-    result = BuildResult(model="m", precision="int8", backend="onnxruntime", signed_off=False, exit_code=6,
-                         verdict="insufficient evidence", samples_needed=598, data_samples_needed=694, data=data)
+    result = BuildResult(model="m", precision="int8", backend="onnxruntime", verdict=Verdict(outcome="too few samples"),
+                         samples_needed=598, data_samples_needed=694, data=data)
     assert result.too_few_line().endswith("; this build judges at most 300 held-out samples: raise "
                                           "accuracy.max_samples to 598 (its notes say where the memory its outputs "
                                           "take to judge lowers it)")
-    assert BuildResult(model="m", precision="fp32", backend="onnxruntime", signed_off=True, exit_code=0).too_few_line() is None
+    assert BuildResult(model="m", precision="fp32", backend="onnxruntime",
+                       verdict=Verdict(outcome="signed off")).too_few_line() is None
 
 
 def _default_recipe_file(tmp_path: Path) -> Path:
@@ -290,7 +313,7 @@ def test_the_default_recipe_does_not_sign_off_a_reduced_build_on_three_files(tin
            "at least 99 distinct samples" in said
     assert "samples within tolerance: 1 held-out sample cannot show >= 95.0% at 95% confidence" in said
     fp32 = CliRunner().invoke(main, ["build", str(tiny_cnn_path), *flags])
-    assert fp32.exit_code == 0 and "accuracy: SIGNED OFF" in " ".join(fp32.stdout.split()), fp32.output
+    assert fp32.exit_code == 0 and "verdict: SIGNED OFF" in " ".join(fp32.stdout.split()), fp32.output
 
 
 def test_a_build_on_synthetic_inputs_says_it_certified_no_task_rate(tiny_cnn_path, tmp_path):
@@ -298,7 +321,7 @@ def test_a_build_on_synthetic_inputs_says_it_certified_no_task_rate(tiny_cnn_pat
                                      str(_default_recipe_file(tmp_path)), "--out", str(tmp_path / "out")])
     said = " ".join(done.stdout.split())
     assert done.exit_code == 0, done.output
-    assert "accuracy: SIGNED OFF: numeric check only, on 8 synthetic (random) inputs: no task rate was certified" in said
+    assert "verdict: SIGNED OFF: numeric check only, on 8 synthetic (random) inputs: no task rate was certified" in said
     (folder,) = (tmp_path / "out").glob("tiny_cnn-fp16-*")
     assert "no task rate was certified on real inputs" in (folder / "signoff.md").read_text()
 
@@ -394,7 +417,7 @@ def test_groups_that_do_not_fit_the_samples_are_a_one_line_input_error(tmp_path)
 
 def test_run_and_verify_honour_a_folder_that_is_not_signed_off(tiny_cnn_path, tmp_path):
     """A folder its build did not sign off (too few held-out samples: exit 6): `run` refuses it with the build's own
-    code and reason, on both engines, writing nothing; --allow-unsigned runs it and says so; `verify` is not ok."""
+    code and reason, on both engines, writing nothing; --allow-not-signed-off runs it and says so; `verify` is not ok."""
     from .conftest import image_npz_folder
 
     data, recipe = image_npz_folder(tmp_path / "d3", 3), _default_recipe_file(tmp_path)
@@ -405,12 +428,14 @@ def test_run_and_verify_honour_a_folder_that_is_not_signed_off(tiny_cnn_path, tm
     for engine in ("local", "ray"):
         refused = CliRunner().invoke(main, ["run", folder, str(data), "--out", str(out), "--engine", engine])
         assert refused.exit_code == 6 and refused.stderr.count("\n") == 1, (engine, refused.output)
-        assert "is not signed off: too few held-out samples to certify it (accuracy: " in refused.stderr
-        assert "--allow-unsigned runs it anyway" in refused.stderr and not out.exists()
-    allowed = CliRunner().invoke(main, ["run", folder, str(data), "--out", str(out), "--allow-unsigned", "--json"])
-    assert allowed.exit_code == 0 and json.loads(allowed.stdout)["unsigned"] is True, allowed.output
+        assert "is NOT signed off: too few held-out samples to certify it (" in refused.stderr
+        assert "--allow-not-signed-off" in refused.stderr and not out.exists()
+    allowed = CliRunner().invoke(main, ["run", folder, str(data), "--out", str(out), "--allow-not-signed-off", "--json"])
+    assert allowed.exit_code == 0 and json.loads(allowed.stdout)["not_signed_off"] is True, allowed.output
+    # The old spelling still works for one release, and says it is deprecated.
     said = CliRunner().invoke(main, ["run", folder, str(data), "--out", str(out), "--allow-unsigned", "--overwrite"])
-    assert "ran a folder that is NOT signed off (--allow-unsigned)" in said.stderr
+    assert said.exit_code == 0 and "--allow-unsigned is deprecated" in said.stderr, said.output
+    assert "ran a folder that is NOT signed off (--allow-not-signed-off): NOT signed off: too few" in said.stderr
     verified = CliRunner().invoke(main, ["verify", folder])
     assert verified.exit_code == 6 and verified.stdout.startswith("not ok: "), verified.output
     assert "NOT signed off: too few held-out samples to certify it" in verified.stdout

@@ -31,7 +31,7 @@ def test_fp32_build_signs_off_with_every_artifact(tiny_cnn_path, fast_recipe, tm
     for name, digest in manifest["artifacts"].items():
         assert sha256_file(folder / name) == digest
     stages = {s["name"]: s["status"] for s in manifest["stages"]}
-    assert list(stages) == ["export", "load", "cleanup", "precision", "compile", "accuracy", "benchmark", "reports"]
+    assert list(stages) == ["export", "load", "cleanup", "precision", "compile", "accuracy", "benchmark", "verdict", "reports"]
     assert stages["export"] == "skipped" and stages["precision"] == "skipped" and stages["accuracy"] == "passed"
     assert manifest["data"]["source"] == "synthetic"
     assert "avx" in " ".join(manifest["cpu"]["flags"]) or manifest["cpu"]["machine"] != "x86_64"

@@ -224,3 +224,43 @@ def test_the_host_read_check_can_fail(tmp_path):
     reads = _host_reads(sneaky)
     assert reads[0] == "import cpu_flags" and len(reads) == 4, reads
     assert not _host_reads(ROOT / "tests" / "builder" / "test_cpu_profiles.py")  # CpuProfile.of_class injects
+
+
+# ---- one verdict (issue 73): only report/verdict.py decides whether a folder is signed off -------------------------
+
+VERDICT_MODULE = SOURCES / "report" / "verdict.py"
+
+
+def _verdict_decisions(source: str) -> list[str]:
+    """Places in `source` that decide a verdict instead of reading one: a Verdict built, a `signed_off` set to anything
+    but another `.signed_off`, an exit code compared with the verdict's own codes (6, 7)."""
+    import ast
+
+    def reads_one(node) -> bool:
+        return isinstance(node, ast.Attribute) and node.attr == "signed_off"
+
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        where = f"line {getattr(node, 'lineno', '?')}"
+        if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None)) == "Verdict":
+            found.append(f"{where}: builds a Verdict")
+        if isinstance(node, ast.Call):
+            found += [f"{where}: signed_off=..." for k in node.keywords if k.arg == "signed_off" and not reads_one(k.value)]
+        if isinstance(node, ast.Assign) and any(reads_one(t) for t in node.targets) and not reads_one(node.value):
+            found.append(f"{where}: sets .signed_off")
+        if isinstance(node, ast.Compare) and "exit_code" in ast.unparse(node.left) and any(
+                isinstance(c, ast.Constant) and c.value in (6, 7) for c in node.comparators):
+            found.append(f"{where}: compares an exit code with a verdict's")
+    return sorted(found, key=lambda line: int(line.split()[1].rstrip(":")))
+
+
+def test_no_module_but_the_verdicts_own_decides_signed_off():
+    decisions = {_module_name(path): lines for path in sorted(SOURCES.rglob("*.py")) if path != VERDICT_MODULE
+                 for lines in [_verdict_decisions(path.read_text())] if lines}
+    assert not decisions, decisions
+
+
+def test_the_verdict_decision_check_can_fail():
+    forged = ("r = BuildResult(signed_off=not failures)\nc.signed_off = passed\nv = Verdict(outcome='signed off')\n"
+              "if manifest.exit_code == 6: pass\nc.signed_off = result.signed_off\n")
+    assert [line.split(":")[0] for line in _verdict_decisions(forged)] == ["line 1", "line 2", "line 3", "line 4"]

@@ -49,13 +49,13 @@ class TooFewToCertify(CandidateDropped):
 
 
 class NotSignedOff(AccelOptError):
-    """A folder its own build did not sign off: `run` and `verify` refuse it with the build's own exit code (1: its
-    gate failed; 6: too few held-out samples to certify it) and the manifest's reason; `run --allow-unsigned` runs it
-    anyway."""
+    """A folder its own build did not sign off: `runtime.load` refuses it, for every command and API, with the
+    verdict's exit code (1: its gate failed; 6: too few held-out samples to certify it; 7: no measured benefit) and
+    its reason, unless the caller allows it (`--allow-not-signed-off`, `allow_not_signed_off=True`)."""
 
     def __init__(self, message: str, exit_code: int):
         super().__init__(message)
-        self.exit_code = exit_code if exit_code in (1, 6) else 1
+        self.exit_code = exit_code if exit_code in (1, 6, 7) else 1
 
 
 class UsageError(AccelOptError):

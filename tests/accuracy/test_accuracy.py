@@ -12,6 +12,7 @@ from accel_opt.recipe.gate import CosineMetric, DetectionMetric, Tolerance, TopK
 from accel_opt.recipe.load import load_recipe
 from accel_opt.recipe.types import Precision
 from accel_opt.report.markdown import signoff_markdown
+from accel_opt.report.verdict import decide
 
 from ..conftest import matmul_model, save
 
@@ -93,7 +94,7 @@ def test_one_broken_sample_in_64_fails_and_is_named(tiny_cnn_path, tmp_path):
     assert report.worst_samples[0].sample == "img_017.jpg" and not report.worst_samples[0].passed
     assert any("1 of 64 samples fail" in f and "img_017.jpg" in f for f in report.failures)
     data = DataSummary(source="images", path="photos", count=64, sha256="0", names=names)
-    signoff = signoff_markdown("tiny", False, report, None, data, 0, [])
+    signoff = signoff_markdown("tiny", decide(report, [], None), report, None, data, 0, [])
     assert "img_017.jpg" in signoff and "NOT SIGNED OFF" in signoff
 
 
@@ -298,7 +299,7 @@ def test_topk_agreement_is_judged_by_its_bound_and_too_few_rows_are_their_own_ve
     assert few.failures[-1] == ("task metric topk on y: top-1 agreement: 8 held-out samples cannot show >= 97.0% at "
                                 "95% confidence even with none changed (68.8% is the most they can); 99 needed")
     data = DataSummary(source="npz", path="d", count=8, sha256="0", seed=0)
-    markdown = signoff_markdown("m", False, few, None, data, 0, [])
+    markdown = signoff_markdown("m", decide(few, [], None), few, None, data, 0, [])
     assert "NOT SIGNED OFF: not enough held-out samples (99 needed)" in markdown and "| too few samples |" in markdown
     enough = compare(reference_runner(ref, 1), reference_runner(ref, 1), [{"x": s["x"]} for s in _samples(100)], TOL,
                      metric, bounded=True)  # 100 samples, none changed: >= 97.05%

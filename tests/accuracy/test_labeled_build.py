@@ -154,3 +154,29 @@ def test_gating_on_labels_alone_needs_labels_and_a_limit(digits, tmp_path, label
     done = _build(model, folders, *args, "--recipe", _recipe(tmp_path, "r", **labels), "--out", tmp_path / "out")
     assert done.exit_code == 2 and message in done.stderr, done.output
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").rglob("manifest.json"))
+
+
+def test_auto_judges_a_labels_only_candidate_by_its_own_verdict(digits, tmp_path):
+    """Issue 73: under `gate: labels`, `--precision int8` signs off while auto dropped the same candidate on an agreement
+    check the recipe does not gate. Auto's record of the candidate now holds its gated checks only, so reading its
+    held-out verdict again (at auto's family-wise level) passes, and given the runoff's points it wins. The points are
+    injected: which build is faster on this host decides nothing here."""
+    from accel_opt.builder.auto import _fill
+    from accel_opt.builder.choice import choose
+    from accel_opt.builder.pipeline import build
+    from accel_opt.recipe.load import load_recipe
+    from accel_opt.report.selection import Candidate, RunoffPoint
+
+    model, folders, _ = digits
+    recipe = load_recipe(_recipe(tmp_path, "labels", max_drop=0.02, gate="labels", source="folders"))
+    result = build(model, recipe.with_overrides(precision="int8"), data_dir=folders, out_dir=tmp_path / "out")
+    assert result.signed_off, result.failures
+    int8 = Candidate(backend="onnxruntime", precision="int8", why_tried="test")
+    _fill(int8, result, target=8)
+    assert int8.checks_passed and int8.labeled and int8.rates == []  # agreement: reported, not gated, not read
+    assert int8.held_out_at(0.975) == "pass"  # two reduced candidates planned: read at 97.5%
+    fp32 = Candidate(backend="onnxruntime", precision="fp32", why_tried="test", signed_off=True)
+    other = Candidate(backend="openvino", precision="int8", why_tried="test")  # planned, not built
+    for candidate, p50 in ((fp32, 4.0), (int8, 2.0)):
+        candidate.points = [RunoffPoint(batch_size=8, p50_ms=p50, p99_ms=p50, throughput_per_s=8 / p50 * 1e3)]
+    assert choose([fp32, int8, other], "throughput", None, 8, 0.95) is int8, int8.verdict

@@ -77,7 +77,7 @@ def test_a_signed_folder_verifies_and_runs_with_its_public_key(classifier, photo
     assert runtime.artifact_identity(folder) == runtime.artifact_identity(classifier)  # signing changes no answer
     verified = _cli("verify", folder, "--public-key", keys / "ours.pub")
     assert verified.exit_code == 0, verified.stderr
-    assert verified.stdout.startswith(f"ok: {folder}: signed by the key in ours.pub; ")
+    assert verified.stdout.startswith(f"ok: {folder}: signature: signed by the key in ours.pub; ")
     assert "model.sig not checked (give --public-key)" in _cli("verify", folder).stdout
     ran = _cli("run", folder, photos, "--out", tmp_path / "p.jsonl", "--public-key", keys / "ours.pub")
     assert ran.exit_code == 0, ran.stderr

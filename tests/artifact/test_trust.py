@@ -98,7 +98,7 @@ def test_trust_unsigned_passes_the_trust_check_and_every_summary_says_so(native,
     ran = _cli("run", classifier, photos, "--out", tmp_path / "q.jsonl", "--json")
     assert ran.exit_code == 0, ran.stderr
     assert json.loads(ran.stdout)["signature"] == "unsigned"
-    assert _cli("verify", classifier).stdout.startswith(f"ok: {classifier}: unsigned; ")
+    assert _cli("verify", classifier).stdout.startswith(f"ok: {classifier}: signature: unsigned; ")
     bench = json.loads(_cli("bench", classifier, "--json", "--batch-sizes", "1").stdout)
     assert bench["signature"] == "unsigned" and bench["checks"][0]["line"].startswith("unsigned; ")
     assert runtime.load(classifier).signature == "unsigned"

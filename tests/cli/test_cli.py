@@ -124,7 +124,7 @@ def test_json_says_what_the_verdict_rests_on(tiny_cnn_path, fast_recipe_file, tm
     assert payload["data"] == {"source": "synthetic", "path": None, "synthetic": True, "samples": 8,
                                "evaluation_samples": 4, "calibration_samples": 0, "steering_samples": 4, "eval_path": None,
                                "held_out_max": None}
-    assert payload["verdict"] == "signed off" and payload["samples_needed"] is None and payload["data_samples_needed"] is None
+    assert payload["verdict"]["outcome"] == "signed off" and payload["samples_needed"] is None and payload["data_samples_needed"] is None
     assert "batch 8" in payload["evaluated"] and "model.onnx" in payload["evaluated"]
     manifest = json.loads((tmp_path / "out" / payload["artifact_dir"].split("/")[-1] / "manifest.json").read_text())
     assert manifest["data"]["synthetic"] is True and manifest["data"]["evaluation_samples"] == 4

@@ -309,5 +309,6 @@ def test_draft_decoding_is_checked_by_the_gate_against_full_decodes(tiny_cnn_pat
     assert accuracy["outputs"][0]["error"] > 1e-4  # draft-decoded candidate vs fully decoded reference
     assert json.loads((folder / "resource_config.json").read_text())["preprocessing"]["draft_decode"] is True
     out = tmp_path / "p.jsonl"
-    run_job(runtime.load(folder), [photos], out)
+    assert not result.signed_off  # the fp32 tolerance is tighter than what draft decoding changes: allowed, it runs
+    run_job(runtime.load(folder, allow_not_signed_off=True), [photos], out)
     assert len(_lines(out)) == len(list(photos.iterdir()))

@@ -21,10 +21,11 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel
+from pydantic import BaseModel, computed_field, model_validator
 
 from accel_opt.errors import ResourceExhausted, UsageError, no_space_error
 from accel_opt.files import sha256_file
+from accel_opt.report.verdict import Verdict, legacy_verdict
 
 log = logging.getLogger(__name__)
 
@@ -39,10 +40,9 @@ UNLOCKED_GRACE_SECONDS = 600  # a build folder without its lock file yet is left
 class Manifest(BaseModel):
     """`manifest.json`: written last; its presence marks a complete artifact folder."""
 
-    format: int = 1
+    format: int = 2  # 2: the verdict is a typed record; 1: signed_off and exit_code only (read as a verdict)
     created_utc: str
-    signed_off: bool
-    exit_code: int
+    verdict: Verdict  # the build's one verdict: what runtime.load enforces and every command reads
     precision: str
     backend: str
     input_model: dict[str, Any]
@@ -59,15 +59,25 @@ class Manifest(BaseModel):
     # GPU builds: the GPU model and compute capability the gate ran on (accel_opt.machine.gpu.gpu_class).
     gpu: str | None = None
 
+    @computed_field
+    @property
+    def signed_off(self) -> bool:  # written for readers of the JSON; `verdict` is the record
+        return self.verdict.signed_off
 
-def unsigned_reason(manifest: Manifest) -> str | None:
-    """Why a folder's build did not sign it off, in one line from its manifest (None: signed off)."""
-    if manifest.signed_off:
-        return None
-    what = "too few held-out samples to certify it" if manifest.exit_code == 6 else "its gate failed"
-    failed = next((s for s in manifest.stages if s.get("status") == "failed"), None)
-    detail = f" ({failed.get('name')}: {failed.get('detail', '')})" if failed else ""
-    return (what + detail)[:400]
+    @computed_field
+    @property
+    def exit_code(self) -> int:
+        return self.verdict.exit_code
+
+    @model_validator(mode="before")
+    @classmethod
+    def _verdict_of_older_folders(cls, data: Any) -> Any:
+        """A folder built before verdicts were recorded carries `signed_off` and `exit_code`: read as its verdict."""
+        if isinstance(data, dict) and data.get("format", 1) == 1 and "verdict" not in data and "signed_off" in data:
+            failed = next((s for s in data.get("stages", []) if isinstance(s, dict) and s.get("status") == "failed"), None)
+            reason = f"{failed.get('name')}: {failed.get('detail', '')}"[:300] if failed else ""
+            data = {**data, "verdict": legacy_verdict(bool(data["signed_off"]), int(data.get("exit_code", 1)), reason)}
+        return data
 
 
 def file_hashes(folder: Path) -> dict[str, str]:

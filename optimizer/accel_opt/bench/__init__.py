@@ -48,6 +48,9 @@ class BatchResult(BaseModel):
     input_prep_ms: float  # building the feed dict from samples (the application's preprocessing share)
     latency: LatencyStats
     throughput_per_s: float  # samples (batch rows) per second at p50
+    # p50 of each interleaved round: a round times every target back to back, so a round's ratio between two targets
+    # is what a noisy neighbour spares (report.verdict bounds the speed-up over them).
+    round_p50_ms: list[float] = []
 
 
 class ModelBenchmark(BaseModel):
@@ -133,10 +136,10 @@ def timed_calls(call: Callable[[], object], min_iterations: int, min_seconds: fl
 
 def run_benchmark(
     targets: list[Target], samples: list[Sample], batch_sizes: list[int], config: BenchmarkConfig, threads: int,
-    batch_axes: BatchAxes | None = None,
+    batch_axes: BatchAxes | None = None, rounds: int = ROUNDS,
 ) -> BenchmarkReport:
-    """Load each target (memory measured), then time every batch size in interleaved rounds.
-    Only inputs with a batch axis (`batch_axes`; default: axis 0 of every input that has one) are batched."""
+    """Load each target (memory measured), then time every batch size in `rounds` interleaved rounds (at least
+    ROUNDS). Only inputs with a batch axis (`batch_axes`; default: axis 0 of every input that has one) are batched."""
     labels = [t.label for t in targets]
     if len(set(labels)) != len(labels):
         raise ValueError(f"benchmark targets need distinct labels, got {labels}")
@@ -152,6 +155,7 @@ def run_benchmark(
             target.synchronize()
             loads[target.label] = (load_ms, rss_before, peak_rss_mib())
 
+        rounds = max(rounds, ROUNDS)
         per_batch: dict[str, list[BatchResult]] = {t.label: [] for t in targets}
         for batch in batch_sizes:
             start = time.perf_counter()
@@ -161,23 +165,24 @@ def run_benchmark(
                 for _ in range(config.warmup_iterations):
                     target.runner.infer(feeds[target.label], check_inputs=False)
                 target.synchronize()
-            times: dict[str, list[float]] = {t.label: [] for t in targets}
+            times: dict[str, list[list[float]]] = {t.label: [] for t in targets}
             per_round = dict(
-                min_iterations=math.ceil(config.min_iterations / ROUNDS),
-                min_seconds=config.min_seconds / ROUNDS,
-                max_iterations=math.ceil(config.max_iterations / ROUNDS),
+                min_iterations=math.ceil(config.min_iterations / rounds),
+                min_seconds=config.min_seconds / rounds,
+                max_iterations=math.ceil(config.max_iterations / rounds),
             )
-            for _ in range(ROUNDS):
+            for _ in range(rounds):
                 for target in targets:
-                    times[target.label] += timed_calls(infer_and_sync(target, feeds[target.label]), **per_round)
+                    times[target.label].append(timed_calls(infer_and_sync(target, feeds[target.label]), **per_round))
             for target in targets:
-                stats = latency_stats(times[target.label])
+                stats = latency_stats([t for one in times[target.label] for t in one])
                 per_batch[target.label].append(
                     BatchResult(
                         batch_size=batch,
                         input_prep_ms=prep_ms,
                         latency=stats,
                         throughput_per_s=batch / (stats.p50_ms / 1e3),
+                        round_p50_ms=[float(np.median(one)) * 1e3 for one in times[target.label]],
                     )
                 )
     finally:

@@ -231,9 +231,14 @@ def _fill(candidate: Candidate, result: BuildResult, target: int) -> None:
     candidate.held_out = accuracy.verdict
     if accuracy.verdict == "insufficient":
         candidate.samples_needed, candidate.data_samples_needed = result.samples_needed, result.data_samples_needed
-    candidate.rates = [c.evidence for c in accuracy.checks if c.evidence is not None]
-    candidate.checks_passed = all(c.passed for c in accuracy.checks if c.evidence is None) and \
+    # Its own verdict's checks only: what the recipe reports but does not gate (agreement under accuracy.labels.gate:
+    # labels) never decides a selection.
+    gated = [c for c in accuracy.checks if c.gated]
+    candidate.rates = [c.evidence for c in gated if c.evidence is not None and c.labeled is None]
+    candidate.labeled = [c.labeled for c in gated if c.labeled is not None]
+    candidate.checks_passed = all(c.passed for c in gated if c.evidence is None and c.labeled is None) and \
         len(result.failures) == len(accuracy.failures)  # the benchmark gate's failures are not rates
+    candidate.benefit = result.verdict.benefit
     if accuracy.steering is not None:
         candidate.steering_passed, candidate.steering_loss = accuracy.steering.passed, accuracy.steering.loss
     candidate.samples = accuracy.roles
@@ -301,8 +306,11 @@ def _runoff(candidates: list[Candidate], samples: list[Sample], recipe: Recipe, 
     """Time the candidates' published builds, loaded through the runtime as deployed, against each other in
     interleaved rounds at the objective's batch sizes (the same samples every build timed)."""
     threads = recipe.benchmark.threads or available_cpus()
-    # Folders this build published moments ago, under its own --out: its own native code, trusted as such.
-    deployments = [runtime.load(c.artifact_dir, cpu=cpu, trust=TrustPolicy(trust_unsigned=True)) for c in candidates]
+    # Folders this build published moments ago, under its own --out: its own native code, trusted as such. Timed
+    # whatever their verdicts (a held-out verdict is read only down the ranking; an fp32 floor failed its gate); the
+    # winner is one whose own verdict signed it off (choice.choose).
+    deployments = [runtime.load(c.artifact_dir, cpu=cpu, trust=TrustPolicy(trust_unsigned=True), allow_not_signed_off=True)
+                   for c in candidates]
     batches = objective_batches(recipe.selection.objective, recipe)
     if not deployments[0].config.batch_dynamic:
         batches = [deployments[0].batch_size]

@@ -24,6 +24,7 @@ from accel_opt.errors import AccelOptError, UsageError, first_line
 from accel_opt.graph.inspect import resolve_shapes, with_batch
 from accel_opt.recipe.types import Precision
 from accel_opt.report.results import StageStatus
+from accel_opt.report.verdict import rounds_needed
 from accel_opt.runtime.local.job import run_job
 
 if TYPE_CHECKING:
@@ -66,8 +67,11 @@ def _benchmark_build(ctx: BuildContext, unfused_shapes: dict[str, list[int]], im
 
         targets.append(Target("pytorch-eager", torch_runner(ctx.torch_module, ctx.model_path, ctx.threads)))
     batch_sizes = ctx.recipe.benchmark.batch_sizes if ctx.shapes.batch_dynamic else [ctx.shapes.batch_size]
+    if ctx.recipe.precision is not Precision.fp32:  # the verdict's benefit is read at the deployed batch: time it
+        batch_sizes = sorted({*batch_sizes, ctx.deploy_batch})
     axes = ctx.shapes.batch_axes
-    ctx.bench = run_benchmark(targets, ctx.eval_samples, batch_sizes, ctx.recipe.benchmark, ctx.threads, axes)
+    ctx.bench = run_benchmark(targets, ctx.eval_samples, batch_sizes, ctx.recipe.benchmark, ctx.threads, axes,
+                              rounds=rounds_needed(ctx.recipe.accuracy.confidence))
     streams = getattr(ctx.backend, "concurrency_sweep", None)
     if streams is not None:  # streams x async requests: the concurrency a server would run
         feed = batch_of(ctx.deploy_samples, ctx.deploy_batch, axes)

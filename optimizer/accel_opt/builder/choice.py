@@ -81,6 +81,9 @@ def choose(candidates: list[Candidate], objective: str, budget_ms: float | None,
         if not c.reduced:
             winner = c
             break
+        if c.benefit is not None and not c.benefit.passed:  # its own verdict: runtime.load would refuse its folder
+            c.verdict = f"no measured benefit in its own build: {c.benefit.line()}"
+            continue
         c.family_confidence = family
         held_out = c.held_out_at(family)
         if held_out == "pass":
@@ -94,7 +97,8 @@ def choose(candidates: list[Candidate], objective: str, budget_ms: float | None,
         if c is winner:
             c.verdict = (f"won: best on the objective ({OBJECTIVES[objective]}): {c.objective_value:.2f} {unit} at batch "
                          f"{c.objective_batch}" + (f"; held-out verdict passes at {c.family_confidence:.2%}"
-                                                   if c.family_confidence and readable > 1 else ""))
+                                                   if c.family_confidence and readable > 1 else "")
+                         + (f"; benefit: {c.benefit.line()}" if c.benefit is not None else ""))
         elif winner is not None and not c.verdict.startswith("fastest left"):
             c.verdict = f"lost: {c.objective_value / winner.objective_value:.2f}x the winner's {unit} at batch {c.objective_batch}"
     return winner

@@ -22,6 +22,7 @@ from accel_opt.precision import PrecisionReport, fallback
 from accel_opt.recipe.gate import TaskMetric, Tolerance
 from accel_opt.recipe.schema import Recipe
 from accel_opt.recipe.types import Precision
+from accel_opt.report.verdict import Verdict
 from accel_opt.runtime import Deployment
 
 
@@ -84,6 +85,7 @@ class BuildContext:
     split: DataSplit | None = None  # which sample has which role (calibration, steering, verdict): the manifest records it
     verdict_max: int | None = None  # held-out samples judged at most (accuracy.max_samples, or less for memory)
     sample_names: list[str] = field(default_factory=list)  # every sample read, in index order (split's indices)
+    sample_keys: list[str] = field(default_factory=list)  # the --data samples' content hashes (data.sample_key), same order
     sample_groups: list[str] | None = None  # each sample's group, where the user grouped them (data.groups)
     sample_labels: list[int] = field(default_factory=list)  # each sample's class (--labels), aligned with samples
     calibration_samples: list[Sample] = field(default_factory=list)
@@ -113,6 +115,7 @@ class BuildContext:
     deployed_hashes: dict[str, str] = field(default_factory=dict)  # its files' sha256 when it was loaded
     accuracy: AccuracyReport | None = None
     bench: BenchmarkReport | None = None
+    verdict: Verdict | None = None  # the one verdict, made by the verdict stage after the benchmark
     limits: CandidateLimits | None = None  # set when this build is a candidate of --precision auto
     reference_caches: dict | None = None  # auto: the reference's outputs by reference, shared by its candidates
 

@@ -31,21 +31,21 @@ from accel_opt.builder.context import BuildContext, CandidateLimits
 from accel_opt.builder.fallback_actions import fallback_actions
 from accel_opt.builder.records import artifact_name, data_record, reuse, write_manifest, write_reports
 from accel_opt.builder.samples import data_samples_needed, read_and_split, too_few_to_certify
-from accel_opt.builder.staging import batch_problem, stage_deployment
+from accel_opt.builder.staging import batch_problem, deploy_shapes, stage_deployment
 from accel_opt.builder.torch_plan import torch_precision
 from accel_opt.data import Sample
 from accel_opt.errors import AccelOptError, Unsupported, UsageError, no_space_error
 from accel_opt.files import ensure_free_space, sha256_file
-from accel_opt.graph.inspect import io_specs, with_batch
+from accel_opt.graph.inspect import io_specs
 from accel_opt.graph.load import load_model
 from accel_opt.machine.cpu import CpuProfile, available_cpus
 from accel_opt.precision import fallback
 from accel_opt.preprocess.fit import fit_preprocessing, image_path_agreement
-from accel_opt.preprocess.fuse import fused_shape
 from accel_opt.recipe.load import load_recipe
 from accel_opt.recipe.schema import Recipe
 from accel_opt.recipe.types import BackendName, Precision
-from accel_opt.report.results import BuildResult, StageResult, StageStatus, exit_code_of, fill_headline, verdict_of
+from accel_opt.report.results import BuildResult, StageResult, StageStatus, fill_headline
+from accel_opt.report.verdict import benefit_of, decide
 
 log = logging.getLogger(__name__)
 
@@ -124,13 +124,12 @@ def build(
                     if reused is not None:
                         return reused
 
-            failures = ctx.accuracy.failures + ctx.bench.failures
             final = out_dir / artifact_name(ctx)
             result = BuildResult(
-                model=str(model), precision=recipe.precision.value, backend=backend.name, signed_off=not failures,
-                exit_code=exit_code_of(ctx.accuracy, ctx.bench.failures), artifact_dir=str(final), failures=failures,
-                stages=stages, worst_cosine=ctx.accuracy.worst_cosine, data=data_record(ctx),
-                evaluated=ctx.accuracy.evaluation.deployment, verdict=verdict_of(ctx.accuracy, ctx.bench.failures),
+                model=str(model), precision=recipe.precision.value, backend=backend.name, verdict=ctx.verdict,
+                artifact_dir=str(final), failures=ctx.verdict.reasons, stages=stages,
+                worst_cosine=ctx.accuracy.worst_cosine, data=data_record(ctx),
+                evaluated=ctx.accuracy.evaluation.deployment,
                 samples_needed=ctx.accuracy.samples_needed, trial_unit=ctx.accuracy.trial_unit,
                 data_samples_needed=data_samples_needed(ctx, ctx.accuracy.samples_needed),
             )
@@ -262,19 +261,6 @@ def _load_text_stage(ctx: BuildContext) -> None:
     ctx.notes.append(ctx.text_encoder.describe())
 
 
-def _deploy_shapes(ctx: BuildContext, fused: bool = True) -> dict[str, list[int]]:
-    """The input shapes the artifact is compiled and checked for: the resolved shapes at the deployed batch
-    (the image input in HWC order when its preprocessing is fused, unless `fused` is False: the model
-    without the fused steps, as the fp32 baseline runs)."""
-    shapes = ctx.shapes.shapes
-    if ctx.shapes.batch_dynamic:
-        shapes = with_batch(shapes, ctx.deploy_batch, ctx.shapes.batch_axes)
-    if fused and ctx.fused:
-        name = ctx.image_input
-        shapes = {**shapes, name: fused_shape(shapes[name], ctx.recipe.preprocessing.layout)}
-    return shapes
-
-
 def _stage_cleanup(ctx: BuildContext) -> tuple[StageStatus, str]:
     ctx.fp32_path = ctx.model_path
     if not ctx.recipe.cleanup.enabled:
@@ -317,7 +303,7 @@ def _stage_precision(ctx: BuildContext) -> tuple[StageStatus, str]:
     if skipped:
         config = config.model_copy(update={"enabled": False})
     ctx.precision, ctx.fallback, ctx.candidate_path = fallback.run(
-        precision, config, fallback_actions(ctx, probes, _deploy_shapes(ctx, fused=False)), out, len(probes),
+        precision, config, fallback_actions(ctx, probes, deploy_shapes(ctx, fused=False)), out, len(probes),
         "steering samples", fixed, ctx.limits)
     if skipped:
         ctx.fallback.status, ctx.fallback.reason = skipped
@@ -332,7 +318,7 @@ def _stage_precision(ctx: BuildContext) -> tuple[StageStatus, str]:
 
 
 def _stage_compile(ctx: BuildContext) -> tuple[StageStatus, str]:
-    stage_deployment(ctx, _deploy_shapes(ctx))
+    stage_deployment(ctx, deploy_shapes(ctx))
     problem = batch_problem(ctx)
     if problem:  # a batch axis the model's dims do not name (silero_vad.onnx's state): deploy as given
         axes = ", ".join(f"{n}:{'none' if a is None else a}" for n, a in ctx.shapes.batch_axes.items())
@@ -398,7 +384,17 @@ def _stage_accuracy(ctx: BuildContext) -> tuple[StageStatus, str]:
 
 
 def _stage_benchmark(ctx: BuildContext) -> tuple[StageStatus, str]:
-    return benchmark_build(ctx, _deploy_shapes(ctx, fused=False), ctx.image_input)
+    return benchmark_build(ctx, deploy_shapes(ctx, fused=False), ctx.image_input)
+
+
+def _stage_verdict(ctx: BuildContext) -> tuple[StageStatus, str]:
+    """The build's one verdict (report.verdict.decide): the accuracy gate, the benchmark's budgets, and for a reduced
+    precision the benefit over its fp32 build at the deployed batch."""
+    benefit = None
+    if ctx.recipe.precision is not Precision.fp32:
+        benefit = benefit_of(ctx.bench, ctx.deploy_batch, ctx.recipe.benchmark.min_speedup, ctx.recipe.accuracy.confidence)
+    ctx.verdict = decide(ctx.accuracy, ctx.bench.failures, benefit)
+    return ("passed" if ctx.verdict.signed_off else "failed"), ctx.verdict.line()
 
 
 def _stage_reports(ctx: BuildContext) -> tuple[StageStatus, str]:
@@ -413,5 +409,6 @@ STAGES: list[tuple[str, Callable[[BuildContext], tuple[StageStatus, str]]]] = [
     ("compile", _stage_compile),
     ("accuracy", _stage_accuracy),
     ("benchmark", _stage_benchmark),
+    ("verdict", _stage_verdict),
     ("reports", _stage_reports),
 ]

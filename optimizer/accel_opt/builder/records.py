@@ -21,7 +21,7 @@ from accel_opt.machine.gpu import gpu_class
 from accel_opt.recipe.stages import BenchmarkConfig
 from accel_opt.report.html import layer_error_png, render
 from accel_opt.report.markdown import benchmark_markdown, signoff_markdown
-from accel_opt.report.results import BuildResult, DataRecord, StageResult, fill_headline, verdict_of
+from accel_opt.report.results import BuildResult, DataRecord, StageResult, fill_headline
 
 if TYPE_CHECKING:
     from accel_opt.builder.context import BuildContext
@@ -47,11 +47,10 @@ def reuse(ctx: BuildContext, final: Path, model: str, stages: list[StageResult],
     if on_stage:
         on_stage(stages[-1])
     result = BuildResult(
-        model=model, precision=manifest.precision, backend=manifest.backend, signed_off=manifest.signed_off,
-        exit_code=manifest.exit_code, verdict=verdict_of(accuracy, bench.failures),
+        model=model, precision=manifest.precision, backend=manifest.backend, verdict=manifest.verdict,
         samples_needed=accuracy.samples_needed, data_samples_needed=data_samples_needed(ctx, accuracy.samples_needed),
         trial_unit=accuracy.trial_unit,
-        artifact_dir=str(final), failures=accuracy.failures + bench.failures, stages=stages,
+        artifact_dir=str(final), failures=manifest.verdict.reasons, stages=stages,
         worst_cosine=accuracy.worst_cosine, data=data_record(ctx), evaluated=accuracy.evaluation.deployment, reused=True,
     )
     fill_headline(result, bench)
@@ -130,8 +129,7 @@ def data_record(ctx: BuildContext) -> DataRecord:
 def write_manifest(ctx: BuildContext, folder: Path, result: BuildResult) -> None:
     manifest = Manifest(
         created_utc=now_utc(),
-        signed_off=result.signed_off,
-        exit_code=result.exit_code,
+        verdict=result.verdict,
         precision=ctx.recipe.precision.value,
         backend=ctx.backend.name,
         input_model=input_record(ctx),
@@ -139,7 +137,11 @@ def write_manifest(ctx: BuildContext, folder: Path, result: BuildResult) -> None
         # Which sample had which role, by name: no sample in two (checked by anyone reading this file).
         data={**ctx.data.model_dump(mode="json", exclude={"names"}), **result.data.model_dump(mode="json"),
               "eval_data_sha256": ctx.eval_data.sha256 if ctx.eval_data is not None else None,
-              "split": {"seed": ctx.split.seed, **ctx.split.names(ctx.sample_names)}},
+              "split": {"seed": ctx.split.seed, **ctx.split.names(ctx.sample_names)},
+              # The content hash (data.sample_key) of every sample that calibrated or steered this build: `compare` leaves
+              # them out by content, whatever they are named later.
+              "seen_sha1": {role: [ctx.sample_keys[i] for i in getattr(ctx.split, role) if i < len(ctx.sample_keys)]
+                            for role in ("calibration", "steering")}},
         artifacts=file_hashes(folder),
         stages=[s.model_dump() for s in result.stages],
         tools=tool_versions(),
@@ -169,14 +171,14 @@ def write_reports(ctx: BuildContext) -> str:
     """Every report of the staged folder, JSON first and the rest rendered from it, the probe set and build.json
     (the manifest comes after, in write_manifest); returns the stage's one-line detail."""
     staging, name = ctx.staging, ctx.model_path.stem
-    signed_off = ctx.accuracy.passed and not ctx.bench.failures
     write_json(staging / "accuracy.json", ctx.accuracy)
     write_text(
         staging / "signoff.md",
-        signoff_markdown(name, signed_off, ctx.accuracy, ctx.precision, ctx.data, len(ctx.calibration_samples),
+        signoff_markdown(name, ctx.verdict, ctx.accuracy, ctx.precision, ctx.data, len(ctx.calibration_samples),
                                 ctx.notes + (ctx.precision.notes if ctx.precision else [])
                                 + ([ctx.limits.family_note] if ctx.limits and ctx.limits.family_note else [])
-                                + [f"Benchmark gate failed: {line}" for line in ctx.bench.failures],
+                                + [f"Benchmark gate failed: {line}" for line in ctx.bench.failures]
+                                + ([f"Benefit: {ctx.verdict.benefit.line()}."] if ctx.verdict.benefit else []),
                                 fallback=ctx.fallback, bench=ctx.bench),
     )
     if ctx.fallback is not None and ctx.fallback.naive_profile:
@@ -199,5 +201,5 @@ def write_reports(ctx: BuildContext) -> str:
     }
     write_probe_set(ctx, staging)
     write_json(staging / "build.json", build_info)
-    write_text(staging / "signoff.html", render(staging))  # from the JSON reports above only
+    write_text(staging / "signoff.html", render(staging, ctx.verdict))  # from the JSON reports above and the verdict
     return f"{len(list(staging.iterdir()))} files"

@@ -15,6 +15,7 @@ import onnx
 from pydantic import BaseModel
 
 from accel_opt.accuracy import AccuracyReport, Check, compare
+from accel_opt.accuracy.labeled import drop_upper_bound, samples_to_certify_drop
 from accel_opt.backends.onnxruntime.backend import reference_runner
 from accel_opt.bench import deployment_target, run_benchmark
 from accel_opt.data import DataSummary, load_samples, sample_key
@@ -50,17 +51,27 @@ class Comparison(BaseModel):
     throughput_ratio: float  # candidate / baseline: > 1 is faster
     latency_regression_pct: float  # how much slower per sample the candidate is (negative: faster)
     accuracy_drop: float  # baseline quality - candidate quality
+    accuracy_drop_bound: float | None = None  # its paired upper bound at the recipe's confidence (--max-accuracy-drop)
     checks: list[Check]
+    too_few: list[str] = []  # the failed checks whose samples were too few to certify them (exit 6 when only those)
 
     @property
     def passed(self) -> bool:
         return all(c.passed for c in self.checks)
 
+    @property
+    def exit_code(self) -> int:
+        """0 passed; 6 when every failed check failed only for too few samples; 1 otherwise."""
+        failed = [c.name for c in self.checks if not c.passed]
+        if not failed:
+            return 0
+        return 6 if set(failed) <= set(self.too_few) else 1
+
 
 def reference_of(candidate: Deployment, given: str | Path | None) -> Path:
     """The fp32 model the candidate was built from: `given`, else the path its manifest records, which
     must still hold the same bytes (sha256)."""
-    record = read_manifest(candidate.folder).input_model
+    record = read_manifest(candidate.files).input_model
     path = Path(given) if given else Path(record.get("path") or "")
     if not path.is_file():
         raise UsageError(f"the candidate's reference model {path} is not there: give --reference MODEL.onnx")
@@ -73,7 +84,7 @@ def run_comparison(baseline: Deployment, candidate: Deployment, reference: Path,
                    max_latency_regression_pct: float | None = None, max_accuracy_drop: float | None = None) -> Comparison:
     if [i.name for i in baseline.config.inputs] != [i.name for i in candidate.config.inputs]:
         raise UsageError("the two artifacts take different inputs: not the same model family")
-    recipe = Recipe.model_validate(read_manifest(candidate.folder).recipe["resolved"])
+    recipe = Recipe.model_validate(read_manifest(candidate.files).recipe["resolved"])
     config = candidate.config
     count = recipe.accuracy.max_samples
     fed = [side.samples(data_dir, SYNTHETIC_SAMPLES, recipe.accuracy.seed)[0] for side in (baseline, candidate)]
@@ -110,35 +121,64 @@ def run_comparison(baseline: Deployment, candidate: Deployment, reference: Path,
     checks = [Check(name="candidate signs off", passed=cand.accuracy.passed,
                     line=verdicts.get(cand.accuracy.verdict, "candidate fails the gate")
                     + ("" if cand.accuracy.passed else f": {cand.accuracy.failures[0]}"))]
+    too_few = ["candidate signs off"] if cand.accuracy.verdict == "insufficient" else []
     if max_latency_regression_pct is not None:
         ok = regression <= max_latency_regression_pct
         checks.append(Check(name="latency regression", passed=ok,
                             line=f"candidate {abs(regression):.1f}% {'slower' if regression > 0 else 'faster'} per sample "
                                  f"({cand.throughput_per_s:.1f} vs {base.throughput_per_s:.1f} samples/s); "
                                  f"limit {max_latency_regression_pct:g}% slower"))
+    drop_bound = None
     if max_accuracy_drop is not None:
-        ok = drop <= max_accuracy_drop
-        checks.append(Check(name="accuracy drop", passed=ok,
-                            line=f"{metric}: candidate {cand.quality:.4f}, baseline {base.quality:.4f}, drop {drop:.4f}; "
-                                 f"limit {max_accuracy_drop:g}"))
+        check, drop_bound, short = _drop_check(reports, names, metric, base.quality, cand.quality, max_accuracy_drop,
+                                               recipe.accuracy.confidence)
+        checks.append(check)
+        too_few += ["accuracy drop"] if short else []
     return Comparison(reference=str(reference), data=data, quality_metric=metric, baseline=base, candidate=cand,
                       throughput_ratio=ratio, latency_regression_pct=regression, accuracy_drop=drop, checks=checks,
-                      left_out=left_out)
+                      left_out=left_out, accuracy_drop_bound=drop_bound, too_few=too_few)
+
+
+def _drop_check(reports: list[AccuracyReport], names: list[str], metric: str, base_quality: float, cand_quality: float,
+                limit: float, confidence: float) -> tuple[Check, float | None, bool]:
+    """--max-accuracy-drop, judged as the build judges a drop on labels: by the paired one-sided upper bound at the
+    recipe's confidence over the samples whose outcome (agreement with the reference under the first task metric)
+    each side changed; (check, bound, too few samples to certify the limit). Without a metric counting outcomes per
+    sample (a cosine), the point difference, said so."""
+    changed = [report.task_metrics[0].changed if report.task_metrics else None for report in reports]
+    point = f"{metric}: candidate {cand_quality:.4f}, baseline {base_quality:.4f}, drop {base_quality - cand_quality:.4f}"
+    if changed[0] is None or changed[1] is None:
+        ok = base_quality - cand_quality <= limit
+        return Check(name="accuracy drop", passed=ok, line=f"{point}; limit {limit:g} (a point difference: this metric "
+                     "has no per-sample outcome to bound)"), None, False
+    base_changed, cand_changed = set(changed[0]), set(changed[1])
+    lost, gained = len(cand_changed - base_changed), len(base_changed - cand_changed)
+    bound = drop_upper_bound(lost, gained, len(names), confidence)
+    needed = samples_to_certify_drop(limit, confidence)
+    short = bound > limit and (needed is None or len(names) < needed)  # no outcome of these samples could clear it
+    line = (f"{point}; paired on {len(names)} samples ({lost} lost, {gained} gained against the reference): the drop is "
+            f"at most {bound:.4f} at {confidence:.0%} confidence; limit {limit:g}")
+    if short:
+        line += f"; too few samples to certify it ({needed or 'no number of'} samples needed with none changed)"
+    return Check(name="accuracy drop", passed=bound <= limit, line=line), bound, short
 
 
 def _judgeable(samples: list, names: list[str], sides: tuple[Deployment, ...]) -> tuple[list[int], dict[str, int]]:
-    """The samples a comparison may judge: none that calibrated or steered either build (by name, as each manifest's
-    data.split lists them: evidence those builds have already seen), each distinct input once. Returns their indices
-    and how many were left out, by why."""
-    seen_by = {}
+    """The samples a comparison may judge: none that calibrated or steered either build, told by content (the sha1 of
+    each such sample, data.sample_key, as each manifest records it: a copy under another name is still a sample that
+    build has seen; by name for folders from before content was recorded), each distinct input once. Returns their
+    indices and how many were left out, by why."""
+    seen_by: dict[str, str] = {}  # content key (or, for older manifests, name) -> the role it had
     for side in sides:
-        split = read_manifest(side.folder).data.get("split") or {}
+        data = read_manifest(side.files).data
+        split, seen = data.get("split") or {}, data.get("seen_sha1")
         for role in ("calibration", "steering"):
-            seen_by.update({name: role for name in split.get(role, []) if name not in seen_by})
+            for key in (seen or {}).get(role, []) if seen is not None else split.get(role, []):
+                seen_by.setdefault(key, role)
     kept, keys, left_out = [], set(), {"calibration": 0, "steering": 0, "copies": 0}
     for i, (sample, name) in enumerate(zip(samples, names)):
         key = sample_key(sample)
-        why = seen_by.get(name) or ("copies" if key in keys else None)
+        why = seen_by.get(key) or seen_by.get(name) or ("copies" if key in keys else None)
         keys.add(key)
         if why:
             left_out[why] += 1

@@ -66,7 +66,7 @@ def read_and_split(ctx: BuildContext) -> list[Sample]:
     ctx.verdict_max = _verdict_memory_cap(ctx, accuracy.max_samples)
     eval_names = ctx.eval_data.names if ctx.eval_data_dir is not None else []  # as named under their own folder
     ctx.sample_groups = sample_groups(ctx.sample_names[:given] + eval_names, accuracy.split)
-    keys = [sample_key(s) for s in samples[:given]]
+    keys = ctx.sample_keys = [sample_key(s) for s in samples[:given]]
     dealing = (accuracy.split, recipe.precision is Precision.int8, recipe.precision_options.calibration.samples,
                ctx.verdict_max, accuracy.seed, held_out)
     ctx.split = split_groups(keys, ctx.sample_groups, *dealing) if ctx.sample_groups else split_roles(keys, *dealing)

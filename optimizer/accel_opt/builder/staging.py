@@ -16,12 +16,12 @@ from accel_opt.backends import compile_for
 from accel_opt.data import batch_of
 from accel_opt.errors import AccelOptError, first_line
 from accel_opt.files import write_json
-from accel_opt.graph.inspect import io_specs
+from accel_opt.graph.inspect import io_specs, with_batch
 from accel_opt.graph.save import save_model
 from accel_opt.precision.fallback import is_onnx
 from accel_opt.precision.nncf_openvino import IR_SUFFIX, ir_files
 from accel_opt.preprocess.fit import image_input
-from accel_opt.preprocess.fuse import fuse_normalize
+from accel_opt.preprocess.fuse import fuse_normalize, fused_shape
 from accel_opt.recipe.types import BackendName
 
 if TYPE_CHECKING:
@@ -85,3 +85,16 @@ def batch_problem(ctx: BuildContext) -> str | None:
     except Exception as exc:  # the runtime's own error types
         return first_line(exc, limit=200)
     return None
+
+
+def deploy_shapes(ctx: BuildContext, fused: bool = True) -> dict[str, list[int]]:
+    """The input shapes the artifact is compiled and checked for: the resolved shapes at the deployed batch
+    (the image input in HWC order when its preprocessing is fused, unless `fused` is False: the model
+    without the fused steps, as the fp32 baseline runs)."""
+    shapes = ctx.shapes.shapes
+    if ctx.shapes.batch_dynamic:
+        shapes = with_batch(shapes, ctx.deploy_batch, ctx.shapes.batch_axes)
+    if fused and ctx.fused:
+        name = ctx.image_input
+        shapes = {**shapes, name: fused_shape(shapes[name], ctx.recipe.preprocessing.layout)}
+    return shapes

@@ -205,11 +205,15 @@ def _junit_suites(model, result, selection) -> list:
     from accel_opt.accuracy import AccuracyReport
 
     def checks_of(artifact_dir: str) -> list:
+        from accel_opt.accuracy import Check
+        from accel_opt.artifact.folder import MANIFEST, Manifest
         from accel_opt.bench import BenchmarkReport
 
         folder = Path(artifact_dir)
+        benefit = Manifest.model_validate_json((folder / MANIFEST).read_text()).verdict.benefit
         return (AccuracyReport.model_validate_json((folder / "accuracy.json").read_text()).checks
-                + BenchmarkReport.model_validate_json((folder / "benchmark.json").read_text()).checks)
+                + BenchmarkReport.model_validate_json((folder / "benchmark.json").read_text()).checks
+                + ([Check(name="benefit", passed=benefit.passed, line=benefit.line())] if benefit else []))
 
     stem = Path(str(model)).stem
     if selection is None:
@@ -301,9 +305,13 @@ def _print_result(result) -> None:
                       *(f"{r:.2f}x" if r is not None else "-" for r in ratios))
     console.print(table)
     verdict = "[green]SIGNED OFF[/green]" if result.signed_off else "[red]NOT SIGNED OFF[/red]"
+    if result.verdict.outcome == "no measured benefit":
+        verdict += f": no measured benefit (exit {result.exit_code})"
     for said in (result.too_few_line(), result.synthetic_line()):
         verdict += f": {said}" if said else ""
-    console.print(f"accuracy: {verdict}", highlight=False)
+    console.print(f"verdict: {verdict}", highlight=False)
+    if result.verdict.benefit is not None:
+        console.print(f"benefit: {result.verdict.benefit.line()}", highlight=False)
     for failure in result.failures:
         console.print(f"  - {failure}", highlight=False)
     console.print(f"artifacts: {result.artifact_dir}" + (" (reused: an identical build verified; --force rebuilds)" if result.reused else ""))

@@ -36,6 +36,8 @@ Exit codes:
   4  unsupported here (backend, device, precision or op)
   5  resource exhausted (memory, disk, time)
   6  built, but too few held-out samples to certify it (the number needed is printed; reports written)
+  7  built and correct, but no measured benefit: a reduced precision not faster than its fp32 build by
+     benchmark.min_speedup at the deployed batch (lower bound; reports written, not signed off)
   70 internal error (a bug; the log path is printed)"""
 
 
@@ -92,28 +94,30 @@ def write_junit(path: Path, suites: list) -> None:
     write_text(path, junit_xml(suites))
 
 
-UNSIGNED_NOTE = "; ran a folder that is NOT signed off (--allow-unsigned)"
+def not_signed_off_note(deployment) -> str:
+    """What a summary adds for a folder its build did not sign off, run because the caller allowed it ("" otherwise)."""
+    if not deployment.not_signed_off:
+        return ""
+    return f"; ran a folder that is NOT signed off (--allow-not-signed-off): {deployment.verdict.line()}"
 
 
-def allow_unsigned_option(command):
-    """--allow-unsigned: run a folder its build did not sign off (the summary says so)."""
-    return click.option("--allow-unsigned", is_flag=True, help="Run a folder its build did not sign off (gate failed, "
-                        "or too few held-out samples); without it that is refused with the build's own exit code "
-                        "(1 or 6). The summary line and JSON say it ran unsigned.")(command)
+def _deprecated_allow_unsigned(ctx, _param, value) -> None:
+    if value:
+        click.echo("accel-opt: --allow-unsigned is deprecated and will be removed in the next release: it allows a "
+                   "folder its build did not sign off (not one without a signature); use --allow-not-signed-off", err=True)
+        ctx.meta["allow_not_signed_off"] = True
 
 
-def refuse_unsigned(folder: Path, allow_unsigned: bool) -> bool:
-    """NotSignedOff (exit 1 or 6, the manifest's reason) for a folder its build did not sign off, unless allowed.
-    Returns whether it was signed off."""
-    from accel_opt.artifact.folder import unsigned_reason
-    from accel_opt.errors import NotSignedOff
-    from accel_opt.runtime import read_manifest
-
-    manifest = read_manifest(Path(folder))
-    reason = unsigned_reason(manifest)
-    if reason and not allow_unsigned:
-        raise NotSignedOff(f"{folder} is not signed off: {reason}; --allow-unsigned runs it anyway", manifest.exit_code)
-    return reason is None
+def allow_not_signed_off_option(command):
+    """--allow-not-signed-off (and its deprecated spelling --allow-unsigned): open a folder its build did not sign
+    off; runtime.load refuses it otherwise, with the verdict's exit code."""
+    command = click.option("--allow-not-signed-off", is_flag=True,
+                           callback=lambda ctx, _p, value: value or ctx.meta.get("allow_not_signed_off", False),
+                           help="Open a folder its build did not sign off (gate failed, too few held-out samples, or "
+                                "no measured benefit); without it that is refused with the verdict's own exit code "
+                                "(1, 6 or 7). The summary line and JSON say it ran a folder that is not signed off.")(command)
+    return click.option("--allow-unsigned", is_flag=True, hidden=True, expose_value=False, is_eager=True,
+                        callback=_deprecated_allow_unsigned)(command)
 
 
 def say_scope(line: str | None) -> None:

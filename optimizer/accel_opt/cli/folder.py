@@ -8,15 +8,14 @@ from pathlib import Path
 
 import click
 
-from accel_opt.artifact.folder import unsigned_reason
-from accel_opt.cli.common import fail, trust_from, trust_options
-from accel_opt.errors import AccelOptError, NotSignedOff
+from accel_opt.cli.common import allow_not_signed_off_option, fail, trust_from, trust_options
+from accel_opt.errors import AccelOptError
 
 VERIFY_EXIT_CODES = """\b
 Exit codes:
   0  complete, unaltered, signed off by its build, and runnable here as it was checked (and, with --public-key,
      signed by that key)
-  1  not signed off by its build: its gate failed (the manifest's reason is printed); --accuracy: the re-check of
+  1  not signed off by its build: its gate failed (the verdict's reason is printed); --accuracy: the re-check of
      the build's gate on this machine failed
   2  a --public-key or --certificate-chain file missing or not a usable key
   3  incomplete or altered (no manifest, a file missing, changed or not part of it); with --public-key,
@@ -24,7 +23,9 @@ Exit codes:
   4  this machine cannot run it as it was checked (backend missing, another runtime version or CPU);
      --public-key without model-signing installed (pip install 'accel-opt[sign]')
   6  not signed off by its build: too few held-out samples to certify it
-  70 internal error (a bug; the log path is printed)"""
+  7  not signed off by its build: no measured benefit over its fp32 build
+  70 internal error (a bug; the log path is printed)
+--accuracy runs the folder: one that is not signed off is refused (its verdict's code) unless --allow-not-signed-off."""
 
 
 @click.command("verify", epilog=VERIFY_EXIT_CODES)
@@ -32,47 +33,53 @@ Exit codes:
 @click.option("--accuracy", is_flag=True, help="Also re-run the build's accuracy gate here, on the probe set the "
               "folder carries (seconds): the sign-off's verdict for this CPU's kernels. Exit 1 when it fails.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout.")
+@allow_not_signed_off_option
 @trust_options
-def verify_command(artifact, accuracy, as_json, public_key, certificate_chain, trust_unsigned):
+def verify_command(artifact, accuracy, as_json, allow_not_signed_off, public_key, certificate_chain, trust_unsigned):
     """Check a built ARTIFACT folder before running it: its signature (with --public-key), manifest, every
-    file's sha256, the environment, and which CPU class its sign-off holds for (--accuracy re-checks it here)."""
+    file's sha256, the environment, its build's verdict, and which CPU class its sign-off holds for (--accuracy
+    re-checks it here)."""
     from accel_opt import runtime
     from accel_opt.machine.cpu import CpuProfile
 
-    recheck = scope = trust = None
+    recheck = scope = trust = deployment = None
     try:
         trust, cpu = trust_from(public_key, certificate_chain, trust_unsigned), CpuProfile.here()
         problems = runtime.check(artifact, trust=trust, cpu=cpu)
         if not problems:
+            # Everything below reads the verified private copy. Only --accuracy runs the folder: without it a verdict
+            # that is not a sign-off is reported (and is the exit code), not refused.
+            deployment = runtime.load(artifact, trust=trust, cpu=cpu, allow_not_signed_off=allow_not_signed_off or not accuracy)
             if accuracy:  # before the scope, so its line states the verdict of this re-check
                 from accel_opt.runtime.probe import recheck as run_recheck
 
-                recheck = run_recheck(runtime.load(artifact, trust=trust, cpu=cpu))
-            scope = runtime.sign_off_scope(artifact, cpu)
+                recheck = run_recheck(deployment)
+            scope = deployment.scope()
             if recheck is not None and not scope.same_class:
                 scope.remembered = recheck.passed
     except (AccelOptError, MemoryError, Exception) as exc:  # noqa: BLE001 - a bug is exit 70 with one line
         fail(exc, False, as_json)
         return
     exit_code = 3 if any(p.exit_code == 3 for p in problems) else 4 if problems else 0
-    manifest = None if problems else runtime.read_manifest(artifact)
-    unsigned = unsigned_reason(manifest) if manifest is not None else None
-    if unsigned is not None:  # the build's own code: 1 (its gate failed) or 6 (too few held-out samples)
-        exit_code = NotSignedOff(unsigned, manifest.exit_code).exit_code
+    verdict = deployment.verdict if deployment is not None else None
+    if verdict is not None and not verdict.signed_off:  # the build's own code: 1, 6 or 7
+        exit_code = verdict.exit_code
     if recheck is not None and not recheck.passed:
         exit_code = 1
     judged, reach = None, []
     if recheck is not None:
         from accel_opt.runtime.probe import probe_evaluated, recheck_reach
 
-        evaluated = probe_evaluated(artifact)
+        evaluated = probe_evaluated(deployment.files)
         judged = f"{recheck.sample_count} probe samples" + (f" of the {evaluated} the build judged" if evaluated else "")
         reach = recheck_reach(recheck, evaluated)
     if as_json:
         click.echo(json.dumps({"artifact_dir": str(artifact), "ok": exit_code == 0, "exit_code": exit_code,
                                "signature_checked": trust is not None and trust.key is not None,
-                               "signature": _signature_line(artifact, trust) if not problems else None, "problems": [p.model_dump() for p in problems],
-                               "signed_off": unsigned is None if not problems else None, "not_signed_off": unsigned,
+                               "signature": _signature_line(deployment.files, trust) if deployment else None,
+                               "problems": [p.model_dump() for p in problems],
+                               "signed_off": verdict.signed_off if verdict else None,
+                               "verdict": verdict.model_dump(mode="json") if verdict else None,
                                "cpu_class": scope.model_dump() if scope else None,
                                "recheck": {**recheck.model_dump(mode="json", include={"sample_count", "failures", "checks"}),
                                            "passed": recheck.passed, "judged": judged, "confirms": reach}
@@ -81,14 +88,16 @@ def verify_command(artifact, accuracy, as_json, public_key, certificate_chain, t
         for problem in problems:
             click.echo(f"accel-opt: {artifact}: {problem.line}", err=True)
     else:
-        click.echo(f"{'ok' if exit_code == 0 else 'not ok'}: {artifact}: {_signature_line(artifact, trust)}; {len(manifest.artifacts)} files match manifest.json; {manifest.backend} "
-                   f"{manifest.precision} runs here as built; "
-                   f"{'signed off' if unsigned is None else f'NOT signed off: {unsigned}'}; {scope.line(artifact)}")
+        manifest = runtime.read_manifest(deployment.files)
+        click.echo(f"{'ok' if exit_code == 0 else 'not ok'}: {artifact}: signature: {_signature_line(deployment.files, trust)}; "
+                   f"{len(manifest.artifacts)} files match manifest.json; {manifest.backend} {manifest.precision} runs "
+                   f"here as built; verdict: {verdict.line()}; "
+                   f"{scope.line(artifact)}")
         if recheck is not None:
-            verdict = (f"no check failed; what {recheck.sample_count} samples show:" if recheck.passed
-                       else "FAILED: " + "; ".join(recheck.failures))
+            verdict_line = (f"no check failed; what {recheck.sample_count} samples show:" if recheck.passed
+                            else "FAILED: " + "; ".join(recheck.failures))
             click.echo(f"accuracy re-checked here ({scope.here}) on {judged}, worst cosine "
-                       f"{recheck.worst_cosine:.6f}: {verdict}", err=not recheck.passed)
+                       f"{recheck.worst_cosine:.6f}: {verdict_line}", err=not recheck.passed)
             for line in reach:
                 click.echo(f"  {line}")
     sys.exit(exit_code)
@@ -143,5 +152,5 @@ def sign_command(artifact, private_key, signing_certificate, certificate_chain):
     by = f"the certificate {signing_certificate.name}" if signing_certificate else f"the key {private_key.name}"
     click.echo(f"signed: {signature}: {len(manifest.artifacts) + 1} files (manifest.json included) signed with {by}, "
                f"certified as they are now (build --sign-key signs as built); "
-               f"{'signed off' if manifest.signed_off else 'NOT signed off'}")
+               f"verdict: {manifest.verdict.line()}")
     sys.exit(0)

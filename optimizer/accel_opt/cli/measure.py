@@ -9,9 +9,10 @@ from pathlib import Path
 import click
 
 from accel_opt.cli.common import (
-    EXIT_CODES_HELP,
+    allow_not_signed_off_option,
     fail,
     interrupted,
+    not_signed_off_note,
     say_scope,
     setup_logging,
     trust_from,
@@ -28,7 +29,10 @@ Exit codes:
   3  the folder is altered or incomplete; with --public-key, unsigned or not signed by that key
   4  this machine cannot run it as it was checked (backend missing, another runtime version)
   5  out of memory
-  70 internal error (a bug; the log path is printed)"""
+  6  not signed off by its build: too few held-out samples (--allow-not-signed-off times it anyway)
+  7  not signed off by its build: no measured benefit over fp32 (--allow-not-signed-off times it anyway)
+  70 internal error (a bug; the log path is printed)
+A folder whose gate failed is refused with exit 1 (--allow-not-signed-off times it anyway)."""
 
 
 @click.command("bench", epilog=BENCH_EXIT_CODES)
@@ -42,10 +46,11 @@ Exit codes:
 @click.option("--out", "out_file", type=click.Path(path_type=Path), help="Also write the report as JSON here.")
 @click.option("--junit", "junit_file", type=click.Path(path_type=Path), help="Write the checks as JUnit XML (one case per check).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as one JSON object on stdout.")
+@allow_not_signed_off_option
 @trust_options
 @click.option("-v", "--verbose", is_flag=True)
 def bench_command(artifact, data_dir, batch_sizes, max_p99_ms, min_throughput, no_recheck, out_file, junit_file, as_json,
-                  public_key, certificate_chain, trust_unsigned, verbose):
+                  public_key, certificate_chain, trust_unsigned, allow_not_signed_off, verbose):
     """Benchmark a built ARTIFACT folder again, loaded and run as deployed, without rebuilding it. The folder is
     verified and its sign-off re-checked on this machine class first (as `run` does), and limits can be given."""
     setup_logging(verbose)
@@ -64,7 +69,8 @@ def bench_command(artifact, data_dir, batch_sizes, max_p99_ms, min_throughput, n
                 sizes = []
             if not sizes or min(sizes) < 1:
                 raise UsageError(f"--batch-sizes: expected positive integers like 1,8, got {batch_sizes!r}")
-        deployment = runtime.load(artifact, trust=trust_from(public_key, certificate_chain, trust_unsigned))
+        deployment = runtime.load(artifact, trust=trust_from(public_key, certificate_chain, trust_unsigned),
+                                  allow_not_signed_off=allow_not_signed_off)
         checks = [verified_check(deployment), sign_off_check(deployment, recheck_allowed=not no_recheck)]
         say_scope(checks[-1].line if checks[-1].passed and "re-checked" in checks[-1].line else None)
         result = data = None
@@ -87,7 +93,8 @@ def bench_command(artifact, data_dir, batch_sizes, max_p99_ms, min_throughput, n
         write_junit(junit_file, [(suite, checks, None)])
     if as_json:
         click.echo(json.dumps({"exit_code": exit_code, "artifact_dir": str(artifact), "signature": deployment.signature,
-                               "checks": [c.model_dump() for c in checks],
+                               "verdict": deployment.verdict.model_dump(mode="json"),
+                               "not_signed_off": deployment.not_signed_off, "checks": [c.model_dump() for c in checks],
                                "data": data.model_dump(mode="json", exclude={"names"}) if data else None,
                                "benchmark": result.model_dump(mode="json") if result else None}))
     else:
@@ -95,22 +102,42 @@ def bench_command(artifact, data_dir, batch_sizes, max_p99_ms, min_throughput, n
             click.echo(benchmark_markdown(Path(artifact).name, result))
         for check in failed:
             click.echo(f"accel-opt: {check.name} FAILED: {check.line}", err=True)
+        if note := not_signed_off_note(deployment):
+            click.echo(f"accel-opt: {artifact}{note}", err=True)
     sys.exit(exit_code)
 
 
-@click.command("compare", epilog=EXIT_CODES_HELP)
+COMPARE_EXIT_CODES = """\b
+Exit codes:
+  0  every check passed (the candidate signs off against the reference; the limits given hold)
+  1  a check failed: the candidate fails the gate, --max-latency-regression or --max-accuracy-drop
+  2  usage error (the two folders take different inputs, the reference is missing, a key file missing)
+  3  a folder altered or incomplete, or every --data sample one a build has seen; with --public-key, unsigned
+  4  this machine cannot run a folder as it was checked
+  6  too few samples: the candidate's rates, or --max-accuracy-drop's bound, cannot be certified on them; or a
+     folder whose build had too few held-out samples (--allow-not-signed-off compares it anyway)
+  7  a folder whose build measured no benefit over fp32 (--allow-not-signed-off compares it anyway)
+  70 internal error (a bug; the log path is printed)
+A folder whose build's gate failed is refused with exit 1 (--allow-not-signed-off compares it anyway)."""
+
+
+@click.command("compare", epilog=COMPARE_EXIT_CODES)
 @click.argument("baseline", type=click.Path(path_type=Path))
 @click.argument("candidate", type=click.Path(path_type=Path))
 @click.option("--data", "data_dir", type=click.Path(path_type=Path), help="Folder of .npz feeds or images (default: synthetic).")
 @click.option("--reference", type=click.Path(path_type=Path), help="The fp32 model (default: the candidate's input model, sha256-checked).")
 @click.option("--max-latency-regression", type=float, help="Fail (exit 1) when the candidate is more than PCT %% slower per sample.")
-@click.option("--max-accuracy-drop", type=float, help="Fail (exit 1) when the task metric (or worst cosine) drops more than this.")
+@click.option("--max-accuracy-drop", type=float, help="Fail (exit 1) unless the candidate's drop in agreement with the "
+              "reference under the first task metric is at most this, by the paired upper bound at the recipe's "
+              "confidence (as the build bounds a drop on labels; exit 6 when the samples are too few to show it). "
+              "Without a task metric: the worst cosine's point difference.")
 @click.option("--junit", "junit_file", type=click.Path(path_type=Path), help="Write the checks as JUnit XML here.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout.")
+@allow_not_signed_off_option
 @trust_options
 @click.option("-v", "--verbose", is_flag=True)
 def compare_command(baseline, candidate, data_dir, reference, max_latency_regression, max_accuracy_drop, junit_file, as_json,
-                    public_key, certificate_chain, trust_unsigned, verbose):
+                    public_key, certificate_chain, trust_unsigned, allow_not_signed_off, verbose):
     """Compare two built artifacts of one model family (the deployed build and a new one): speed interleaved
     in one run, accuracy of each against the same reference, and regression gates."""
     setup_logging(verbose)
@@ -121,7 +148,8 @@ def compare_command(baseline, candidate, data_dir, reference, max_latency_regres
         from accel_opt.runtime.probe import signed_off_here
 
         trust, cpu = trust_from(public_key, certificate_chain, trust_unsigned), CpuProfile.here()  # both folders carry it
-        base, cand = runtime.load(baseline, trust=trust, cpu=cpu), runtime.load(candidate, trust=trust, cpu=cpu)
+        base, cand = (runtime.load(folder, trust=trust, cpu=cpu, allow_not_signed_off=allow_not_signed_off)
+                      for folder in (baseline, candidate))
         for side in (base, cand):
             say_scope(signed_off_here(side, recheck_allowed=False))
         result = run_comparison(base, cand, reference_of(cand, reference), data_dir, max_latency_regression, max_accuracy_drop)
@@ -132,13 +160,17 @@ def compare_command(baseline, candidate, data_dir, reference, max_latency_regres
         return
     except KeyboardInterrupt as exc:
         interrupted(exc, what="nothing was written")
-    exit_code = 0 if result.passed else 1
+    exit_code = result.exit_code
     if junit_file:
         write_junit(junit_file, [(f"compare {baseline.name} vs {candidate.name}", result.checks, None)])
     if as_json:
         click.echo(json.dumps({"exit_code": exit_code, "signatures": [base.signature, cand.signature],
+                               "not_signed_off": [base.not_signed_off, cand.not_signed_off],
                                **result.model_dump(mode="json")}))
     else:
         click.echo(comparison_markdown(result))
         click.echo(f"signatures: {baseline.name}: {base.signature}; {candidate.name}: {cand.signature}")
+    for folder, side in ((baseline, base), (candidate, cand)):
+        if note := not_signed_off_note(side):
+            click.echo(f"accel-opt: {folder}{note}", err=True)
     sys.exit(exit_code)

@@ -59,9 +59,9 @@ def ray_options(command):
 
 
 def run_on_ray(artifact, inputs, out_dir, resume, overwrite, as_json, no_recheck, trust_of, verbose, workers, started,
-               allow_unsigned, address, actors, cpus_per_actor, output_format, sort, timeout_s) -> None:
+               allow_not_signed_off, address, actors, cpus_per_actor, output_format, sort, timeout_s) -> None:
     """The run command with --engine ray: exits with the job's code."""
-    from accel_opt.cli.common import UNSIGNED_NOTE, fail, interrupted, progress, refuse_unsigned, say_scope
+    from accel_opt.cli.common import fail, interrupted, not_signed_off_note, progress, say_scope
 
     try:
         if workers is not None:
@@ -72,8 +72,7 @@ def run_on_ray(artifact, inputs, out_dir, resume, overwrite, as_json, no_recheck
         from accel_opt.runtime.ray.job import run_ray_job
 
         pool = parse_actors(actors)
-        deployment = runtime.load(artifact, trust=trust_of())
-        signed_off = refuse_unsigned(artifact, allow_unsigned)
+        deployment = runtime.load(artifact, trust=trust_of(), allow_not_signed_off=allow_not_signed_off)
         say_scope(signed_off_here(deployment, recheck_allowed=not no_recheck))
         # Ray prints the cluster's error messages (a node marked dead...) on stdout: they go to stderr, so
         # stdout holds only the summary.
@@ -87,7 +86,6 @@ def run_on_ray(artifact, inputs, out_dir, resume, overwrite, as_json, no_recheck
                 raise
             except Exception as exc:  # noqa: BLE001 - Ray's wrappers around our own errors
                 raise as_accel_opt_error(exc) from exc
-        summary.unsigned = not signed_off
     except (AccelOptError, MemoryError, Exception) as exc:  # noqa: BLE001 - every error maps to an exit code
         fail(exc, verbose, as_json)
         return
@@ -102,7 +100,7 @@ def run_on_ray(artifact, inputs, out_dir, resume, overwrite, as_json, no_recheck
                    f"{summary.seconds:.1f} s ({summary.inputs_per_s:.1f} inputs/s; Ray start {summary.ray_start_seconds:.1f} s, "
                    f"first answers {summary.first_answer_seconds:.1f} s later, then {summary.steady_inputs_per_s:.1f} inputs/s) "
                    f"on {summary.actors[0]}-{summary.actors[1]} actors -> {out_dir}"
-                   + UNSIGNED_NOTE * summary.unsigned + f"; {summary.signature}", err=True)
+                   + not_signed_off_note(deployment) + f"; {summary.signature}", err=True)
     sys.exit(summary.exit_code)
 
 

@@ -8,12 +8,11 @@ from pathlib import Path
 import click
 
 from accel_opt.cli.common import (
-    UNSIGNED_NOTE,
-    allow_unsigned_option,
+    allow_not_signed_off_option,
     fail,
     interrupted,
+    not_signed_off_note,
     progress,
-    refuse_unsigned,
     say_scope,
     setup_logging,
     trust_from,
@@ -25,8 +24,8 @@ from accel_opt.errors import AccelOptError
 RUN_EXIT_CODES = """\b
 Exit codes:
   0  every input predicted
-  1  the folder is not signed off, its gate failed (--allow-unsigned runs it); or signed off on another CPU
-     class, and its re-check on this one failed (nothing was predicted)
+  1  the folder is not signed off, its gate failed (--allow-not-signed-off runs it); or signed off on another
+     CPU class, and its re-check on this one failed (nothing was predicted)
   2  usage error: PREDICTIONS exists without --resume/--overwrite; another run is writing it (its pid named);
      --resume over another artifact's answers, or over a file without PREDICTIONS.meta.json; --out among the
      inputs; an input of a kind the artifact does not take (text files without a text stage, images without
@@ -35,7 +34,8 @@ Exit codes:
      with --public-key, unsigned or not signed by that key
   4  the artifact cannot run here (another runtime version or CPU); --public-key without model-signing installed
   5  no space left for the predictions (the file keeps whole lines: free space, then --resume)
-  6  the folder is not signed off: too few held-out samples certified it (--allow-unsigned runs it)
+  6  the folder is not signed off: too few held-out samples certified it (--allow-not-signed-off runs it)
+  7  the folder is not signed off: no measured benefit over fp32 (--allow-not-signed-off runs it)
   70 internal error"""
 
 
@@ -55,12 +55,12 @@ Exit codes:
               "Without it, such images are decoded on the host and the summary says how many and why.")
 @click.option("--no-recheck", is_flag=True, help="On another CPU class than the sign-off's, run without re-checking "
               "the folder's probe set here first (the default re-checks, once, and refuses a failed re-check).")
-@allow_unsigned_option
+@allow_not_signed_off_option
 @trust_options
 @ray_options
 @click.option("-v", "--verbose", is_flag=True)
 def run_command(artifact, inputs, predictions, resume, overwrite, workers, as_json, strict_device, no_recheck, public_key,
-                certificate_chain, trust_unsigned, allow_unsigned, verbose, engine, **ray_args):
+                certificate_chain, trust_unsigned, allow_not_signed_off, verbose, engine, **ray_args):
     """Run a built ARTIFACT folder on INPUTS: image files, .npz feed dicts, or for an artifact with a text stage
     text files (.txt a text per line, .jsonl, .parquet, .csv), folders of them (read recursively), globs
     ('photos/**/*.jpg') and URIs (file://; s3:// and gs:// with --engine ray). Both engines list INPUTS by this
@@ -84,7 +84,7 @@ def run_command(artifact, inputs, predictions, resume, overwrite, workers, as_js
     started = time.perf_counter()
     if engine == "ray":
         return run_on_ray(artifact, inputs, predictions, resume, overwrite, as_json, no_recheck,
-                          lambda: trust_from(public_key, certificate_chain, trust_unsigned), verbose, workers, started, allow_unsigned,
+                          lambda: trust_from(public_key, certificate_chain, trust_unsigned), verbose, workers, started, allow_not_signed_off,
                           **ray_args)
     try:
         refuse_ray_options(**ray_args)
@@ -92,14 +92,13 @@ def run_command(artifact, inputs, predictions, resume, overwrite, workers, as_js
         from accel_opt.runtime.local.job import run_job
         from accel_opt.runtime.probe import signed_off_here
 
-        deployment = runtime.load(artifact, trust=trust_from(public_key, certificate_chain, trust_unsigned))
-        signed_off = refuse_unsigned(artifact, allow_unsigned)
+        deployment = runtime.load(artifact, trust=trust_from(public_key, certificate_chain, trust_unsigned),
+                                  allow_not_signed_off=allow_not_signed_off)
         say_scope(signed_off_here(deployment, recheck_allowed=not no_recheck))
         show_progress = not as_json and sys.stderr.isatty()
         with progress(show_progress) as on_progress:
             summary = run_job(deployment, inputs, predictions, resume=resume, overwrite=overwrite, workers=workers,
                               on_progress=on_progress, started=started, strict_device=strict_device)
-        summary.unsigned = not signed_off
     except (AccelOptError, MemoryError, Exception) as exc:  # noqa: BLE001 - every error maps to an exit code
         fail(exc, verbose, as_json)
         return
@@ -113,7 +112,7 @@ def run_command(artifact, inputs, predictions, resume, overwrite, workers, as_js
         rejected = f", {summary.rejected} rejected (see {summary.errors})" if summary.rejected else ""
         click.echo(f"predicted {summary.predicted} of {summary.inputs} inputs{skipped}{rejected} in "
                    f"{summary.seconds:.1f} s ({summary.inputs_per_s:.1f} inputs/s) -> {summary.predictions}"
-                   + host_decoding_note(summary) + UNSIGNED_NOTE * summary.unsigned + f"; {summary.signature}", err=True)
+                   + host_decoding_note(summary) + not_signed_off_note(deployment) + f"; {summary.signature}", err=True)
     sys.exit(summary.exit_code)
 
 

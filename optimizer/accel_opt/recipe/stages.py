@@ -29,6 +29,10 @@ class BenchmarkConfig(_Strict):
     memory_budget_mib: float | None = Field(default=None, gt=0)  # peak process memory at any point, capacity included
     # The largest shapes the deployment must take (trtexec's --maxShapes): the capacity point runs at them.
     max_shapes: dict[str, list[Annotated[int, Field(ge=1)]]] = Field(default_factory=dict)
+    # A reduced precision signs off only when it is measured to pay: the one-sided lower bound (accuracy.confidence)
+    # of its speed-up over its fp32 build, same backend, deployed batch, interleaved rounds, must reach this.
+    # Below it the verdict is "no measured benefit" (exit 7). 0: the rule is off (the speed-up is still reported).
+    min_speedup: float = Field(default=1.05, ge=0)
 
 
 class CleanupConfig(_Strict):

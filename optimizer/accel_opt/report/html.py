@@ -25,8 +25,8 @@ from accel_opt.report.markdown import (
     output_cells,
     output_columns,
     task_rows,
-    verdict_headline,
 )
+from accel_opt.report.verdict import Verdict
 
 REPORTS = ("accuracy.json", "benchmark.json", "resource_config.json", "build.json")
 STYLE = """
@@ -44,18 +44,21 @@ ul{margin:4px 0 8px 20px;padding:0}img{max-width:100%;border:1px solid #d0d7de;b
 """
 
 
-def render(folder: str | Path, title: str | None = None) -> str:
-    """The sign-off page of the artifact (or staged) `folder`, from its JSON reports."""
+def render(folder: str | Path, verdict: Verdict | None = None, title: str | None = None) -> str:
+    """The sign-off page of the artifact (or staged) `folder`, from its JSON reports and its build's verdict (default:
+    the one its manifest.json records)."""
     folder = Path(folder)
     acc, bench, config, build = (json.loads((folder / name).read_text()) for name in REPORTS)
+    if verdict is None:
+        verdict = Verdict.model_validate(json.loads((folder / "manifest.json").read_text())["verdict"])
     name = title or build.get("model_name") or folder.name
     checks = acc["checks"] + bench.get("checks", [])
-    failures = [c["line"] for c in checks if c.get("gated", True) and not c["passed"]]
-    passed = not failures
+    failures = verdict.reasons
+    passed = verdict.signed_off
     parts = [f"<h1>Accuracy sign-off: {escape(name)}</h1>",
              f'<div class="muted">{escape(config["backend"])} {escape(config["precision"])} &middot; '
              f"{escape(build.get('created_utc', ''))}</div>",
-             f'<div class="verdict {"pass" if passed else "fail"}">{escape(verdict_headline(passed, acc))}'
+             f'<div class="verdict {"pass" if passed else "fail"}">{escape(verdict.headline(acc.get("trial_unit", "samples")))}'
              f" &mdash; {sum(c['passed'] for c in checks)} of {len(checks)} checks passed</div>"]
     if not passed:
         parts.append("<h2>Failed checks</h2>" + _list(failures))

@@ -12,6 +12,7 @@ from accel_opt.data import DataSummary
 from accel_opt.precision import PrecisionReport
 from accel_opt.precision.fallback import FallbackReport
 from accel_opt.recipe.stages import OBJECTIVES
+from accel_opt.report.verdict import Verdict
 
 if TYPE_CHECKING:
     from accel_opt.report.selection import AutoSelection
@@ -48,16 +49,6 @@ def output_cells(o: dict, sample_count: int) -> list[str]:
             number_cell(o["worst_sample_error"], ".3g"), number_cell(o["cosine"], ".6f"),
             "-" if o["worst_sample_cosine"] is None else f"{o['worst_sample_cosine']:.6f}", number_cell(o["gain"], ".5f"),
             number_cell(o["max_abs_error"], ".3g"), str(o["non_finite_count"]), f"{o['failed_samples']} of {sample_count}"]
-
-
-def verdict_headline(signed_off: bool, accuracy: dict) -> str:
-    """SIGNED OFF, NOT SIGNED OFF, or why not when the held-out samples were too few to certify the build (`accuracy`:
-    an AccuracyReport as JSON, markdown and HTML alike)."""
-    if signed_off:
-        return "SIGNED OFF"
-    if accuracy.get("verdict") == "insufficient":
-        return f"NOT SIGNED OFF: not enough held-out {accuracy.get('trial_unit', 'samples')} ({accuracy.get('samples_needed')} needed)"
-    return "NOT SIGNED OFF"
 
 
 def evidence_lines(accuracy: dict, data_line: str) -> list[str]:
@@ -103,7 +94,7 @@ def task_rows(accuracy: dict) -> list[list[str]]:
 
 def signoff_markdown(
     model_name: str,
-    signed_off: bool,
+    verdict: Verdict,
     accuracy: AccuracyReport,
     precision: PrecisionReport | None,
     eval_data: DataSummary,
@@ -113,14 +104,14 @@ def signoff_markdown(
     bench: BenchmarkReport | None = None,
 ) -> str:
     as_json = accuracy.model_dump(mode="json")
-    verdict = verdict_headline(signed_off, as_json)
+    headline = verdict.headline(accuracy.trial_unit)
     tol, ev = accuracy.tolerance, accuracy.evaluation
     how = (f"in {ev.calls} calls of batch {ev.batch_size}, cut back into samples" if ev.mode == "batched"
            else f"one sample per call{f' ({ev.note})' if ev.note else ''}")
     out = [
         f"# Accuracy sign-off: {model_name}",
         "",
-        f"**Verdict: {verdict}**",
+        f"**Verdict: {headline}**",
         "",
         "## What the verdict rests on",
         "",

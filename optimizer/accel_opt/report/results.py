@@ -4,15 +4,13 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, PrivateAttr
+from pydantic import BaseModel, PrivateAttr, computed_field
 
 from accel_opt.bench import BenchmarkReport
 from accel_opt.data import Sample
+from accel_opt.report.verdict import Verdict
 
 StageStatus = Literal["passed", "failed", "skipped"]
-# A build's answer: signed off (exit 0), a gate failed (exit 1), or too few held-out samples to certify it (exit 6).
-Verdict = Literal["signed off", "gate failed", "insufficient evidence"]
-EXIT_CODES: dict[str, int] = {"signed off": 0, "gate failed": 1, "insufficient evidence": 6}
 
 
 class StageResult(BaseModel):
@@ -48,10 +46,8 @@ class BuildResult(BaseModel):
     model: str
     precision: str
     backend: str
-    signed_off: bool
-    exit_code: int
-    verdict: Verdict = "signed off"
-    samples_needed: int | None = None  # insufficient evidence: held-out samples that would be enough with no failure
+    verdict: Verdict  # the build's one verdict (report.verdict.decide), as its manifest records it
+    samples_needed: int | None = None  # too few samples: held-out samples that would be enough with no failure
     data_samples_needed: int | None = None  # ... and the --data samples this recipe's split deals them from
     trial_unit: str = "samples"  # what those counts count: samples, or groups of samples that share a source
     artifact_dir: str | None = None
@@ -67,6 +63,16 @@ class BuildResult(BaseModel):
     stages: list[StageResult] = []
     _eval_samples: list[Sample] = PrivateAttr(default_factory=list)  # in memory only: what the build timed
 
+    @computed_field
+    @property
+    def signed_off(self) -> bool:
+        return self.verdict.signed_off
+
+    @computed_field
+    @property
+    def exit_code(self) -> int:
+        return self.verdict.exit_code
+
     @property
     def eval_samples(self) -> list[Sample]:
         return self._eval_samples
@@ -80,7 +86,7 @@ class BuildResult(BaseModel):
 
     def too_few_line(self) -> str | None:
         """Insufficient evidence: what would be enough, in words a user acts on; None otherwise."""
-        if self.verdict != "insufficient evidence" or self.samples_needed is None:
+        if self.verdict.outcome != "too few samples" or self.samples_needed is None:
             return None
         needed, unit = self.samples_needed, self.trial_unit
         line = f"not enough held-out {unit} to certify it ({needed} needed with none failing): give "
@@ -92,17 +98,6 @@ class BuildResult(BaseModel):
             line += (f"; this build judges at most {cap} held-out samples: raise accuracy.max_samples to {needed} (its notes "
                      "say where the memory its outputs take to judge lowers it)")
         return line
-
-
-def verdict_of(accuracy, bench_failures: list[str]) -> Verdict:
-    """The build's answer from its accuracy report and its benchmark gate's failures."""
-    if not accuracy.failures and not bench_failures:
-        return "signed off"
-    return "insufficient evidence" if accuracy.verdict == "insufficient" and not bench_failures else "gate failed"
-
-
-def exit_code_of(accuracy, bench_failures: list[str]) -> int:
-    return EXIT_CODES[verdict_of(accuracy, bench_failures)]
 
 
 def fill_headline(result: BuildResult, bench: BenchmarkReport | None) -> None:

@@ -7,7 +7,9 @@ from __future__ import annotations
 from pydantic import BaseModel
 
 from accel_opt.accuracy.evidence import DEFAULT_CONFIDENCE, METHOD, RateEvidence
+from accel_opt.accuracy.labeled import LabeledAccuracy
 from accel_opt.recipe.types import Precision
+from accel_opt.report.verdict import Benefit
 
 
 class RunoffPoint(BaseModel):
@@ -26,7 +28,9 @@ class Candidate(BaseModel):
     # Each rate of that verdict with its counts (top-k agreement, samples within tolerance, ...): auto reads them
     # again at its family-wise level. checks_passed: every other check of the build passed (numeric, benchmark).
     rates: list[RateEvidence] = []
+    labeled: list[LabeledAccuracy] = []  # its gated label checks (--labels), read again at the family-wise level too
     checks_passed: bool = True
+    benefit: Benefit | None = None  # its own verdict's benefit over its fp32 build (reduced precisions)
     steering_passed: bool | None = None  # on the steering samples, aimed at what the held-out ones certify (None: none)
     steering_loss: float | None = None
     family_confidence: float | None = None  # the level auto read its held-out verdict at
@@ -59,11 +63,11 @@ class Candidate(BaseModel):
 
     def held_out_at(self, confidence: float) -> str:
         """Its held-out verdict with every bounded rate judged at `confidence`: pass, fail or insufficient."""
-        if not self.rates:
+        if not self.rates and not self.labeled:
             return "pass" if self.signed_off else (self.held_out or "fail")
         if not self.checks_passed:
             return "fail"
-        statuses = [rate.status_at(confidence) for rate in self.rates]
+        statuses = [rate.status_at(confidence) for rate in [*self.rates, *self.labeled]]
         if all(s == "pass" for s in statuses):
             return "pass"
         return "fail" if "fail" in statuses else "insufficient"

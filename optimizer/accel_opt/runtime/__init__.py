@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -28,13 +29,17 @@ from accel_opt.artifact.verified import PrivateCopy, entry_problems, plain_name,
 from accel_opt.backends import Backend, CompiledModel, get_backend
 from accel_opt.backends.base import casting_inputs
 from accel_opt.data import DataSummary, Sample, load_samples, synthetic_samples
-from accel_opt.errors import InputRejected, Unsupported, UsageError, first_line
+from accel_opt.errors import InputRejected, NotSignedOff, Unsupported, UsageError, first_line
 from accel_opt.files import sha256_file
 from accel_opt.graph.inspect import with_batch
 from accel_opt.machine.cpu import CpuProfile
+from accel_opt.report.verdict import Verdict
 
 if TYPE_CHECKING:
     from accel_opt.artifact.signing import Trust
+
+log = logging.getLogger(__name__)
+
 
 def verify_files(folder: Path, expected: dict[str, str]) -> list[str]:
     """One line per problem: an entry that is not a regular file (a sub-folder, link, device...), a listed name
@@ -85,6 +90,14 @@ class Deployment:
     copy: PrivateCopy | None = None
     signature: str = "unsigned"  # its signature state as summaries say it (TrustPolicy.describe)
     trust: TrustPolicy = dataclasses.field(default_factory=TrustPolicy)  # the policy it loaded under
+    # Its build's verdict, read from the verified copy's manifest (None while the build stages it: not decided yet).
+    verdict: Verdict | None = None
+    allow_not_signed_off: bool = False  # the caller allowed a folder that is not signed off (passed on to Ray's actors)
+
+    @property
+    def not_signed_off(self) -> bool:
+        """It runs although its build did not sign it off (the caller allowed it): summaries say so."""
+        return self.verdict is not None and not self.verdict.signed_off
 
     @property
     def files(self) -> Path:
@@ -170,9 +183,13 @@ class Deployment:
 
 def load(folder: str | Path, expected_files: dict[str, str] | None = None, trust: TrustPolicy | None = None,
          threads: int | None = None, cpu: CpuProfile | None = None, *, public_key: str | Path | None = None,
-         certificate_chain: tuple[str | Path, ...] = (), trust_unsigned: bool = False) -> Deployment:
+         certificate_chain: tuple[str | Path, ...] = (), trust_unsigned: bool = False,
+         allow_not_signed_off: bool = False) -> Deployment:
     """Verify `folder` and return its Deployment. Refuses (one line) an incomplete, changed or untrusted folder
-    (exit 3) and one this machine cannot run as it was checked (exit 4).
+    (exit 3), one this machine cannot run as it was checked (exit 4), and one its build did not sign off
+    (NotSignedOff with the verdict's exit code: 1, 6 or 7) unless `allow_not_signed_off`: the door every command,
+    the Python API and Ray's actors go through. The verdict is read from the verified private copy's manifest, before
+    any model is loaded; `Deployment.verdict` holds it.
 
     Trust, the one policy of the CLI and the Ray APIs (artifact.signing.TrustPolicy): with `public_key` or
     `certificate_chain`, else the key ACCEL_OPT_PUBLIC_KEY names, the folder must carry a signature by it (exit 3 when
@@ -202,6 +219,10 @@ def load(folder: str | Path, expected_files: dict[str, str] | None = None, trust
             more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
             first = problems[0]
             raise (InputRejected if first.exit_code == 3 else Unsupported)(f"{folder}: {first.line}{more}")
+        verdict = None if expected_files is not None else read_manifest(files).verdict
+        if verdict is not None and not verdict.signed_off and not allow_not_signed_off:
+            raise NotSignedOff(f"{folder} is {verdict.line()}; to run it anyway, allow it explicitly "
+                               "(--allow-not-signed-off; runtime.load(..., allow_not_signed_off=True))", verdict.exit_code)
         config = ResourceConfig.model_validate_json((files / RESOURCE_CONFIG).read_text())
     except BaseException:
         if copy is not None:
@@ -218,9 +239,12 @@ def load(folder: str | Path, expected_files: dict[str, str] | None = None, trust
         providers=config.providers, threads=threads or config.threads, build_seconds=0.0, settings=settings,
         extra_files=[files / name for name in config.extra_files], keep_alive=copy,
     )
+    if verdict is not None and not verdict.signed_off:  # allowed by the caller: said where every caller sees it
+        log.warning("%s is %s: opened because the caller allowed it (allow_not_signed_off)", folder, verdict.line())
     return Deployment(folder=folder, config=config, backend=_backend_of(config, cpu), compiled=compiled, cpu=cpu,
                       staged_files=expected_files, copy=copy, trust=policy,
-                      signature=policy.describe(native_code_of(config.backend, config.settings)))
+                      signature=policy.describe(native_code_of(config.backend, config.settings)), verdict=verdict,
+                      allow_not_signed_off=allow_not_signed_off)
 
 
 def machine_class(config: ResourceConfig, cpu: CpuProfile) -> str:

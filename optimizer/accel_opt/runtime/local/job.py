@@ -76,7 +76,8 @@ class JobSummary(BaseModel):
     host_decoded_reasons: dict[str, int] = {}  # why, with how many each
     exit_code: int  # 0: every input predicted; 3: some rejected
     text: TextSummary | None = None  # text jobs: tokens and padding
-    unsigned: bool = False  # the folder was not signed off by its build, and ran only because --allow-unsigned said so
+    # Its build did not sign the folder off: it ran only because the caller allowed it (--allow-not-signed-off).
+    not_signed_off: bool = False
     signature: str = "unsigned"  # who signed the folder (runtime.Deployment.signature)
 
 
@@ -133,7 +134,8 @@ def run_job(
     seconds = time.perf_counter() - started
     busiest = max((s for s in stages if s not in ("read", "wait_for_inputs")), key=stages.get)
     return JobSummary(
-        artifact=str(deployment.folder), signature=deployment.signature, predictions=str(outputs.predictions),
+        artifact=str(deployment.folder), signature=deployment.signature, not_signed_off=deployment.not_signed_off,
+        predictions=str(outputs.predictions),
         errors=str(outputs.errors), inputs=len(todo),
         duplicates=len(given) - len(todo), predicted=predicted, rejected=rejected, skipped=len(todo) - len(remaining),
         workers=workers, batch_size=batch_size, seconds=seconds,

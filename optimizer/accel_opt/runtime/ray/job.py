@@ -79,7 +79,8 @@ class RaySummary(BaseModel):
     rejected_parts: list[str] = []
     sorted: str | None = None
     exit_code: int = 0
-    unsigned: bool = False  # the folder was not signed off by its build, and ran only because --allow-unsigned said so
+    # Its build did not sign the folder off: it ran only because the caller allowed it (--allow-not-signed-off).
+    not_signed_off: bool = False
     signature: str = "unsigned"  # who signed the folder (runtime.Deployment.signature)
 
 
@@ -289,7 +290,8 @@ def _stream(deployment, remaining, folder, pool, cpus_per_actor, timeout_s, star
         table = pa.table({"input": remaining, "text": [i.text or "" for i in items], "read_error": [i.error or "" for i in items]})
     blocks = [table.slice(start, per_block) for start in range(0, len(remaining), per_block)]
     answers = predict(ray.data.from_arrow(blocks), deployment.folder.resolve(), actors=pool, cpus_per_actor=cpus_per_actor,
-                      outputs_dir=str(folder.folder.resolve()), identity=deployment.identity, **deployment.trust.as_arguments())
+                      outputs_dir=str(folder.folder.resolve()), identity=deployment.identity, allow_not_signed_off=deployment.allow_not_signed_off,
+                      **deployment.trust.as_arguments())
     seen: set[str] = set()
     records: list[str] = []
     rejections: list[str] = []
@@ -394,7 +396,7 @@ def _finish(folder, deployment, todo, given, answered, run, pool, cpus_per_actor
     steady = ((run["answered"] - run["first_rows"]) / (last - first)) if first and last and last > first else 0.0
     summary = RaySummary(
         status="complete" if not missing and not doubled else "incomplete", artifact=str(deployment.folder.resolve()),
-        signature=deployment.signature,
+        signature=deployment.signature, not_signed_off=deployment.not_signed_off,
         artifact_identity=deployment.identity, started_utc=folder._recorded().started_utc, address=session.address,
         output_format=folder.output_format, inputs=len(todo), duplicates=len(given) - len(todo), predicted=predicted,
         rejected=rejected, skipped=len(todo) - run["remaining"],

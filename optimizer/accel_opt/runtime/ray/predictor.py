@@ -11,7 +11,9 @@ For users who already have a Ray pipeline:
 
 or `predict(ds, artifact, public_key=...)`, which does the same with the pool sized so that losing a node cannot
 stall it. Both take the trust arguments of `accel_opt.runtime.load` (public_key, certificate_chain, trust_unsigned,
-and ACCEL_OPT_PUBLIC_KEY when no key is given): a folder holding native code loads only when signed or trusted.
+and ACCEL_OPT_PUBLIC_KEY when no key is given): a folder holding native code loads only when signed or trusted; and
+`allow_not_signed_off`: a folder its build did not sign off is refused (NotSignedOff, the verdict's exit code) unless
+it is True.
 Each actor loads the artifact once, in `__init__`, through `accel_opt.runtime.load` (manifest, hashes and
 environment verified on that node; a node that cannot run it is an error naming the node, never a silent
 recompile), with the backend's threads set to the actor's CPUs: Ray's `num_cpus` is only a scheduling label,
@@ -86,7 +88,8 @@ class Predictor:
 
     def __init__(self, artifact: str | os.PathLike, threads: int | None = None, recheck: bool = True,
                  outputs_dir: str | None = None, identity: str | None = None, public_key: str | None = None,
-                 certificate_chain: tuple[str, ...] = (), trust_unsigned: bool = False):
+                 certificate_chain: tuple[str, ...] = (), trust_unsigned: bool = False,
+                 allow_not_signed_off: bool = False):
         from accel_opt import runtime
         from accel_opt.runtime.answer import Reader
         from accel_opt.runtime.output import Outputs, Writer
@@ -95,14 +98,19 @@ class Predictor:
         where = node_name()
         try:  # an artifact this node cannot run is an error naming the node (exit codes of runtime.load)
             self.deployment = runtime.load(artifact, threads=threads, public_key=public_key,
-                                           certificate_chain=certificate_chain, trust_unsigned=trust_unsigned)
+                                           certificate_chain=certificate_chain, trust_unsigned=trust_unsigned,
+                                           allow_not_signed_off=allow_not_signed_off)
             if identity is not None and self.deployment.identity != identity:  # another build at the same path
                 raise InputRejected(f"{artifact} is build {self.deployment.identity[:12]} here, the job runs {identity[:12]}")
             line = signed_off_here(self.deployment, recheck_allowed=recheck)
-        except AccelOptError as exc:
-            raise type(exc)(f"on node {where}: {exc}") from None
+        except AccelOptError as exc:  # the same error, its exit code kept, naming the node
+            exc.args = (f"on node {where}: {exc}",)
+            raise exc from None
         if line:
             log.warning("on node %s: %s", where, line)
+        if self.deployment.not_signed_off:  # allowed by the caller: said on every node that runs it
+            log.warning("on node %s: running %s, which is %s (allow_not_signed_off)", where, artifact,
+                        self.deployment.verdict.line())
         config = self.deployment.config
         self.threads = threads or config.threads
         self.reader = Reader(self.deployment)
@@ -219,10 +227,12 @@ def actor_pool(actors: tuple[int, int]):
 def predict(dataset, artifact: str | os.PathLike, actors: tuple[int, int] = (1, 2), cpus_per_actor: int = 1,
             rows_per_call: int = ROWS_PER_CALL, recheck: bool = True, outputs_dir: str | None = None,
             identity: str | None = None, public_key: str | os.PathLike | None = None,
-            certificate_chain: tuple[str | os.PathLike, ...] = (), trust_unsigned: bool = False):
+            certificate_chain: tuple[str | os.PathLike, ...] = (), trust_unsigned: bool = False,
+            allow_not_signed_off: bool = False):
     """`dataset` (rows with `input`, or `path` and `bytes`) answered by `artifact`: a Dataset of `record_schema()`
     rows, one per input row, in no promised order. Trust as `runtime.load` takes it, checked here first (a usage
-    error or an untrusted folder fails before any actor starts) and then by every actor that loads the folder."""
+    error or an untrusted folder fails before any actor starts) and then by every actor that loads the folder; a
+    folder its build did not sign off is refused by every actor unless `allow_not_signed_off`."""
     from accel_opt.artifact.signing import TrustPolicy
 
     trust = TrustPolicy.of(public_key, certificate_chain, trust_unsigned).as_arguments()
@@ -234,6 +244,7 @@ def predict(dataset, artifact: str | os.PathLike, actors: tuple[int, int] = (1, 
                     DataContext.get_current().max_errored_blocks)
     return dataset.map_batches(
         Predictor, fn_constructor_kwargs={"artifact": str(artifact), "threads": cpus_per_actor, "recheck": recheck,
-                                          "outputs_dir": outputs_dir, "identity": identity, **trust},
+                                          "outputs_dir": outputs_dir, "identity": identity,
+                                          "allow_not_signed_off": allow_not_signed_off, **trust},
         compute=actor_pool(actors), num_cpus=cpus_per_actor, batch_size=rows_per_call, batch_format="numpy",
     )
