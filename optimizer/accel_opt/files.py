@@ -31,6 +31,83 @@ def sha256_file(path: Path, chunk_bytes: int = 1 << 20) -> str:
     return digest.hexdigest()
 
 
+# ---- cache entries a build may reuse only with proof it made them -------------------------------------------------
+# Caches live under --out (.cache/), which whoever can write --out can plant files in: a compiled torch package is
+# native code that runs in the building process (the one holding --sign-key), and a cached int8 model or learned
+# weights become what is signed. An entry is reused only when the mark beside it is this user's HMAC of its bytes,
+# under a secret only this user can read (user_cache_dir, mode 0600): a planted or altered entry is rebuilt.
+MADE_SUFFIX = ".made"
+
+
+def _secret() -> bytes:
+    """This user's cache secret (32 random bytes), created on first use; a file another user could read or replace is
+    not trusted: a new secret is made, and no earlier entry matches it."""
+    import secrets
+
+    path = user_cache_dir("cache-secret")
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    for _ in range(3):
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        except FileNotFoundError:
+            try:
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+            except FileExistsError:  # another build made it just now
+                continue
+            with os.fdopen(fd, "wb") as f:
+                f.write(secrets.token_bytes(32))
+            continue
+        with os.fdopen(fd, "rb") as f:
+            info = os.fstat(f.fileno())
+            secret = f.read(64)
+        if info.st_uid == os.getuid() and not info.st_mode & 0o077 and len(secret) == 32:
+            return secret
+        path.unlink(missing_ok=True)  # not ours alone: replaced
+    raise ResourceExhausted(f"cannot create the cache secret {path}")
+
+
+def _mark_of(digest: str) -> str:
+    import hmac
+
+    return hmac.new(_secret(), digest.encode(), hashlib.sha256).hexdigest()
+
+
+def mark_made(path: Path) -> None:
+    """Mark the cache entry at `path` as made by this user's build (call after it is written whole)."""
+    write_text(path.with_name(path.name + MADE_SUFFIX), _mark_of(sha256_file(path)))
+
+
+def _marked(mark: Path, digest: str) -> bool:
+    import hmac
+
+    try:
+        return mark.is_file() and hmac.compare_digest(mark.read_text().strip(), _mark_of(digest))
+    except (OSError, UnicodeDecodeError):
+        return False
+
+
+def made_copy(entry: Path, dest: Path) -> bool:
+    """Copy the cache entry `entry` to `dest` when it is one this user's build made: the copy's bytes are what is
+    checked (whatever happens to the entry after), and a copy that does not match its mark is removed. False: no
+    entry, or not proved made here (rebuild it)."""
+    if not entry.is_file():
+        return False
+    copy_file(entry, dest)
+    if _marked(entry.with_name(entry.name + MADE_SUFFIX), sha256_file(dest)):
+        return True
+    dest.unlink(missing_ok=True)
+    return False
+
+
+def made_bytes(entry: Path) -> bytes | None:
+    """The bytes of the cache entry `entry` when this user's build made it (read once, then checked); else None."""
+    try:
+        data = entry.read_bytes()
+    except OSError:
+        return None
+    return data if _marked(entry.with_name(entry.name + MADE_SUFFIX), hashlib.sha256(data).hexdigest()) else None
+
+
 def write_json(path: Path, model: BaseModel | dict) -> None:
     text = model.model_dump_json(indent=2) if isinstance(model, BaseModel) else json.dumps(model, indent=2)
     write_text(path, text + "\n")

@@ -271,10 +271,13 @@ def test_build_signs_the_folder_as_its_last_step(tiny_cnn_path, fast_recipe, tmp
     folder = Path(result.artifact_dir)
     verified = _cli("verify", folder, "--public-key", f"{key}.pub")
     assert verified.exit_code == 0 and "signed by the key in builder.pub" in verified.stdout, verified.stderr
-    # An identical build reused: verified, then signed in place by the key given now.
-    _write_key_pair(tmp_path, "next")
-    again = build(tiny_cnn_path, fast_recipe, out_dir=tmp_path / "out", signer=signer_of(tmp_path / "next.pem"))
+    # An identical build is reused only with proof this key's build made it: its own signature. Another key's
+    # build rebuilds the folder (issue 74: a folder found under --out and re-hashed must never be signed as built).
+    again = build(tiny_cnn_path, fast_recipe, out_dir=tmp_path / "out", signer=signer_of(Path(f"{key}.pem")))
     assert again.reused and again.artifact_dir == result.artifact_dir
+    _write_key_pair(tmp_path, "next")
+    other = build(tiny_cnn_path, fast_recipe, out_dir=tmp_path / "out", signer=signer_of(tmp_path / "next.pem"))
+    assert not other.reused and other.artifact_dir == result.artifact_dir
     assert _cli("verify", folder, "--public-key", tmp_path / "next.pub").exit_code == 0
 
 
@@ -294,9 +297,11 @@ def test_a_killed_process_leaves_its_copy_to_the_next_load_not_forever(classifie
                              f"d = runtime.load({str(classifier)!r})\nos.kill(os.getpid(), signal.SIGKILL)"],
                             env={**os.environ, "TMPDIR": str(temp)}, capture_output=True, timeout=120)
     assert killed.returncode == -signal.SIGKILL, killed.stderr
-    left = [p for p in temp.iterdir() if p.name.startswith(COPY_PREFIX)]
+    copies = temp / f"accel-opt-copies-{os.getuid()}"  # this user's own folder of copies: the sweep reads it alone
+    assert copies.stat().st_mode & 0o777 == 0o700
+    left = [p for p in copies.iterdir() if p.name.startswith(COPY_PREFIX)]
     assert len(left) == 1 and (left[0] / "manifest.json").is_file()
     monkeypatch.setattr(tempfile, "tempdir", str(temp))
     mine = runtime.load(classifier)  # the next load removes the dead process's copy, and makes its own
-    assert not left[0].exists() and mine.files.parent == temp and mine.files.exists()
-    assert sweep_orphaned_copies(temp) == [] and mine.files.exists()  # a live process's copy is left alone
+    assert not left[0].exists() and mine.files.parent == copies and mine.files.exists()
+    assert sweep_orphaned_copies(copies) == [] and mine.files.exists()  # a live process's copy is left alone

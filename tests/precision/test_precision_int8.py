@@ -160,9 +160,11 @@ def test_cache_hit_on_second_call_and_key_follows_settings(model_path, calib, tm
     assert not first.calibration.cache_hit and second.calibration.cache_hit
     assert first.calibration.cache_key == second.calibration.cache_key
     assert (tmp_path / "a.onnx").read_bytes() == (tmp_path / "b.onnx").read_bytes()
-    assert sorted(p.name for p in cache.iterdir() if p.is_file()) == [f"{first.calibration.cache_key}.onnx"]  # no temp files left
+    key = first.calibration.cache_key  # each entry with its mark (files.mark_made); no temp files left
+    assert sorted(p.name for p in cache.iterdir() if p.is_file()) == [f"{key}.onnx", f"{key}.onnx.made"]
     (ranges,) = (cache / "ranges").iterdir()  # the activation ranges, for fallback rebuilds
-    assert sorted(p.name for p in ranges.iterdir()) == ["prepared.onnx", "ranges.json"]
+    assert sorted(p.name for p in ranges.iterdir()) == ["prepared.onnx", "prepared.onnx.made", "ranges.json",
+                                                       "ranges.json.made"]
     other = quantize(model_path, calib, CalibrationConfig(samples=8, per_channel=False), "onnxruntime",
                      tmp_path / "c.onnx", cache, cpu=CPU)
     assert not other.calibration.cache_hit and other.calibration.cache_key != first.calibration.cache_key

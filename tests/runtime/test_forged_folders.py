@@ -49,7 +49,15 @@ FORGERIES = {
     "model.onnx is not a protobuf": lambda f: (f / "model.onnx").write_bytes(b"\x08\x07" + bytes(range(256)) * 4),
     "an engine node inside the model": lambda f: _engine_node(f),
     "resource_config.json unreadable": lambda f: (f / "resource_config.json").write_text("{"),
+    # Every number a folder supplies is bounded before anything loads (issue 74: 20,000 threads started 14,000).
+    "20000 threads": lambda f: _config(f, threads=20000),
+    "a batch of a billion rows": lambda f: _config(f, batch_size=10**9),
 }
+
+
+def _config(folder: Path, **fields) -> None:
+    path = folder / "resource_config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **fields}))
 
 
 def _relocate(folder: Path, location: str) -> None:
@@ -144,3 +152,47 @@ def test_every_forged_field_is_an_input_error_never_a_crash(classifier, photos, 
         # 0: a field only people read; 2: the forged config asks for other inputs (no preprocessing: .npz only).
         assert done.exit_code in (0, 2, 3), (args[0], done.output)
         assert done.exit_code == 0 or done.stderr.count("\n") == 1, done.output
+
+
+def test_a_plausible_thread_count_above_this_machines_cpus_is_capped_to_them(classifier, tmp_path):
+    from accel_opt import runtime
+    from accel_opt.machine.cpu import available_cpus
+
+    folder = Path(shutil.copytree(classifier, tmp_path / classifier.name))
+    _config(folder, threads=64)  # a folder built on a 64-core machine
+    _rehash(folder)
+    assert runtime.load(folder).compiled.threads == min(64, available_cpus())
+
+
+def test_openvino_compile_options_are_what_a_build_writes_and_nothing_else():
+    """CACHE_DIR in an unsigned folder made `run` write a compiled blob outside the folder and read it back unhashed:
+    a folder's OpenVINO options are an allowlist, checked before anything loads (runtime.check, exit 3)."""
+    from pydantic import ValidationError
+
+    from accel_opt.artifact.config import SETTINGS_OF
+
+    built = {"shape_mode": "static", "static_shapes": {"x": [1, 3]}, "input_names": ["x"], "output_names": ["y"],
+             "compile_config": {"INFERENCE_PRECISION_HINT": "f32", "PERFORMANCE_HINT": "LATENCY", "NUM_STREAMS": "1",
+                                "INFERENCE_NUM_THREADS": "2"}}
+    SETTINGS_OF["openvino"].model_validate(built)
+    for forged in ({"CACHE_DIR": "/tmp/elsewhere"}, {"NUM_STREAMS": "100000"}, {"INFERENCE_NUM_THREADS": "-1"},
+                   {"PERFORMANCE_HINT": "../x"}):
+        with pytest.raises(ValidationError):
+            SETTINGS_OF["openvino"].model_validate({**built, "compile_config": {**built["compile_config"], **forged}})
+
+
+def test_an_unlisted_file_is_refused_before_anything_is_copied(classifier, photos, tmp_path, monkeypatch):
+    """A sparse 3 GB file the manifest does not list (a few KB on disk) made `run` write 3 GB into the temporary
+    folder before refusing it: the listing is now checked against the manifest first."""
+    import tempfile
+
+    folder = Path(shutil.copytree(classifier, tmp_path / classifier.name))
+    with open(folder / "padding.bin", "wb") as f:
+        f.truncate(3 << 30)
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
+    ran = CliRunner().invoke(main, ["run", str(folder), str(photos), "--out", str(tmp_path / "p.jsonl")])
+    assert ran.exit_code == 3 and "padding.bin: not part of the artifact (not in the manifest)" in ran.stderr, ran.output
+    written = sum(p.stat().st_size for p in temp.rglob("*") if p.is_file())
+    assert written == 0, written  # nothing was copied

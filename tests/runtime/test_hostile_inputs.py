@@ -159,3 +159,41 @@ def test_a_model_declaring_more_than_the_machine_has_is_exit_5_before_the_refere
     assert "'big' of node 'big' (ConstantOfShape): [4000000, 1000000] float32 takes 14,901.2 GiB, more than the" \
         in done.stderr and "refused before anything runs it" in done.stderr and done.stderr.count("\n") == 1
     assert not any((tmp_path / "out").glob("greedy*"))
+
+
+def test_a_shape_cast_from_float_before_constant_of_shape_is_estimated_too(tmp_path):
+    """Issue 74: one Cast(float -> int64) in front of ConstantOfShape hid a 25.6 GB allocation from the estimate (it
+    read int64 constants only), and the build ended in five lines of a failed reference instead of exit 5."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    from ..conftest import make_model, save
+
+    model = save(make_model(
+        [helper.make_node("Cast", ["shape_f"], ["shape"], to=TensorProto.INT64),
+         helper.make_node("ConstantOfShape", ["shape"], ["big"], name="big"),
+         helper.make_node("Add", ["x", "big"], ["y"])],
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 1])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["a", "b"])],
+        [numpy_helper.from_array(np.array([4_000_000, 1_000_000], np.float32), "shape_f")]), tmp_path / "cast.onnx")
+    done = CliRunner().invoke(main, ["build", str(model), "--out", str(tmp_path / "out")])
+    assert done.exit_code == 5 and "[4000000, 1000000] float32 takes 14,901.2 GiB" in done.stderr, done.output
+    assert done.stderr.count("\n") == 1 and not any((tmp_path / "out").glob("cast*"))
+
+
+def test_a_npy_with_a_zip_appended_is_not_read_past_the_limit(tmp_path, monkeypatch):
+    """Issue 74: a file that starts as a .npy and ends as a zip passed the header check (a zip is found by its end)
+    and numpy, reading by its start, loaded the .npy past the limit. Refused as not a .npz; its zip's members alone
+    would be what is read."""
+    import io
+    import zipfile
+
+    monkeypatch.setenv("ACCEL_OPT_MAX_INPUT_MIB", "1")
+    big = io.BytesIO()
+    np.save(big, np.zeros((4, 1 << 20), np.float32))  # 16 MiB, over the 1 MiB limit
+    small = io.BytesIO()
+    np.savez(small, image=np.zeros((1, 3, 32, 32), np.float32))
+    path = tmp_path / "glued.npz"
+    path.write_bytes(big.getvalue() + small.getvalue())
+    assert zipfile.is_zipfile(path)  # what the old check asked
+    with pytest.raises(InputRejected, match="not a .npz"):
+        read_npz(path)

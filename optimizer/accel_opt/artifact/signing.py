@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -115,11 +115,9 @@ def trust_of(public_key: str | Path | None, certificate_chain: Iterable[str | Pa
 
 
 def signer_of(private_key: Path, signing_certificate: Path | None = None,
-              certificate_chain: Iterable[Path] = (), option: str = "--key") -> Callable[[Path], Path]:
-    """A function that signs a folder with this key (and certificate); the key is loaded and checked now (exit 2), so
-    `build --sign-key` refuses a bad key before it builds. The function signs every file of a folder (a previous
-    signature excepted) into `folder/model.sig` and returns its path; the signature certifies the folder's contents
-    as they are when it runs."""
+              certificate_chain: Iterable[Path] = (), option: str = "--key") -> Signer:
+    """A Signer with this key (and certificate); the key is loaded and checked now (exit 2), so `build --sign-key`
+    refuses a bad key before it builds."""
     signing, _, hashing = _model_signing()
     chain = [Path(p) for p in certificate_chain]
     for path, name in [(private_key, option), *([(signing_certificate, "--signing-certificate")] if signing_certificate else []),
@@ -137,23 +135,47 @@ def signer_of(private_key: Path, signing_certificate: Path | None = None,
     except (ValueError, TypeError) as exc:  # not PEM, not a private key, not an elliptic curve
         raise UsageError(f"{option} {private_key}: not a usable elliptic-curve private key ({first_line(exc)})") from None
     config.set_hashing_config(_hashing_config(hashing))
+    return Signer(config, Path(private_key), option, by_certificate=signing_certificate is not None)
 
-    def sign(folder: Path) -> Path:
+
+class Signer:
+    """Signs every file of a folder (a previous signature excepted) into `folder/model.sig` (calling it returns that
+    path): the signature certifies the folder's contents as they are when it runs. `signed(folder)` says whether a
+    folder already carries a valid signature by this very key: the proof a build needs before it reuses a folder it
+    finds under --out instead of building it."""
+
+    def __init__(self, config, private_key: Path, option: str, by_certificate: bool):
+        self._config, self.private_key, self._option, self._by_certificate = config, private_key, option, by_certificate
+
+    def __call__(self, folder: Path) -> Path:
         target = folder / SIGNATURE
         # The bundle is written after the folder is hashed, to a temporary name, then renamed: a reader never
         # sees half a signature, and the temporary file does not exist while the files are hashed.
         tmp = folder / f".{SIGNATURE}.{os.getpid()}.tmp"
         try:
-            config.sign(folder, tmp)
+            self._config.sign(folder, tmp)
             os.chmod(tmp, 0o644)
             os.replace(tmp, target)
         except (ValueError, TypeError) as exc:  # a certificate that does not match the key, a symlink in the folder, ...
-            raise UsageError(f"cannot sign {folder} with {option} {private_key}: {first_line(exc)}") from None
+            raise UsageError(f"cannot sign {folder} with {self._option} {self.private_key}: {first_line(exc)}") from None
         finally:
             Path(tmp).unlink(missing_ok=True)
         return target
 
-    return sign
+    def signed(self, folder: Path) -> bool:
+        """Whether `folder`'s signature verifies against this key's public half. A certificate signer answers False
+        (its folders are rebuilt rather than trusted by a chain anyone with a certificate from that CA satisfies)."""
+        if self._by_certificate or not (folder / SIGNATURE).is_file():
+            return False
+        import tempfile
+
+        from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat, load_pem_private_key
+
+        public = load_pem_private_key(self.private_key.read_bytes(), password=None).public_key()
+        with tempfile.TemporaryDirectory(prefix="accel-opt-key-") as tmp:
+            pem = Path(tmp) / "signer.pub"
+            pem.write_bytes(public.public_bytes(Encoding.PEM, PublicFormat.SubjectPublicKeyInfo))
+            return signature_problem(folder, Trust(public_key=pem)) is None
 
 
 def sign_folder(folder: Path, private_key: Path, signing_certificate: Path | None = None,

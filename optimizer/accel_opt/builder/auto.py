@@ -31,7 +31,7 @@ from pathlib import Path
 
 from accel_opt import runtime
 from accel_opt.accuracy import AccuracyReport
-from accel_opt.artifact.signing import TrustPolicy
+from accel_opt.artifact.signing import Signer, TrustPolicy
 from accel_opt.backends.select import auto_backend_choice, candidate_precisions
 from accel_opt.bench import deployment_target, run_benchmark
 from accel_opt.builder.checks import refuse_oversubscribed_threads
@@ -131,7 +131,7 @@ def build_auto(
     force: bool = False,
     eval_data_dir: str | Path | None = None,
     cpu: CpuProfile | None = None,
-    signer: Callable | None = None,
+    signer: Signer | None = None,
 ) -> tuple[BuildResult | None, AutoSelection]:
     """Build the candidates within the time budget and return (the winner's BuildResult or None, the selection).
     `cpu`: the CPU every class-dependent choice is made for (this machine's, read here, by default)."""
@@ -311,6 +311,8 @@ def _runoff(candidates: list[Candidate], samples: list[Sample], recipe: Recipe, 
     # winner is one whose own verdict signed it off (choice.choose).
     deployments = [runtime.load(c.artifact_dir, cpu=cpu, trust=TrustPolicy(trust_unsigned=True), allow_not_signed_off=True)
                    for c in candidates]
+    for deployment in deployments:  # timed, not shipped: the selection report gives each candidate's verdict
+        deployment.said_not_signed_off = True
     batches = objective_batches(recipe.selection.objective, recipe)
     if not deployments[0].config.batch_dynamic:
         batches = [deployments[0].batch_size]

@@ -11,6 +11,7 @@ from typing import Any
 from accel_opt.accuracy import AccuracyReport
 from accel_opt.accuracy.metrics import aimed_gate
 from accel_opt.artifact.config import ResourceConfig
+from accel_opt.artifact.signing import Signer
 from accel_opt.backends import Backend, CompiledModel
 from accel_opt.bench import BenchmarkReport
 from accel_opt.data import DataSplit, DataSummary, Sample
@@ -66,7 +67,7 @@ class BuildContext:
     backend: Backend
     threads: int
     cpu: CpuProfile  # the CPU the build's class-dependent choices are made for, and its manifest records
-    signer: Any = None  # build --sign-key: signs the finished folder (artifact.signing.signer_of)
+    signer: Signer | None = None  # build --sign-key: signs the finished folder (artifact.signing.signer_of)
     notes: list[str] = field(default_factory=list)
     factory: Any = None  # a torch ModuleFactory when the input is FILE.py:FACTORY
     torch_module: Any = None  # the exported module: the accuracy reference and a baseline row

@@ -17,6 +17,7 @@ from accel_opt import runtime
 from accel_opt.accuracy import SteeringVerdict, compare
 from accel_opt.accuracy.run import ReferenceCache
 from accel_opt.artifact.folder import build_folder, publish
+from accel_opt.artifact.signing import Signer
 from accel_opt.backends import get_backend
 from accel_opt.backends.onnxruntime.backend import reference_runner
 from accel_opt.builder.benchmark import benchmark_build, max_feed
@@ -69,7 +70,7 @@ def build(
     limits: CandidateLimits | None = None,
     reference_caches: dict[str, ReferenceCache] | None = None,
     cpu: CpuProfile | None = None,
-    signer: Callable[[Path], Path] | None = None,
+    signer: Signer | None = None,
 ) -> BuildResult:
     """Build, check, benchmark and package `model`; never raises for a failed gate (exit_code 1) or for held-out
     samples too few to certify it (exit_code 6).
@@ -79,7 +80,8 @@ def build(
     candidate of --precision auto (auto.py), which may stop it early (CandidateDropped) and bounds its search's time;
     `reference_caches` (auto: one for all its candidates) keeps the reference's outputs, run once per sample. `cpu`:
     the CPU every class-dependent choice is made for and the manifest records (this machine's, read here, by default).
-    `signer` (artifact.signing.signer_of) signs the finished folder before it is published (a reused one in place).
+    `signer` (artifact.signing.signer_of) signs the finished folder before it is published; with it, a folder found
+    under `out_dir` is reused only when it carries that key's signature.
 
     A complete folder of the same identity (model, recipe, data, tool versions, CPU) under `out_dir`
     that verifies is reused instead of rebuilt (`reused` is set), unless `force`. Raises

@@ -38,8 +38,11 @@ def reuse(ctx: BuildContext, final: Path, model: str, stages: list[StageResult],
     if problems:
         log.info("not reusing %s: %s", final, problems[0].line)
         return None
-    if ctx.signer is not None:  # --sign-key: the verified folder is signed as it is now
-        ctx.signer(final)
+    if ctx.signer is not None and not ctx.signer.signed(final):
+        # --sign-key signs only what this process built and checked: a folder it finds is reused only when a build
+        # holding this very key signed it; anything else (unsigned, re-hashed, another key's) is built again.
+        log.info("not reusing %s: it carries no signature by the --sign-key key", final)
+        return None
     manifest = runtime.read_manifest(final)
     accuracy = AccuracyReport.model_validate_json((final / "accuracy.json").read_text())
     bench = BenchmarkReport.model_validate_json((final / "benchmark.json").read_text())

@@ -103,16 +103,33 @@ def _inferred(proto: onnx.ModelProto, shapes: dict[str, list[int]]) -> list[Decl
             for dim, size in zip(dims, shapes[value.name]):
                 dim.Clear()
                 dim.dim_value = int(size)
-    try:
-        inferred = onnx.shape_inference.infer_shapes(model, data_prop=True)
-    except Exception:  # noqa: BLE001 - inference is an estimate: a model it cannot follow is judged by the rest
-        return []
     found = []
-    for value in [*inferred.graph.value_info, *inferred.graph.output]:
-        tensor = value.type.tensor_type
-        dims = [d.dim_value if d.HasField("dim_value") else None for d in tensor.shape.dim]
-        if not tensor.HasField("shape") or None in dims:
+    # Two inferences, each following values the other does not: ONNX's data propagation (shapes computed from Shape,
+    # Gather, Concat...) and ONNX Runtime's symbolic shape inference, which also folds constants of other types (a
+    # float tensor cast to int64 before ConstantOfShape: 229 bytes asking for 25.6 GB, which ONNX's alone misses).
+    for infer in (lambda m: onnx.shape_inference.infer_shapes(m, data_prop=True), _symbolic):
+        try:
+            inferred = infer(model)
+        except Exception:  # noqa: BLE001 - inference is an estimate: a model it cannot follow is judged by the rest
             continue
-        found.append(Declared(math.prod(dims) * _itemsize(tensor.elem_type),
-                              f"tensor {value.name!r}: {dims} {_type_name(tensor.elem_type)}"))
+        if inferred is None:  # ONNX Runtime's gives up on some models (None)
+            continue
+        for value in [*inferred.graph.value_info, *inferred.graph.output]:
+            tensor = value.type.tensor_type
+            dims = [d.dim_value if d.HasField("dim_value") else None for d in tensor.shape.dim]
+            if not tensor.HasField("shape") or None in dims:
+                continue
+            found.append(Declared(math.prod(dims) * _itemsize(tensor.elem_type),
+                                  f"tensor {value.name!r}: {dims} {_type_name(tensor.elem_type)}"))
     return found
+
+
+def _symbolic(model: onnx.ModelProto) -> onnx.ModelProto:
+    import logging
+
+    from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
+
+    logging.getLogger("onnxruntime.tools.symbolic_shape_infer").setLevel(logging.ERROR)  # its warnings are not ours
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    return SymbolicShapeInference.infer_shapes(copy, auto_merge=True)

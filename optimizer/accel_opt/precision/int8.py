@@ -27,7 +27,7 @@ from onnx import numpy_helper
 
 from accel_opt.data import Sample
 from accel_opt.errors import InputRejected, Unsupported
-from accel_opt.files import copy_file, sha256_file
+from accel_opt.files import copy_file, made_copy, mark_made, sha256_file
 from accel_opt.graph.inspect import opset_of
 from accel_opt.graph.save import EXTERNAL_DATA_ABOVE_BYTES, external_files, tensor_bytes, upgrade_opset
 from accel_opt.machine.cpu import CpuProfile
@@ -107,8 +107,7 @@ def quantize(model_path: Path, samples: list[Sample], config: CalibrationConfig,
 
     with tempfile.TemporaryDirectory(prefix="accel-opt-int8-") as tmp_name:
         tmp = Path(tmp_name)
-        if cached is not None and cached.is_file():
-            shutil.copyfile(cached, out_path)
+        if cached is not None and made_copy(cached, out_path):  # only an entry this user's build made
             try:
                 validate(out_path, run_session=True, tmp=tmp)
                 cache_hit = True
@@ -131,6 +130,7 @@ def quantize(model_path: Path, samples: list[Sample], config: CalibrationConfig,
                 shutil.move(str(produced), str(out_path.parent / produced.name))
             if cached is not None and not large:
                 copy_file(out_path, cached)
+                mark_made(cached)
             elif cached is not None:
                 notes.append("not cached: the quantized model keeps its weights in an external data file")
     calib_seconds = time.perf_counter() - calib_start
@@ -221,18 +221,21 @@ def _prepared_and_ranges(model_path: Path, samples: list[Sample], settings: Quan
     """The pre-processed model and its activation ranges (ORT's calibration-cache file), from the cache
     when an earlier build of the same model, samples and settings left them (a fallback rebuild)."""
     entry = Path(cache_dir) / "ranges" / key if cache_dir is not None else None
-    if entry is not None and (entry / "ranges.json").is_file():  # ranges.json is written last
+    # Read from copies this user's build is proved to have made (files.made_copy), never from the entry in place.
+    if entry is not None and made_copy(entry / "ranges.json", tmp / "ranges.json") and \
+            made_copy(entry / "prepared.onnx", tmp / "prepared.onnx"):
         notes.append(f"activation ranges from the cache (calibrated once for this model, samples and method): {entry.name}")
-        return entry / "prepared.onnx", entry / "ranges.json", tensor_bytes(entry / "prepared.onnx") > EXTERNAL_DATA_ABOVE_BYTES
+        return tmp / "prepared.onnx", tmp / "ranges.json", tensor_bytes(tmp / "prepared.onnx") > EXTERNAL_DATA_ABOVE_BYTES
     prepared = _prepare(model_path, tmp, notes)
     large = tensor_bytes(prepared) > EXTERNAL_DATA_ABOVE_BYTES
     ranges = _calibrate(prepared, samples, settings, tmp, large)
     if entry is None or large:
         return prepared, ranges, large
     entry.mkdir(parents=True, exist_ok=True)
-    copy_file(prepared, entry / "prepared.onnx")
-    copy_file(ranges, entry / "ranges.json")
-    return entry / "prepared.onnx", entry / "ranges.json", large
+    for path in (prepared, ranges):  # ranges.json last: an entry without its mark is not reused
+        copy_file(path, entry / path.name)
+        mark_made(entry / path.name)
+    return prepared, ranges, large
 
 
 @contextlib.contextmanager

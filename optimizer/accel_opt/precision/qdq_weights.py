@@ -4,6 +4,7 @@ name. Also the cache of what AdaRound and the bias fit learn, by initializer nam
 
 from __future__ import annotations
 
+import io
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -11,6 +12,8 @@ from pathlib import Path
 import numpy as np
 import onnx
 from onnx import helper, numpy_helper
+
+from accel_opt.files import made_bytes, mark_made
 
 WEIGHTED_OPS = ("Conv", "Gemm")
 
@@ -75,12 +78,13 @@ def _save_tensors(path: Path, tensors: dict[str, np.ndarray]) -> None:
     """Keep initializer values by name in one .npz (the names apart: an initializer's name need not be a valid key)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     np.savez(path, names=np.array(list(tensors)), **{f"w{i}": values for i, values in enumerate(tensors.values())})
+    mark_made(path)
 
 
-def _restore_tensors(path: Path, initializers: dict[str, onnx.TensorProto]) -> tuple[int, int]:
-    """Write the values kept at `path` into the initializers of the same name, shape and type (a graph with fewer
-    layers quantized has fewer of them): (how many were written, how many were kept)."""
-    with np.load(path) as stored:
+def _restore_tensors(data: bytes, initializers: dict[str, onnx.TensorProto]) -> tuple[int, int]:
+    """Write the values kept in `data` (an .npz's bytes) into the initializers of the same name, shape and type (a
+    graph with fewer layers quantized has fewer of them): (how many were written, how many were kept)."""
+    with np.load(io.BytesIO(data), allow_pickle=False) as stored:
         kept = dict(zip(stored["names"].tolist(), (stored[f"w{i}"] for i in range(len(stored["names"])))))
     written = 0
     for name, values in kept.items():
@@ -100,8 +104,9 @@ def learned_in_place(quantized_path: Path, cache: Path | None,
     float reuses them for the layers still quantized; `reused(written, kept)` says so), else what `learn(graph)`
     writes into the graph, then kept there. Returns the line for the build's notes."""
     quantized = onnx.load(str(quantized_path))
-    if cache is not None and cache.is_file():
-        note = reused(*_restore_tensors(cache, {i.name: i for i in quantized.graph.initializer}))
+    kept = made_bytes(cache) if cache is not None else None  # only what this user's build learned (files.made_bytes)
+    if kept is not None:
+        note = reused(*_restore_tensors(kept, {i.name: i for i in quantized.graph.initializer}))
     else:
         written, note = learn(quantized)
         if cache is not None:

@@ -11,7 +11,7 @@ from accel_opt.recipe.types import CalibrationMethod, QuantTarget, TargetCpu, _S
 
 
 class BenchmarkConfig(_Strict):
-    batch_sizes: list[Annotated[int, Field(ge=1)]] = Field(default_factory=lambda: [1, 8])
+    batch_sizes: list[Annotated[int, Field(ge=1)]] = Field(default_factory=lambda: [1, 8], min_length=1)
     warmup_iterations: int = Field(default=10, ge=0)
     min_iterations: int = Field(default=50, ge=1)
     max_iterations: int = Field(default=2000, ge=1)
@@ -20,7 +20,7 @@ class BenchmarkConfig(_Strict):
     # The sweep: every batch size x concurrency (workers with a session each, requests back to back),
     # each point measured in windows until the last 3 windows' throughput is within stability_pct of
     # their mean (perf_analyzer's criterion), at most max_windows.
-    concurrency: list[Annotated[int, Field(ge=1)]] = Field(default_factory=lambda: [1, 2])
+    concurrency: list[Annotated[int, Field(ge=1)]] = Field(default_factory=lambda: [1, 2], min_length=1)  # nothing swept: no point
     window_seconds: float = Field(default=0.5, gt=0)
     stability_pct: float = Field(default=10.0, gt=0)
     max_windows: int = Field(default=8, ge=4)

@@ -25,14 +25,14 @@ from pydantic import BaseModel, ValidationError
 from accel_opt.artifact.config import RESOURCE_CONFIG, SETTINGS_OF, ResourceConfig
 from accel_opt.artifact.folder import MANIFEST, SIGNATURE, Manifest
 from accel_opt.artifact.signing import TrustPolicy, native_code_of
-from accel_opt.artifact.verified import PrivateCopy, entry_problems, plain_name, private_copy
+from accel_opt.artifact.verified import MAX_MANIFEST_BYTES, PrivateCopy, entry_problems, plain_name, private_copy
 from accel_opt.backends import Backend, CompiledModel, get_backend
 from accel_opt.backends.base import casting_inputs
 from accel_opt.data import DataSummary, Sample, load_samples, synthetic_samples
 from accel_opt.errors import InputRejected, NotSignedOff, Unsupported, UsageError, first_line
 from accel_opt.files import sha256_file
 from accel_opt.graph.inspect import with_batch
-from accel_opt.machine.cpu import CpuProfile
+from accel_opt.machine.cpu import CpuProfile, available_cpus
 from accel_opt.report.verdict import Verdict
 
 if TYPE_CHECKING:
@@ -70,6 +70,8 @@ def read_manifest(folder: Path) -> Manifest:
     path = folder / MANIFEST
     if not path.is_file():
         raise InputRejected(f"{folder}: incomplete artifact: no {MANIFEST} (the build did not finish, or this is not an artifact)")
+    if path.stat().st_size > MAX_MANIFEST_BYTES:
+        raise InputRejected(f"{folder}: {MANIFEST} is unreadable: over {MAX_MANIFEST_BYTES >> 20} MiB")
     try:
         return Manifest.model_validate_json(path.read_text())
     except (ValidationError, ValueError, OSError) as exc:
@@ -93,6 +95,7 @@ class Deployment:
     # Its build's verdict, read from the verified copy's manifest (None while the build stages it: not decided yet).
     verdict: Verdict | None = None
     allow_not_signed_off: bool = False  # the caller allowed a folder that is not signed off (passed on to Ray's actors)
+    said_not_signed_off: bool = False  # that warning was logged (once, on the first runner); True keeps it quiet
 
     @property
     def not_signed_off(self) -> bool:
@@ -174,6 +177,9 @@ class Deployment:
     def runner(self, feed_dtypes: dict[str, Any] | None = None) -> BaseRunner:
         """A Polygraphy runner of the deployed model; inputs fed in other dtypes than it deploys
         (float16 I/O builds) are cast inside each call, as an application would have to."""
+        if self.not_signed_off and not self.said_not_signed_off:  # allowed by the caller: said wherever it runs
+            log.warning("running %s, which is %s (allow_not_signed_off)", self.folder, self.verdict.line())
+            self.said_not_signed_off = True
         runner = self.backend.runner(self.compiled)
         runner.keep_alive = self.copy  # the files it loads stay while it lives, whoever drops the Deployment
         deployed = {i.name: i.dtype for i in self.config.inputs}
@@ -228,19 +234,20 @@ def load(folder: str | Path, expected_files: dict[str, str] | None = None, trust
         if copy is not None:
             copy.remove()
         raise
+    # Never more compute threads than this process may use (a folder built on a larger machine, or forged): more
+    # would only oversubscribe the CPUs. The count is bounded before this (artifact.config.MAX_THREADS).
+    threads = min(threads or config.threads, available_cpus())
     settings = config.settings
-    if threads is not None and "compile_config" in settings:  # OpenVINO compiles (and imports) with its own count
+    if "compile_config" in settings:  # OpenVINO compiles (and imports) with its own count
         settings = {**settings, "compile_config": {**settings["compile_config"], "INFERENCE_NUM_THREADS": str(threads)}}
     if "engine_host_code_allowed" in settings:  # the recipe's opt-in holds only for a signed folder (or our own build)
         settings = {**settings, "engine_host_code_allowed": bool(settings["engine_host_code_allowed"])
                     and (policy.key is not None or expected_files is not None)}
     compiled = CompiledModel(
         backend=config.backend, path=files / config.model_file, precision=config.precision, device=config.device,
-        providers=config.providers, threads=threads or config.threads, build_seconds=0.0, settings=settings,
+        providers=config.providers, threads=threads, build_seconds=0.0, settings=settings,
         extra_files=[files / name for name in config.extra_files], keep_alive=copy,
     )
-    if verdict is not None and not verdict.signed_off:  # allowed by the caller: said where every caller sees it
-        log.warning("%s is %s: opened because the caller allowed it (allow_not_signed_off)", folder, verdict.line())
     return Deployment(folder=folder, config=config, backend=_backend_of(config, cpu), compiled=compiled, cpu=cpu,
                       staged_files=expected_files, copy=copy, trust=policy,
                       signature=policy.describe(native_code_of(config.backend, config.settings)), verdict=verdict,

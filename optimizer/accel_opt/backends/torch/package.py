@@ -42,7 +42,7 @@ from accel_opt.backends.torch.cache import PACKAGE, cached_package
 from accel_opt.backends.torch.kernels import compute_kernels, int8_check
 from accel_opt.backends.torch.runner import TORCH_EXTRA, TorchRunner, require_cuda
 from accel_opt.errors import InternalError, Unsupported, first_line
-from accel_opt.files import copy_file
+from accel_opt.files import copy_file, made_copy, mark_made
 from accel_opt.graph.inspect import TensorSpec
 from accel_opt.machine.cpu import CpuProfile, available_cpus
 from accel_opt.machine.support import Availability
@@ -184,9 +184,8 @@ class TorchBackend:
             freezing = torch._inductor.config.patch(freezing=True) if plan.precision is Precision.int8 \
                 else contextlib.nullcontext()
             cached = cached_package(torch, program, self.device, plan.precision is Precision.int8, self._cache_dir)
-            reused = cached is not None and cached.is_file()
+            reused = cached is not None and made_copy(cached, package)  # never a package this user's build did not make
             if reused:
-                copy_file(cached, package)
                 log.info("torch: %s package reused from %s", plan.precision.value, cached.parent)
             else:
                 try:
@@ -197,6 +196,7 @@ class TorchBackend:
                                       f"{type(exc).__name__}: {first_line(exc)}") from exc
                 if cached is not None:
                     copy_file(package, cached)
+                    mark_made(cached)
         if self.device.startswith("cuda"):
             self._module.to("cpu")
         metadata = package_metadata(package)

@@ -108,9 +108,6 @@ class Predictor:
             raise exc from None
         if line:
             log.warning("on node %s: %s", where, line)
-        if self.deployment.not_signed_off:  # allowed by the caller: said on every node that runs it
-            log.warning("on node %s: running %s, which is %s (allow_not_signed_off)", where, artifact,
-                        self.deployment.verdict.line())
         config = self.deployment.config
         self.threads = threads or config.threads
         self.reader = Reader(self.deployment)
