@@ -72,9 +72,20 @@ def _mark_of(digest: str) -> str:
     return hmac.new(_secret(), digest.encode(), hashlib.sha256).hexdigest()
 
 
-def mark_made(path: Path) -> None:
-    """Mark the cache entry at `path` as made by this user's build (call after it is written whole)."""
-    write_text(path.with_name(path.name + MADE_SUFFIX), _mark_of(sha256_file(path)))
+def mark_made(path: Path, mark: Path | None = None) -> None:
+    """Mark the cache entry at `path` as made by this user's build (call after it is written whole); the mark goes
+    beside it, or at `mark` (an artifact folder's, outside the folder, which must hold listed files only)."""
+    mark = mark or path.with_name(path.name + MADE_SUFFIX)
+    mark.parent.mkdir(parents=True, exist_ok=True)
+    write_text(mark, _mark_of(sha256_file(path)))
+
+
+def made_here(path: Path, mark: Path) -> bool:
+    """Whether `mark` is this user's mark of the file at `path` as it is now (a small file: hashed in place)."""
+    try:
+        return _marked(mark, sha256_file(path))
+    except OSError:
+        return False
 
 
 def _marked(mark: Path, digest: str) -> bool:

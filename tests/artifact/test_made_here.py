@@ -91,6 +91,17 @@ def test_sign_key_never_signs_a_folder_it_did_not_build(tiny_cnn_path, fast_reci
     manifest["artifacts"] = file_hashes(built)
     (built / MANIFEST).write_text(json.dumps(manifest))
 
+    # Without a key, the folder's proof is this user's mark of the manifest it was published with: edited and
+    # re-hashed, it has none, and is built again rather than reused.
+    unsigned = build(tiny_cnn_path, fast_recipe, out_dir=out)
+    assert not unsigned.reused and sha256_file(Path(unsigned.artifact_dir) / "model.onnx") == honest
+    assert build(tiny_cnn_path, fast_recipe, out_dir=out).reused  # and now it is this build's own again
+    os.chmod(built / "model.onnx", 0o644)
+    onnx.save(forged, str(built / "model.onnx"))
+    manifest = json.loads((built / MANIFEST).read_text())
+    manifest["artifacts"] = file_hashes(built)
+    (built / MANIFEST).write_text(json.dumps(manifest))
+
     signed = build(tiny_cnn_path, fast_recipe, out_dir=out, signer=signer_of(keys["ours"]))
     assert not signed.reused and sha256_file(Path(signed.artifact_dir) / "model.onnx") == honest  # rebuilt, then signed
     again = build(tiny_cnn_path, fast_recipe, out_dir=out, signer=signer_of(keys["ours"]))

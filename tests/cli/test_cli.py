@@ -108,6 +108,8 @@ def _tensorrt_here() -> bool:
 def test_help_lists_exit_codes():
     result = _run("build", "--help")
     assert result.exit_code == 0 and "70 internal error" in result.stdout
+    assert "7  built and correct, but no measured benefit" in result.stdout
+    assert "runs FILE.py, so build only factories you trust" in " ".join(result.stdout.split())
 
 
 @pytest.mark.skipif(_tensorrt_here(), reason="TensorRT and a GPU are present: the build would run")

@@ -48,6 +48,9 @@ FORGERIES = {
     "model.onnx is text": lambda f: (f / "model.onnx").write_text("version https://git-lfs.github.com/spec/v1\n"),
     "model.onnx is not a protobuf": lambda f: (f / "model.onnx").write_bytes(b"\x08\x07" + bytes(range(256)) * 4),
     "an engine node inside the model": lambda f: _engine_node(f),
+    # ONNX Runtime parses whatever the folder names: the check goes by the backend, not by the ".onnx" suffix.
+    "an engine node inside model.ONNX": lambda f: (_engine_node(f), (f / "model.onnx").rename(f / "model.ONNX"),
+                                                   _config(f, model_file="model.ONNX")),
     "resource_config.json unreadable": lambda f: (f / "resource_config.json").write_text("{"),
     # Every number a folder supplies is bounded before anything loads (issue 74: 20,000 threads started 14,000).
     "20000 threads": lambda f: _config(f, threads=20000),
@@ -196,3 +199,19 @@ def test_an_unlisted_file_is_refused_before_anything_is_copied(classifier, photo
     assert ran.exit_code == 3 and "padding.bin: not part of the artifact (not in the manifest)" in ran.stderr, ran.output
     written = sum(p.stat().st_size for p in temp.rglob("*") if p.is_file())
     assert written == 0, written  # nothing was copied
+
+
+def test_check_without_a_policy_is_as_strict_as_load(classifier, tmp_path):
+    """Issue 74: `runtime.check(folder)` with no trust argument passed a forged torch folder that `load` refuses. No
+    policy now means the strict one; trusting unsigned native code is said explicitly."""
+    from accel_opt import runtime
+    from accel_opt.artifact.signing import TrustPolicy
+
+    folder = Path(shutil.copytree(classifier, tmp_path / classifier.name))
+    config = json.loads((folder / "resource_config.json").read_text())
+    _config(folder, backend="torch", settings={"torch_version": "2.13.0", "device": "cpu", "inputs": [],
+                                               "output_names": [o["name"] for o in config["outputs"]]})
+    _rehash(folder)
+    (refused,) = runtime.check(folder)
+    assert refused.exit_code == 3 and "AOTInductor package" in refused.line and "not signed" in refused.line
+    assert all("not signed" not in p.line for p in runtime.check(folder, trust=TrustPolicy(trust_unsigned=True)))

@@ -197,3 +197,20 @@ def test_a_npy_with_a_zip_appended_is_not_read_past_the_limit(tmp_path, monkeypa
     assert zipfile.is_zipfile(path)  # what the old check asked
     with pytest.raises(InputRejected, match="not a .npz"):
         read_npz(path)
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="planting a link owned by another user needs root (lchown)")
+def test_run_never_writes_through_a_folder_link_another_user_planted(classifier, photos, tmp_path):
+    """Issue 74: with `shared/sub -> victim/`, `run --out shared/sub/p.jsonl` wrote its lock, predictions and outputs
+    into victim/. A link on the way owned by another user is refused (exit 2); this user's own links are followed."""
+    shared, victim = tmp_path / "shared", tmp_path / "victim"
+    shared.mkdir()
+    victim.mkdir()
+    (shared / "sub").symlink_to(victim)
+    os.lchown(shared / "sub", 12345, 12345)
+    done = CliRunner().invoke(main, ["run", str(classifier), str(photos), "--out", str(shared / "sub" / "p.jsonl")])
+    assert done.exit_code == 2 and "owned by another user (uid 12345)" in done.stderr, done.output
+    assert list(victim.iterdir()) == []
+    os.lchown(shared / "sub", os.getuid(), os.getgid())  # the user's own link: followed
+    done = CliRunner().invoke(main, ["run", str(classifier), str(photos), "--out", str(shared / "sub" / "p.jsonl")])
+    assert done.exit_code == 0 and (victim / "p.jsonl").is_file(), done.output

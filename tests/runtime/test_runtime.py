@@ -13,6 +13,7 @@ from accel_opt import runtime
 from accel_opt.artifact.folder import MANIFEST, file_hashes
 from accel_opt.builder.pipeline import build
 from accel_opt.errors import InputRejected, Unsupported
+from accel_opt.machine.cpu import CpuProfile
 
 from ..conftest import image_npz_folder
 
@@ -70,7 +71,7 @@ def test_other_runtime_version_is_refused(published, tmp_path):
     config["settings"]["onnxruntime_version"] = "0.1.0"
     (folder / "resource_config.json").write_text(json.dumps(config))
     with pytest.raises(Unsupported, match="onnxruntime 0.1.0"):  # what was checked is not what would run
-        runtime.load(folder, expected_files=file_hashes(folder))
+        runtime.load_staged(folder, file_hashes(folder), CpuProfile.of_class("avx2"))
 
 
 @needs_openvino

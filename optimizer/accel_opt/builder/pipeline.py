@@ -16,7 +16,7 @@ from pathlib import Path
 from accel_opt import runtime
 from accel_opt.accuracy import SteeringVerdict, compare
 from accel_opt.accuracy.run import ReferenceCache
-from accel_opt.artifact.folder import build_folder, publish
+from accel_opt.artifact.folder import MANIFEST, build_folder, publish
 from accel_opt.artifact.signing import Signer
 from accel_opt.backends import get_backend
 from accel_opt.backends.onnxruntime.backend import reference_runner
@@ -30,13 +30,13 @@ from accel_opt.builder.checks import (
 )
 from accel_opt.builder.context import BuildContext, CandidateLimits
 from accel_opt.builder.fallback_actions import fallback_actions
-from accel_opt.builder.records import artifact_name, data_record, reuse, write_manifest, write_reports
+from accel_opt.builder.records import artifact_name, data_record, made_mark, reuse, write_manifest, write_reports
 from accel_opt.builder.samples import data_samples_needed, read_and_split, too_few_to_certify
 from accel_opt.builder.staging import batch_problem, deploy_shapes, stage_deployment
 from accel_opt.builder.torch_plan import torch_precision
 from accel_opt.data import Sample
 from accel_opt.errors import AccelOptError, Unsupported, UsageError, no_space_error
-from accel_opt.files import ensure_free_space, sha256_file
+from accel_opt.files import ensure_free_space, mark_made, sha256_file
 from accel_opt.graph.inspect import io_specs
 from accel_opt.graph.load import load_model
 from accel_opt.machine.cpu import CpuProfile, available_cpus
@@ -141,6 +141,7 @@ def build(
             if signer is not None:  # over every file, manifest included: published signed or not at all
                 signer(staging)
             publish(staging, final)
+            mark_made(final / MANIFEST, made_mark(ctx, final))  # what lets a later build reuse it (records.reuse)
     except Exception as exc:
         full = no_space_error(exc, out_dir)
         if full is None:

@@ -13,10 +13,20 @@ from accel_opt import runtime
 from accel_opt.accuracy import AccuracyReport
 from accel_opt.artifact.config import RESOURCE_CONFIG, ResourceConfig
 from accel_opt.artifact.folder import MANIFEST, Manifest, file_hashes
+from accel_opt.artifact.signing import TrustPolicy
 from accel_opt.backends import CompiledModel
 from accel_opt.bench import BenchmarkReport
 from accel_opt.builder.samples import data_samples_needed
-from accel_opt.files import command_line, now_utc, sha256_file, tool_versions, write_json, write_text
+from accel_opt.files import (
+    MADE_SUFFIX,
+    command_line,
+    made_here,
+    now_utc,
+    sha256_file,
+    tool_versions,
+    write_json,
+    write_text,
+)
 from accel_opt.machine.gpu import gpu_class
 from accel_opt.recipe.stages import BenchmarkConfig
 from accel_opt.report.html import layer_error_png, render
@@ -34,14 +44,18 @@ def reuse(ctx: BuildContext, final: Path, model: str, stages: list[StageResult],
     A folder that fails verification is never reused: the new build replaces it."""
     if not final.is_dir():
         return None
-    problems = runtime.check(final)
+    # Reused only with proof a build made it: with --sign-key, that very key's signature (anything else, unsigned,
+    # re-hashed or another key's, is built again, never signed as found); without, this user's mark of its manifest
+    # (which holds every file's hash), left outside the folder when it was published. A folder edited in --out and
+    # re-hashed carries neither.
+    proof = ctx.signer.signed(final) if ctx.signer is not None else made_here(final / MANIFEST, made_mark(ctx, final))
+    if not proof:
+        log.info("not reusing %s: no proof this build made it (%s)", final,
+                 "no signature by the --sign-key key" if ctx.signer is not None else "no mark of this user's build")
+        return None
+    problems = runtime.check(final, trust=TrustPolicy(trust_unsigned=True))  # its native code is this build's own
     if problems:
         log.info("not reusing %s: %s", final, problems[0].line)
-        return None
-    if ctx.signer is not None and not ctx.signer.signed(final):
-        # --sign-key signs only what this process built and checked: a folder it finds is reused only when a build
-        # holding this very key signed it; anything else (unsigned, re-hashed, another key's) is built again.
-        log.info("not reusing %s: it carries no signature by the --sign-key key", final)
         return None
     manifest = runtime.read_manifest(final)
     accuracy = AccuracyReport.model_validate_json((final / "accuracy.json").read_text())
@@ -59,6 +73,11 @@ def reuse(ctx: BuildContext, final: Path, model: str, stages: list[StageResult],
     fill_headline(result, bench)
     result._eval_samples = ctx.deploy_samples
     return result
+
+
+def made_mark(ctx: BuildContext, final: Path) -> Path:
+    """Where a published folder's mark (files.mark_made of its manifest) is kept: in the build cache, outside it."""
+    return ctx.cache_dir / "made" / f"{final.name}{MADE_SUFFIX}"
 
 
 def measured_config(ctx: BuildContext) -> ResourceConfig:

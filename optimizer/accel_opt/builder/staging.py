@@ -68,7 +68,7 @@ def stage_deployment(ctx: BuildContext, shapes: dict[str, list[int]]) -> None:
     )
     write_json(ctx.staging / RESOURCE_CONFIG, ctx.resource_config)
     ctx.deployed_hashes = file_hashes(ctx.staging)  # hashed once: build.json reuses them
-    ctx.deployment = runtime.load(ctx.staging, expected_files=ctx.deployed_hashes, cpu=ctx.cpu)
+    ctx.deployment = runtime.load_staged(ctx.staging, ctx.deployed_hashes, ctx.cpu)
 
 
 def batch_problem(ctx: BuildContext) -> str | None:

@@ -73,8 +73,9 @@ def build(model, precision, backend, device, recipe_path, data_dir, eval_data_di
           batch_axes, max_shapes, require_data,
           keep_io_types, providers, calibration, target_cpu, time_budget_s, no_fallback, threads, out_dir, force, sign_key,
           signing_certificate, junit_file, as_json, verbose):
-    """Build MODEL (.onnx, or a PyTorch factory FILE.py:FACTORY) through cleanup, precision, compile, accuracy gate
-    and benchmark."""
+    """Build MODEL (.onnx, or a PyTorch factory FILE.py:FACTORY) through cleanup, precision, compile, accuracy gate,
+    benchmark and verdict. A factory is Python: building it imports and runs FILE.py, so build only factories you
+    trust (an .onnx file is data: it is checked, never executed)."""
     setup_logging(verbose)
     try:
         from accel_opt.builder.pipeline import build as run_build

@@ -166,7 +166,7 @@ class Deployment:
             raise UsageError(f"{self.folder.name} takes decoded image crops (fused preprocessing): give --data with images")
         shapes = with_batch(config.shapes, 1, config.batch_axes) if config.batch_dynamic else config.shapes
         bounds = {}
-        if config.model_file.endswith(".onnx"):
+        if _reads_onnx(config):
             import onnx
 
             from accel_opt.graph.inspect import index_bounds
@@ -187,10 +187,9 @@ class Deployment:
 
 
 
-def load(folder: str | Path, expected_files: dict[str, str] | None = None, trust: TrustPolicy | None = None,
-         threads: int | None = None, cpu: CpuProfile | None = None, *, public_key: str | Path | None = None,
-         certificate_chain: tuple[str | Path, ...] = (), trust_unsigned: bool = False,
-         allow_not_signed_off: bool = False) -> Deployment:
+def load(folder: str | Path, trust: TrustPolicy | None = None, threads: int | None = None, cpu: CpuProfile | None = None,
+         *, public_key: str | Path | None = None, certificate_chain: tuple[str | Path, ...] = (),
+         trust_unsigned: bool = False, allow_not_signed_off: bool = False) -> Deployment:
     """Verify `folder` and return its Deployment. Refuses (one line) an incomplete, changed or untrusted folder
     (exit 3), one this machine cannot run as it was checked (exit 4), and one its build did not sign off
     (NotSignedOff with the verdict's exit code: 1, 6 or 7) unless `allow_not_signed_off`: the door every command,
@@ -203,21 +202,26 @@ def load(folder: str | Path, expected_files: dict[str, str] | None = None, trust
     cache) is refused (exit 3) unless `trust_unsigned`; ONNX and OpenVINO folders load, "unsigned". `trust` passes a
     policy already built. Every file is copied into a private folder first, and verified and loaded from that copy.
 
-    `expected_files` (name -> sha256) stands in for the manifest while this process builds the folder (read in place).
     `threads` replaces the recorded compute threads (a Ray actor gets the CPUs it was scheduled with:
     ONNX Runtime's default pool would take every core of the node). `cpu`: this machine's CPU profile (read here by
     default), which the sign-off's scope and the backend's native-precision checks are judged on.
     """
     folder = Path(folder)
-    cpu = cpu or CpuProfile.here()
-    copy = None
-    if expected_files is not None:  # this build's own staging folder
-        policy = TrustPolicy(trust_unsigned=True)
-    else:
-        policy = trust or TrustPolicy.of(public_key, certificate_chain, trust_unsigned)
-        if not folder.is_dir():
-            raise InputRejected(f"{folder}: artifact folder not found")
-        copy = private_copy(folder)
+    policy = trust or TrustPolicy.of(public_key, certificate_chain, trust_unsigned)
+    if not folder.is_dir():
+        raise InputRejected(f"{folder}: artifact folder not found")
+    return _load(folder, private_copy(folder), None, policy, threads, cpu or CpuProfile.here(), allow_not_signed_off)
+
+
+def load_staged(staging: Path, staged_files: dict[str, str], cpu: CpuProfile) -> Deployment:
+    """The folder this build process is staging (its own files, in the build folder it holds locked: read in place,
+    no manifest yet, `staged_files` (name -> sha256) standing in for it, no verdict yet). Not an API for folders
+    from anywhere else: `load` is, and it copies, checks the signature and enforces the verdict."""
+    return _load(Path(staging), None, staged_files, TrustPolicy(trust_unsigned=True), None, cpu, True)
+
+
+def _load(folder: Path, copy: PrivateCopy | None, expected_files: dict[str, str] | None, policy: TrustPolicy,
+          threads: int | None, cpu: CpuProfile, allow_not_signed_off: bool) -> Deployment:
     files = copy.path if copy is not None else folder
     try:
         problems = check(files, expected_files, policy, cpu)
@@ -288,7 +292,9 @@ def check(folder: Path, expected_files: dict[str, str] | None = None, trust: Tru
     carry, or a whole TrustPolicy (which also refuses unsigned native code it does not trust). Nothing in the folder
     is deserialized before its hash has matched."""
     cpu = cpu or CpuProfile.here()
-    policy = trust if isinstance(trust, TrustPolicy) else TrustPolicy(key=trust, trust_unsigned=True)
+    # No policy given: the strict one, as `load` applies it (native code only signed): a caller that means to accept
+    # unsigned native code says so with TrustPolicy(trust_unsigned=True).
+    policy = trust if isinstance(trust, TrustPolicy) else TrustPolicy(key=trust)
     if not folder.is_dir():
         return [Problem(line=f"artifact folder not found: {folder}", exit_code=3)]
     if policy.key is not None:  # first: the signature covers the manifest, which is read next
@@ -309,7 +315,7 @@ def check(folder: Path, expected_files: dict[str, str] | None = None, trust: Tru
         return [Problem(line=f"{RESOURCE_CONFIG} is unreadable: {first_line(exc)}", exit_code=3)]
     if line := _config_problem(config, expected, policy):
         return [Problem(line=line, exit_code=3)]
-    if config.model_file.endswith(".onnx"):  # what loading would refuse, refused here: verify says what run says
+    if _reads_onnx(config):  # what loading would refuse, refused here: verify says what run says
         from accel_opt.graph.load import check_model_file
 
         try:
@@ -322,6 +328,12 @@ def check(folder: Path, expected_files: dict[str, str] | None = None, trust: Tru
     except Unsupported as exc:
         return [Problem(line=str(exc), exit_code=4)]
     return [Problem(line=line, exit_code=4) for line in _environment_problems(folder, config, cpu)]
+
+
+def _reads_onnx(config: ResourceConfig) -> bool:
+    """Whether the folder's backend parses its model file as ONNX: by the backend, never by the file's suffix (an
+    engine node in `model.ONNX` passed a check keyed on ".onnx"). OpenVINO reads its IR (.xml) otherwise."""
+    return config.backend == "onnxruntime" or (config.backend == "openvino" and not config.model_file.lower().endswith(".xml"))
 
 
 def _config_problem(config: ResourceConfig, listed: dict[str, str], policy: TrustPolicy) -> str | None:

@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import shutil
+import stat
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -55,6 +56,21 @@ def open_plain(path: Path, flags: int, mode: int = 0o644) -> int:
 def planted_link(path: Path) -> UsageError:
     return UsageError(f"{path} is a symbolic link: accel-opt run never writes through one (remove it, or choose "
                       "another --out)")
+
+
+def refuse_foreign_links(path: Path) -> None:
+    """UsageError when a folder on the way to `path` is a symbolic link another user owns (not this user, not root):
+    a link planted in a shared folder (`shared/sub -> victim/`) would take the job's lock, predictions and outputs
+    somewhere else. This user's own links, and the system's, are followed: the rule of Linux's protected_symlinks."""
+    here = Path(os.path.abspath(path)).parent
+    for folder in [*reversed(here.parents), here]:
+        try:
+            info = os.lstat(folder)
+        except OSError:
+            return  # not there yet: created by the job, as a real folder
+        if stat.S_ISLNK(info.st_mode) and info.st_uid not in (os.getuid(), 0):
+            raise UsageError(f"{folder} is a symbolic link owned by another user (uid {info.st_uid}): accel-opt run "
+                             "never writes through one (choose another --out)")
 
 
 def empty_file(path: Path) -> None:
@@ -120,6 +136,7 @@ class Outputs:
         """UsageError for a predictions path that is a folder, for contradictory flags, and when a file the
         job writes is an input, or anywhere below an input folder (read recursively), or when an input lies in the
         outputs folder. Checked before anything is created or truncated."""
+        refuse_foreign_links(self.predictions)
         if self.predictions.is_dir() or self.errors.is_dir():
             raise UsageError(f"--out {self.predictions} is a folder: give the predictions file, such as "
                              f"{self.predictions / 'predictions.jsonl'}")

@@ -6,8 +6,7 @@ part files itself, from the answers as they arrive: each under a temporary name,
 rename, so a published part is whole and a killed job leaves none half-written. Ray runs a batch at least
 once (failed tasks are retried, dead actors restarted), so answers are kept by input key, the first one
 winning; the job ends by reading the published parts back and checking that every listed input is answered
-exactly once (a mismatch fails the job). Order across parts is not promised; `--sorted` writes one file
-in input order.
+exactly once (a mismatch fails the job). Order across parts is not promised; `--sorted` writes one file in input order.
 
 The folder (`OutFolder`): `part-<run>-<n>.jsonl|.parquet` (records), `rejected-<run>-<n>.jsonl`
 ({"input", "error"}), `predictions.outputs/` (artifacts without a postprocess: each input's arrays as .npz, sent
@@ -35,7 +34,7 @@ from pydantic import BaseModel
 
 from accel_opt.errors import InternalError, ResourceExhausted, UsageError
 from accel_opt.files import now_utc, write_bytes, write_json
-from accel_opt.runtime import Deployment
+from accel_opt.runtime import Deployment, output
 from accel_opt.runtime.inputs import job_inputs, unique_inputs
 from accel_opt.runtime.output import Outputs, input_key, open_plain, read_record, real_folder, refuse_other_artifact
 from accel_opt.runtime.ray.cluster import ray_session
@@ -110,6 +109,7 @@ class OutFolder:
         write_bytes(target, npz)
 
     def refuse_bad_path(self) -> None:
+        output.refuse_foreign_links(self.folder / SUMMARY)
         if self.folder.exists() and not self.folder.is_dir():
             raise UsageError(f"--out {self.folder} is a file: with --engine ray, --out names a folder (of part files)")
 
