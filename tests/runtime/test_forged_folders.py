@@ -55,7 +55,23 @@ FORGERIES = {
     # Every number a folder supplies is bounded before anything loads (issue 74: 20,000 threads started 14,000).
     "20000 threads": lambda f: _config(f, threads=20000),
     "a batch of a billion rows": lambda f: _config(f, batch_size=10**9),
+    # The TensorRT EP (read against ORT's option names; no GPU needed: refused before any session): an engine listed as
+    # a timing file is still native code, and a cache prefix is a name, never a path.
+    "a TensorRT EP engine listed as a timing file": lambda f: _trt_ep(f, {"trt_engine_cache_prefix": "ort-trt"},
+                                                                     timing_files=["ort-trt_0.engine"]),
+    "a TensorRT EP cache prefix that climbs out": lambda f: _trt_ep(f, {"trt_engine_cache_prefix": "../timing/ort-trt"}),
+    "a TensorRT EP cache switched on without its files": lambda f: _trt_ep(f, {"trt_engine_cache_enable": "True"}),
 }
+
+
+def _trt_ep(folder: Path, options: dict, timing_files: tuple = ()) -> None:
+    config = json.loads((folder / "resource_config.json").read_text())
+    for name in timing_files:
+        (folder / name).write_bytes(b"engine bytes")
+    settings = {**config["settings"], "execution_provider": "TensorrtExecutionProvider",
+                "provider_options": {"TensorrtExecutionProvider": options},
+                "trt_engine_cache": {"engine_files": [], "timing_files": list(timing_files)}}
+    _config(folder, settings=settings, extra_files=[*config["extra_files"], *timing_files])
 
 
 def _config(folder: Path, **fields) -> None:
@@ -215,3 +231,17 @@ def test_check_without_a_policy_is_as_strict_as_load(classifier, tmp_path):
     (refused,) = runtime.check(folder)
     assert refused.exit_code == 3 and "AOTInductor package" in refused.line and "not signed" in refused.line
     assert all("not signed" not in p.line for p in runtime.check(folder, trust=TrustPolicy(trust_unsigned=True)))
+
+
+@pytest.mark.parametrize("forgery", [name for name in FORGERIES if "TensorRT EP" in name])
+def test_a_tensorrt_ep_cache_in_an_unsigned_folder_is_refused_as_native_code_not_as_a_missing_gpu(classifier, tmp_path,
+                                                                                                   forgery):
+    """Issue 74: these ended exit 4 ("needs a GPU") where a GPU is missing, and would have loaded the engine where one is
+    present. Refused before anything loads, exit 3, on any machine."""
+    from accel_opt import runtime
+
+    folder = Path(shutil.copytree(classifier, tmp_path / classifier.name))
+    FORGERIES[forgery](folder)
+    _rehash(folder)
+    (problem,) = runtime.check(folder)
+    assert problem.exit_code == 3 and ("TensorRT EP engines" in problem.line or "trt_engine_cache_prefix" in problem.line)

@@ -328,3 +328,19 @@ def test_a_job_past_its_timeout_ends_with_exit_5_not_a_hang(classifier, big_inpu
     assert summary["status"] == "incomplete"
     records, _ = _answers(out)
     assert len({r["input"] for r in records}) == len(records) < 480  # what was published is whole and once
+
+
+@pytest.mark.slow
+def test_the_local_ray_temp_folder_is_this_users_alone():
+    """Issue 74: Ray makes its temp folder and its sockets/, logs/ and runtime_resources/ world-writable (0777); they
+    live inside a 0700 folder of this user's, which no other user can enter."""
+    import glob
+
+    from accel_opt.runtime.ray.cluster import ray_session
+
+    before = set(glob.glob("/tmp/aoray-*"))
+    with ray_session(None, num_cpus=1):
+        (mine,) = set(glob.glob("/tmp/aoray-*")) - before
+        assert os.stat(mine).st_mode & 0o777 == 0o700 and os.stat(mine).st_uid == os.getuid()
+        assert os.listdir(mine) == ["r"]
+    assert not os.path.exists(mine)

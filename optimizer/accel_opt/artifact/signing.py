@@ -94,7 +94,11 @@ def native_code_of(backend: str, settings: dict) -> str | None:
     package or TensorRT plan, or the TensorRT EP's serialized engines of an ONNX Runtime build."""
     if backend in NATIVE_CODE:
         return NATIVE_CODE[backend]
-    if (settings.get("trt_engine_cache") or {}).get("engine_files"):
+    # Any TensorRT EP cache counts, not only files listed as engines: an engine listed as a timing file (and a prefix
+    # pointing there) would load just the same; and an engine cache switched on reads what it finds.
+    cache = settings.get("trt_engine_cache") or {}
+    options = (settings.get("provider_options") or {}).get("TensorrtExecutionProvider") or {}
+    if cache.get("engine_files") or cache.get("timing_files") or str(options.get("trt_engine_cache_enable")).lower() == "true":
         return "TensorRT EP engines (executable GPU code)"
     return None
 

@@ -22,6 +22,7 @@ Nothing here imports onnxruntime at module level.
 from __future__ import annotations
 
 import logging
+import re
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -138,7 +139,21 @@ def provider_option_problem(provider_options: dict) -> str | None:
         if unknown := sorted(set(options) - FOLDER_PROVIDER_OPTIONS):
             return (f"resource_config.json: {provider} option {unknown[0]} is not one a build records (allowed: "
                     f"{', '.join(sorted(FOLDER_PROVIDER_OPTIONS))}); refusing options that name libraries or paths")
+        for option, value in options.items():  # and only values a build writes: no path hides in a prefix
+            if problem := _value_problem(option, str(value)):
+                return f"resource_config.json: {provider} option {option} {value!r}: {problem}"
     return None
+
+
+def _value_problem(option: str, value: str) -> str | None:
+    if option == "trt_engine_cache_prefix":
+        return None if value == TRT_ENGINE_PREFIX else f"a build writes {TRT_ENGINE_PREFIX!r} (the engines' names)"
+    if option in ("use_tf32", "trt_engine_cache_enable", "trt_timing_cache_enable"):
+        return None if value in ("0", "1", "True", "False", "true", "false") else "not a switch"
+    if option.startswith("trt_profile_"):  # name:AxBxC,name:...
+        return None if re.fullmatch(r"[\w.:/-]+:\d+(x\d+)*(,[\w.:/-]+:\d+(x\d+)*)*", value) and ".." not in value \
+            else "not a list of NAME:DIMS"
+    return None if value.isdigit() else "not a count"
 
 
 def provider_entries(provider: str, options: dict[str, str] | None = None, allow_cpu_nodes: bool = False,

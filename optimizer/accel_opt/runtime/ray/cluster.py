@@ -97,7 +97,11 @@ def ray_session(address: str | None, verbose: bool = False, num_cpus: int | None
         yield RaySession(address=ray.get_runtime_context().gcs_address, cpus=int(ray.cluster_resources().get("CPU", 0)),
                          start_seconds=0.0)
         return
-    temp_dir = tempfile.mkdtemp(prefix="aoray-", dir="/tmp") if local else None  # short: Ray's socket paths are limited
+    # Short: Ray's socket paths are limited. Ray makes its temp folder and the sockets/, logs/ and runtime_resources/
+    # in it world-writable (0777): inside this 0700 folder of this user's, no other user can reach them.
+    temp_dir = tempfile.mkdtemp(prefix="aoray-", dir="/tmp") if local else None
+    if local:
+        options_temp = os.path.join(temp_dir, "r")
     options = {"log_to_driver": verbose, "logging_level": logging.INFO if verbose else logging.ERROR}
     if local:
         # Token authentication: without it anyone who reaches the cluster's ports runs code in it. Ray (>= 2.59, the
@@ -106,7 +110,7 @@ def ray_session(address: str | None, verbose: bool = False, num_cpus: int | None
         # cluster demands one ("Failed to start GCS"). An explicit RAY_AUTH_MODE=disabled is the user's choice; the
         # summary says which mode ran.
         options.update(address="local", num_cpus=num_cpus or available_cpus(), include_dashboard=False,
-                       object_store_memory=LOCAL_OBJECT_STORE_MIB << 20, _temp_dir=temp_dir, _node_ip_address="127.0.0.1")
+                       object_store_memory=LOCAL_OBJECT_STORE_MIB << 20, _temp_dir=options_temp, _node_ip_address="127.0.0.1")
     else:
         options.update(address=address)
     started = time.perf_counter()
