@@ -216,3 +216,42 @@ def test_12_int8_of_a_model_with_an_inf_weight_names_it(build, data, tmp_path):
                             [X], [Y], [numpy_helper.from_array(conv, "Wc"), fc]), tmp_path / "inf.onnx")
     done = build(model, "--data", data, "--precision", "int8", "--out", tmp_path / "out")
     _one_line(done, 3, "int8: weight 'Wc' of node 'conv' (Conv) holds 1 NaN/Inf value(s)")
+
+
+def test_an_index_past_its_table_at_int8_is_the_datas_fault_in_one_line(build, tmp_path):
+    """Issue 74: a Gather index past its table ended exit 70 (ONNX Runtime's error inside a run, read as a bug) after
+    a coloured log line of ONNX Runtime's. Refused as data (exit 3) naming the sample and input, in one line."""
+    indices = helper.make_tensor_value_info("idx", TensorProto.INT64, ["N", 4])
+    rng = np.random.default_rng(2)
+    model = save(make_model([helper.make_node("Gather", ["E", "idx"], ["g"], name="gather"),
+                             helper.make_node("Flatten", ["g"], ["f"], name="flatten"),
+                             helper.make_node("MatMul", ["f", "W2"], ["y"], name="fc")], [indices], [Y],
+                            [numpy_helper.from_array(rng.standard_normal((10, 8)).astype(np.float32), "E"),
+                             numpy_helper.from_array(rng.standard_normal((32, 10)).astype(np.float32), "W2")]),
+                 tmp_path / "gather.onnx")
+    data = tmp_path / "idx"
+    data.mkdir()
+    for i in range(40):
+        np.savez(data / f"s{i:02d}.npz", idx=rng.integers(0, 10 if i != 7 else 50, (1, 4)).astype(np.int64))
+    done = build(model, "--precision", "int8", "--data", data, "--out", tmp_path / "out")
+    assert done.exit_code == 3 and "s07.npz: input 'idx' holds the index" in done.stderr, done.output
+    assert "outside the 10 rows of the table it indexes (valid: -10 to 9)" in done.stderr
+    assert done.stderr.count("\n") == 1
+
+
+def test_numpys_warnings_inside_a_quantizer_stay_off_the_users_stderr(build, tmp_path):
+    """Issue 74: a NaN bias at int8 put numpy's "All-NaN axis encountered" lines on stderr before the one-line error."""
+    bias = numpy_helper.from_array(np.array([np.nan] + [0.0] * 9, np.float32), "b")
+    model = save(_classifier([helper.make_node("Add", ["h", "b"], ["y"], name="add")], initializers=[bias]),
+                 tmp_path / "nan.onnx")
+    graph = onnx.load(str(model))
+    graph.graph.node[1].output[0] = "h"  # fc feeds the Add
+    onnx.save(graph, str(model))
+    data = tmp_path / "d"
+    data.mkdir()
+    rng = np.random.default_rng(3)
+    for i in range(40):
+        np.savez(data / f"s{i:02d}.npz", x=rng.standard_normal((1, 3, 8, 8)).astype(np.float32))
+    done = build(model, "--precision", "int8", "--data", data, "--out", tmp_path / "out")
+    assert done.exit_code == 3 and "NaN/Inf" in done.stderr and done.stderr.count("\n") == 1, done.output
+    assert "RuntimeWarning" not in done.output

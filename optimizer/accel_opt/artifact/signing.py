@@ -96,8 +96,10 @@ def native_code_of(backend: str, settings: dict) -> str | None:
         return NATIVE_CODE[backend]
     # Any TensorRT EP cache counts, not only files listed as engines: an engine listed as a timing file (and a prefix
     # pointing there) would load just the same; and an engine cache switched on reads what it finds.
-    cache = settings.get("trt_engine_cache") or {}
-    options = (settings.get("provider_options") or {}).get("TensorrtExecutionProvider") or {}
+    cache, options = settings.get("trt_engine_cache"), settings.get("provider_options")
+    cache = cache if isinstance(cache, dict) else {}  # a forged type is refused by the settings check after this
+    options = options.get("TensorrtExecutionProvider") if isinstance(options, dict) else None
+    options = options if isinstance(options, dict) else {}
     if cache.get("engine_files") or cache.get("timing_files") or str(options.get("trt_engine_cache_enable")).lower() == "true":
         return "TensorRT EP engines (executable GPU code)"
     return None

@@ -28,6 +28,18 @@ from accel_opt.preprocess.images import to_model_input
 from accel_opt.recipe.types import Precision
 
 
+def refuse_out_of_range_indices(samples: list[Sample], names: list[str], bounds: dict[str, int]) -> None:
+    """InputRejected (exit 3) naming the first sample whose integer input indexes past the table it indexes (Gather
+    takes [-size, size)): ONNX Runtime would stop inside a run with an error that reads as accel-opt's own bug."""
+    for sample, name in zip(samples, names):
+        for inp, size in bounds.items():
+            values = sample.get(inp)
+            if values is not None and values.size and (values.min() < -size or values.max() >= size):
+                bad = values.max() if values.max() >= size else values.min()
+                raise InputRejected(f"{name}: input {inp!r} holds the index {int(bad)}, outside the {size} rows of the "
+                                    f"table it indexes (valid: {-size} to {size - 1})")
+
+
 def read_and_split(ctx: BuildContext) -> list[Sample]:
     """Every sample read (--data, then --eval-data; synthetic without either), the shapes they resolve, and their
     split into roles (ctx.split, ctx.sample_names); sets ctx.data / ctx.eval_data. Returns the samples."""
@@ -61,6 +73,7 @@ def read_and_split(ctx: BuildContext) -> list[Sample]:
         ctx.sample_names += [f"{ctx.eval_data_dir.name}/{name}" for name in ctx.eval_data.names]
         samples = samples + held
         ctx.data = ctx.data or ctx.eval_data
+    refuse_out_of_range_indices(samples, ctx.sample_names, ctx.loaded.index_bounds)
     ctx.shapes = resolve_shapes(ctx.inputs, recipe.shapes, shapes_of(samples), recipe.batch_axes)
     given = len(samples) - len(held_out or [])
     ctx.verdict_max = _verdict_memory_cap(ctx, accuracy.max_samples)

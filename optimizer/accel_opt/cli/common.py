@@ -51,6 +51,15 @@ def setup_logging(verbose: bool) -> None:
     # its enums. Neither concerns the build; --verbose shows them.
     for name in IMPORT_CHATTER_LOGGERS:
         logging.getLogger(name).setLevel(logging.NOTSET if verbose else logging.ERROR)
+    # Python warnings (numpy's RuntimeWarnings inside a quantizer: "overflow encountered in reduce", "All-NaN axis")
+    # are not the user's one line: logged, and shown with --verbose only. ONNX Runtime's own log (a failed kernel,
+    # in colour) likewise: the error that follows says it in one line.
+    logging.captureWarnings(True)
+    logging.getLogger("py.warnings").setLevel(logging.NOTSET if verbose else logging.ERROR)
+    if not verbose:
+        import onnxruntime
+
+        onnxruntime.set_default_logger_severity(4)
     from polygraphy.logger import G_LOGGER
 
     G_LOGGER.module_severity = G_LOGGER.INFO if verbose else G_LOGGER.CRITICAL
