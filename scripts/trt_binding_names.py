@@ -4,7 +4,7 @@
     python scripts/trt_binding_names.py WHEEL [WHEEL]   # or read wheels already downloaded
 
 Writes tests/data/trt_names/tensorrt-<major>.txt, which tests/backends/test_trt_conformance.py
-checks optimizer/accel_opt/backends/tensorrt.py against. `tensorrt_bindings/tensorrt.so` is a pybind11 module;
+checks optimizer/accel_opt/backends/tensorrt/ (backend.py, build.py, plan.py) against. `tensorrt_bindings/tensorrt.so` is a pybind11 module;
 it cannot be imported here, but its machine code names every binding it registers. The names are
 read from the disassembly (objdump, from binutils), not from `strings`: the linker merges a string
 into the tail of a longer one ("INT8" lives inside "UINT8", "serialize" inside "deserialize"), so a

@@ -255,3 +255,18 @@ def test_numpys_warnings_inside_a_quantizer_stay_off_the_users_stderr(build, tmp
     done = build(model, "--precision", "int8", "--data", data, "--out", tmp_path / "out")
     assert done.exit_code == 3 and "NaN/Inf" in done.stderr and done.stderr.count("\n") == 1, done.output
     assert "RuntimeWarning" not in done.output
+
+
+def test_data_that_drives_a_tensor_past_float32_at_int8_is_refused_as_data(build, tmp_path):
+    """Issue 74: data holding float32's largest value overflowed a layer's output to Inf during calibration; no int8
+    scale represents that range (ONNX Runtime's quantizer can stop on "scale issue"). Refused, exit 3, naming it."""
+    model = save(_classifier(), tmp_path / "m.onnx")
+    data = tmp_path / "big"
+    data.mkdir()
+    rng = np.random.default_rng(4)
+    for i in range(40):
+        x = rng.standard_normal((1, 3, 8, 8)).astype(np.float32)
+        x[0, 0, 0, :] = np.finfo(np.float32).max
+        np.savez(data / f"s{i:02d}.npz", x=x)
+    done = build(model, "--precision", "int8", "--data", data, "--out", tmp_path / "out")
+    assert done.exit_code == 3 and "drives tensor" in done.stderr and done.stderr.count("\n") == 1, done.output

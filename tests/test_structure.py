@@ -118,7 +118,7 @@ def test_long_modules_say_why_they_are_one():
 
 def test_no_submodule_shadows_a_name_its_package_exports():
     """`from accel_opt.accuracy import compare` must stay the function: a submodule of the same name, once imported
-    anywhere, replaces the package's attribute with itself (it did: accuracy/compare.py hid accuracy.compare())."""
+    anywhere, replaces the package's attribute with itself (it did: a module accuracy/compare.py, since gone, hid accuracy.compare())."""
     clashes = []
     for name, path in MODULES.items():
         if path.name != "__init__.py":

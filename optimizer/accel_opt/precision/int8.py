@@ -23,7 +23,6 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-from onnx import numpy_helper
 
 from accel_opt.data import Sample
 from accel_opt.errors import InputRejected, Unsupported
@@ -32,6 +31,7 @@ from accel_opt.graph.inspect import opset_of
 from accel_opt.graph.save import EXTERNAL_DATA_ABOVE_BYTES, external_files, tensor_bytes, upgrade_opset
 from accel_opt.machine.cpu import CpuProfile
 from accel_opt.precision.calibration import calibration_errors
+from accel_opt.precision.finite import refuse_nonfinite_ranges, refuse_nonfinite_weights
 from accel_opt.precision.fp16 import validate
 from accel_opt.precision.int8_presets import QuantPreset, resolve_preset, weight_range
 from accel_opt.precision.report import CalibrationReport, KeptNode, PrecisionReport
@@ -116,11 +116,13 @@ def quantize(model_path: Path, samples: list[Sample], config: CalibrationConfig,
                 notes.append(f"calibration cache entry {cached.name} is invalid ({exc}); recalibrated")
         if not cache_hit:
             prepared, ranges, large = _prepared_and_ranges(model_path, samples, settings, tmp, cache_dir, ranges_key, notes)
+            movers = [name for name, _ in output_movers(prepared)]
+            refuse_nonfinite_weights(prepared, set(_op_types(settings)), {*exclude, *movers})  # names the cause first
+            refuse_nonfinite_ranges(ranges)
             # Staged under the final name: an external data file keeps the name the model refers to.
             staged = tmp / "staged" / out_path.name
             staged.parent.mkdir()
             overrides = _signed_input_overrides(prepared, ranges) if settings.preset.symmetric_signed_inputs else {}
-            movers = [name for name, _ in output_movers(prepared)]
             _quantize_with_ranges(prepared, ranges, overrides, settings, staged, large, [*exclude, *movers])
             if not large:  # a model beyond protobuf's 2 GB is refined nowhere yet
                 notes += refine(prepared, staged, samples, settings, cache_dir, rounding_key, fit_key,
@@ -345,7 +347,6 @@ def _quantize_with_ranges(
     `overrides`: ORT's per-tensor TensorQuantOverrides (see `_signed_input_overrides`)."""
     from onnxruntime.quantization import QuantFormat, QuantType, quantize_static
 
-    _refuse_nonfinite_weights(model, set(_op_types(settings)), set(exclude))
     preset = settings.preset
     qtypes = {"uint8": QuantType.QUInt8, "int8": QuantType.QInt8}
     quantize_static(
@@ -373,22 +374,6 @@ def _quantize_with_ranges(
             "TensorQuantOverrides": overrides,
         },
     )
-
-
-def _refuse_nonfinite_weights(model: Path, op_types: set[str], exclude: set[str]) -> None:
-    """InputRejected (exit 3) naming a NaN/Inf weight of a node that would be quantized: it has no int8 scale (ONNX
-    Runtime stops on an assertion, "scale issue"). Weights of nodes left in float (a -inf mask constant) are fine."""
-    proto = onnx.load(str(model))
-    weights = {t.name: t for t in proto.graph.initializer if t.data_type in (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16)}
-    for node in proto.graph.node:
-        if node.op_type not in op_types or node.name in exclude:
-            continue
-        for name in (n for n in node.input if n in weights):
-            values = numpy_helper.to_array(weights[name])
-            if not np.isfinite(values).all():
-                raise InputRejected(f"int8: weight {name!r} of node {node.name!r} ({node.op_type}) holds "
-                                    f"{int((~np.isfinite(values)).sum())} NaN/Inf value(s): no int8 scale can represent "
-                                    "it; fix the weights, or build fp32/fp16")
 
 
 def _signed_input_overrides(model: Path, ranges_file: Path) -> dict[str, list[dict]]:

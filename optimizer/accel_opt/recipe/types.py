@@ -30,7 +30,7 @@ class CalibrationMethod(str, enum.Enum):
 
 
 class QuantTarget(str, enum.Enum):
-    """Which hardware the Q/DQ graph is tuned for (see optimizer/precision/int8.py presets)."""
+    """Which hardware the Q/DQ graph is tuned for (see optimizer/accel_opt/precision/int8_presets.py)."""
 
     auto = "auto"  # follows the backend
     ort_cpu = "ort_cpu"

@@ -1,6 +1,6 @@
 """The TensorRT engine build, run in a child process: `python -m accel_opt.backends.tensorrt.build REQUEST.json`.
 
-The parent (backends/tensorrt.py) writes the request, runs this with a timeout and its output saved
+The parent (backends/tensorrt/backend.py) writes the request, runs this with a timeout and its output saved
 to a log, and maps the outcome: exit 0 built; 3 the ONNX parser rejected the model; 5 out of GPU
 memory; 1 the builder failed; 70 (or a signal) a crash, which is why this runs in its own process.
 The result JSON says what was built. The network is strongly typed: precision comes from the
