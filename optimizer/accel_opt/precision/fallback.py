@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Literal, Protocol
 
 import numpy as np
 import onnx
@@ -35,6 +35,16 @@ from accel_opt.precision.search import Build, Remedy, SearchActions, SearchStep,
 from accel_opt.recipe.gate import Tolerance
 from accel_opt.recipe.stages import FallbackConfig
 from accel_opt.recipe.types import Precision
+
+
+class SearchLimits(Protocol):
+    """What `--precision auto` tells one candidate's rescue search (builder.context.CandidateLimits is the one): its
+    share of the time budget, why a build at some speed-up cannot win, and where each step is reported."""
+
+    search_budget_s: float
+    on_step: Callable[[SearchStep], None] | None
+
+    def cannot_win(self, speedup: float | None) -> str | None: ...
 
 FP16_MAX = 65504.0
 FLOAT_BY_DESIGN = "accel_opt.float_by_design"  # metadata key: nodes the fallback left in float on purpose
@@ -118,10 +128,11 @@ class Actions:
 
 
 def run(precision: Precision, config: FallbackConfig, actions: Actions, out_path: Path, probe_samples: int,
-        probe_source: str, fixed: Sequence[KeptNode] = (), limits=None) -> tuple[PrecisionReport, FallbackReport, Path]:
+        probe_source: str, fixed: Sequence[KeptNode] = (), limits: SearchLimits | None = None,
+        ) -> tuple[PrecisionReport, FallbackReport, Path]:
     """Build `precision` (keeping `fixed` in fp32), rescued by the fallback when the probes fail; returns the
     chosen build's report, the fallback's and its path (beside `out_path`; `out_path` itself when disabled).
-    `limits` (build_context.CandidateLimits): a candidate of --precision auto: its share of the time budget replaces
+    `limits` (SearchLimits: builder.context.CandidateLimits): a candidate of --precision auto: its share of the time budget replaces
     the recipe's, and a build that no rescue can make sign off or win is dropped (CandidateDropped) before its search."""
     if limits is not None:
         config = config.model_copy(update={"time_budget_s": max(limits.search_budget_s, 0.0)})
@@ -182,7 +193,7 @@ def run(precision: Precision, config: FallbackConfig, actions: Actions, out_path
 def _search(precision: Precision, config: FallbackConfig, actions: Actions, report: FallbackReport,
             kept: dict[str, KeptNode], primaries: set[str], naive_path: Path, out_path: Path, verdict: ProbeVerdict,
             groups: dict[str, str], diagnosis: Diagnosis | None, total_flops: int,
-            precision_report: PrecisionReport, limits=None) -> tuple[Path, PrecisionReport]:
+            precision_report: PrecisionReport, limits: SearchLimits | None = None) -> tuple[Path, PrecisionReport]:
     """The measured search (precision/search.py) from the failing naive build; fills `report` and `kept`, returns the
     chosen build and its precision report. With `limits` (auto), a hopeless build raises CandidateDropped instead."""
     fixed = dict(kept)
