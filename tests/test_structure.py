@@ -180,18 +180,27 @@ HOST_READING_TESTS = {  # test modules that read the host, each with why (none m
 
 
 def _host_reads(path: Path) -> list[str]:
-    """Where `path` reads the host's CPU: a reader named or imported, CpuProfile.here, or /proc/cpuinfo spelled out."""
+    """Where `path` reads the host's CPU: a reader named or imported (under any alias), `.here` of CpuProfile however
+    it is reached (a module alias, the qualified name, a class alias), or cpuinfo in any string (pieces joined too)."""
+    tree = ast.parse(path.read_text())
+    profile_names = {"CpuProfile"}  # the class, and every name bound to it (twice: an alias of an alias)
+    for node in [*ast.walk(tree), *ast.walk(tree)]:
+        if isinstance(node, ast.alias) and node.name.rpartition(".")[2] == "CpuProfile" and node.asname:
+            profile_names.add(node.asname)
+        elif isinstance(node, ast.Assign) and isinstance(node.value, (ast.Name, ast.Attribute)) and \
+                ast.unparse(node.value).rpartition(".")[2] in profile_names:
+            profile_names.update(t.id for t in node.targets if isinstance(t, ast.Name))
     found = []
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(tree):
         if isinstance(node, ast.Name) and node.id in HOST_READERS:
             found.append(f"{node.id} (line {node.lineno})")
-        elif isinstance(node, ast.alias) and node.name in HOST_READERS:
+        elif isinstance(node, ast.alias) and node.name.rpartition(".")[2] in HOST_READERS:
             found.append(f"import {node.name}")
         elif isinstance(node, ast.Attribute) and (node.attr in HOST_READERS or (
-                node.attr == "here" and isinstance(node.value, ast.Name) and node.value.id == "CpuProfile")):
+                node.attr == "here" and ast.unparse(node.value).rpartition(".")[2] in profile_names)):
             found.append(f"{ast.unparse(node)} (line {node.lineno})")
-        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value == "/proc/cpuinfo":
-            found.append(f"'/proc/cpuinfo' (line {node.lineno})")
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and "cpuinfo" in node.value:
+            found.append(f"{node.value!r} (line {node.lineno})")
     return found
 
 
@@ -223,6 +232,12 @@ def test_the_host_read_check_can_fail(tmp_path):
                       "    open('/proc/cpuinfo')\n")
     reads = _host_reads(sneaky)
     assert reads[0] == "import cpu_flags" and len(reads) == 4, reads
+    aliased = tmp_path / "test_aliased.py"  # what passed before (issue 75): aliases, a qualified call, joined pieces
+    aliased.write_text("import accel_opt.machine.cpu as c\nimport accel_opt\nfrom accel_opt.machine.cpu import "
+                       "CpuProfile as P\nQ = P\n\n\ndef test_x():\n    c.CpuProfile.here()\n"
+                       "    accel_opt.machine.cpu.CpuProfile.here()\n    P.here()\n    Q.here()\n"
+                       "    open('/proc/' + 'cpuinfo')\n")
+    assert len(_host_reads(aliased)) == 5, _host_reads(aliased)
     assert not _host_reads(ROOT / "tests" / "builder" / "test_cpu_profiles.py")  # CpuProfile.of_class injects
 
 
