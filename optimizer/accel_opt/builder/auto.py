@@ -236,8 +236,10 @@ def _fill(candidate: Candidate, result: BuildResult, target: int) -> None:
     gated = [c for c in accuracy.checks if c.gated]
     candidate.rates = [c.evidence for c in gated if c.evidence is not None and c.labeled is None]
     candidate.labeled = [c.labeled for c in gated if c.labeled is not None]
-    candidate.checks_passed = all(c.passed for c in gated if c.evidence is None and c.labeled is None) and \
-        len(result.failures) == len(accuracy.failures)  # the benchmark gate's failures are not rates
+    # The benchmark gate's failures are not rates: they are the verdict's reasons beyond the accuracy gate's (a missing
+    # benefit is read on its own, candidate.benefit).
+    bench_failed = result.verdict.outcome == "gate failed" and len(result.verdict.reasons) > len(accuracy.failures)
+    candidate.checks_passed = all(c.passed for c in gated if c.evidence is None and c.labeled is None) and not bench_failed
     candidate.benefit = result.verdict.benefit
     if accuracy.steering is not None:
         candidate.steering_passed, candidate.steering_loss = accuracy.steering.passed, accuracy.steering.loss

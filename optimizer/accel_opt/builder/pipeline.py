@@ -129,7 +129,7 @@ def build(
             final = out_dir / artifact_name(ctx)
             result = BuildResult(
                 model=str(model), precision=recipe.precision.value, backend=backend.name, verdict=ctx.verdict,
-                artifact_dir=str(final), failures=ctx.verdict.reasons, stages=stages,
+                artifact_dir=str(final), stages=stages,
                 worst_cosine=ctx.accuracy.worst_cosine, data=data_record(ctx),
                 evaluated=ctx.accuracy.evaluation.deployment,
                 samples_needed=ctx.accuracy.samples_needed, trial_unit=ctx.accuracy.trial_unit,

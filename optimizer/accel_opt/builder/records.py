@@ -67,7 +67,7 @@ def reuse(ctx: BuildContext, final: Path, model: str, stages: list[StageResult],
         model=model, precision=manifest.precision, backend=manifest.backend, verdict=manifest.verdict,
         samples_needed=accuracy.samples_needed, data_samples_needed=data_samples_needed(ctx, accuracy.samples_needed),
         trial_unit=accuracy.trial_unit,
-        artifact_dir=str(final), failures=manifest.verdict.reasons, stages=stages,
+        artifact_dir=str(final), stages=stages,
         worst_cosine=accuracy.worst_cosine, data=data_record(ctx), evaluated=accuracy.evaluation.deployment, reused=True,
     )
     fill_headline(result, bench)
@@ -199,8 +199,7 @@ def write_reports(ctx: BuildContext) -> str:
         signoff_markdown(name, ctx.verdict, ctx.accuracy, ctx.precision, ctx.data, len(ctx.calibration_samples),
                                 ctx.notes + (ctx.precision.notes if ctx.precision else [])
                                 + ([ctx.limits.family_note] if ctx.limits and ctx.limits.family_note else [])
-                                + [f"Benchmark gate failed: {line}" for line in ctx.bench.failures]
-                                + ([f"Benefit: {ctx.verdict.benefit.line()}."] if ctx.verdict.benefit else []),
+                                + [f"Benchmark gate failed: {line}" for line in ctx.bench.failures],
                                 fallback=ctx.fallback, bench=ctx.bench),
     )
     if ctx.fallback is not None and ctx.fallback.naive_profile:

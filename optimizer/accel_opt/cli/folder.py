@@ -42,26 +42,25 @@ def verify_command(artifact, accuracy, as_json, allow_not_signed_off, public_key
     from accel_opt import runtime
     from accel_opt.machine.cpu import CpuProfile
 
-    recheck = scope = trust = deployment = None
+    recheck = scope = trust = manifest = files = None
     try:
         trust, cpu = trust_from(public_key, certificate_chain, trust_unsigned), CpuProfile.here()
         problems = runtime.check(artifact, trust=trust, cpu=cpu)
         if not problems:
-            # Everything below reads the verified private copy. Only --accuracy runs the folder: without it a verdict
-            # that is not a sign-off is reported (and is the exit code), not refused.
-            deployment = runtime.load(artifact, trust=trust, cpu=cpu, allow_not_signed_off=allow_not_signed_off or not accuracy)
-            if accuracy:  # before the scope, so its line states the verdict of this re-check
+            files = artifact  # checked in place: nothing in it runs, its verdict is reported (and is the exit code)
+            if accuracy:  # runs the folder: through the door (the verified copy, the verdict enforced), read from there
                 from accel_opt.runtime.probe import recheck as run_recheck
 
-                recheck = run_recheck(deployment)
-            scope = deployment.scope()
+                deployment = runtime.load(artifact, trust=trust, cpu=cpu, allow_not_signed_off=allow_not_signed_off)
+                files, recheck = deployment.files, run_recheck(deployment)  # before the scope: its line says this
+            manifest, scope = runtime.read_manifest(files), runtime.sign_off_scope(files, cpu)
             if recheck is not None and not scope.same_class:
                 scope.remembered = recheck.passed
     except (AccelOptError, MemoryError, Exception) as exc:  # noqa: BLE001 - a bug is exit 70 with one line
         fail(exc, False, as_json)
         return
     exit_code = 3 if any(p.exit_code == 3 for p in problems) else 4 if problems else 0
-    verdict = deployment.verdict if deployment is not None else None
+    verdict = manifest.verdict if manifest is not None else None
     if verdict is not None and not verdict.signed_off:  # the build's own code: 1, 6 or 7
         exit_code = verdict.exit_code
     if recheck is not None and not recheck.passed:
@@ -70,13 +69,13 @@ def verify_command(artifact, accuracy, as_json, allow_not_signed_off, public_key
     if recheck is not None:
         from accel_opt.runtime.probe import probe_evaluated, recheck_reach
 
-        evaluated = probe_evaluated(deployment.files)
+        evaluated = probe_evaluated(files)
         judged = f"{recheck.sample_count} probe samples" + (f" of the {evaluated} the build judged" if evaluated else "")
         reach = recheck_reach(recheck, evaluated)
     if as_json:
         click.echo(json.dumps({"artifact_dir": str(artifact), "ok": exit_code == 0, "exit_code": exit_code,
                                "signature_checked": trust is not None and trust.key is not None,
-                               "signature": _signature_line(deployment.files, trust) if deployment else None,
+                               "signature": _signature_line(files, trust) if files else None,
                                "problems": [p.model_dump() for p in problems],
                                "signed_off": verdict.signed_off if verdict else None,
                                "verdict": verdict.model_dump(mode="json") if verdict else None,
@@ -88,8 +87,7 @@ def verify_command(artifact, accuracy, as_json, allow_not_signed_off, public_key
         for problem in problems:
             click.echo(f"accel-opt: {artifact}: {problem.line}", err=True)
     else:
-        manifest = runtime.read_manifest(deployment.files)
-        click.echo(f"{'ok' if exit_code == 0 else 'not ok'}: {artifact}: signature: {_signature_line(deployment.files, trust)}; "
+        click.echo(f"{'ok' if exit_code == 0 else 'not ok'}: {artifact}: signature: {_signature_line(files, trust)}; "
                    f"{len(manifest.artifacts)} files match manifest.json; {manifest.backend} {manifest.precision} runs "
                    f"here as built; verdict: {verdict.line()}; "
                    f"{scope.line(artifact)}")

@@ -103,10 +103,11 @@ def _inferred(proto: onnx.ModelProto, shapes: dict[str, list[int]]) -> list[Decl
             for dim, size in zip(dims, shapes[value.name]):
                 dim.Clear()
                 dim.dim_value = int(size)
-    found = []
-    # Two inferences, each following values the other does not: ONNX's data propagation (shapes computed from Shape,
-    # Gather, Concat...) and ONNX Runtime's symbolic shape inference, which also folds constants of other types (a
-    # float tensor cast to int64 before ConstantOfShape: 229 bytes asking for 25.6 GB, which ONNX's alone misses).
+    found: list[Declared] = []
+    # ONNX's data propagation (shapes computed from Shape, Gather, Concat...) first; where it leaves a value's shape
+    # unknown, ONNX Runtime's symbolic shape inference too, which also folds constants of other types (a float tensor
+    # cast to int64 before ConstantOfShape: 229 bytes asking for 25.6 GB, which ONNX's alone misses). A model ONNX's
+    # inference resolves whole (most) pays for one pass.
     for infer in (lambda m: onnx.shape_inference.infer_shapes(m, data_prop=True), _symbolic):
         try:
             inferred = infer(model)
@@ -114,13 +115,17 @@ def _inferred(proto: onnx.ModelProto, shapes: dict[str, list[int]]) -> list[Decl
             continue
         if inferred is None:  # ONNX Runtime's gives up on some models (None)
             continue
+        resolved = set()
         for value in [*inferred.graph.value_info, *inferred.graph.output]:
             tensor = value.type.tensor_type
             dims = [d.dim_value if d.HasField("dim_value") else None for d in tensor.shape.dim]
             if not tensor.HasField("shape") or None in dims:
                 continue
+            resolved.add(value.name)
             found.append(Declared(math.prod(dims) * _itemsize(tensor.elem_type),
                                   f"tensor {value.name!r}: {dims} {_type_name(tensor.elem_type)}"))
+        if all(name in resolved for node in model.graph.node for name in node.output if name):
+            break
     return found
 
 

@@ -55,7 +55,6 @@ class BuildResult(BaseModel):
     throughput_per_s: float | None = None  # at the largest benchmarked batch
     headline: list[Headline] = []
     worst_cosine: float | None = None  # over outputs, against the fp32 reference
-    failures: list[str] = []
     error: str | None = None
     data: DataRecord | None = None
     evaluated: str | None = None  # what the gate ran: the artifact's files, backend, precision, batch
@@ -72,6 +71,11 @@ class BuildResult(BaseModel):
     @property
     def exit_code(self) -> int:
         return self.verdict.exit_code
+
+    @computed_field
+    @property
+    def failures(self) -> list[str]:  # the verdict's reasons: each failed check, or the missing benefit
+        return self.verdict.reasons
 
     @property
     def eval_samples(self) -> list[Sample]:
