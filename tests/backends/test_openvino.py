@@ -337,21 +337,38 @@ needs_nncf = pytest.mark.skipif(importlib.util.find_spec("nncf") is None or impo
                                 reason="nncf and openvino are not installed (pip install 'accel-opt[openvino]')")
 
 
+class _TickingClock:
+    """The search's and the weight remedies' clock, injected: 10 ms per reading, whatever this host's speed, so which
+    remedies a budget lets run is the same on every machine (AdaRound took 191 s of a 120 s wall-clock budget on a
+    loaded host, and NNCF was never tried)."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def monotonic(self) -> float:
+        self.now += 0.01
+        return self.now
+
+
 @needs_nncf
-def test_the_search_adopts_nncf_where_it_holds_and_the_ir_it_wrote_is_what_ships(tmp_path):
+def test_the_search_adopts_nncf_where_it_holds_and_the_ir_it_wrote_is_what_ships(tmp_path, monkeypatch):
     """The spiky CNN's x2000 channel ruins this project's per-tensor activation ranges whatever the remedy; OpenVINO
     folds the constant Mul into the next Conv's weights before NNCF calibrates, so NNCF's build holds. The search says
     so on its own measurements, and the folder ships NNCF's IR, checked and hashed like any model file."""
+    import accel_opt.precision.adaround as adaround
+    import accel_opt.precision.output_fit as output_fit
+    import accel_opt.precision.search as search_module
     from accel_opt import runtime
 
     from ..conftest import FAST_BENCH, image_npz_folder, save, spiky_cnn
 
+    clock = _TickingClock()
+    for module in (search_module, adaround, output_fit):
+        monkeypatch.setattr(module, "time", clock)
     model = save(spiky_cnn(), tmp_path / "spiky.onnx")
     data = image_npz_folder(tmp_path / "data", 120)
     recipe = Recipe().with_overrides(backend="openvino", precision="int8", benchmark=FAST_BENCH, **{
-        # No time budget that a slow host could exhaust before NNCF is tried (AdaRound took 191 s of 120 on a loaded
-        # host): which remedies run may not depend on the machine's speed.
-        "precision_options.fallback.min_speedup": 0.01, "precision_options.fallback.time_budget_s": 1e6})
+        "precision_options.fallback.min_speedup": 0.01, "precision_options.fallback.time_budget_s": 120})
     result = build(model, recipe, data_dir=data, out_dir=tmp_path / "out")
     assert result.signed_off, result.failures
     folder = Path(result.artifact_dir)
