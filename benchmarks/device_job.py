@@ -348,7 +348,7 @@ def _cuda_graph_ratio(folder: Path, batch: int) -> float:
     import torch
 
     from accel_opt import runtime
-    from accel_opt.backends.torch.package import load_package
+    from accel_opt.backends.torch.loader import load_package
 
     deployment = runtime.load(folder, trust_unsigned=True, allow_not_signed_off=True)
     shape = list(deployment.config.inputs[0].shape_used)

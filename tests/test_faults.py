@@ -187,3 +187,31 @@ def test_a_full_disk_mid_run_leaves_whole_lines_and_resume_finishes(small_mount,
     assert json.loads(result.stdout)["skipped"] == len(lines)
     answers = [json.loads(line)["input"] for line in out.read_text().splitlines()]
     assert answers == [str(feeds / p.name) for p in sorted(feeds.iterdir())]
+
+
+@pytest.mark.slow
+def test_sigterm_ends_a_run_within_seconds_even_when_the_folder_asks_for_every_thread(classifier, photos, tmp_path):
+    """A folder may ask for up to 1,024 compute threads (more is refused at load); the run takes the CPUs it may use,
+    and SIGTERM mid-job ends it (exit 143, every line whole) as Ctrl-C would. Issue 74: a forged 20,000 ran 14,000
+    threads on 2 CPUs and outlived SIGTERM for 10 minutes."""
+    from accel_opt.artifact.folder import file_hashes
+
+    folder = Path(shutil.copytree(classifier, tmp_path / classifier.name))
+    config = json.loads((folder / "resource_config.json").read_text())
+    (folder / "resource_config.json").write_text(json.dumps({**config, "threads": 1024}))
+    manifest = json.loads((folder / MANIFEST).read_text())
+    (folder / MANIFEST).write_text(json.dumps({**manifest, "artifacts": file_hashes(folder)}))
+    inputs = tmp_path / "inputs"
+    inputs.mkdir()
+    for i in range(400):  # far more than a run answers in the moments before the signal
+        shutil.copy(sorted(photos.iterdir())[i % 12], inputs / f"{i:04d}.jpg")
+    out = tmp_path / "p.jsonl"
+    proc = subprocess.Popen([sys.executable, "-m", "accel_opt.cli", "run", str(folder), str(inputs), "--out", str(out),
+                             "--trust-unsigned"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    _wait_for(lambda: out.exists() and out.stat().st_size > 0 or proc.poll() is not None)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 143 and "terminated" in stderr and "Traceback" not in stderr, stderr
+    lines = out.read_text().splitlines()
+    assert 0 < len(lines) < 400 and all(json.loads(line)["input"] for line in lines)

@@ -5,6 +5,7 @@ compiler runs: about 20-50 s each on two cores), shared by the tests of this mod
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -329,3 +330,34 @@ def test_a_bf16_plan_that_fails_grows_its_block_list_by_measured_gain(tmp_path):
     assert [k["node"] for k in fallback["kept"]] == ["shifted"]
     settings = json.loads((folder / "resource_config.json").read_text())["settings"]
     assert settings["keep_fp32"] == ["shifted"] and settings["dtype"] == "bfloat16"
+
+
+@pytest.mark.slow
+def test_a_package_that_fails_to_load_leaves_no_unpacked_folder(torch_builds, tmp_path, monkeypatch):
+    """The C++ loader unpacks into the temporary folder and, when the load fails, never removes what it unpacked
+    (torch 2.13). Loaded, failed or freed: the temporary folder is as it was."""
+    import gc
+    import tempfile
+    import zipfile
+
+    from accel_opt.backends.torch.loader import load_package
+
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(temp))
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
+    package = torch_builds["fp32"] / "model.pt2"
+    broken = tmp_path / "broken.pt2"
+    with zipfile.ZipFile(package) as original, zipfile.ZipFile(broken, "w") as copy:
+        for item in original.infolist():
+            data = original.read(item)
+            copy.writestr(item, b"\x7fELF" + bytes(64) if item.filename.endswith(".so") else data)
+    with pytest.raises(RuntimeError, match="dlopen"):
+        load_package(torch, broken)
+    assert list(temp.iterdir()) == []
+    model = load_package(torch, package)
+    assert len(list(temp.iterdir())) == 1
+    assert model(torch.zeros(1, 3, 32, 32)) is not None
+    del model
+    gc.collect()
+    assert list(temp.iterdir()) == [] and os.environ["TMPDIR"] == str(temp)

@@ -35,6 +35,7 @@ from accel_opt.builder.samples import data_samples_needed, read_and_split, too_f
 from accel_opt.builder.staging import batch_problem, deploy_shapes, stage_deployment
 from accel_opt.builder.torch_plan import torch_precision
 from accel_opt.data import Sample
+from accel_opt.data.npz import array_names
 from accel_opt.errors import AccelOptError, Unsupported, UsageError, no_space_error
 from accel_opt.files import ensure_free_space, mark_made, sha256_file
 from accel_opt.graph.inspect import io_specs
@@ -216,7 +217,7 @@ def _reference(ctx: BuildContext):
 
 def _stage_load(ctx: BuildContext) -> tuple[StageStatus, str]:
     ctx.source_path = ctx.model_path
-    ctx.loaded = load_model(ctx.model_path, ctx.workdir)
+    ctx.loaded = load_model(ctx.model_path, ctx.workdir, fed=array_names(ctx.data_dir) if ctx.data_dir else set())
     ctx.model_sha256 = sha256_file(ctx.source_path)
     ctx.external_data_sha256 = {p.name: sha256_file(p) for p in ctx.loaded.external_data_files}
     ctx.notes += ctx.loaded.notes

@@ -84,6 +84,20 @@ def read_npz(path: str | Path, specs: list[TensorSpec] | None = None, max_bytes:
         raise InputRejected(f"not a readable .npz without pickles ({first_line(exc)})") from None
 
 
+def array_names(folder: str | Path) -> set[str]:
+    """The array names the first .npz feed dict of `folder` gives (read from the zip's listing, nothing decoded);
+    empty for a folder of images or texts, a file, or a folder without .npz files."""
+    root = Path(folder)
+    first = min((p for p in root.iterdir() if p.suffix == ".npz" and p.is_file()), default=None) if root.is_dir() else None
+    if first is None:
+        return set()
+    try:
+        with zipfile.ZipFile(first) as archive:
+            return {name.removesuffix(".npy") for name in archive.namelist()}
+    except (OSError, zipfile.BadZipFile):
+        return set()  # read_npz names the problem when the samples are read
+
+
 def _native(array: np.ndarray) -> np.ndarray:
     """The array in this machine's byte order: a big-endian '>f4' has the dtype name float32 too, and a runtime given
     its bytes as they are reads other numbers."""

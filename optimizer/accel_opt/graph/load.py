@@ -217,8 +217,10 @@ def check_model_file(path: Path) -> None:
     _check_ops(proto)
 
 
-def load_model(path: str | Path, workdir: Path) -> LoadedModel:
-    """Validate `path` and return its structure; raise InputRejected/Unsupported with one clear line."""
+def load_model(path: str | Path, workdir: Path, fed: set[str] | frozenset[str] = frozenset()) -> LoadedModel:
+    """Validate `path` and return its structure; raise InputRejected/Unsupported with one clear line. `fed`: the
+    input names the build's data gives, which decides what an input with a default (an initializer of its name)
+    becomes: an input where the data gives it, its default as a constant where not."""
     path = Path(path)
     _check_file(path)
     proto = _parse(path)
@@ -235,11 +237,14 @@ def load_model(path: str | Path, workdir: Path) -> LoadedModel:
     unused = unused_domain_imports(proto)
     renamed = name_nodes(proto)  # on the parsed copy: counts what the rewrite below will do
     doubled = _dedupe_outputs(proto)
-    if unused or renamed or doubled:
-        build_path = _rewritten(path, unused, workdir)
+    defaults = _settle_defaults(proto, fed)
+    if unused or renamed or doubled or defaults:
+        build_path = _rewritten(path, unused, workdir, fed)
         _drop_imports(shaped, unused)
         name_nodes(shaped)
         _dedupe_outputs(shaped)
+        _settle_defaults(shaped, fed)
+    notes += defaults
     if doubled:  # one tensor, one output: the transforms and every runtime's output dict take a name once
         notes.append(f"graph outputs listed more than once kept once: {', '.join(doubled)}")
     if unused:
@@ -275,15 +280,40 @@ def _shape_inferred(path: Path, workdir: Path, error: type[Exception] = InputRej
         inferred.unlink(missing_ok=True)
 
 
-def _rewritten(path: Path, domains: list[str], workdir: Path) -> Path:
-    """The model without the opset imports `domains` and with every node named, saved in `workdir`."""
+def _rewritten(path: Path, domains: list[str], workdir: Path, fed: set[str] | frozenset[str]) -> Path:
+    """The model without the opset imports `domains`, with every node named and its defaulted inputs settled, saved
+    in `workdir`."""
     model = onnx.load(str(path))  # with its (already checked) external data
     _drop_imports(model, domains)
     name_nodes(model)
     _dedupe_outputs(model)
+    _settle_defaults(model, fed)
     out = workdir / "input" / path.name
     save_model(model, out)
     return out
+
+
+def _settle_defaults(model: onnx.ModelProto, fed: set[str] | frozenset[str]) -> list[str]:
+    """An input that also has an initializer is an input with a default (ONNX Runtime lets a feed override it). The
+    transforms cannot keep both meanings (the quantizer would quantize the default as a weight, and a feed would then
+    change nothing), so each becomes one: an input where the data gives it (the initializer dropped: every sample,
+    and every job the folder runs, feeds it), a constant where not (dropped from the inputs). Before IR version 4
+    every initializer had to be listed as an input: those are weights, left as they are. Returns a note per input."""
+    if model.ir_version < 4:
+        return []
+    initializers = {init.name: init for init in model.graph.initializer}
+    defaulted = [value for value in model.graph.input if value.name in initializers]
+    notes = []
+    for value in defaulted:
+        if value.name in fed:
+            model.graph.initializer.remove(initializers[value.name])
+            notes.append(f"input {value.name!r} has a default in the model and the data gives it: an input the "
+                         "folder is fed, its default dropped")
+        else:
+            model.graph.input.remove(value)
+            notes.append(f"input {value.name!r} has a default in the model and the data does not give it: built "
+                         f"with its default as a constant (give {value.name!r} in every .npz of --data to feed it)")
+    return notes
 
 
 def _dedupe_outputs(model: onnx.ModelProto) -> list[str]:

@@ -40,6 +40,7 @@ from pydantic import BaseModel
 from accel_opt.backends.base import CompiledModel
 from accel_opt.backends.torch.cache import PACKAGE, cached_package
 from accel_opt.backends.torch.kernels import compute_kernels, int8_check
+from accel_opt.backends.torch.loader import load_package
 from accel_opt.backends.torch.runner import TORCH_EXTRA, TorchRunner, require_cuda
 from accel_opt.errors import InternalError, Unsupported, first_line
 from accel_opt.files import copy_file, made_copy, mark_made
@@ -293,40 +294,6 @@ class AotiRunner(TorchRunner):
             raise Unsupported(f"{self.package.name} was compiled for {built_for or 'an unknown device'}, the deployment "
                               f"runs it on {self.device}")
         return loaded
-
-
-def load_package(torch: Any, package: Path, device_index: int = -1, single_threaded: bool = False) -> Any:
-    """The package as a callable. `aoti_load_package` imports all of Inductor first (4.6 s measured here, for a job
-    that only runs the package), so the C++ loader it wraps is used directly, with the same flattening of arguments
-    and results by the call spec the package records; where this torch lacks that loader, aoti_load_package.
-    `single_threaded`: run without the package's own stream synchronization (its events), which a CUDA graph capture
-    cannot take (cudaEventQuery during capture)."""
-    loader_class = getattr(getattr(torch._C, "_aoti", None), "AOTIModelPackageLoader", None)
-    if loader_class is not None and hasattr(loader_class, "boxed_run"):
-        try:  # (path, model name, run single-threaded, runners, device index): torch 2.7 and newer
-            return _Package(torch, loader_class(str(package), "model", single_threaded, 1, device_index))
-        except TypeError:  # another release's constructor (the GPU machine runs 2.11, development 2.13)
-            pass
-    from torch._inductor import aoti_load_package
-
-    return aoti_load_package(str(package), run_single_threaded=single_threaded, device_index=device_index)
-
-
-class _Package:
-    """An AOTInductor package's model: flat tensors in (forward()'s order), results unflattened as exported."""
-
-    def __init__(self, torch: Any, loader: Any):
-        from torch.utils import _pytree as pytree
-
-        self._torch, self._pytree, self.loader = torch, pytree, loader
-        self._out_spec = pytree.treespec_loads(loader.get_call_spec()[1])
-
-    def __call__(self, *args: Any) -> Any:
-        flat = [x for x in self._pytree.tree_flatten((args, {}))[0] if isinstance(x, self._torch.Tensor)]
-        return self._pytree.tree_unflatten(self.loader.boxed_run(flat), self._out_spec)
-
-    def get_metadata(self) -> dict[str, str]:
-        return self.loader.get_metadata()
 
 
 @contextlib.contextmanager
