@@ -214,3 +214,55 @@ def test_run_never_writes_through_a_folder_link_another_user_planted(classifier,
     os.lchown(shared / "sub", os.getuid(), os.getgid())  # the user's own link: followed
     done = CliRunner().invoke(main, ["run", str(classifier), str(photos), "--out", str(shared / "sub" / "p.jsonl")])
     assert done.exit_code == 0 and (victim / "p.jsonl").is_file(), done.output
+
+
+def test_a_folder_swapped_for_a_link_mid_job_is_not_followed(tiny_cnn_path, tmp_path):
+    """The check and the writes have no window between them: the job's folder is held open from the start, so a
+    folder on the way renamed and replaced by a link to victim/ after the first batch (the race the checks alone
+    would lose) takes nothing into victim/: every line, and every answer's .npz written after the swap, lands in
+    the folder the job opened."""
+    from accel_opt import runtime
+    from accel_opt.builder.pipeline import build
+    from accel_opt.recipe.load import load_recipe
+    from accel_opt.runtime.local.job import run_job
+
+    from ..conftest import FAST_BENCH, image_npz_folder
+
+    feeds = image_npz_folder(tmp_path / "data", 24)
+    result = build(tiny_cnn_path, load_recipe().with_overrides(benchmark=FAST_BENCH), out_dir=tmp_path / "out",
+                   data_dir=feeds)
+    shared, victim = tmp_path / "shared", tmp_path / "victim"
+    (shared / "sub").mkdir(parents=True)
+    victim.mkdir()
+    swapped = []
+
+    def swap(done: int, total: int) -> None:
+        if not swapped:
+            (shared / "sub").rename(shared / "moved")
+            (shared / "sub").symlink_to(victim)
+            swapped.append(done)
+
+    summary = run_job(runtime.load(result.artifact_dir), [feeds], shared / "sub" / "p.jsonl", on_progress=swap)
+    assert swapped and swapped[0] < 24 and summary.predicted == 24
+    assert list(victim.iterdir()) == []
+    assert len((shared / "moved" / "p.jsonl").read_text().splitlines()) == 24
+    assert len(list((shared / "moved" / "p.outputs").iterdir())) == 24
+
+
+def test_a_pinned_folder_refuses_a_link_where_a_folder_was_resolved(tmp_path, monkeypatch):
+    from accel_opt.runtime.pinned import PinnedFolder
+
+    (tmp_path / "real").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    monkeypatch.setattr(os.path, "realpath", lambda path: str(path))  # the link appeared after it was resolved
+    with pytest.raises(UsageError, match="'link' on the way changed into a symbolic link"):
+        PinnedFolder.of(tmp_path / "link")
+    pinned = PinnedFolder.of(tmp_path / "real")
+    try:
+        os.symlink(tmp_path / "victim", tmp_path / "real" / "p.jsonl")
+        with pytest.raises(UsageError, match="is a symbolic link"):
+            pinned.open("p.jsonl", os.O_WRONLY | os.O_CREAT)
+        pinned.write_whole("p.jsonl", lambda f: f.write(b"whole\n"))  # the link replaced, never written through
+        assert not (tmp_path / "victim").exists() and (tmp_path / "real" / "p.jsonl").read_bytes() == b"whole\n"
+    finally:
+        pinned.close()

@@ -169,10 +169,12 @@ def test_predictor_in_a_users_own_ray_pipeline(classifier, photos, tmp_path):
 
         folder = OutFolder(tmp_path / "dedup")
         folder.folder.mkdir()
-        run = _stream(runtime.load(classifier), [paths[0], paths[1], paths[0]], folder, (1, 1), 1, None, time.perf_counter(), None)
-        assert run["dropped"] == 1 and folder.check(paths[:2]) == (2, 0, [], [])
-        folder.publish([json.dumps({"input": paths[1], "top1": 0, "topk": []})], [])
-        assert folder.check(paths[:3]) == (3, 0, [paths[2]], [paths[1]])
+        with folder.outputs.exclusive():  # the job's folder, locked and pinned, as run_ray_job holds it
+            run = _stream(runtime.load(classifier), [paths[0], paths[1], paths[0]], folder, (1, 1), 1, None,
+                          time.perf_counter(), None)
+            assert run["dropped"] == 1 and folder.check(paths[:2]) == (2, 0, [], [])
+            folder.publish([json.dumps({"input": paths[1], "top1": 0, "topk": []})], [])
+            assert folder.check(paths[:3]) == (3, 0, [paths[2]], [paths[1]])
         with pytest.raises(Exception) as failed:
             predict(ds, tmp_path / "not-on-this-node", actors=(1, 1)).take_all()
         error = as_accel_opt_error(failed.value)

@@ -20,11 +20,9 @@ import io
 import json
 import logging
 import os
-import shutil
-import stat
 import time
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -32,62 +30,15 @@ import numpy as np
 from pydantic import BaseModel, ValidationError
 
 from accel_opt.errors import InputRejected, UsageError, no_space_error
-from accel_opt.files import now_utc, write_bytes, write_json
+from accel_opt.files import now_utc
 from accel_opt.preprocess.postprocess import embedding_record, topk_record
 from accel_opt.recipe.deployed import Postprocess
+from accel_opt.runtime.pinned import PinnedFolder, planted_link, refuse_foreign_links
 
 log = logging.getLogger(__name__)
 
 SHORT_HASH = 12  # hex digits of an identity shown to a person
 OUTPUT_STEM_BYTES = 160  # of an input's name in its outputs file's name
-
-
-def open_plain(path: Path, flags: int, mode: int = 0o644) -> int:
-    """os.open that never follows a symbolic link at `path`: a link planted where the job writes (in a shared
-    folder, pointing at someone else's file) is refused, exit 2 naming it, instead of written through."""
-    try:
-        return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            raise planted_link(path) from None
-        raise
-
-
-def planted_link(path: Path) -> UsageError:
-    return UsageError(f"{path} is a symbolic link: accel-opt run never writes through one (remove it, or choose "
-                      "another --out)")
-
-
-def refuse_foreign_links(path: Path) -> None:
-    """UsageError when a folder on the way to `path` is a symbolic link another user owns (not this user, not root):
-    a link planted in a shared folder (`shared/sub -> victim/`) would take the job's lock, predictions and outputs
-    somewhere else. This user's own links, and the system's, are followed: the rule of Linux's protected_symlinks."""
-    here = Path(os.path.abspath(path)).parent
-    for folder in [*reversed(here.parents), here]:
-        try:
-            info = os.lstat(folder)
-        except OSError:
-            return  # not there yet: created by the job, as a real folder
-        if stat.S_ISLNK(info.st_mode) and info.st_uid not in (os.getuid(), 0):
-            raise UsageError(f"{folder} is a symbolic link owned by another user (uid {info.st_uid}): accel-opt run "
-                             "never writes through one (choose another --out)")
-
-
-def empty_file(path: Path) -> None:
-    """Create `path` empty, or empty it, without following a link there."""
-    os.close(open_plain(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC))
-
-
-def real_folder(path: Path) -> Path:
-    """`path` as a folder of this job: created, or an existing real folder (a symbolic link or a file there: exit 2)."""
-    with contextlib.suppress(FileExistsError):
-        path.mkdir()
-    if path.is_symlink():
-        raise planted_link(path)
-    if not path.is_dir():
-        raise UsageError(f"{path} is not a folder: accel-opt run writes its outputs into a folder there (remove it, or "
-                         "choose another --out)")
-    return path
 
 
 def input_key(path: str) -> str:
@@ -104,11 +55,19 @@ class PredictionsMeta(BaseModel):
     started_utc: str
 
 
-@dataclass(frozen=True)
+@dataclass
 class Outputs:
-    """The files of one job, all named after its predictions file."""
+    """The files of one job, all named after its predictions file; written, while exclusive() holds the lock, through
+    the predictions' folder pinned open (PinnedFolder)."""
 
     predictions: Path
+    _pinned: PinnedFolder | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def pinned(self) -> PinnedFolder:
+        if self._pinned is None:
+            raise RuntimeError("the job's files are written only while Outputs.exclusive() holds them")
+        return self._pinned
 
     @property
     def errors(self) -> Path:  # PREDICTIONS.jsonl -> PREDICTIONS.errors.jsonl
@@ -163,13 +122,22 @@ class Outputs:
                                  "put the predictions elsewhere")
 
     @contextlib.contextmanager
-    def exclusive(self) -> Iterator[None]:
-        """Hold the job's lock while the block runs; UsageError at once, naming the holder's pid, if held."""
+    def exclusive(self) -> Iterator[PinnedFolder]:
+        """Hold the job's lock, and its folder pinned, while the block runs; UsageError at once, naming the holder's
+        pid, if held."""
         try:
             self.predictions.parent.mkdir(parents=True, exist_ok=True)
-            fd = open_plain(self.lock, os.O_RDWR | os.O_CREAT)
+            self._pinned = PinnedFolder.of(self.predictions.parent)
         except OSError as exc:
             raise _cannot_write(self.predictions, exc) from None
+        try:
+            fd = self.pinned.open(self.lock.name, os.O_RDWR | os.O_CREAT)
+        except OSError as exc:
+            self._unpin()
+            raise _cannot_write(self.predictions, exc) from None
+        except BaseException:
+            self._unpin()
+            raise
         try:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -180,38 +148,57 @@ class Outputs:
                                  "wait for it to finish or choose another --out") from None
             os.ftruncate(fd, 0)
             os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-            yield
+            yield self.pinned
         finally:
             os.close(fd)  # releases the lock; the file stays (removing it would let two jobs lock two files)
+            self._unpin()
+
+    def _unpin(self) -> None:
+        if self._pinned is not None:
+            self._pinned.close()
+            self._pinned = None
+
+    def write_output(self, named: str, npz: bytes) -> None:
+        """An answer's .npz, in the outputs folder, whole (before the line naming it is written)."""
+        target = Path(named)
+        if target.parent != self.outputs_dir:
+            raise RuntimeError(f"an answer named outputs outside {self.outputs_dir}: {named}")
+        folder = self.pinned.folder(self.outputs_dir.name)
+        try:
+            folder.write_whole(target.name, lambda f: f.write(npz))
+        finally:
+            folder.close()
 
     def start(self, artifact: Path, identity: str, resume: bool, overwrite: bool) -> set[str]:
         """Start this job's files (under the lock): keep the answered lines of the same artifact (--resume),
         else empty the predictions; empty the errors; record the artifact. Return the answered inputs' keys."""
-        predictions = self.predictions
-        if predictions.exists() and not (resume or overwrite):
+        predictions, folder = self.predictions, self.pinned
+        if folder.exists(predictions.name) and not (resume or overwrite):
             raise UsageError(f"{predictions} exists: --resume to skip the inputs it answers, or --overwrite")
         try:
-            answered = self._resume(artifact, identity) if resume and predictions.exists() else set()
+            answered = self._resume(artifact, identity) if resume and folder.exists(predictions.name) else set()
             if self.outputs_dir.is_symlink():
-                real_folder(self.outputs_dir)  # refused: never emptied or written through
+                raise planted_link(self.outputs_dir)  # never emptied or written through
+            truncate = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
             if not answered:
-                empty_file(predictions)  # emptied before the sidecar names the new artifact
-                shutil.rmtree(self.outputs_dir, ignore_errors=True)  # an earlier job's .npz files go with its lines
-            empty_file(self.errors)  # this job's rejections; answered inputs are not read again
-            write_json(self.meta, PredictionsMeta(artifact_identity=identity, artifact=str(artifact.resolve()), started_utc=now_utc()))
+                os.close(folder.open(predictions.name, truncate))  # emptied before the sidecar names the new artifact
+                folder.remove_tree(self.outputs_dir.name)  # an earlier job's .npz files go with its lines
+            os.close(folder.open(self.errors.name, truncate))  # this job's rejections; answered inputs are not read again
+            meta = PredictionsMeta(artifact_identity=identity, artifact=str(artifact.resolve()), started_utc=now_utc())
+            folder.write_whole(self.meta.name, lambda f: f.write(meta.model_dump_json(indent=2).encode() + b"\n"))
         except OSError as exc:
             raise _cannot_write(predictions, exc) from None
         return answered
 
     def _resume(self, artifact: Path, identity: str) -> set[str]:
-        with os.fdopen(open_plain(self.predictions, os.O_RDONLY), "rb") as f:
+        with os.fdopen(self.pinned.open(self.predictions.name, os.O_RDONLY), "rb") as f:
             data = f.read()
         whole = data[: data.rfind(b"\n") + 1]
         answered = _answered_inputs(self.predictions, whole)
         if answered:
             refuse_other_artifact(self.predictions, self.meta, read_record(self.meta, PredictionsMeta), identity, artifact)
         if len(whole) != len(data):  # only once the file is known to be ours and this artifact's
-            fd = open_plain(self.predictions, os.O_WRONLY)
+            fd = self.pinned.open(self.predictions.name, os.O_WRONLY)
             try:
                 os.ftruncate(fd, len(whole))
             finally:
@@ -273,9 +260,9 @@ class LineFile:
     """An append-only file of whole lines. After each complete write its length is the end of a whole line;
     a write that fails (or is interrupted) is cut back to it before the error goes on."""
 
-    def __init__(self, path: Path):
+    def __init__(self, folder: PinnedFolder, path: Path):
         self.path = path
-        self._fd = open_plain(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+        self._fd = folder.open(path.name, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
         self.whole_bytes = os.fstat(self._fd).st_size
 
     def append(self, text: str) -> None:
@@ -312,8 +299,8 @@ class Writer:
         self.outputs, self.post, self.first_output = outputs, post, first_output
 
     def __enter__(self) -> Writer:
-        self._out = LineFile(self.outputs.predictions)
-        self._err = LineFile(self.outputs.errors)
+        self._out = LineFile(self.outputs.pinned, self.outputs.predictions)
+        self._err = LineFile(self.outputs.pinned, self.outputs.errors)
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -339,8 +326,7 @@ class Writer:
         """The answer's JSON fields, its outputs' .npz written first (before the line naming it) where it has one."""
         record, npz = self.answer(path, outputs)
         if npz is not None:
-            real_folder(self.outputs.outputs_dir)
-            write_bytes(Path(record["outputs"]), npz)  # a temporary file (O_EXCL) renamed over the name: no link followed
+            self.outputs.write_output(record["outputs"], npz)
         return record
 
     def answer(self, path: str, outputs: dict[str, np.ndarray]) -> tuple[dict[str, Any], bytes | None]:

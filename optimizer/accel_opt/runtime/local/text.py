@@ -14,6 +14,7 @@ actors).
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -21,7 +22,6 @@ from pathlib import Path
 import numpy as np
 
 from accel_opt.errors import InputRejected
-from accel_opt.files import write_bytes
 from accel_opt.preprocess.text import (
     TextItem,
 )
@@ -53,8 +53,7 @@ def predict_texts(deployment: Deployment, items: list[TextItem], outputs: Output
                     continue
                 record, npz = answer
                 if npz is not None:  # the .npz first, then the line naming it
-                    outputs.outputs_dir.mkdir(exist_ok=True)
-                    write_bytes(Path(record["outputs"]), npz)
+                    outputs.write_output(record["outputs"], npz)
                 ids.append(item.id)
                 records.append(record)
             predicted += writer.predict_records(ids, records)
@@ -72,18 +71,16 @@ def write_embeddings_file(outputs: Outputs, post) -> Path | None:
     if post is None or post.embedding is None:
         return None
     ids, vectors = [], []
-    with open(outputs.predictions, encoding="utf-8") as lines:
+    with os.fdopen(outputs.pinned.open(outputs.predictions.name, os.O_RDONLY), encoding="utf-8") as lines:
         for line in lines:
             record = json.loads(line)
             ids.append(record["input"])
             vectors.append(np.asarray(record["embedding"], dtype=np.float32))
     suffix = post.embedding.file
     target = outputs.predictions.with_name(f"{outputs.predictions.stem}.embeddings.{suffix}")
-    temporary = target.with_name(f".{target.name}.tmp")
     matrix = np.stack(vectors) if vectors else np.zeros((0, 0), np.float32)
     if suffix == "npy":
-        with open(temporary, "wb") as f:
-            np.save(f, matrix)
+        outputs.pinned.write_whole(target.name, lambda f: np.save(f, matrix))
     else:
         try:
             import pyarrow as pa
@@ -92,6 +89,6 @@ def write_embeddings_file(outputs: Outputs, post) -> Path | None:
             raise InputRejected("postprocess.embedding.file parquet needs pyarrow: pip install pyarrow") from None
         dim = matrix.shape[1] if matrix.size else 0
         column = pa.FixedSizeListArray.from_arrays(pa.array(matrix.ravel(), pa.float32()), dim)
-        pq.write_table(pa.table({"input": ids, "embedding": column}), temporary)
-    temporary.replace(target)
+        table = pa.table({"input": ids, "embedding": column})
+        outputs.pinned.write_whole(target.name, lambda f: pq.write_table(table, f))
     return target

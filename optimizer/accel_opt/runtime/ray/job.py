@@ -22,7 +22,6 @@ import json
 import logging
 import os
 import secrets
-import shutil
 import signal
 import threading
 import time
@@ -33,10 +32,11 @@ from pathlib import Path
 from pydantic import BaseModel
 
 from accel_opt.errors import InternalError, ResourceExhausted, UsageError
-from accel_opt.files import now_utc, write_bytes, write_json
-from accel_opt.runtime import Deployment, output
+from accel_opt.files import now_utc
+from accel_opt.runtime import Deployment
 from accel_opt.runtime.inputs import job_inputs, unique_inputs
-from accel_opt.runtime.output import Outputs, input_key, open_plain, read_record, real_folder, refuse_other_artifact
+from accel_opt.runtime.output import Outputs, input_key, read_record, refuse_other_artifact
+from accel_opt.runtime.pinned import refuse_foreign_links
 from accel_opt.runtime.ray.cluster import ray_session
 
 log = logging.getLogger(__name__)
@@ -88,6 +88,7 @@ class OutFolder:
 
     def __init__(self, folder: Path, output_format: str = "jsonl"):
         self.folder, self.output_format = folder, output_format
+        self.outputs = Outputs(folder / "predictions.jsonl")  # its lock, and the folder pinned while it is held
         self.run_id = secrets.token_hex(4)  # parts of a resumed run never take an earlier run's names
         self.parts: list[str] = []
         self.rejected_parts: list[str] = []
@@ -99,17 +100,15 @@ class OutFolder:
     @property
     def outputs_dir(self) -> Path:
         """Where records of artifacts without a postprocess point: the actors send the bytes, the driver writes them."""
-        return Outputs(self.folder / "predictions.jsonl").outputs_dir
+        return self.outputs.outputs_dir
 
     def write_outputs(self, named: str, npz: bytes) -> None:
-        target = Path(named)
-        if target.parent.resolve() != self.outputs_dir.resolve():  # the actors were told this folder
+        if Path(named).parent.resolve() != self.outputs_dir.resolve():  # the actors were told this folder
             raise InternalError(f"an actor named outputs outside {self.outputs_dir}: {named}")
-        real_folder(self.outputs_dir)
-        write_bytes(target, npz)
+        self.outputs.write_output(str(self.outputs_dir / Path(named).name), npz)
 
     def refuse_bad_path(self) -> None:
-        output.refuse_foreign_links(self.folder / SUMMARY)
+        refuse_foreign_links(self.folder / SUMMARY)
         if self.folder.exists() and not self.folder.is_dir():
             raise UsageError(f"--out {self.folder} is a file: with --engine ray, --out names a folder (of part files)")
 
@@ -130,9 +129,9 @@ class OutFolder:
             drop = self._files("rejected-") + self._files(".tmp-")  # rejected inputs are tried again
         else:
             drop = mine + [p for p in (self.folder / SORTED,) if p.exists()]
-            shutil.rmtree(self.outputs_dir, ignore_errors=True)  # an earlier job's .npz files go with its parts
+            self.outputs.pinned.remove_tree(self.outputs_dir.name)  # an earlier job's .npz files go with its parts
         for path in drop:
-            path.unlink()
+            self.outputs.pinned.unlink(path.name)
         self.write_summary(RaySummary(status="running", artifact=str(deployment.folder.resolve()),
                                       signature=deployment.signature, artifact_identity=identity,
                                       started_utc=now_utc(), address=address, output_format=self.output_format))
@@ -142,7 +141,7 @@ class OutFolder:
         return read_record(self.summary, RaySummary)
 
     def write_summary(self, summary: RaySummary) -> None:
-        write_json(self.summary, summary)
+        self.outputs.pinned.write_whole(SUMMARY, lambda f: f.write(summary.model_dump_json(indent=2).encode() + b"\n"))
 
     def _files(self, prefix: str) -> list[Path]:
         return sorted(p for p in self.folder.glob(f"{prefix}*") if p.is_file())
@@ -159,8 +158,7 @@ class OutFolder:
             self.rejected_parts.append(name)
 
     def _publish(self, name: str, lines: list[str], output_format: str) -> None:
-        temporary, final = self.folder / f".tmp-{name}", self.folder / name
-        with os.fdopen(open_plain(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), "wb") as f:  # no link followed
+        def write(f) -> None:
             if output_format == "parquet":
                 import pyarrow as pa
                 import pyarrow.parquet as pq
@@ -168,14 +166,8 @@ class OutFolder:
                 pq.write_table(pa.Table.from_pylist([json.loads(line) for line in lines]), f)
             else:
                 f.write("".join(line + "\n" for line in lines).encode("utf-8"))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(temporary, final)  # replaces a link planted at the final name, never writes through it
-        dir_fd = os.open(self.folder, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)  # the rename itself survives a crash
-        finally:
-            os.close(dir_fd)
+
+        self.outputs.pinned.write_whole(name, write, temporary=f".tmp-{name}")  # synced, renamed: whole or absent
 
     def read_keys(self, part: Path) -> list[str]:
         """The input key of every row of a published part file."""
@@ -255,7 +247,7 @@ def run_ray_job(
     folder.refuse_bad_path()
     given, texts = job_inputs(deployment.config, deployment.folder.name, inputs, exclude=Path(out_dir))
     todo = unique_inputs(given)
-    with Outputs(Path(out_dir) / "predictions.jsonl").exclusive():
+    with folder.outputs.exclusive():
         answered = folder.start(deployment, address or "local", resume, overwrite)  # refusals before Ray starts
         remaining = [p for p in todo if input_key(p) not in answered]
         try:
