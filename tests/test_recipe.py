@@ -178,3 +178,19 @@ def test_more_threads_than_cpus_is_refused_before_anything_is_built(tmp_path):
         with pytest.raises(UsageError, match=f"more than the {available_cpus()} CPUs this process may use"):
             run()
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+
+
+def test_a_recipe_extends_another_key_by_key(tmp_path):
+    (tmp_path / "mine.yaml").write_text("extends: text-encoder\nname: mine\nprecision: fp32\n"
+                                        "text:\n  max_length: 64\naccuracy:\n  seed: 7\n")
+    mine, base = load_recipe(tmp_path / "mine.yaml"), load_recipe("text-encoder")
+    assert (mine.name, mine.precision.value, mine.text.max_length, mine.accuracy.seed) == ("mine", "fp32", 64, 7)
+    assert mine.text.inputs == base.text.inputs and mine.accuracy.tolerances == base.accuracy.tolerances  # merged, kept
+    assert load_recipe("text-classifier").text.inputs == base.text.inputs  # a bundled recipe extends another too
+    (tmp_path / "a.yaml").write_text("extends: b.yaml\n")
+    (tmp_path / "b.yaml").write_text("extends: a.yaml\n")
+    with pytest.raises(UsageError, match="loops or nests too deep"):
+        load_recipe(tmp_path / "a.yaml")
+    (tmp_path / "c.yaml").write_text("extends: nowhere\n")
+    with pytest.raises(UsageError, match="recipe not found: nowhere"):
+        load_recipe(tmp_path / "c.yaml")

@@ -32,6 +32,7 @@ from accel_opt.builder.context import BuildContext, CandidateLimits
 from accel_opt.builder.fallback_actions import fallback_actions
 from accel_opt.builder.records import artifact_name, data_record, made_mark, reuse, write_manifest, write_reports
 from accel_opt.builder.samples import data_samples_needed, read_and_split, too_few_to_certify
+from accel_opt.builder.sources import factory_of, recipe_for
 from accel_opt.builder.staging import batch_problem, deploy_shapes, stage_deployment
 from accel_opt.builder.torch_plan import torch_precision
 from accel_opt.data import Sample
@@ -43,7 +44,6 @@ from accel_opt.graph.load import load_model
 from accel_opt.machine.cpu import CpuProfile, available_cpus
 from accel_opt.precision import fallback
 from accel_opt.preprocess.fit import fit_preprocessing, image_path_agreement
-from accel_opt.recipe.load import load_recipe
 from accel_opt.recipe.schema import Recipe
 from accel_opt.recipe.types import BackendName, Precision
 from accel_opt.report.results import BuildResult, StageResult, StageStatus, fill_headline
@@ -72,6 +72,7 @@ def build(
     reference_caches: dict[str, ReferenceCache] | None = None,
     cpu: CpuProfile | None = None,
     signer: Signer | None = None,
+    task: str | None = None,
 ) -> BuildResult:
     """Build, check, benchmark and package `model`; never raises for a failed gate (exit_code 1) or for held-out
     samples too few to certify it (exit_code 6).
@@ -82,20 +83,21 @@ def build(
     `reference_caches` (auto: one for all its candidates) keeps the reference's outputs, run once per sample. `cpu`:
     the CPU every class-dependent choice is made for and the manifest records (this machine's, read here, by default).
     `signer` (artifact.signing.signer_of) signs the finished folder before it is published; with it, a folder found
-    under `out_dir` is reused only when it carries that key's signature.
+    under `out_dir` is reused only when it carries that key's signature. `model` is an ONNX file, a PyTorch factory
+    (FILE.py:FACTORY) or a Hugging Face model folder, whose `task` its config says unless given (builder.sources).
 
     A complete folder of the same identity (model, recipe, data, tool versions, CPU) under `out_dir`
     that verifies is reused instead of rebuilt (`reused` is set), unless `force`. Raises
     AccelOptError subclasses for everything else (a full disk: ResourceExhausted); nothing but the
     calibration cache is left in `out_dir` then.
     """
-    recipe = recipe or load_recipe()
+    recipe, source_notes = recipe_for(model, recipe, task, data_dir is not None)
     cpu = cpu or CpuProfile.here()
-    factory = _factory_or_none(str(model))
+    factory = factory_of(str(model), task)
     if recipe.backend is BackendName.torch and factory is None:
         raise Unsupported(f"--backend torch builds PyTorch factories (FILE.py:FACTORY), not {Path(str(model)).name}: an "
                           "ONNX model takes --backend onnxruntime, openvino or tensorrt")
-    model_path = Path(model) if factory is None else Path(str(model).rpartition(":")[2] + ".onnx")
+    model_path = Path(model) if factory is None else Path(factory.name + ".onnx")
     out_dir = Path(out_dir)
     backend = get_backend(recipe.backend, providers=recipe.onnxruntime.providers,
                           allow_cpu_nodes=recipe.onnxruntime.allow_cpu_nodes, device=recipe.torch.device, cpu=cpu)
@@ -113,7 +115,7 @@ def build(
                 staging=staging, cache_dir=Path(cache_dir) if cache_dir else out_dir / ".cache", backend=backend,
                 threads=recipe.benchmark.threads or available_cpus(), factory=factory,
                 eval_data_dir=Path(eval_data_dir) if eval_data_dir else None, limits=limits,
-                reference_caches=reference_caches, cpu=cpu, signer=signer)
+                reference_caches=reference_caches, cpu=cpu, signer=signer, notes=list(source_notes))
             if model_path.is_file():  # the staged artifact holds at least a copy of the model
                 ensure_free_space(work, model_path.stat().st_size)
             for name, stage in STAGES:
@@ -197,13 +199,6 @@ def _stage_export(ctx: BuildContext) -> tuple[StageStatus, str]:
     ctx.notes.append(f"Exported from {ctx.factory.spec} ({exported.exporter} exporter, opset {exported.opset}); "
                      "the PyTorch module is the accuracy reference.")
     return "passed", f"{exported.exporter} exporter, opset {exported.opset}, verified against PyTorch"
-
-
-def _factory_or_none(spec: str):
-    """A torch ModuleFactory when `spec` names one (FILE.py:FACTORY or package.module:FACTORY)."""
-    from accel_opt.backends.torch.backend import load_factory, looks_like_factory
-
-    return load_factory(spec) if looks_like_factory(spec) else None
 
 
 def _reference(ctx: BuildContext):

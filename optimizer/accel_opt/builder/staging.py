@@ -54,17 +54,19 @@ def stage_deployment(ctx: BuildContext, shapes: dict[str, list[int]]) -> None:
     for extra in c.extra_files:
         if extra.parent != ctx.staging:
             shutil.copy2(extra, ctx.staging / extra.name)
+    text = ctx.recipe.text
     if ctx.tokenizer_path is not None:  # the folder runs as it was checked: its own tokenizer, hashed like every file
         from accel_opt.preprocess.text import TOKENIZER_FILE
 
         shutil.copy2(ctx.tokenizer_path, ctx.staging / TOKENIZER_FILE)
+        text = text.model_copy(update={"tokenizer": TOKENIZER_FILE})  # the config names the file the folder carries
     ctx.resource_config = ResourceConfig(
         backend=c.backend, device=c.device, providers=c.providers, precision=c.precision, threads=c.threads,
         settings=c.settings, model_file=c.path.name, extra_files=[p.name for p in c.extra_files],
         inputs=[DeployedInput(**s.model_dump(), shape_used=shapes[s.name], batch_axis=ctx.shapes.batch_axes.get(s.name))
                 for s in deployed_inputs],
         outputs=deployed_outputs, batch_size=ctx.deploy_batch, batch_dynamic=ctx.shapes.batch_dynamic,
-        preprocessing=ctx.recipe.preprocessing, text=ctx.recipe.text, postprocess=ctx.recipe.postprocess,
+        preprocessing=ctx.recipe.preprocessing, text=text, postprocess=ctx.recipe.postprocess,
     )
     write_json(ctx.staging / RESOURCE_CONFIG, ctx.resource_config)
     ctx.deployed_hashes = file_hashes(ctx.staging)  # hashed once: build.json reuses them

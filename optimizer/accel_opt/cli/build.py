@@ -11,6 +11,7 @@ import click
 from accel_opt.cli.common import EXIT_CODES_HELP, fail, interrupted, setup_logging, write_junit
 from accel_opt.errors import (
     AccelOptError,
+    InputRejected,
     UsageError,
 )
 
@@ -18,12 +19,18 @@ from accel_opt.errors import (
 @click.command(epilog=EXIT_CODES_HELP)
 @click.argument("model", type=click.Path(path_type=Path, dir_okay=True, exists=False))
 @click.option("--precision", type=click.Choice(["fp32", "fp16", "bf16", "int8", "auto"]),
-              help="Target precision (recipe default: fp32). auto: build the precisions that make sense here, keep the fastest that signs off.")
+              help="Target precision (default: the recipe's: fp32 in default, int8 in image-classifier and "
+                   "text-classifier, bf16 in text-encoder). auto: build the precisions that make sense here, keep the "
+                   "fastest that signs off.")
 @click.option("--backend", type=click.Choice(["onnxruntime", "openvino", "tensorrt", "torch", "auto"]),
-              help="Backend (recipe default: onnxruntime). torch: torch.export + AOTInductor, for PyTorch factories. auto: "
-                   "OpenVINO on x86 CPUs with AVX-512/AMX when installed, else ONNX Runtime (and torch for a factory).")
+              help="Backend (default: the recipe's: onnxruntime, openvino in text-encoder). torch: torch.export + "
+                   "AOTInductor, for PyTorch factories and Hugging Face folders. auto: OpenVINO on x86 CPUs with "
+                   "AVX-512/AMX when installed, else ONNX Runtime (and torch for a factory).")
+@click.option("--task", type=click.Choice(["text-classification", "feature-extraction", "image-classification"]),
+              help="A Hugging Face folder's task (default: read from its config.json's architecture).")
 @click.option("--device", help="--backend torch: cpu or cuda[:N] (default: the GPU when torch sees one, else the CPU).")
-@click.option("--recipe", "recipe_path", help="Recipe YAML file or bundled name (recipes/NAME.yaml). Default: default.")
+@click.option("--recipe", "recipe_path", help="Recipe YAML file or bundled name (recipes/NAME.yaml). Default: default; "
+              "for a Hugging Face folder, its task's (text-classifier, text-encoder, image-classifier).")
 @click.option("--data", "data_dir", type=click.Path(path_type=Path), help="Folder of .npz feed dicts (or images with a "
               "preprocessing recipe; a text file, or a folder of them, with a text recipe).")
 @click.option("--eval-data", "eval_data_dir", type=click.Path(path_type=Path), help="Held-out samples (as --data takes "
@@ -68,19 +75,23 @@ from accel_opt.errors import (
 @click.option("--junit", "junit_file", type=click.Path(path_type=Path), help="Write the gate's checks as JUnit XML here (for CI).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout (for CI).")
 @click.option("-v", "--verbose", is_flag=True, help="Log progress and show tracebacks.")
-def build(model, precision, backend, device, recipe_path, data_dir, eval_data_dir, groups_file, group_pattern, labels,
+def build(model, precision, backend, device, task, recipe_path, data_dir, eval_data_dir, groups_file, group_pattern, labels,
           classes, max_accuracy_drop, min_relative_accuracy, tokenizer, shapes,
           batch_axes, max_shapes, require_data,
           keep_io_types, providers, calibration, target_cpu, time_budget_s, no_fallback, threads, out_dir, force, sign_key,
           signing_certificate, junit_file, as_json, verbose):
-    """Build MODEL (.onnx, or a PyTorch factory FILE.py:FACTORY) through cleanup, precision, compile, accuracy gate,
-    benchmark and verdict. A factory is Python: building it imports and runs FILE.py, so build only factories you
-    trust (an .onnx file is data: it is checked, never executed)."""
+    """Build MODEL (.onnx, a Hugging Face model folder, or a PyTorch factory FILE.py:FACTORY) through cleanup,
+    precision, compile, accuracy gate, benchmark and verdict. A factory is Python: building it imports and runs
+    FILE.py, so build only factories you trust (an .onnx file is data: it is checked, never executed; a Hugging Face
+    folder's weights are loaded by transformers, never its own code)."""
     setup_logging(verbose)
     try:
         from accel_opt.builder.pipeline import build as run_build
+        from accel_opt.builder.sources import default_recipe, model_route_problem
         from accel_opt.recipe.load import load_recipe, parse_batch_axes, parse_shapes
 
+        if problem := model_route_problem(str(model)):
+            raise InputRejected(problem)
         if require_data and data_dir is None:
             raise UsageError("--require-data: give --data DIR; a sign-off on synthetic inputs says nothing about real ones")
         if junit_file is not None and not _writable_file(junit_file):
@@ -92,8 +103,15 @@ def build(model, precision, backend, device, recipe_path, data_dir, eval_data_di
             if sign_key is None:
                 raise UsageError("--signing-certificate needs --sign-key (the certificate's private key)")
             signer = signer_of(sign_key, signing_certificate, option="--sign-key")
+        task_recipe = None if recipe_path else default_recipe(model, task)
+        if task_recipe is not None and precision is None and backend is None:
+            # A Hugging Face folder and no choice made: the candidates its task's recipe allows here, the fastest
+            # that signs off (fp32 when nothing reduced is faster and passes).
+            precision = backend = "auto"
+            click.echo(f"note: {Path(model).name}: no --precision or --backend given: building the candidates that run "
+                       "here and keeping the fastest that signs off (--precision auto --backend auto)", err=True)
         auto = "auto" in (precision, backend)
-        recipe = load_recipe(recipe_path).with_overrides(
+        recipe = load_recipe(recipe_path or task_recipe).with_overrides(
             precision=None if precision == "auto" else precision,
             backend=None if backend == "auto" else backend,
             shapes=parse_shapes(shapes) if shapes else None,
@@ -130,7 +148,7 @@ def build(model, precision, backend, device, recipe_path, data_dir, eval_data_di
             )
         else:
             result = run_build(model, recipe, data_dir=data_dir, out_dir=out_dir, on_stage=on_stage, force=force,
-                               eval_data_dir=eval_data_dir, signer=signer)
+                               eval_data_dir=eval_data_dir, signer=signer, task=task)
     except (AccelOptError, MemoryError, Exception) as exc:  # noqa: BLE001 - every error maps to an exit code
         if junit_file and _writable_file(junit_file):
             write_junit(junit_file, [(Path(str(model)).stem, [], f"build failed: {exc}")])

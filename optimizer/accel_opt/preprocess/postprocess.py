@@ -17,7 +17,15 @@ def topk_record(post: Postprocess, outputs: dict[str, np.ndarray], first_output:
         scores = np.exp(scores - scores.max())
         scores /= scores.sum()
     top = np.argsort(-scores, kind="stable")[: post.topk]
-    return {"top1": int(top[0]), "topk": [[int(i), round(float(scores[i]), 6)] for i in top]}
+    return labeled(post, {"top1": int(top[0]), "topk": [[int(i), round(float(scores[i]), 6)] for i in top]})
+
+
+def labeled(post: Postprocess, record: dict[str, Any]) -> dict[str, Any]:
+    """A classifier's answer with its classes' names, where the postprocess has them."""
+    if not post.labels:
+        return record
+    name = lambda i: post.labels[i] if 0 <= i < len(post.labels) else str(i)  # noqa: E731
+    return {**record, "label": name(record["top1"]), "topk_labels": [name(i) for i, _ in record["topk"]]}
 
 
 EMBEDDING_DECIMALS = 7  # a normalized vector's values are in [-1, 1]: 5e-8 of rounding, far below float32 kernels' noise

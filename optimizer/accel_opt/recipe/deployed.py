@@ -72,12 +72,14 @@ class EmbeddingOutput(_Strict):
 
 class Postprocess(_Strict):
     """What `accel-opt run` writes per input. `topk`: a classifier's `top1` and `topk` [[class, score], ...]
-    from `output` (default: the first), scores softmax-ed unless `softmax` is false. `embedding`: the input's
+    from `output` (default: the first), scores softmax-ed unless `softmax` is false; with `labels`, also `label` (the
+    top-1 class's name) and `topk_labels`. `embedding`: the input's
     vector (see EmbeddingOutput). Without a postprocess section every output is saved to one .npz per input."""
 
     topk: int | None = Field(default=None, ge=1)
     output: str | None = None
     softmax: bool = True
+    labels: list[str] | None = None  # class names by index (a Hugging Face folder's id2label): written beside the indexes
     embedding: EmbeddingOutput | None = None
 
     @model_validator(mode="after")

@@ -14,15 +14,53 @@ RECIPES_DIR = Path(__file__).resolve().parents[3] / "recipes"
 
 
 def load_recipe(path_or_name: str | Path | None = None) -> Recipe:
-    """Load a recipe from a YAML path or a bundled name (`recipes/<name>.yaml`); None: the default."""
+    """Load a recipe from a YAML path or a bundled name (`recipes/<name>.yaml`); None: the default. A recipe may start
+    from another with `extends: NAME` (a bundled name, or a path beside it): its keys are laid over that recipe's,
+    mappings merged key by key, anything else replaced."""
+    path = _recipe_path(path_or_name)
+    return _validate(_read_extended(path, []), source=str(path))
+
+
+def _recipe_path(path_or_name: str | Path | None, beside: Path | None = None) -> Path:
     if path_or_name is None:
         path_or_name = DEFAULT_RECIPE_NAME
     path = Path(path_or_name)
+    if beside is not None and not path.is_absolute() and (beside / path).is_file():
+        path = beside / path
     if not path.suffix and not path.is_file():  # a bundled name, even beside a folder of that name
         path = RECIPES_DIR / f"{path_or_name}.yaml"
     if not path.is_file():
         bundled = sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
         raise UsageError(f"recipe not found: {path_or_name} (bundled: {', '.join(bundled)})")
+    return path
+
+
+MAX_EXTENDS = 8  # recipes extending recipes: deeper than this is a loop or a mistake
+
+
+def _read_extended(path: Path, chain: list[Path]) -> dict:
+    """The recipe document at `path` laid over the one it extends (recursively); a loop is refused."""
+    if path.resolve() in chain or len(chain) >= MAX_EXTENDS:
+        names = " -> ".join(p.stem for p in [*chain, path.resolve()])
+        raise UsageError(f"recipe {path}: `extends` loops or nests too deep ({names})")
+    data = _read_document(path)
+    base_name = data.pop("extends", None)
+    if base_name is None:
+        return data
+    if not isinstance(base_name, str) or not base_name:
+        raise UsageError(f"recipe {path}: extends: expected a recipe name or path, got {base_name!r}")
+    base = _read_extended(_recipe_path(base_name, beside=path.parent), [*chain, path.resolve()])
+    return _laid_over(base, data)
+
+
+def _laid_over(base: dict, data: dict) -> dict:
+    merged = dict(base)
+    for key, value in data.items():
+        merged[key] = _laid_over(base[key], value) if isinstance(value, dict) and isinstance(base.get(key), dict) else value
+    return merged
+
+
+def _read_document(path: Path) -> dict:
     try:
         data = yaml.safe_load(path.read_text(encoding="utf-8"))
     except (yaml.YAMLError, UnicodeDecodeError) as exc:
@@ -33,7 +71,7 @@ def load_recipe(path_or_name: str | Path | None = None) -> Recipe:
         data = {}
     if not isinstance(data, dict):
         raise UsageError(f"recipe {path}: expected a mapping at the top level, got {type(data).__name__}")
-    return _validate(data, source=str(path))
+    return data
 
 
 def parse_batch_axes(text: str) -> dict[str, int | None]:

@@ -50,6 +50,11 @@ class ModuleFactory:
         self.spec, self.fn, self.search_path = spec, fn, search_path
 
     @property
+    def name(self) -> str:
+        """FACTORY of FILE.py:FACTORY; a folder's own name for a Hugging Face folder."""
+        return self.spec.rpartition(":")[2] if ":" in self.spec else Path(self.spec).name
+
+    @property
     def export_hints(self) -> dict[str, Any]:
         return {key: getattr(self.fn, key) for key in EXPORT_HINTS if getattr(self.fn, key, None) is not None}
 

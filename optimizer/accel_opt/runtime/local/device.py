@@ -30,6 +30,7 @@ import numpy as np
 
 from accel_opt.errors import InputRejected, Unsupported, UsageError
 from accel_opt.machine.cpu import available_cpus
+from accel_opt.preprocess.postprocess import labeled
 from accel_opt.runtime import Deployment
 from accel_opt.runtime.inputs import NPZ, local_path
 from accel_opt.runtime.output import Outputs, Writer
@@ -228,7 +229,7 @@ def predict_on_device(deployment: Deployment, remaining: list[str], outputs: Out
             scores = outs[[o.name for o in config.outputs].index(post.output or config.outputs[0].name)]
             indices, values = clock.run("d2h", compute_stream, lambda: top_k_on_device(scores, post.topk, post.softmax))
             clock.settle()
-            records = [{"top1": int(ix[0]), "topk": [[int(c), round(float(s), 6)] for c, s in zip(ix, vs)]}
+            records = [labeled(post, {"top1": int(ix[0]), "topk": [[int(c), round(float(s), 6)] for c, s in zip(ix, vs)]})
                        for ix, vs in zip(indices[: len(good)], values[: len(good)])]
             start = time.perf_counter()
             count = writer.predict_records(paths, records)
