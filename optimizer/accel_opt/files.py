@@ -159,6 +159,23 @@ def user_cache_dir(*parts: str) -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache", "accel-opt", *parts)
 
 
+def install_line(extra: str, then: str = "") -> str:
+    """The `pip install` of an extra that works where this accel-opt came from: the checkout or wheel it was installed
+    from (pip records it, PEP 610: direct_url.json), else the distribution's name (an index that holds it).
+    accel-opt is not on a public index: `pip install 'accel-opt[sign]'` would find nothing there."""
+    from urllib.parse import unquote, urlparse
+
+    source = "accel-opt"
+    try:
+        recorded = json.loads(metadata.distribution("accel-opt").read_text("direct_url.json") or "{}")
+    except (metadata.PackageNotFoundError, ValueError):
+        recorded = {}
+    url = urlparse(str(recorded.get("url", "")))
+    if url.scheme == "file" and url.path:
+        source = unquote(url.path)
+    return f"pip install '{source}[{extra}]'" + (f" {then}" if then else "")
+
+
 def now_utc() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
 

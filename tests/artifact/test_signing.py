@@ -18,8 +18,9 @@ from onnx import numpy_helper
 from accel_opt import runtime
 from accel_opt.artifact.folder import MANIFEST, SIGNATURE, file_hashes
 from accel_opt.cli import main
+from accel_opt.files import install_line
 
-pytest.importorskip("model_signing", reason="the sign extra is not installed (pip install 'accel-opt[sign]')")
+pytest.importorskip("model_signing", reason="the sign extra is not installed (pip install '.[sign]')")
 
 from cryptography import x509  # noqa: E402 - a dependency of model-signing
 from cryptography.hazmat.primitives import hashes, serialization  # noqa: E402
@@ -214,4 +215,4 @@ def test_without_model_signing_it_is_exit_4_with_the_install_command(classifier,
     for args in (["verify", classifier, "--public-key", keys / "ours.pub"],
                  ["sign", Path(shutil.copytree(classifier, tmp_path / "art")), "--key", keys / "ours.pem"]):
         result = _cli(*args)
-        assert result.exit_code == 4 and "pip install 'accel-opt[sign]'" in result.stderr
+        assert result.exit_code == 4 and install_line("sign") in result.stderr

@@ -22,7 +22,7 @@ from accel_opt.artifact.verified import COPY_PREFIX
 from accel_opt.cli import main
 from accel_opt.errors import InputRejected, UsageError
 
-pytest.importorskip("model_signing", reason="the sign extra is not installed (pip install 'accel-opt[sign]')")
+pytest.importorskip("model_signing", reason="the sign extra is not installed (pip install '.[sign]')")
 
 from tests.artifact.test_signing import _write_key_pair  # noqa: E402 - after the skip: it needs cryptography
 

@@ -334,7 +334,7 @@ def test_throughput_with_concurrent_requests(fp32_model, tmp_path):
 # --- NNCF's quantizer of the OpenVINO model: its IR ships ------------------------------------------
 
 needs_nncf = pytest.mark.skipif(importlib.util.find_spec("nncf") is None or importlib.util.find_spec("openvino") is None,
-                                reason="nncf and openvino are not installed (pip install 'accel-opt[openvino]')")
+                                reason="nncf and openvino are not installed (pip install '.[openvino]')")
 
 
 class _TickingClock:

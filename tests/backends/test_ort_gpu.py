@@ -35,6 +35,7 @@ from accel_opt.backends.onnxruntime.gpu import (
 from accel_opt.backends.onnxruntime.iobinding import OrtIoBindingRunner, SessionFactory
 from accel_opt.backends.tensorrt.build_config import ShapeRange
 from accel_opt.errors import Unsupported
+from accel_opt.files import install_line
 from accel_opt.machine import gpu as cuda_device
 from accel_opt.machine.gpu import CudaDevice, CudaProbe
 from accel_opt.recipe.schema import Recipe
@@ -43,7 +44,7 @@ from accel_opt.recipe.types import Precision
 from ..conftest import matmul_model, save
 
 ROOT = Path(__file__).resolve().parents[2]
-INSTALL_HINT = "pip uninstall -y onnxruntime && pip install 'accel-opt[gpu]'"
+INSTALL_HINT = f"pip uninstall -y onnxruntime && {install_line('gpu')}"
 NO_GPU = CudaProbe((), None, "no NVIDIA GPU: no /dev/nvidia* device and no nvidia-smi (no NVIDIA driver)")
 H200 = CudaProbe((CudaDevice(0, "NVIDIA H200", "9.0", 143771),), "12.8")
 CPU_BUILD = ["AzureExecutionProvider", CPU_PROVIDER]

@@ -35,6 +35,7 @@ from accel_opt.backends.tensorrt.plan import (
     timing_cache_name,
 )
 from accel_opt.errors import InputRejected, InternalError, ResourceExhausted, UsageError
+from accel_opt.files import install_line
 from accel_opt.graph.inspect import TensorSpec
 from accel_opt.machine.cpu import CpuProfile
 from accel_opt.machine.gpu import CudaDevice, CudaProbe
@@ -241,7 +242,7 @@ def test_get_backend_refuses_tensorrt_in_one_line_without_importing_it():
     exit_code, imported, message = done.stdout.strip().split("|", 2)
     assert done.returncode == 0 and not done.stderr.strip(), done.stderr
     assert exit_code == "4" and imported == "False"
-    assert "\n" not in message and "pip install 'accel-opt[tensorrt]'" in message
+    assert "\n" not in message and install_line("tensorrt") in message
     assert message.startswith("backend tensorrt is unavailable here: ")
 
 

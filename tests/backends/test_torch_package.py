@@ -13,7 +13,7 @@ import pytest
 from click.testing import CliRunner
 from PIL import Image
 
-torch = pytest.importorskip("torch", reason="the torch extra: pip install 'accel-opt[torch]' torch==2.13.0")
+torch = pytest.importorskip("torch", reason="the torch extra: pip install '.[torch]' torch==2.13.0")
 
 from accel_opt import runtime  # noqa: E402
 from accel_opt.artifact.folder import MANIFEST, file_hashes  # noqa: E402

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("torch", reason="the torch extra: pip install 'accel-opt[torch]' torch==2.13.0")
+pytest.importorskip("torch", reason="the torch extra: pip install '.[torch]' torch==2.13.0")
 
 ROOT = Path(__file__).resolve().parents[2]
 

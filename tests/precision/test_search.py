@@ -143,10 +143,10 @@ def test_adaround_is_adopted_on_its_gain_and_skipped_with_the_install_line_witho
     found = _run(model, tmp_path, remedies=REMEDIES)
     assert found.status == "rescued" and list(found.remedies) == ["AdaRound"] and found.kept == []
     without_torch = [r if r.name != "AdaRound" else Remedy(r.name, r.overrides, "needs PyTorch: pip install "
-                                                                                 "'accel-opt[ptq]'") for r in REMEDIES]
+                                                                                 "'.[ptq]'") for r in REMEDIES]
     model = Model({"Conv 16x1x3x3": 2.5}, remedy_gains={ADAROUND: 2.2})
     found = _run(model, tmp_path, remedies=without_torch)
-    assert ("remedy", "AdaRound", "skipped: needs PyTorch: pip install 'accel-opt[ptq]'") in [
+    assert ("remedy", "AdaRound", "skipped: needs PyTorch: pip install '.[ptq]'") in [
         (s.kind, s.what, s.decision) for s in found.steps]
     assert ADAROUND not in [item for o in model.overrides for item in (o or {}).items()]  # never built
     assert found.status == "rescued" and sorted(found.kept) == ["d1", "d2"]

@@ -23,10 +23,11 @@ from click.testing import CliRunner
 from accel_opt.runtime.ray.cluster import LOOPBACK_ENV, pin_loopback
 
 pin_loopback()  # before ray is imported below
-ray = pytest.importorskip("ray", reason="Ray Data is the `ray` extra: pip install 'accel-opt[ray]'")
+ray = pytest.importorskip("ray", reason="Ray Data is the `ray` extra: pip install '.[ray]'")
 
 from accel_opt import runtime  # noqa: E402
 from accel_opt.cli import main  # noqa: E402
+from accel_opt.files import install_line  # noqa: E402
 from accel_opt.runtime.local.job import run_job  # noqa: E402
 from accel_opt.runtime.output import Outputs  # noqa: E402
 from accel_opt.runtime.ray.job import SUMMARY, OutFolder  # noqa: E402
@@ -297,7 +298,7 @@ def test_bad_cluster_address_output_and_missing_ray_are_one_line_each(classifier
     code = ("import sys; sys.modules['ray'] = None\nfrom accel_opt.cli import main\nmain()")
     no_ray = subprocess.run([sys.executable, "-c", code, "run", str(classifier), str(photos), "--engine", "ray", "--out",
                              str(tmp_path / "d")], capture_output=True, text=True)
-    assert no_ray.returncode == 4 and "pip install 'accel-opt[ray]'" in no_ray.stderr and no_ray.stderr.count("\n") == 1
+    assert no_ray.returncode == 4 and install_line("ray") in no_ray.stderr and no_ray.stderr.count("\n") == 1
     light = subprocess.run([sys.executable, "-c", "import sys, accel_opt.cli; assert 'ray' not in sys.modules"], capture_output=True)
     assert light.returncode == 0  # `accel-opt --help` never imports Ray
 

@@ -22,9 +22,10 @@ from pathlib import Path
 
 from accel_opt.artifact.folder import SIGNATURE
 from accel_opt.errors import Unsupported, UsageError, first_line
+from accel_opt.files import install_line
 
 PUBLIC_KEY_ENV = "ACCEL_OPT_PUBLIC_KEY"  # a trusted public key for run/bench/verify/compare when --public-key is not given
-INSTALL = "pip install 'accel-opt[sign]'"
+INSTALL = install_line("sign")
 # Backends whose artifact is native code once deserialized: loading it runs whatever its builder put there.
 NATIVE_CODE = {"torch": "an AOTInductor package (a compiled shared library)",
                "tensorrt": "a TensorRT plan (executable GPU code)"}

@@ -11,17 +11,18 @@ from polygraphy.backend.base import BaseRunner
 from polygraphy.common import TensorMetadata
 from polygraphy.datatype import DataType
 
+from accel_opt.files import install_line
 from accel_opt.machine.support import Availability
 from accel_opt.recipe.schema import Recipe
 from accel_opt.recipe.types import Precision
 
 # The command that adds each optional backend (doctor and the backends' 'not installed' errors say it).
-TORCH_INSTALL = "pip install 'accel-opt[torch]' torch==2.13.0"
+TORCH_INSTALL = install_line("torch", "torch==2.13.0")
 INSTALL = {
-    "openvino": "pip install 'accel-opt[openvino]'",
+    "openvino": install_line("openvino"),
     "torch": TORCH_INSTALL,
-    "onnxruntime-gpu": "pip uninstall -y onnxruntime && pip install 'accel-opt[gpu]'",
-    "tensorrt": "pip install 'accel-opt[tensorrt]' (TensorRT's libraries come from NVIDIA's own package index)",
+    "onnxruntime-gpu": f"pip uninstall -y onnxruntime && {install_line('gpu')}",
+    "tensorrt": f"{install_line('tensorrt')} (TensorRT's libraries come from NVIDIA's own package index)",
 }
 
 

@@ -13,6 +13,7 @@ import importlib.util
 from dataclasses import dataclass
 
 from accel_opt.backends.openvino.backend import precision_support
+from accel_opt.files import install_line
 from accel_opt.machine.cpu import CpuProfile
 from accel_opt.recipe.types import BackendName, Precision
 
@@ -33,7 +34,7 @@ def auto_backend(cpu: CpuProfile, openvino_importable: bool | None = None) -> tu
     if not importable:
         return BackendName.onnxruntime, (
             f"x86 CPU ({wide}) where OpenVINO is often the faster runtime, but openvino is not installed "
-            "(pip install 'accel-opt[openvino]'); using ONNX Runtime"
+            f"({install_line('openvino')}); using ONNX Runtime"
         )
     return BackendName.openvino, (f"x86 CPU ({wide}): OpenVINO and ONNX Runtime are both built and timed; which is "
                                   "faster depends on the model and the CPU")

@@ -21,7 +21,7 @@ Exit codes:
   3  incomplete or altered (no manifest, a file missing, changed or not part of it); with --public-key,
      unsigned, signed by another key, or a file changed, added or removed after signing
   4  this machine cannot run it as it was checked (backend missing, another runtime version or CPU);
-     --public-key without model-signing installed (pip install 'accel-opt[sign]')
+     --public-key without model-signing installed (accel-opt's `sign` extra)
   6  not signed off by its build: too few held-out samples to certify it
   7  not signed off by its build: no measured benefit over its fp32 build
   70 internal error (a bug; the log path is printed)
@@ -118,7 +118,7 @@ Exit codes:
   0  signed: ARTIFACT/model.sig covers every file of the folder, manifest.json included
   2  a key or certificate file missing or unusable
   3  the folder is incomplete or altered (it is verified before it is signed)
-  4  model-signing is not installed (pip install 'accel-opt[sign]')"""
+  4  model-signing is not installed (accel-opt's `sign` extra)"""
 
 
 @click.command("sign", epilog=SIGN_EXIT_CODES)

@@ -18,7 +18,7 @@ With --engine ray (--out is a folder):
   2  --out is a file or cannot be written; it holds answers without --resume/--overwrite; --resume over
      another artifact's folder; --address not HOST:PORT; ray-only options without --engine ray
   3  some inputs rejected (DIR/rejected-*.jsonl); the artifact altered/incomplete, on the driver or a node
-  4  Ray Data not installed (pip install 'accel-opt[ray]'); no cluster answers at --address; a node cannot
+  4  Ray Data not installed (accel-opt's `ray` extra); no cluster answers at --address; a node cannot
      run the artifact (named in the line)
   5  --timeout-s reached (the published parts stay: --resume continues)
   70 the exactly-once check failed (an input not answered or answered twice)"""

@@ -31,6 +31,7 @@ from onnx import helper, numpy_helper
 
 from accel_opt.data import Sample
 from accel_opt.errors import Unsupported
+from accel_opt.files import install_line
 from accel_opt.precision.qdq_weights import (
     QuantizedLayer,
     broadcast_along,
@@ -142,7 +143,7 @@ def adaround(float_model: onnx.ModelProto, quantized: onnx.ModelProto, samples: 
         import torch
         from torch.nn import functional
     except ImportError as exc:
-        raise Unsupported("AdaRound needs PyTorch: pip install 'accel-opt[ptq]'") from exc
+        raise Unsupported(f"AdaRound needs PyTorch: {install_line('ptq')}") from exc
     start = time.monotonic()
     torch.manual_seed(seed)
     rng = np.random.default_rng(seed)

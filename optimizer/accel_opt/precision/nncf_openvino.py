@@ -24,6 +24,7 @@ from pathlib import Path
 
 from accel_opt.data import Sample
 from accel_opt.errors import InputRejected, Unsupported, first_line
+from accel_opt.files import install_line
 from accel_opt.precision.report import CalibrationReport, PrecisionReport
 from accel_opt.recipe.stages import CalibrationConfig
 from accel_opt.recipe.types import Precision
@@ -31,7 +32,7 @@ from accel_opt.recipe.types import Precision
 log = logging.getLogger(__name__)
 
 IR_SUFFIX = ".xml"  # the IR's topology; its weights are the .bin of the same stem
-INSTALL = "pip install 'accel-opt[openvino]'"
+INSTALL = install_line("openvino")
 
 
 def missing() -> str | None:

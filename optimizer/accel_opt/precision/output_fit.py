@@ -38,6 +38,7 @@ from onnx import numpy_helper
 
 from accel_opt.data import Sample
 from accel_opt.errors import Unsupported
+from accel_opt.files import install_line
 from accel_opt.precision.qdq_weights import learned_in_place, quantized_layers
 
 BATCH = 8
@@ -71,7 +72,7 @@ def fit_outputs(float_model: onnx.ModelProto, quantized: onnx.ModelProto, sample
     try:
         import torch
     except ImportError as exc:
-        raise Unsupported(f"{label} needs PyTorch: pip install 'accel-opt[ptq]'") from exc
+        raise Unsupported(f"{label} needs PyTorch: {install_line('ptq')}") from exc
     from accel_opt.precision.torch_graph import TorchGraph, round_straight_through
 
     start = time.monotonic()

@@ -46,6 +46,7 @@ from typing import Literal
 
 from pydantic import BaseModel
 
+from accel_opt.files import install_line
 from accel_opt.recipe.stages import CalibrationConfig
 
 
@@ -80,7 +81,7 @@ def int8_remedies(calibration: CalibrationConfig, backend_name: str = "onnxrunti
     if not calibration.keep_removable_activations and not _preset_keeps_activations(calibration, backend_name):
         remedies.append(Remedy("Relu/Clip kept explicit", {key + "keep_removable_activations": True}))
     if calibration.weight_rounding != "adaround":
-        missing = None if importlib.util.find_spec("torch") else "needs PyTorch: pip install 'accel-opt[ptq]'"
+        missing = None if importlib.util.find_spec("torch") else f"needs PyTorch: {install_line('ptq')}"
         remedies.append(Remedy("AdaRound", {key + "weight_rounding": "adaround"}, missing))
     return tuple(remedies) + (nncf_remedies(calibration, fused_preprocessing) if backend_name == "openvino" else ())
 

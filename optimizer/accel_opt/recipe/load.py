@@ -10,7 +10,8 @@ import yaml
 from accel_opt.errors import UsageError, first_line
 from accel_opt.recipe.schema import DEFAULT_RECIPE_NAME, Recipe, _validate
 
-RECIPES_DIR = Path(__file__).resolve().parents[3] / "recipes"
+RECIPES_DIR = Path(__file__).resolve().parents[1] / "recipes"  # package data: in the wheel; recipes/ at the top of the
+# repository is a link to it
 
 
 def load_recipe(path_or_name: str | Path | None = None) -> Recipe:

@@ -226,7 +226,7 @@ class TorchConfig(_Strict):
 
 class OnnxRuntimeConfig(_Strict):
     """ONNX Runtime's execution provider (--backend onnxruntime). providers[0] runs the model; CUDA/TensorRT
-    EPs need an NVIDIA GPU and onnxruntime-gpu (pip uninstall -y onnxruntime && pip install 'accel-opt[gpu]'),
+    EPs need an NVIDIA GPU and onnxruntime-gpu (pip uninstall -y onnxruntime, then install accel-opt's `gpu` extra),
     the TensorRT EP also TensorRT's libraries. Later entries are not fallbacks."""
 
     providers: list[Literal["CPUExecutionProvider", "CUDAExecutionProvider", "TensorrtExecutionProvider"]] = Field(

@@ -99,7 +99,7 @@ def _list_uri(uri: str, texts: bool = False) -> list[str]:
     try:
         import pyarrow.fs
     except ImportError:
-        raise UsageError(f"{uri}: URIs are listed through pyarrow: pip install pyarrow (or 'accel-opt[ray]')") from None
+        raise UsageError(f"{uri}: URIs are listed through pyarrow: pip install pyarrow") from None
     scheme = uri[: uri.index("://") + 3]
     fs, root = pyarrow.fs.FileSystem.from_uri(uri)
     if fs.get_file_info(root).type != pyarrow.fs.FileType.Directory:

@@ -206,7 +206,7 @@ class OnnxRuntimeBackend:
         try:
             import onnxruntime as ort
         except ImportError:
-            return Availability(False, "onnxruntime is not installed (pip install accel-opt)")
+            return Availability(False, "onnxruntime is not installed (pip install onnxruntime)")
         if is_gpu_provider(self.provider):
             return provider_availability(self.provider)
         if self.provider not in ort.get_available_providers():

@@ -46,7 +46,7 @@ CPU_PROVIDER = "CPUExecutionProvider"
 CUDA_PROVIDER = "CUDAExecutionProvider"
 TENSORRT_PROVIDER = "TensorrtExecutionProvider"
 GPU_PROVIDERS = (CUDA_PROVIDER, TENSORRT_PROVIDER)
-ORT_GPU_INSTALL = INSTALL["onnxruntime-gpu"]  # pip uninstall -y onnxruntime && pip install 'accel-opt[gpu]'
+ORT_GPU_INSTALL = INSTALL["onnxruntime-gpu"]  # pip uninstall -y onnxruntime, then the gpu extra
 
 DISABLE_CPU_FALLBACK = "session.disable_cpu_ep_fallback"
 RECORD_ASSIGNMENT = "session.record_ep_graph_assignment_info"

@@ -46,7 +46,7 @@ from accel_opt.backends.openvino.compile import (
 )
 from accel_opt.backends.openvino.runner import OpenVinoRunner, throughput
 from accel_opt.errors import Unsupported
-from accel_opt.files import sha256_file
+from accel_opt.files import install_line, sha256_file
 from accel_opt.machine.cpu import CpuProfile, available_cpus
 from accel_opt.machine.support import Availability
 from accel_opt.recipe.schema import Recipe
@@ -72,7 +72,7 @@ class OpenVinoBackend:
         try:
             import openvino  # noqa: F401
         except ImportError:
-            return Availability(False, "openvino is not installed (pip install 'accel-opt[openvino]')")
+            return Availability(False, f"openvino is not installed ({install_line('openvino')})")
         if DEVICE not in _core().available_devices:
             return Availability(False, "OpenVINO sees no CPU device")
         return Availability(True)

@@ -32,7 +32,7 @@ from typing import Any
 from accel_opt.backends.torch.backend import ModuleFactory
 from accel_opt.backends.torch.runner import require_torch
 from accel_opt.errors import InputRejected, Unsupported, UsageError, first_line
-from accel_opt.files import sha256_file, user_cache_dir
+from accel_opt.files import install_line, sha256_file, user_cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -222,7 +222,7 @@ def _transformers() -> Any:
         import transformers
         from transformers.utils import logging as transformers_logging
     except ImportError:
-        raise Unsupported("a Hugging Face folder needs transformers: pip install '.[huggingface]'") from None
+        raise Unsupported(f"a Hugging Face folder needs transformers: {install_line('huggingface')}") from None
     transformers_logging.disable_progress_bar()
     transformers_logging.set_verbosity_error()
     return transformers

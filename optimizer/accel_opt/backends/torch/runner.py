@@ -20,9 +20,10 @@ from polygraphy.datatype import DataType
 
 from accel_opt.backends.gpu_timing import StageClock
 from accel_opt.errors import InputRejected, Unsupported, UsageError
+from accel_opt.files import install_line
 from accel_opt.graph.inspect import TensorSpec
 
-TORCH_EXTRA = "pip install 'accel-opt[torch]' torch==2.13.0"
+TORCH_EXTRA = install_line("torch", "torch==2.13.0")
 
 
 def require_torch() -> Any:

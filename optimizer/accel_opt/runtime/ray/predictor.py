@@ -44,11 +44,12 @@ from typing import Any
 import numpy as np
 
 from accel_opt.errors import AccelOptError, InputRejected, Unsupported, first_line
+from accel_opt.files import install_line
 from accel_opt.runtime.inputs import local_path
 
 log = logging.getLogger(__name__)
 
-RAY_INSTALL = "pip install 'accel-opt[ray]'"
+RAY_INSTALL = install_line("ray")
 ROWS_PER_CALL = 64  # inputs per actor call: amortizes Ray's per-task overhead (a few ms) over many inferences
 
 
