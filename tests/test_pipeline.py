@@ -134,3 +134,17 @@ def test_bf16_on_ort_cpu_is_unsupported(tiny_cnn_path, fast_recipe, tmp_path):
 def test_int8_without_data_is_a_usage_error(tiny_cnn_path, fast_recipe, tmp_path):
     with pytest.raises(UsageError, match="needs --data"):
         build(tiny_cnn_path, fast_recipe.with_overrides(precision="int8"), out_dir=tmp_path)
+
+
+def _snippet(folder) -> str:
+    """The Python block of a folder's signoff.md ("Run it")."""
+    text = (folder / "signoff.md").read_text()
+    return text.split("```python\n", 1)[1].split("```", 1)[0]
+
+
+def test_the_folders_own_snippet_loads_and_runs_it(classifier, monkeypatch):
+    monkeypatch.chdir(classifier.parent)  # the snippet names the folder as a build leaves it under --out
+    namespace: dict = {}
+    exec(compile(_snippet(classifier), "signoff.md", "exec"), namespace)  # noqa: S102 - the file this build wrote
+    assert namespace["outputs"]["logits"].shape == (4, 10)
+    assert f"accel-opt run {classifier.name} INPUTS... --out predictions.jsonl" in (classifier / "signoff.md").read_text()

@@ -194,3 +194,18 @@ def test_a_recipe_extends_another_key_by_key(tmp_path):
     (tmp_path / "c.yaml").write_text("extends: nowhere\n")
     with pytest.raises(UsageError, match="recipe not found: nowhere"):
         load_recipe(tmp_path / "c.yaml")
+
+
+def test_every_recipe_problem_is_named_at_once_with_its_line_and_the_key_it_was_meant_to_be(tmp_path):
+    path = tmp_path / "r.yaml"
+    path.write_text("name: x\nprecision: int9\nbenchmark:\n  batch_sise: [1]\n  warmup_iterations: -1\n"
+                    "accuracy:\n  tolerances:\n    int8:\n      max_eror: 0.1\nbackendd: onnxruntime\n")
+    with pytest.raises(UsageError) as caught:
+        load_recipe(path)
+    message = str(caught.value)
+    assert "\n" not in message and message.startswith(f"recipe {path}: 5 problems: line 2: precision: ")
+    for expected in ("line 4: benchmark.batch_sise: unknown key (did you mean batch_sizes?)",
+                     "line 5: benchmark.warmup_iterations: Input should be greater than or equal to 0",
+                     "line 9: accuracy.tolerances.int8.max_eror: unknown key (did you mean max_error?)",
+                     "line 10: backendd: unknown key (did you mean backend?)"):
+        assert expected in message

@@ -89,7 +89,7 @@ def _fp32(name: str):
     return load_recipe(name).with_overrides(precision="fp32", backend="onnxruntime", benchmark=FAST_BENCH)
 
 
-def test_a_text_classifier_folder_builds_with_its_labels_tokenizer_and_length(folders, tmp_path):
+def test_a_text_classifier_folder_builds_with_its_labels_tokenizer_and_length(folders, tmp_path, monkeypatch):
     recipe, notes = recipe_for(folders["text"], _fp32("text-classifier"), None, has_data=True)
     assert recipe.text.max_length == 64 and max(recipe.text.length_buckets) == 64  # the model's 64 positions
     assert recipe.postprocess.labels == list(LABELS.values()) and recipe.postprocess.topk == 3
@@ -113,6 +113,11 @@ def test_a_text_classifier_folder_builds_with_its_labels_tokenizer_and_length(fo
     with torch.no_grad():
         logits = model(**tokenizer(queries.read_text().splitlines(), return_tensors="pt", padding=True)).logits
     assert [line["top1"] for line in lines] == logits.argmax(-1).tolist()
+    monkeypatch.chdir(folder.parent)  # signoff.md's snippet, as written, tokenizes a text and runs it
+    snippet = (folder / "signoff.md").read_text().split("```python\n", 1)[1].split("```", 1)[0]
+    namespace: dict = {}
+    exec(compile(snippet, "signoff.md", "exec"), namespace)  # noqa: S102 - the file this build wrote
+    assert namespace["outputs"]["logits"].shape == (1, 3)
 
 
 def test_the_python_api_takes_the_folders_task_recipe_as_it_runs_here(folders):
@@ -196,3 +201,15 @@ def test_an_architecture_or_task_that_cannot_be_built_is_exit_4_naming_it(folder
     assert done.exit_code == 4 and "never runs a folder's own Python" in done.stderr, done.stderr
     done = _cli("build", tiny_cnn_path, "--task", "text-classification", "--out", tmp_path / "out")
     assert done.exit_code == 2 and "--task is for Hugging Face model folders" in done.stderr, done.stderr
+
+
+def test_export_takes_a_folder_and_says_its_own_exit_codes(folders, tmp_path):
+    done = _cli("export", folders["vit"], "-o", tmp_path / "vit.onnx")
+    assert done.exit_code == 0 and "verified against PyTorch" in done.stdout, done.output
+    import onnx
+
+    inputs = onnx.load(str(tmp_path / "vit.onnx")).graph.input
+    assert [i.name for i in inputs] == ["pixel_values"]
+    assert [d.dim_value for d in inputs[0].type.tensor_type.shape.dim][1:] == [3, 32, 32]
+    helped = _cli("export", "--help").stdout
+    assert "exported, and ONNX Runtime's outputs match PyTorch's" in helped and "signed off" not in helped

@@ -14,6 +14,7 @@ from accel_opt.accuracy import AccuracyReport
 from accel_opt.artifact.config import RESOURCE_CONFIG, ResourceConfig
 from accel_opt.artifact.folder import MANIFEST, Manifest, file_hashes
 from accel_opt.artifact.signing import TrustPolicy
+from accel_opt.artifact.usage import usage_markdown
 from accel_opt.backends import CompiledModel
 from accel_opt.bench import BenchmarkReport
 from accel_opt.builder.samples import data_samples_needed
@@ -200,7 +201,8 @@ def write_reports(ctx: BuildContext) -> str:
                                 ctx.notes + (ctx.precision.notes if ctx.precision else [])
                                 + ([ctx.limits.family_note] if ctx.limits and ctx.limits.family_note else [])
                                 + [f"Benchmark gate failed: {line}" for line in ctx.bench.failures],
-                                fallback=ctx.fallback, bench=ctx.bench),
+                                fallback=ctx.fallback, bench=ctx.bench)
+        + "\n".join(usage_markdown(artifact_name(ctx), ctx.resource_config)) + "\n",
     )
     if ctx.fallback is not None and ctx.fallback.naive_profile:
         (staging / "layer_error.png").write_bytes(layer_error_png(ctx.fallback.model_dump(mode="json")))

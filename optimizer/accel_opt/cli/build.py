@@ -245,16 +245,31 @@ def _print_progress(event) -> None:
     click.echo(event.line(), err=True)
 
 
-@click.command("export", epilog="Loading a factory imports and runs its Python file: only export code you trust.\n\n" + EXIT_CODES_HELP)
+EXPORT_EXIT_CODES = """Loading a factory imports and runs its Python file: only export code you trust.
+
+\b
+Exit codes:
+  0  exported, and ONNX Runtime's outputs match PyTorch's
+  1  exported, but the outputs differ from PyTorch's beyond tolerance
+  2  usage error (a bad FACTORY spec, --shapes or --dynamic; the factory file or attribute missing)
+  3  the factory raised, returned something that is not an nn.Module, or the folder is not a model
+  4  torch is not installed, or neither exporter can export the module (the reason is printed)
+  5  resource exhausted (memory, disk)
+  70 internal error (a bug; the log path is printed)"""
+
+
+@click.command("export", epilog=EXPORT_EXIT_CODES)
 @click.argument("factory")
-@click.option("--shapes", required=True, help="Example input shapes, in forward()'s argument order: x:2x3x224x224[,NAME:...].")
+@click.option("--shapes", help="Example input shapes, in forward()'s argument order: x:2x3x224x224[,NAME:...]. "
+              "Default for a Hugging Face folder: 1x16 tokens, or its image processor's crop.")
 @click.option("-o", "--output", type=click.Path(path_type=Path), help="Output .onnx (default: FACTORY.onnx).")
 @click.option("--dynamic", help="More dynamic axes besides the batch: NAME:AXIS[,NAME:AXIS...], e.g. input_ids:1.")
 @click.option("--opset", type=int, help="ONNX opset (torch's exporter emits 18 or newer).")
 @click.option("--json", "as_json", is_flag=True, help="Print the export and verification reports as JSON.")
 @click.option("-v", "--verbose", is_flag=True)
 def export_command(factory, shapes, output, dynamic, opset, as_json, verbose):
-    """Export a PyTorch model factory (FILE.py:FACTORY or package.module:FACTORY) to ONNX and verify it.
+    """Export a PyTorch model factory (FILE.py:FACTORY or package.module:FACTORY), or a Hugging Face model folder,
+    to ONNX and verify it.
 
     The factory is a callable returning an nn.Module. The leading dimension of every input is
     dynamic; verification runs ONNX Runtime against PyTorch on fresh inputs at two batch sizes,
@@ -263,17 +278,25 @@ def export_command(factory, shapes, output, dynamic, opset, as_json, verbose):
     setup_logging(verbose)
     try:
         from accel_opt.accuracy.export_check import verify
-        from accel_opt.backends.torch.backend import load_factory
         from accel_opt.backends.torch.export import export
+        from accel_opt.builder.sources import factory_of, hf_folder_of
         from accel_opt.recipe.load import parse_shapes
 
-        example_shapes = parse_shapes(shapes)
-        loaded = load_factory(factory)
+        loaded = factory_of(factory)
+        if loaded is None:
+            raise UsageError(f"{factory}: export takes a factory FILE.py:FACTORY or a Hugging Face folder, not a model file")
         hints = loaded.export_hints
+        if shapes:
+            example_shapes = parse_shapes(shapes)
+        elif (hf := hf_folder_of(factory)) is not None:
+            crop = hf.image_preprocessing()["crop"] if not hf.is_text else 0
+            example_shapes = {name: [1, 16] for name in hf.text_inputs} if hf.is_text else {"pixel_values": [1, 3, crop, crop]}
+        else:
+            raise UsageError("export: give --shapes NAME:DIMxDIM,... (the example inputs, in forward()'s order)")
         if dynamic:
             hints["dynamic"] = {**hints.get("dynamic", {}), **_parse_dynamic(dynamic)}
         module = loaded()
-        out = output or Path(factory.rpartition(":")[2] + ".onnx")
+        out = output or Path(loaded.name + ".onnx")
         exported = export(module, example_shapes, out, opset=opset, **hints)
         verification = verify(module, out, example_shapes)
     except (AccelOptError, MemoryError, Exception) as exc:  # noqa: BLE001

@@ -126,7 +126,7 @@ A folder whose build's gate failed is refused with exit 1 (--allow-not-signed-of
 @click.argument("candidate", type=click.Path(path_type=Path))
 @click.option("--data", "data_dir", type=click.Path(path_type=Path), help="Folder of .npz feeds or images (default: synthetic).")
 @click.option("--reference", type=click.Path(path_type=Path), help="The fp32 model (default: the candidate's input model, sha256-checked).")
-@click.option("--max-latency-regression", type=float, help="Fail (exit 1) when the candidate is more than PCT %% slower per sample.")
+@click.option("--max-latency-regression", type=float, help="Fail (exit 1) when the candidate is more than PCT percent slower per sample.")
 @click.option("--max-accuracy-drop", type=float, help="Fail (exit 1) unless the candidate's drop in agreement with the "
               "reference under the first task metric is at most this, by the paired upper bound at the recipe's "
               "confidence (as the build bounds a drop on labels; exit 6 when the samples are too few to show it). "

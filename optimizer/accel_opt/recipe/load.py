@@ -8,6 +8,7 @@ from pathlib import Path
 import yaml
 
 from accel_opt.errors import UsageError, first_line
+from accel_opt.recipe.problems import key_lines
 from accel_opt.recipe.schema import DEFAULT_RECIPE_NAME, Recipe, _validate
 
 RECIPES_DIR = Path(__file__).resolve().parents[1] / "recipes"  # package data: in the wheel; recipes/ at the top of the
@@ -19,7 +20,9 @@ def load_recipe(path_or_name: str | Path | None = None) -> Recipe:
     from another with `extends: NAME` (a bundled name, or a path beside it): its keys are laid over that recipe's,
     mappings merged key by key, anything else replaced."""
     path = _recipe_path(path_or_name)
-    return _validate(_read_extended(path, []), source=str(path))
+    data = _read_extended(path, [])
+    lines = key_lines(path.read_text(encoding="utf-8"))  # this file's own keys; an extended recipe's are not located
+    return _validate(data, source=str(path), lines=lines)
 
 
 def _recipe_path(path_or_name: str | Path | None, beside: Path | None = None) -> Path:

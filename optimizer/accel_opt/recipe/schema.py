@@ -83,11 +83,11 @@ class Recipe(_Strict):
         return self.accuracy.tolerances[self.precision]
 
 
-def _validate(data: Any, source: str) -> Recipe:
+def _validate(data: Any, source: str, lines: dict[tuple, int] | None = None) -> Recipe:
+    """The recipe, or UsageError naming every problem at once (`lines`: each key path's line in the YAML file)."""
     try:
         return Recipe.model_validate(data)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"]) or "(top level)"
-        more = f" (+{exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
-        raise UsageError(f"recipe {source}: {where}: {first['msg']}{more}") from None
+        from accel_opt.recipe.problems import describe
+
+        raise UsageError(describe(exc, Recipe, source, lines)) from None

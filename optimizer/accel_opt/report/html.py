@@ -318,10 +318,41 @@ def _resources(config: dict) -> str:
             ["batch size (deployed, as the gate ran it)", config["batch_size"]],
             ["inputs", "<br>".join(f"<code>{escape(i['name'])}</code> {escape(i['dtype'])} {i['shape_used']} "
                                     f"(batch axis {i.get('batch_axis')})" for i in config["inputs"])],
-            ["recommended", escape(", ".join(f"{k}: {v}" for k, v in rec.items()))],
-            ["memory", escape(", ".join(f"{k}: {v:.0f}" if isinstance(v, float) else f"{k}: {v}"
-                                        for k, v in (config.get("memory") or {}).items()))]]
+            ["recommended", escape(_readable(rec))],
+            ["memory", escape(_readable(config.get("memory") or {}))]]
     return "<h2>Resource configuration</h2>" + _table(None, rows)
+
+
+UNITS = (("_per_s", "/s"), ("_ms", " ms"), ("_mib", " MiB"), ("_bytes", " bytes"), ("_s", " s"))
+
+
+def _readable(record: dict) -> str:
+    """A record as a person reads it: 'batch size 8, throughput 28,790/s, p99 4.48 ms', nested records in brackets,
+    absent values left out, numbers rounded to what they mean."""
+    parts = []
+    for key, value in record.items():
+        if value is None or value == {} or value == []:
+            continue
+        name, unit = key, ""
+        for suffix, shown in UNITS:
+            if key.endswith(suffix):
+                name, unit = key[: -len(suffix)], shown
+                break
+        name = name.replace("_", " ")
+        if isinstance(value, dict):
+            if inner := _readable(value):
+                parts.append(f"{name} ({inner})")
+        elif isinstance(value, bool) or not isinstance(value, int | float):
+            parts.append(f"{name} {value}")
+        else:
+            parts.append(f"{name} {_number(value)}{unit}")
+    return ", ".join(parts)
+
+
+def _number(value: float) -> str:
+    if isinstance(value, int) or float(value).is_integer():
+        return f"{int(value):,}"
+    return f"{value:,.0f}" if abs(value) >= 1000 else f"{value:.3g}"
 
 
 def _environment(build: dict, config: dict) -> str:

@@ -234,7 +234,8 @@ def _fallback_speed(fallback: FallbackReport, bench: BenchmarkReport | None) -> 
 def _data_line(data: DataSummary) -> str:
     if data.source == "synthetic":
         return f"synthetic, seed {data.seed}"
-    return f"{data.source} from {data.path}, {data.count} files read"
+    unit = {"text": "texts", "images": "images"}.get(data.source, "files")  # a text file holds many samples
+    return f"{data.source} from {data.path}, {data.count} {unit} read"
 
 
 def benchmark_markdown(model_name: str, bench: BenchmarkReport) -> str:
