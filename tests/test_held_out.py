@@ -170,7 +170,7 @@ def test_no_held_out_sample_left_is_a_clear_input_error(recipe, tmp_path):
         (copies / f"c{i}.npz").write_bytes((data / "s000.npz").read_bytes())
     cases = {("--data", str(data), "--eval-data", str(data)): "--eval-data holds no sample that --data does not",
              ("--data", str(copies)): "--data holds only 1 distinct sample(s), all taken to calibrate and steer",
-             ("--data", str(data), "--eval-data", str(tmp_path / "nowhere")): "--eval-data must be a folder"}
+             ("--data", str(data), "--eval-data", str(tmp_path / "nowhere")): "nowhere: not found"}
     import yaml
 
     recipe_file = tmp_path / "r.yaml"

@@ -5,6 +5,7 @@ from onnx import TensorProto, helper
 from accel_opt.data import batch_of, load_samples, sample_key, split_roles, synthetic_samples
 from accel_opt.errors import InputRejected, UsageError
 from accel_opt.graph.inspect import TensorSpec, io_specs, resolve_shapes
+from accel_opt.recipe.load import parse_shapes
 
 from .conftest import make_model
 
@@ -24,9 +25,20 @@ def test_io_specs_skip_initializers_and_keep_symbols():
 
 
 def test_dynamic_non_batch_dim_needs_a_shape():
-    with pytest.raises(UsageError, match=r"input 'image' has dynamic dim 2 \(h\)") as info:
+    with pytest.raises(UsageError, match=r"image \[batch, 3, h, w\]: dim 2 \(h\), dim 3 \(w\)") as info:
         resolve_shapes([IMAGE], {})
     assert info.value.exit_code == 2
+
+
+def test_every_input_a_shape_is_missing_for_is_named_at_once_with_a_value_that_works():
+    tokens = [TensorSpec(name=name, dtype="int64", shape=["batch", "sequence"]) for name in ("input_ids", "attention_mask")]
+    with pytest.raises(UsageError) as info:
+        resolve_shapes(tokens, {})
+    message = str(info.value)
+    assert message.startswith("2 input(s) have dynamic dims") and "\n" not in message
+    suggested = message.rsplit("--shapes ", 1)[1]
+    assert suggested == "input_ids:1x128,attention_mask:1x128"
+    assert resolve_shapes(tokens, parse_shapes(suggested)).shapes == {"input_ids": [1, 128], "attention_mask": [1, 128]}
 
 
 def test_batch_defaults_to_one_and_says_so():
@@ -93,8 +105,11 @@ def test_empty_or_missing_data_folder(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(InputRejected, match="no .npz files"):
         load_samples(tmp_path / "empty", [IMAGE], None)
-    with pytest.raises(InputRejected, match="must be a folder"):
+    with pytest.raises(InputRejected, match="missing: not found; this recipe reads a folder"):
         load_samples(tmp_path / "missing", [IMAGE], None)
+    (tmp_path / "texts.txt").write_text("a text\n")
+    with pytest.raises(InputRejected, match="a text file: a recipe with a text stage reads it"):
+        load_samples(tmp_path / "texts.txt", [IMAGE], None)
 
 
 def test_images_need_preprocessing(tmp_path):
@@ -102,8 +117,9 @@ def test_images_need_preprocessing(tmp_path):
 
     (tmp_path / "d").mkdir()
     Image.new("RGB", (40, 30), "red").save(tmp_path / "d" / "a.png")
-    with pytest.raises(UsageError, match="preprocessing"):
+    with pytest.raises(InputRejected, match="holds images, and the recipe has no image preprocessing") as info:
         load_samples(tmp_path / "d", [IMAGE], None)
+    assert info.value.exit_code == 3
 
 
 def test_split_is_disjoint_deterministic_and_gives_the_verdict_most_samples():

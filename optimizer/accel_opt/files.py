@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import platform
 import shutil
@@ -17,6 +18,10 @@ from pathlib import Path
 from pydantic import BaseModel
 
 from accel_opt.errors import ResourceExhausted
+
+# What a long stage is doing now (the search's step, the benchmark's round), for a person watching: the command line
+# shows the latest message on a terminal's live line (cli.common.StageProgress); nothing else reads it.
+progress = logging.getLogger("accel_opt.progress")
 
 # Distributions whose versions key a result: a build's identity, a re-check's remembered verdict, a cached probe.
 _TOOLS = ("accel-opt", "onnx", "onnxruntime", "onnxruntime-gpu", "polygraphy", "onnxslim", "numpy", "openvino", "nncf", "torch",

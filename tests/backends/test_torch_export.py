@@ -321,3 +321,46 @@ def test_resnet50_example_exports(tmp_path: Path) -> None:
     report = exp.export(model, {"image": [1, 3, 224, 224]}, tmp_path / "r50.onnx")
     assert report.outputs[0].shape == ["batch", 1000] and report.external_data == []
     assert verify(model, tmp_path / "r50.onnx", {"image": [1, 3, 224, 224]}).batch_sizes == [1, 3]
+
+
+TOKEN_MODEL = """
+import torch
+from torch import nn
+
+
+class Bag(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed, self.head = nn.Embedding(128, 8), nn.Linear(8, 3)  # example ids are drawn from [0, 100)
+
+    def forward(self, ids, mask):
+        return self.head((self.embed(ids) * mask.unsqueeze(-1)).sum(1))
+
+
+def bag():  # no export hints: the command line gives them
+    return Bag()
+"""
+
+
+def test_token_ids_given_as_floats_are_named_as_a_dtype_and_the_flags_fix_it(tmp_path):
+    from click.testing import CliRunner
+
+    from accel_opt.cli import main
+
+    (tmp_path / "bag.py").write_text(TOKEN_MODEL)
+    spec = f"{tmp_path / 'bag.py'}:bag"
+    done = CliRunner().invoke(main, ["export", spec, "--shapes", "ids:2x5,mask:2x5", "-o", str(tmp_path / "a.onnx")])
+    assert done.exit_code == 2 and done.stderr.count("\n") == 1, done.stderr
+    assert "input(s) ids, mask take integers" in done.stderr and "--input-dtypes ids:int64,mask:int64" in done.stderr
+    done = CliRunner().invoke(main, ["export", spec, "--shapes", "ids:2x5,mask:2x5", "--input-dtypes", "ids:int64,mask:int64",
+                                     "--dynamic", "ids:1,mask:1", "-o", str(tmp_path / "b.onnx")])
+    assert done.exit_code == 0, done.output
+    inputs = onnx.load(str(tmp_path / "b.onnx")).graph.input
+    assert [i.type.tensor_type.elem_type for i in inputs] == [onnx.TensorProto.INT64] * 2
+    assert all(not d.HasField("dim_value") for i in inputs for d in i.type.tensor_type.shape.dim)  # batch and sequence
+    done = CliRunner().invoke(main, ["build", spec, "--shapes", "ids:1x5,mask:1x5", "--input-dtypes", "ids:int64,mask:int64",
+                                     "--out", str(tmp_path / "out"), "--json"])
+    assert done.exit_code == 0, done.output
+    done = CliRunner().invoke(main, ["build", spec, "--shapes", "ids:1x5", "--input-dtypes", "ids:int65"])
+    assert done.exit_code == 2 and "--input-dtypes: expected NAME:DTYPE" in done.stderr

@@ -39,7 +39,15 @@ def test_build_table_for_people(tiny_cnn_path, fast_recipe_file, tmp_path):
     result = _run("build", tiny_cnn_path, "--recipe", fast_recipe_file, "--out", tmp_path, "--shapes", "image:2x3x32x32")
     assert result.exit_code == 0, result.stderr
     assert "SIGNED OFF" in result.stdout and "artifacts:" in result.stdout
-    assert result.stderr == ""  # stage progress only on a terminal or with --verbose
+    # off a terminal (this log): a line per stage that did its work, as it ends, on stdout before the result; no
+    # live line's control codes; stderr holds nothing but a failed build's error line
+    stages = [line.split()[:2] for line in result.stdout.splitlines()[:7]]
+    assert stages == [[name, "ok"] for name in ("load", "cleanup", "compile", "accuracy", "benchmark", "verdict", "reports")]
+    assert "\x1b" not in result.stdout and result.stderr == ""
+    quiet = _run("build", tiny_cnn_path, "--recipe", fast_recipe_file, "--out", tmp_path, "--shapes", "image:2x3x32x32",
+                 "--quiet")
+    assert quiet.exit_code == 0 and quiet.stderr == "" and quiet.stdout.startswith("verdict: signed off")
+    assert len(quiet.stdout.splitlines()) == 1, quiet.stdout
 
 
 def _bad_models(tmp_path):

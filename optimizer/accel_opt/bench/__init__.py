@@ -26,6 +26,7 @@ from accel_opt.bench.memory import peak_rss_mib, reset_peak_rss_mib
 from accel_opt.bench.sweep import Capacity, Recommendation, SweepPoint
 from accel_opt.bench.text_capacity import LengthBucket
 from accel_opt.data import BatchAxes, Sample, batch_of
+from accel_opt.files import progress
 from accel_opt.recipe.stages import BenchmarkConfig
 
 log = logging.getLogger(__name__)
@@ -171,7 +172,8 @@ def run_benchmark(
                 min_seconds=config.min_seconds / rounds,
                 max_iterations=math.ceil(config.max_iterations / rounds),
             )
-            for _ in range(rounds):
+            for done in range(rounds):
+                progress.info("batch %d, round %d of %d (%s)", batch, done + 1, rounds, ", ".join(labels))
                 for target in targets:
                     times[target.label].append(timed_calls(infer_and_sync(target, feeds[target.label]), **per_round))
             for target in targets:

@@ -132,9 +132,12 @@ def build_auto(
     eval_data_dir: str | Path | None = None,
     cpu: CpuProfile | None = None,
     signer: Signer | None = None,
+    task: str | None = None,
+    export_hints: dict | None = None,
 ) -> tuple[BuildResult | None, AutoSelection]:
     """Build the candidates within the time budget and return (the winner's BuildResult or None, the selection).
-    `cpu`: the CPU every class-dependent choice is made for (this machine's, read here, by default)."""
+    `cpu`: the CPU every class-dependent choice is made for (this machine's, read here, by default); `task` and
+    `export_hints` pass to every candidate's build (pipeline.build)."""
     from accel_opt.backends.torch.backend import looks_like_factory
 
     cpu = cpu or CpuProfile.here()
@@ -183,7 +186,7 @@ def build_auto(
             result = build(model, recipe.with_overrides(backend=candidate.backend, precision=candidate.precision, **level),
                            data_dir=data_dir, out_dir=out_dir, on_stage=staged, force=force,
                            eval_data_dir=eval_data_dir, limits=limits, reference_caches=references, cpu=cpu,
-                           signer=signer)
+                           signer=signer, task=task, export_hints=export_hints)
         except UsageError:  # the command line or the recipe is wrong: no candidate will do better
             raise
         except CandidateDropped as exc:

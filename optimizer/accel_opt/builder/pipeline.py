@@ -38,7 +38,7 @@ from accel_opt.builder.torch_plan import torch_precision
 from accel_opt.data import Sample
 from accel_opt.data.npz import array_names
 from accel_opt.errors import AccelOptError, Unsupported, UsageError, no_space_error
-from accel_opt.files import ensure_free_space, mark_made, sha256_file
+from accel_opt.files import ensure_free_space, mark_made, progress, sha256_file
 from accel_opt.graph.inspect import io_specs
 from accel_opt.graph.load import load_model
 from accel_opt.machine.cpu import CpuProfile, available_cpus
@@ -73,6 +73,7 @@ def build(
     cpu: CpuProfile | None = None,
     signer: Signer | None = None,
     task: str | None = None,
+    export_hints: dict | None = None,
 ) -> BuildResult:
     """Build, check, benchmark and package `model`; never raises for a failed gate (exit_code 1) or for held-out
     samples too few to certify it (exit_code 6).
@@ -84,7 +85,8 @@ def build(
     the CPU every class-dependent choice is made for and the manifest records (this machine's, read here, by default).
     `signer` (artifact.signing.signer_of) signs the finished folder before it is published; with it, a folder found
     under `out_dir` is reused only when it carries that key's signature. `model` is an ONNX file, a PyTorch factory
-    (FILE.py:FACTORY) or a Hugging Face model folder, whose `task` its config says unless given (builder.sources).
+    (FILE.py:FACTORY) or a Hugging Face model folder, whose `task` its config says unless given (builder.sources);
+    `export_hints` (input_dtypes, dynamic) go over a factory's own.
 
     A complete folder of the same identity (model, recipe, data, tool versions, CPU) under `out_dir`
     that verifies is reused instead of rebuilt (`reused` is set), unless `force`. Raises
@@ -93,7 +95,7 @@ def build(
     """
     recipe, source_notes = recipe_for(model, recipe, task, data_dir is not None)
     cpu = cpu or CpuProfile.here()
-    factory = factory_of(str(model), task)
+    factory = factory_of(str(model), task, export_hints)
     if recipe.backend is BackendName.torch and factory is None:
         raise Unsupported(f"--backend torch builds PyTorch factories (FILE.py:FACTORY), not {Path(str(model)).name}: an "
                           "ONNX model takes --backend onnxruntime, openvino or tensorrt")
@@ -155,6 +157,7 @@ def build(
 
 def _run_stage(ctx: BuildContext, name: str, stage, stages: list[StageResult], on_stage) -> None:
     """Run one stage, timed; record (and report) it as passed, skipped or failed; failures re-raise."""
+    progress.info("%s", name, extra={"stage": name})  # a live progress line shows it begin
     started = time.perf_counter()
     try:
         status, detail = stage(ctx)

@@ -40,8 +40,19 @@ def hf_folder_of(model: str | Path, task: str | None = None):
     return read_hf_folder(model, task) if is_hf_folder(model) else None
 
 
-def factory_of(model: str, task: str | None = None):
-    """A ModuleFactory for a factory spec or a Hugging Face folder; None for an ONNX file."""
+def factory_of(model: str, task: str | None = None, hints: dict | None = None):
+    """A ModuleFactory for a factory spec or a Hugging Face folder, with the command line's export `hints`
+    (input_dtypes, dynamic) over its own; None for an ONNX file."""
+    factory = _factory(model, task)
+    if hints and factory is None:
+        raise UsageError("--input-dtypes and --dynamic are for PyTorch factories and Hugging Face folders: an ONNX "
+                         "model's inputs say their own dtypes and dynamic dims")
+    if factory is not None:
+        factory.given_hints = dict(hints or {})
+    return factory
+
+
+def _factory(model: str, task: str | None):
     if problem := model_route_problem(model):
         raise InputRejected(problem)
     if (hf := hf_folder_of(model, task)) is not None:

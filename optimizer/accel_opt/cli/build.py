@@ -9,6 +9,7 @@ from pathlib import Path
 import click
 
 from accel_opt.cli.common import EXIT_CODES_HELP, fail, interrupted, setup_logging, write_junit
+from accel_opt.cli.progress import build_progress
 from accel_opt.errors import (
     AccelOptError,
     InputRejected,
@@ -28,6 +29,9 @@ from accel_opt.errors import (
                    "AVX-512/AMX when installed, else ONNX Runtime (and torch for a factory).")
 @click.option("--task", type=click.Choice(["text-classification", "feature-extraction", "image-classification"]),
               help="A Hugging Face folder's task (default: read from its config.json's architecture).")
+@click.option("--input-dtypes", help="A factory's input dtypes, NAME:DTYPE[,...] (default float32; token ids: "
+              "input_ids:int64). Over the factory's input_dtypes attribute.")
+@click.option("--dynamic", help="A factory's dynamic axes besides the batch, NAME:AXIS[,...] (input_ids:1).")
 @click.option("--device", help="--backend torch: cpu or cuda[:N] (default: the GPU when torch sees one, else the CPU).")
 @click.option("--recipe", "recipe_path", help="Recipe YAML file or bundled name (recipes/NAME.yaml). Default: default; "
               "for a Hugging Face folder, its task's (text-classifier, text-encoder, image-classifier).")
@@ -74,12 +78,13 @@ from accel_opt.errors import (
               help="With --sign-key: the key's certificate, which the signature carries (verifiers trust its CA).")
 @click.option("--junit", "junit_file", type=click.Path(path_type=Path), help="Write the gate's checks as JUnit XML here (for CI).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout (for CI).")
+@click.option("-q", "--quiet", is_flag=True, help="Print only the verdict (and the error line of a failed build).")
 @click.option("-v", "--verbose", is_flag=True, help="Log progress and show tracebacks.")
-def build(model, precision, backend, device, task, recipe_path, data_dir, eval_data_dir, groups_file, group_pattern, labels,
+def build(model, precision, backend, device, task, input_dtypes, dynamic, recipe_path, data_dir, eval_data_dir, groups_file, group_pattern, labels,
           classes, max_accuracy_drop, min_relative_accuracy, tokenizer, shapes,
           batch_axes, max_shapes, require_data,
           keep_io_types, providers, calibration, target_cpu, time_budget_s, no_fallback, threads, out_dir, force, sign_key,
-          signing_certificate, junit_file, as_json, verbose):
+          signing_certificate, junit_file, as_json, quiet, verbose):
     """Build MODEL (.onnx, a Hugging Face model folder, or a PyTorch factory FILE.py:FACTORY) through cleanup,
     precision, compile, accuracy gate, benchmark and verdict. A factory is Python: building it imports and runs
     FILE.py, so build only factories you trust (an .onnx file is data: it is checked, never executed; a Hugging Face
@@ -135,20 +140,21 @@ def build(model, precision, backend, device, task, recipe_path, data_dir, eval_d
             if recipe.text is None:
                 raise UsageError(f"--tokenizer: the recipe {recipe.name!r} has no text stage (try --recipe text-encoder)")
             recipe = recipe.with_overrides(**{"text.tokenizer": str(tokenizer.resolve())})
-        show_progress = not as_json and (verbose or sys.stderr.isatty())  # quiet in CI logs
-        on_stage = _print_stage if show_progress else None
+        mode = "none" if as_json or quiet else "live" if sys.stderr.isatty() and not verbose else "lines"
         selection = None
         if auto:
             from accel_opt.builder.auto import build_auto
 
             result, selection = build_auto(
                 model, recipe, backend or recipe.backend.value, precision or recipe.precision.value, data_dir, out_dir,
-                on_progress=_print_progress if show_progress else None, force=force, eval_data_dir=eval_data_dir,
-                signer=signer,
+                on_progress=_print_progress if mode != "none" else None, force=force, eval_data_dir=eval_data_dir,
+                signer=signer, task=task, export_hints=_export_hints(input_dtypes, dynamic),
             )
         else:
-            result = run_build(model, recipe, data_dir=data_dir, out_dir=out_dir, on_stage=on_stage, force=force,
-                               eval_data_dir=eval_data_dir, signer=signer, task=task)
+            with build_progress(mode) as on_stage:
+                result = run_build(model, recipe, data_dir=data_dir, out_dir=out_dir, on_stage=on_stage, force=force,
+                                   eval_data_dir=eval_data_dir, signer=signer, task=task,
+                                   export_hints=_export_hints(input_dtypes, dynamic))
     except (AccelOptError, MemoryError, Exception) as exc:  # noqa: BLE001 - every error maps to an exit code
         if junit_file and _writable_file(junit_file):
             write_junit(junit_file, [(Path(str(model)).stem, [], f"build failed: {exc}")])
@@ -174,6 +180,8 @@ def build(model, precision, backend, device, task, recipe_path, data_dir, eval_d
         payload["signature"] = str(Path(result.artifact_dir) / "model.sig") if result and signer else None
         payload["labeled"] = _labeled(result.artifact_dir) if result else []
         click.echo(json.dumps(payload))
+    elif quiet:
+        click.echo(f"verdict: {result.verdict.line()}" if result else f"verdict: {no_winner}")
     else:
         if selection is not None:
             from accel_opt.report.markdown import selection_markdown
@@ -264,10 +272,11 @@ Exit codes:
               "Default for a Hugging Face folder: 1x16 tokens, or its image processor's crop.")
 @click.option("-o", "--output", type=click.Path(path_type=Path), help="Output .onnx (default: FACTORY.onnx).")
 @click.option("--dynamic", help="More dynamic axes besides the batch: NAME:AXIS[,NAME:AXIS...], e.g. input_ids:1.")
+@click.option("--input-dtypes", help="Input dtypes, NAME:DTYPE[,...] (default float32; token ids: input_ids:int64).")
 @click.option("--opset", type=int, help="ONNX opset (torch's exporter emits 18 or newer).")
 @click.option("--json", "as_json", is_flag=True, help="Print the export and verification reports as JSON.")
 @click.option("-v", "--verbose", is_flag=True)
-def export_command(factory, shapes, output, dynamic, opset, as_json, verbose):
+def export_command(factory, shapes, output, dynamic, input_dtypes, opset, as_json, verbose):
     """Export a PyTorch model factory (FILE.py:FACTORY or package.module:FACTORY), or a Hugging Face model folder,
     to ONNX and verify it.
 
@@ -282,7 +291,7 @@ def export_command(factory, shapes, output, dynamic, opset, as_json, verbose):
         from accel_opt.builder.sources import factory_of, hf_folder_of
         from accel_opt.recipe.load import parse_shapes
 
-        loaded = factory_of(factory)
+        loaded = factory_of(factory, hints=_export_hints(input_dtypes, dynamic))
         if loaded is None:
             raise UsageError(f"{factory}: export takes a factory FILE.py:FACTORY or a Hugging Face folder, not a model file")
         hints = loaded.export_hints
@@ -293,8 +302,6 @@ def export_command(factory, shapes, output, dynamic, opset, as_json, verbose):
             example_shapes = {name: [1, 16] for name in hf.text_inputs} if hf.is_text else {"pixel_values": [1, 3, crop, crop]}
         else:
             raise UsageError("export: give --shapes NAME:DIMxDIM,... (the example inputs, in forward()'s order)")
-        if dynamic:
-            hints["dynamic"] = {**hints.get("dynamic", {}), **_parse_dynamic(dynamic)}
         module = loaded()
         out = output or Path(loaded.name + ".onnx")
         exported = export(module, example_shapes, out, opset=opset, **hints)
@@ -315,8 +322,27 @@ def export_command(factory, shapes, output, dynamic, opset, as_json, verbose):
     sys.exit(0)
 
 
-def _parse_dynamic(text: str) -> dict[str, list[int]]:
+def _export_hints(input_dtypes: str | None, dynamic: str | None) -> dict:
+    """--input-dtypes and --dynamic as a factory's export hints (input_dtypes, dynamic)."""
+    hints: dict = {}
+    if input_dtypes:
+        hints["input_dtypes"] = {}
+        for item in filter(None, (part.strip() for part in input_dtypes.split(","))):
+            name, sep, dtype = item.rpartition(":")
+            if not sep or not name or dtype not in INPUT_DTYPES:
+                raise UsageError(f"--input-dtypes: expected NAME:DTYPE with DTYPE one of {', '.join(INPUT_DTYPES)}, "
+                                 f"got {item!r}")
+            hints["input_dtypes"][name] = dtype
+    if dynamic:
+        hints["dynamic"] = _parse_dynamic(dynamic)
+    return hints
 
+
+INPUT_DTYPES = ("float32", "float16", "bfloat16", "int64", "int32", "int8", "uint8", "bool")
+
+
+def _parse_dynamic(text: str) -> dict[str, list[int]]:
+    """NAME:AXIS[,NAME:AXIS...] -> {name: [axes]}."""
     axes: dict[str, list[int]] = {}
     for item in filter(None, (part.strip() for part in text.split(","))):
         name, sep, axis = item.rpartition(":")
@@ -324,12 +350,6 @@ def _parse_dynamic(text: str) -> dict[str, list[int]]:
             raise UsageError(f"--dynamic: expected NAME:AXIS, got {item!r}")
         axes.setdefault(name, []).append(int(axis))
     return axes
-
-
-def _print_stage(stage) -> None:
-    mark = {"passed": "ok", "failed": "FAILED", "skipped": "skipped"}[stage.status]
-    detail = "" if stage.status == "failed" and stage.name != "accuracy" else stage.detail  # the error line follows
-    click.echo(f"  {stage.name:<10} {mark:<8} {stage.seconds:6.1f} s  {detail}", err=True)
 
 
 def _print_result(result) -> None:

@@ -19,10 +19,11 @@ from pydantic import BaseModel
 
 from accel_opt.data.labels import class_folders
 from accel_opt.data.npz import read_npz, spec_problem
-from accel_opt.errors import InputRejected, ResourceExhausted, UsageError
+from accel_opt.data.summary import DataSummary, Sample  # DataSummary: also the documented import path
+from accel_opt.data.synthetic import synthetic_samples  # noqa: F401 - the documented import path
+from accel_opt.errors import InputRejected, UsageError
 from accel_opt.files import sha256_file
 from accel_opt.graph.inspect import TensorSpec
-from accel_opt.machine.memory import available_memory_bytes
 from accel_opt.preprocess.images import IMAGE_SUFFIXES, preprocess_image, read_image
 from accel_opt.recipe.deployed import Preprocessing
 from accel_opt.recipe.gate import SplitConfig
@@ -32,20 +33,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-Sample = dict[str, np.ndarray]
-
-
-class DataSummary(BaseModel):
-    source: str  # "npz", "images", "text" or "synthetic"
-    path: str | None
-    count: int
-    sha256: str | None  # content hash of the files read (None for synthetic)
-    seed: int | None = None
-    names: list[str] = []  # one per sample, in sample order: file names, or synthetic-0000...
-
-    @property
-    def synthetic(self) -> bool:
-        return self.source == "synthetic"
 
 
 def load_samples(
@@ -60,7 +47,9 @@ def load_samples(
         return _load_texts(Path(data_dir), text, flag)
     root = Path(data_dir)
     if not root.is_dir():
-        raise InputRejected(f"{flag} must be a folder of .npz files or images: {root}")
+        kind = "not found" if not root.exists() else "not a folder" if root.suffix.lower() not in (".txt", ".jsonl", ".csv", ".parquet") else \
+            "a text file: a recipe with a text stage reads it (--recipe text-encoder or text-classifier)"
+        raise InputRejected(f"{flag} {root}: {kind}; this recipe reads a folder of .npz feed dicts or images")
     folders = [root / name for name in class_folders(root)] if by_class else [root]
     npz_files = sorted(p for f in folders for p in f.iterdir() if p.suffix == ".npz" and p.is_file())
     image_files = sorted(p for f in folders for p in f.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file())
@@ -69,7 +58,8 @@ def load_samples(
         files, source = npz_files, "npz"
     elif image_files:
         if preprocessing is None:
-            raise UsageError(f"{flag} {root} holds images; the recipe must declare `preprocessing` to use them")
+            raise InputRejected(f"{flag} {root} holds images, and the recipe has no image preprocessing: use "
+                                "--recipe image-classifier (or a recipe with `preprocessing`), or .npz feed dicts")
         samples = [_read_image(path, inputs, preprocessing, flag) for path in image_files]
         files, source = image_files, "images"
     else:
@@ -91,7 +81,9 @@ def _load_texts(root: Path, encoder: TextEncoder, flag: str) -> tuple[list[Sampl
     files = [root] if root.is_file() else sorted(p for p in root.iterdir() if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES) \
         if root.is_dir() else []
     if not files:
-        raise InputRejected(f"{flag} {root}: no text files ({', '.join(TEXT_SUFFIXES)}) for the recipe's text stage")
+        images = root.is_dir() and any(p.suffix.lower() in IMAGE_SUFFIXES for p in root.iterdir())
+        raise InputRejected(f"{flag} {root}: no text files ({', '.join(TEXT_SUFFIXES)}) for the recipe's text "
+                            f"stage{'; it holds images, which a text model cannot read' if images else ''}")
     items = [item for path in files for item in read_texts(str(path), encoder.stage.field)]
     readable = [item for item in items if item.error is None]
     encoded = encoder.encode([item.text for item in readable])
@@ -150,50 +142,6 @@ def _read_image(path: Path, inputs: list[TensorSpec], pre: Preprocessing, flag: 
     sample = {spec.name: preprocess_image(rgb, pre)}
     check_sample(sample, [spec], where=f"{flag} {path.name}")
     return sample
-
-
-SYNTHETIC_INT_HIGH = 100  # integers are drawn in [0, 100) unless the input indexes a smaller table
-
-
-def synthetic_samples(
-    inputs: list[TensorSpec], shapes: dict[str, list[int]], count: int, seed: int,
-    int_bounds: dict[str, int] | None = None,
-) -> tuple[list[Sample], DataSummary]:
-    """Seeded inputs: N(0,1) floats; masks all ones, type ids zeros, other integers in [0, 100), or in
-    [0, bound) for an input that indexes a table of `int_bounds[name]` rows (graph.inspect.index_bounds):
-    an out-of-range index fails the reference run instead of testing the model."""
-    rng = np.random.default_rng(seed)
-    bounds = int_bounds or {}
-    _refuse_beyond_memory(inputs, shapes, count)
-    samples = [{spec.name: _random_array(spec, shapes[spec.name], rng, bounds.get(spec.name)) for spec in inputs}
-               for _ in range(count)]
-    names = [f"synthetic-{i:04d}" for i in range(count)]
-    return samples, DataSummary(source="synthetic", path=None, count=count, sha256=None, seed=seed, names=names)
-
-
-def _refuse_beyond_memory(inputs: list[TensorSpec], shapes: dict[str, list[int]], count: int) -> None:
-    """ResourceExhausted (exit 5) with the size when `count` samples of these shapes cannot fit in memory."""
-    one = sum(math.prod(shapes[s.name]) * np.dtype(s.dtype if s.dtype != "bfloat16" else "float32").itemsize
-              for s in inputs)
-    available = available_memory_bytes()
-    if available is not None and one * count > available:
-        raise ResourceExhausted(f"{count} synthetic samples of {', '.join(f'{n}:{shapes[n]}' for n in shapes)} take "
-                                f"{one * count / (1 << 30):,.1f} GiB, more than the {available / (1 << 30):,.1f} GiB "
-                                "available: smaller --shapes")
-
-
-def _random_array(spec: TensorSpec, shape: list[int], rng: np.random.Generator, high: int | None = None) -> np.ndarray:
-    dtype = np.dtype(spec.dtype) if spec.dtype != "bfloat16" else np.dtype("float32")
-    lowered = spec.name.lower()
-    if dtype.kind == "f":
-        return rng.standard_normal(shape, dtype=np.float32).astype(dtype)
-    if dtype.kind == "b":
-        return rng.random(shape) < 0.5
-    if "mask" in lowered:
-        return np.ones(shape, dtype=dtype)
-    if "type" in lowered:
-        return np.zeros(shape, dtype=dtype)
-    return rng.integers(0, min(SYNTHETIC_INT_HIGH, high or SYNTHETIC_INT_HIGH), size=shape).astype(dtype)
 
 
 class DataSplit(BaseModel):

@@ -109,6 +109,7 @@ def resolve_shapes(
         if empty and name not in (given_batch_axes or {}):
             axes[name] = None
             notes.append(f"input {name}: dim {axis} is 0 in the data, so it is not batched")
+    missing: list[TensorSpec] = []  # inputs with a dynamic dim nothing fixes: named together, in one error
     for spec in inputs:
         if spec.name in given:
             dims = given[spec.name]
@@ -133,11 +134,11 @@ def resolve_shapes(
                 dims.append(1)
                 notes.append(f"input {spec.name}: dim {axis} ({dim or 'unnamed'}) is dynamic; batch defaulted to 1")
             else:
-                raise UsageError(
-                    f"input {spec.name!r} has dynamic dim {axis} ({dim or 'unnamed'}) in {_fmt(spec.shape)}; "
-                    f"give it with --shapes {spec.name}:{'x'.join(str(d) if isinstance(d, int) else '?' for d in spec.shape)}"
-                )
+                missing.append(spec)
+                break
         shapes[spec.name] = dims
+    if missing:
+        raise UsageError(_shapes_needed(missing, axes, given))
     batched = [spec for spec in inputs if axes[spec.name] is not None]
     batch_dynamic = bool(batched) and all(axes[spec.name] in spec.dynamic_axes for spec in batched)
     sizes = {shapes[spec.name][axes[spec.name]] for spec in batched}
@@ -145,6 +146,25 @@ def resolve_shapes(
         listed = ", ".join(f"{s.name} dim {axes[s.name]} = {shapes[s.name][axes[s.name]]}" for s in batched)
         raise UsageError(f"the batched inputs disagree on the batch size ({listed}); fix --shapes or --batch-axes")
     return ResolvedShapes(shapes=shapes, notes=notes, batch_axes=axes, batch_dynamic=batch_dynamic)
+
+
+def _shapes_needed(missing: list[TensorSpec], axes: dict[str, int | None], given: dict[str, list[int]]) -> str:
+    """Every input whose dynamic dims nothing fixes, and a --shapes value that would: batch 1, a dim named like
+    another's the same value, a sequence 128, an image side 224 (an example: the model's own limits decide)."""
+    def example(name: str | None) -> int:
+        lowered = (name or "").lower()
+        return 224 if any(word in lowered for word in ("height", "width", "size")) else 128
+
+    described, complete = [], dict(given)
+    for spec in missing:
+        free = [f"dim {axis} ({dim or 'unnamed'})" for axis, dim in enumerate(spec.shape)
+                if not isinstance(dim, int) and axis != axes[spec.name]]
+        described.append(f"{spec.name} {_fmt(spec.shape)}: {', '.join(free)}")
+        complete[spec.name] = [dim if isinstance(dim, int) else 1 if axis == axes[spec.name] else example(dim)
+                               for axis, dim in enumerate(spec.shape)]
+    flag = ",".join(f"{name}:{'x'.join(map(str, dims))}" for name, dims in complete.items())
+    return (f"{len(missing)} input(s) have dynamic dims that --shapes, the data or the batch do not fix: "
+            f"{'; '.join(described)}. Give them all at once, for example --shapes {flag}")
 
 
 def with_batch(shapes: dict[str, list[int]], batch: int, axes: dict[str, int | None]) -> dict[str, list[int]]:

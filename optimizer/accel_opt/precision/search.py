@@ -46,7 +46,7 @@ from typing import Literal
 
 from pydantic import BaseModel
 
-from accel_opt.files import install_line
+from accel_opt.files import install_line, progress
 from accel_opt.recipe.stages import CalibrationConfig
 
 
@@ -247,6 +247,8 @@ def search(naive: Build, units: Sequence[Unit], actions: SearchActions, work: Pa
                           passed=build.passed if build else None, speedup=speedup, decision=decision,
                           seconds=round(time.monotonic() - started, 2) if started else 0.0)
         steps.append(step)
+        progress.info("step %d: %s %s%s (%.0f s of %.0f s left)", step.step, kind, what,
+                      f": {decision}" if decision else "", max(0.0, deadline - time.monotonic()), time_budget_s)
         if on_step is not None:
             on_step(step)
         return step

@@ -48,6 +48,7 @@ class ModuleFactory:
 
     def __init__(self, spec: str, fn: Callable[[], Any], search_path: Path | None = None):
         self.spec, self.fn, self.search_path = spec, fn, search_path
+        self.given_hints: dict[str, Any] = {}  # the command line's (--input-dtypes, --dynamic): over the function's
 
     @property
     def name(self) -> str:
@@ -56,7 +57,10 @@ class ModuleFactory:
 
     @property
     def export_hints(self) -> dict[str, Any]:
-        return {key: getattr(self.fn, key) for key in EXPORT_HINTS if getattr(self.fn, key, None) is not None}
+        hints = {key: getattr(self.fn, key) for key in EXPORT_HINTS if getattr(self.fn, key, None) is not None}
+        for key, value in self.given_hints.items():
+            hints[key] = {**hints.get(key, {}), **value} if isinstance(value, dict) else value
+        return hints
 
     def __call__(self) -> Any:
         torch = require_torch()

@@ -182,6 +182,12 @@ def _output_names(module: Any, args: tuple, shapes: dict[str, list[int]], given:
         with torch.no_grad():
             result = module(*args)
     except Exception as exc:
+        if integers := _takes_integers(module, args, shapes):
+            wanted = ",".join(f"{name}:int64" for name in integers)
+            raise UsageError(
+                f"input(s) {', '.join(integers)} take integers (token ids, indices), not float32: give their dtypes "
+                f"(--input-dtypes {wanted}, or the factory's input_dtypes attribute) ({type(exc).__name__}: "
+                f"{first_line(exc)})") from exc
         shown = ", ".join(f"{k}:{'x'.join(map(str, v))}" for k, v in shapes.items())
         raise UsageError(
             f"the model does not accept inputs of shapes {shown} (check --shapes): {type(exc).__name__}: {first_line(exc)}"
@@ -194,6 +200,23 @@ def _output_names(module: Any, args: tuple, shapes: dict[str, list[int]], given:
     if len(given) != count or len(set(given)) != count:
         raise UsageError(f"{len(given)} output names given for {count} outputs, or names repeated: {list(given)}")
     return list(given)
+
+
+def _takes_integers(module: Any, args: tuple, shapes: dict[str, list[int]]) -> list[str]:
+    """The float inputs that, given as int64 zeros instead, let forward() run: those are token ids or indices whose
+    dtype was not said. [] when that does not help either (the problem is something else)."""
+    import torch
+
+    floats = [i for i, arg in enumerate(args) if arg.is_floating_point()]
+    if not floats:
+        return []
+    try:
+        with torch.no_grad():
+            module(*(torch.zeros_like(arg, dtype=torch.int64) if i in floats else arg for i, arg in enumerate(args)))
+    except Exception:  # noqa: BLE001 - not a dtype problem
+        return []
+    names = list(shapes)
+    return [names[i] for i in floats]
 
 
 def _structure_names(result: Any, count: int) -> list[str]:
