@@ -213,3 +213,22 @@ def test_export_takes_a_folder_and_says_its_own_exit_codes(folders, tmp_path):
     assert [d.dim_value for d in inputs[0].type.tensor_type.shape.dim][1:] == [3, 32, 32]
     helped = _cli("export", "--help").stdout
     assert "exported, and ONNX Runtime's outputs match PyTorch's" in helped and "signed off" not in helped
+
+
+def test_an_onnx_model_beside_its_config_takes_the_folders_recipe_labels_and_length(folders, tmp_path):
+    """Optimum's layout (model.onnx beside config.json and the tokenizer): the ONNX model is built, and what the
+    config says fits the recipe as for the folder itself."""
+    import shutil
+
+    exported = tmp_path / "exported"
+    exported.mkdir()
+    done = _cli("export", folders["text"], "-o", exported / "model.onnx")
+    assert done.exit_code == 0, done.output
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(folders["text"] / name, exported / name)
+    recipe, notes = recipe_for(exported / "model.onnx", None, None, has_data=True)
+    assert recipe.name == "text-classifier" and recipe.text.max_length == 64
+    assert recipe.postprocess.labels == list(LABELS.values())
+    result = build(exported / "model.onnx", recipe.with_overrides(precision="fp32", benchmark=FAST_BENCH),
+                   data_dir=folders["texts"], out_dir=tmp_path / "out")
+    assert result.signed_off, result.failures

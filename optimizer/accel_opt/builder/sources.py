@@ -40,6 +40,20 @@ def hf_folder_of(model: str | Path, task: str | None = None):
     return read_hf_folder(model, task) if is_hf_folder(model) else None
 
 
+def hf_config_of(model: str | Path, task: str | None = None):
+    """What a Hugging Face config says of MODEL: its folder's, or for an ONNX model exported from one (Optimum's
+    layout: model.onnx beside config.json and the tokenizer) the config beside it; None when there is none."""
+    path = Path(model)
+    if path.suffix.lower() == ".onnx" and path.is_file() and (path.parent / "config.json").is_file():
+        from accel_opt.backends.torch.huggingface import read_hf_folder
+
+        try:
+            return read_hf_folder(path.parent, task, weights=False)
+        except AccelOptError:  # a config.json of something else: the model is built as an ONNX file
+            return None
+    return hf_folder_of(model, task)
+
+
 def factory_of(model: str, task: str | None = None, hints: dict | None = None):
     """A ModuleFactory for a factory spec or a Hugging Face folder, with the command line's export `hints`
     (input_dtypes, dynamic) over its own; None for an ONNX file."""
@@ -61,20 +75,21 @@ def _factory(model: str, task: str | None):
         return hf_factory(hf)
     from accel_opt.backends.torch.backend import load_factory, looks_like_factory
 
-    if task is not None:
-        raise UsageError("--task is for Hugging Face model folders (the task is read from the folder's config)")
+    if task is not None and hf_config_of(model, task) is None:
+        raise UsageError("--task is for Hugging Face model folders, and ONNX models exported from one (beside its "
+                         "config.json)")
     return load_factory(model) if looks_like_factory(model) else None
 
 
 def default_recipe(model: str | Path, task: str | None = None) -> str | None:
     """The bundled recipe for MODEL when none is given: the task's, for a Hugging Face folder; else None (default)."""
-    hf = hf_folder_of(model, task)
+    hf = hf_config_of(model, task)
     return hf.recipe_name if hf is not None else None
 
 
 def fit_recipe(model: str | Path, recipe: Recipe, task: str | None = None) -> tuple[Recipe, list[str]]:
-    """The recipe fitted to what a Hugging Face folder says (unchanged for anything else), and notes saying what."""
-    hf = hf_folder_of(model, task)
+    """The recipe fitted to what a Hugging Face config says (unchanged for anything else), and notes saying what."""
+    hf = hf_config_of(model, task)
     if hf is None:
         return recipe, []
     overrides: dict[str, Any] = {}
@@ -95,7 +110,7 @@ def fit_recipe(model: str | Path, recipe: Recipe, task: str | None = None) -> tu
                              f"use --recipe {hf.recipe_name}")
         pre = hf.image_preprocessing()
         overrides["preprocessing"] = {**recipe.preprocessing.model_dump(mode="json"), **pre}
-        if not recipe.shapes:
+        if not recipe.shapes and _takes_pixel_values(model):
             overrides["shapes"] = {"pixel_values": [1, 3, pre["crop"], pre["crop"]]}
         notes.append(f"images resized to {pre['resize']} px, centre-cropped to {pre['crop']} px, normalized with the "
                      "folder's image processor's mean and std")
@@ -108,6 +123,15 @@ def fit_recipe(model: str | Path, recipe: Recipe, task: str | None = None) -> tu
             {**m, "min_agreement": {k: v for k, v in m["min_agreement"].items() if int(k) < hf.num_labels} or {1: m["min_agreement"].get(1, 0.97)}}
             if m.get("kind") == "topk" else m for m in recipe.model_dump(mode="json")["accuracy"]["task_metrics"]]
     return recipe.with_overrides(**overrides), notes
+
+
+def _takes_pixel_values(model: str | Path) -> bool:
+    """A folder's exported module does; an ONNX model where its graph has that input."""
+    if Path(model).suffix.lower() != ".onnx":
+        return True
+    import onnx
+
+    return "pixel_values" in {i.name for i in onnx.load(str(model), load_external_data=False).graph.input}
 
 
 def fit_defaults(recipe: Recipe, has_data: bool) -> tuple[dict[str, str], str | None]:
@@ -133,7 +157,7 @@ def recipe_for(model: str | Path, recipe: Recipe | None, task: str | None, has_d
     notes: list[str] = []
     if recipe is None:
         recipe = load_recipe(default_recipe(model, task))
-        overrides, note = fit_defaults(recipe, has_data) if hf_folder_of(model, task) is not None else ({}, None)
+        overrides, note = fit_defaults(recipe, has_data) if hf_config_of(model, task) is not None else ({}, None)
         recipe = recipe.with_overrides(**overrides)
         notes += [note] if note else []
     fitted, fit_notes = fit_recipe(model, recipe, task)

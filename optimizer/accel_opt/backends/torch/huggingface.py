@@ -158,16 +158,16 @@ class HfFolder:
         return cached
 
 
-def read_hf_folder(path: str | Path, task: str | None = None) -> HfFolder:
-    """The folder's config and task; refusals name the route: no weights or an unreadable config (exit 3), a task or
-    architecture this cannot build (exit 4)."""
+def read_hf_folder(path: str | Path, task: str | None = None, weights: bool = True) -> HfFolder:
+    """The folder's config and task; refusals name the route: no weights (unless not `weights`: an exported ONNX
+    model's folder) or an unreadable config (exit 3), a task or architecture this cannot build (exit 4)."""
     folder = Path(path)
     config = _json(folder / "config.json")
     if not isinstance(config, dict):
         raise InputRejected(f"{folder}/config.json: not a JSON object (a Hugging Face model folder's config)")
-    if not any((folder / name).is_file() for name in WEIGHT_FILES):
+    if weights and not any((folder / name).is_file() for name in WEIGHT_FILES):
         raise InputRejected(f"{folder}: a Hugging Face folder without weights (expected {' or '.join(WEIGHT_FILES[::2])})")
-    if config.get("auto_map"):
+    if config.get("auto_map") and weights:
         raise Unsupported(f"{folder}: the model's code is in the folder (auto_map); accel-opt never runs a folder's own "
                           "Python: export it to ONNX yourself, or give a factory FILE.py:FACTORY")
     if task is not None and task not in TASKS:
