@@ -232,3 +232,17 @@ def test_an_onnx_model_beside_its_config_takes_the_folders_recipe_labels_and_len
     result = build(exported / "model.onnx", recipe.with_overrides(precision="fp32", benchmark=FAST_BENCH),
                    data_dir=folders["texts"], out_dir=tmp_path / "out")
     assert result.signed_off, result.failures
+
+
+def test_a_pooling_accel_opt_does_not_do_is_exit_4_naming_it(folders, tmp_path):
+    import shutil
+
+    from accel_opt.backends.torch.huggingface import read_hf_folder
+    from accel_opt.errors import Unsupported
+
+    folder = Path(shutil.copytree(folders["sentences"], tmp_path / "last-token"))
+    (folder / "1_Pooling" / "config.json").write_text(json.dumps(
+        {"word_embedding_dimension": 32, "pooling_mode_mean_tokens": False, "pooling_mode_lasttoken": True}))
+    with pytest.raises(Unsupported, match="pooling pooling_mode_lasttoken: accel-opt pools by mean, cls or max") as caught:
+        _ = read_hf_folder(folder).pooling
+    assert caught.value.exit_code == 4

@@ -35,7 +35,7 @@ def looks_like_factory(spec: str) -> bool:
     return target.endswith(".py") or all(part.isidentifier() for part in target.split("."))
 
 
-EXPORT_HINTS = ("input_dtypes", "dynamic", "output_names")  # optional attributes of a factory function
+EXPORT_HINTS = ("input_dtypes", "dynamic", "output_names", "label")  # optional attributes of a factory function
 
 
 class ModuleFactory:

@@ -63,12 +63,14 @@ def export(
     input_dtypes: dict[str, str] | None = None,
     output_names: Sequence[str] | None = None,
     seed: int = 0,
+    label: str | None = None,
 ) -> ExportReport:
     """Export `module` to one ONNX file at `out_path`; inputs are forward's positional args, in `shapes` order.
 
     Every input's leading (batch) axis is dynamic, plus the axes named in `dynamic`
     (`{"input_ids": [1]}` or `{"input_ids": {1: "sequence"}}`). Inputs are float32 unless
-    `input_dtypes` says otherwise (`{"input_ids": "int64"}`).
+    `input_dtypes` says otherwise (`{"input_ids": "int64"}`). `label` names the model in a refusal (a Hugging Face
+    folder's architecture).
     """
     torch = require_torch()
     start = time.perf_counter()
@@ -102,7 +104,8 @@ def export(
                 _export_torchscript(module, args, list(shapes), names, axes, opset, staged, notes)
             except Exception as exc2:
                 raise Unsupported(
-                    f"could not export the module to ONNX: dynamo: {dynamo_failure}; torchscript: {_reason(exc2)}"
+                    f"could not export {label or 'the module'} to ONNX: dynamo: {dynamo_failure}; torchscript: "
+                    f"{_reason(exc2)}"
                 ) from exc2
             _check(staged, exporter)
         side_files = _single_file_if_small(staged)

@@ -110,21 +110,25 @@ class HfFolder:
         normalize = any(str(m.get("type", "")).endswith("Normalize") for m in modules if isinstance(m, dict))
         pooling_path = next((m.get("path") for m in modules if isinstance(m, dict) and str(m.get("type", "")).endswith("Pooling")), None)
         pooling = _json(self.path / pooling_path / "config.json") if isinstance(pooling_path, str) else None
+        if not pooling:
+            return "mean", normalize
         for mode in ("cls", "max", "mean"):
-            if pooling and pooling.get(f"pooling_mode_{mode}_token" if mode == "cls" else f"pooling_mode_{mode}_tokens"):
+            if pooling.get(f"pooling_mode_{mode}_token" if mode == "cls" else f"pooling_mode_{mode}_tokens"):
                 return mode, normalize
-        return "mean", normalize
+        chosen = sorted(key for key, on in pooling.items() if key.startswith("pooling_mode") and on is True)
+        raise Unsupported(f"{self.path}: sentence-transformers pooling {', '.join(chosen) or 'none'}: accel-opt pools by "
+                          "mean, cls or max tokens")
 
     def image_preprocessing(self) -> dict[str, Any]:
         """The image processor's settings as the recipe's preprocessing: resize the shorter side, centre-crop, normalize.
         A processor that resizes to a fixed height x width (ViT) is taken as a square crop of that size: the fp32
         reference and every candidate see the same pixels, so the gate judges like with like."""
         processor = _json(self.path / "preprocessor_config.json") or {}
-        size = processor.get("size") or {}
-        crop_size = processor.get("crop_size") or {}
-        side = size.get("shortest_edge") or size.get("height") or (size if isinstance(size, int) else None) or 224
-        crop = crop_size.get("height") or (side if not processor.get("crop_pct") else side)
-        resize = round(side / processor["crop_pct"]) if processor.get("crop_pct") and side == crop else side
+        size, crop_size = processor.get("size") or 224, processor.get("crop_size") or {}
+        side = size if isinstance(size, int) else size.get("shortest_edge") or size.get("height") or 224
+        crop = (crop_size if isinstance(crop_size, int) else crop_size.get("height")) or side
+        # ConvNeXt-style processors resize to side / crop_pct, then crop `side`; the others crop_size out of `side`
+        resize = round(side / processor["crop_pct"]) if processor.get("crop_pct") and not crop_size else side
         pre: dict[str, Any] = {"resize": int(max(resize, crop)), "crop": int(crop)}
         if processor.get("do_normalize", True):
             pre["mean"] = list(processor.get("image_mean") or (0.485, 0.456, 0.406))
@@ -193,6 +197,7 @@ def hf_factory(hf: HfFolder) -> ModuleFactory:
         factory.dynamic = {name: {1: "sequence"} for name in hf.text_inputs}
         factory.tokenizer_file = hf.tokenizer_file
     factory.output_names = ["sentence_embedding" if hf.task == "feature-extraction" else "logits"]
+    factory.label = f"{hf.architecture} ({hf.task}, {hf.path.name})"  # named when it cannot be exported
     return ModuleFactory(str(hf.path), factory)
 
 
