@@ -209,7 +209,7 @@ def build_auto(
              and (c.reduced or c.signed_off)] + speed_floors(candidates)
     timing = "no candidate passed on the steering samples"
     if timed:
-        timing = _runoff(timed, results[(timed[0].backend, timed[0].precision)].eval_samples, recipe, cpu)
+        timing = _runoff(timed, results[(timed[0].backend, timed[0].precision)].timed_samples, recipe, cpu)
     winner = choose(candidates, selection_config.objective, selection_config.latency_budget_ms, target,
                     recipe.accuracy.confidence)
     selection = AutoSelection(objective=selection_config.objective, target_batch_size=target,

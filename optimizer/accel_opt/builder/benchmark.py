@@ -34,25 +34,12 @@ log = logging.getLogger(__name__)
 
 
 def benchmark_build(ctx: BuildContext, unfused_shapes: dict[str, list[int]], image_input: str) -> tuple[StageStatus, str]:
-    """The build's benchmark stage (_benchmark_build). Texts are timed in batches of one shape, the evaluation texts
-    padded to the longest; the padded copies serve the timing only: the verdict's samples, which the probe set keeps
-    beside the reference outputs computed on them, stay as the gate judged them."""
-    if ctx.text_encoder is None:
-        return _benchmark_build(ctx, unfused_shapes, image_input)
-    judged = ctx.eval_samples, ctx.deploy_samples
-    ctx.eval_samples = ctx.deploy_samples = ctx.timed_samples = ctx.text_encoder.padding.same_length(ctx.eval_samples)
-    try:
-        return _benchmark_build(ctx, unfused_shapes, image_input)
-    finally:
-        ctx.eval_samples, ctx.deploy_samples = judged
-
-
-def _benchmark_build(ctx: BuildContext, unfused_shapes: dict[str, list[int]], image_input: str) -> tuple[StageStatus, str]:
     """The build's benchmark stage: the deployment next to the fp32 baseline (and the naive build, and PyTorch)
     interleaved; the concurrency and batch sweep, the recommendation and the capacity check; the application's
-    stages and jobs on the --data files; efficiency against the FLOP count. `unfused_shapes`: the deployed shapes
+    stages and jobs on the --data files; efficiency against the FLOP count. It times ctx.samples.timed (texts
+    padded to one length; the verdict's samples stay as the gate judged them). `unfused_shapes`: the deployed shapes
     without fused preprocessing (how the baselines compile); `image_input`: the input the naive job feeds."""
-    targets = [deployment_target(ctx.deployment, runtime.feed_dtypes_of(ctx.deploy_samples), samples=ctx.deploy_samples)]
+    targets = [deployment_target(ctx.deployment, runtime.feed_dtypes_of(ctx.samples.timed_deployed), samples=ctx.samples.timed_deployed)]
     if ctx.recipe.precision is not Precision.fp32:
         baseline = compile_for(ctx.backend, ctx.fp32_path, Precision.fp32, ctx.recipe, ctx.workdir / "baseline",
                                unfused_shapes)
@@ -70,14 +57,14 @@ def _benchmark_build(ctx: BuildContext, unfused_shapes: dict[str, list[int]], im
     if ctx.recipe.precision is not Precision.fp32:  # the verdict's benefit is read at the deployed batch: time it
         batch_sizes = sorted({*batch_sizes, ctx.deploy_batch})
     axes = ctx.shapes.batch_axes
-    ctx.bench = run_benchmark(targets, ctx.eval_samples, batch_sizes, ctx.recipe.benchmark, ctx.threads, axes,
+    ctx.bench = run_benchmark(targets, ctx.samples.timed, batch_sizes, ctx.recipe.benchmark, ctx.threads, axes,
                               rounds=rounds_needed(ctx.recipe.accuracy.confidence))
     streams = getattr(ctx.backend, "concurrency_sweep", None)
     if streams is not None:  # streams x async requests: the concurrency a server would run
-        feed = batch_of(ctx.deploy_samples, ctx.deploy_batch, axes)
+        feed = batch_of(ctx.samples.timed_deployed, ctx.deploy_batch, axes)
         ctx.bench.concurrency = streams(ctx.deployment.compiled, feed, seconds=max(0.2, ctx.recipe.benchmark.min_seconds / 2))
-    config, dtypes = ctx.recipe.benchmark, runtime.feed_dtypes_of(ctx.deploy_samples)
-    ctx.bench.sweep = sweep(lambda: ctx.deployment.runner(dtypes), ctx.deploy_samples, batch_sizes, config, axes,
+    config, dtypes = ctx.recipe.benchmark, runtime.feed_dtypes_of(ctx.samples.timed_deployed)
+    ctx.bench.sweep = sweep(lambda: ctx.deployment.runner(dtypes), ctx.samples.timed_deployed, batch_sizes, config, axes,
                             ctx.backend.synchronize)
     ctx.bench.recommended, ctx.bench.recommendation = recommend(ctx.bench.sweep, config)
     ctx.bench.capacity = capacity(ctx.bench.sweep, config, lambda: ctx.deployment.runner(dtypes), ctx.max_feed,
@@ -123,9 +110,9 @@ def application_times(ctx: BuildContext, batch_sizes: list[int], image_input: st
         host = application.host_stage_ms(files, ctx.recipe.preprocessing.host_part() if ctx.recipe.preprocessing else None)
     candidate = ctx.bench.models[0]
     outputs, device = {}, {}
-    with ctx.deployment.runner(runtime.feed_dtypes_of(ctx.deploy_samples)) as runner:
+    with ctx.deployment.runner(runtime.feed_dtypes_of(ctx.samples.timed_deployed)) as runner:
         for b in batch_sizes:  # GPU runners time h2d / compute / d2h apart, each ended by a synchronization
-            feed = batch_of(ctx.deploy_samples, b, ctx.shapes.batch_axes)
+            feed = batch_of(ctx.samples.timed_deployed, b, ctx.shapes.batch_axes)
             outputs[b] = runner.infer(feed, check_inputs=False)
             calls = [last_stage_ms(runner)]
             if calls[0]:
@@ -163,7 +150,7 @@ def max_feed(ctx: BuildContext, fused: bool) -> Sample | None:
     base = with_batch(ctx.shapes.shapes, batch, ctx.shapes.batch_axes) if ctx.shapes.batch_dynamic else ctx.shapes.shapes
     resolved = resolve_shapes(ctx.inputs, {**base, **given}, given_batch_axes=ctx.recipe.batch_axes)  # checks ranks, fixed dims
     feed = synthetic_samples(ctx.inputs, resolved.shapes, 1, ctx.recipe.accuracy.seed, ctx.loaded.index_bounds)[0][0]
-    return {name: array.astype(ctx.eval_samples[0][name].dtype) for name, array in feed.items()}
+    return {name: array.astype(ctx.samples.timed[0][name].dtype) for name, array in feed.items()}
 
 
 def accel_opt_job(files: list[Path], deployment) -> JobTiming:

@@ -56,6 +56,28 @@ class CandidateLimits:
 CANNOT_WIN_MARGIN = 0.9
 
 
+@dataclass(frozen=True)
+class Samples:
+    """The build's samples by role, dealt once by the load stage and never rewritten: each role as the reference takes
+    it and as the deployed folder takes it (fused preprocessing: the host's uint8 crops; draft decoding and the torch
+    device path: the job's own inputs), with the names the reports give them.
+
+    calibration: fits int8 ranges. steering: steers choices (the rescue search, the cleanup check, auto's shortlist),
+    never judges the verdict. held_out: judges the verdict and nothing else. timed: what the benchmark times, as the
+    reference's side and the folder's side take it: the held-out samples, texts padded to one length (a batch of one
+    shape) while the gate judges them as they are."""
+
+    calibration: list[Sample]
+    steering: list[Sample]
+    steering_deployed: list[Sample]
+    steering_names: list[str]
+    held_out: list[Sample]
+    held_out_deployed: list[Sample]
+    held_out_names: list[str]
+    timed: list[Sample]
+    timed_deployed: list[Sample]
+
+
 @dataclass
 class BuildContext:
     model_path: Path
@@ -89,15 +111,7 @@ class BuildContext:
     sample_keys: list[str] = field(default_factory=list)  # the --data samples' content hashes (data.sample_key), same order
     sample_groups: list[str] | None = None  # each sample's group, where the user grouped them (data.groups)
     sample_labels: list[int] = field(default_factory=list)  # each sample's class (--labels), aligned with samples
-    calibration_samples: list[Sample] = field(default_factory=list)
-    # Samples that steer choices (the fallback's search, the cleanup check, auto's shortlist), never judged for the verdict
-    steering_samples: list[Sample] = field(default_factory=list)
-    steering_names: list[str] = field(default_factory=list)
-    steering_deploy: list[Sample] = field(default_factory=list)  # as the artifact takes them (see deploy_samples)
-    eval_samples: list[Sample] = field(default_factory=list)  # the held-out samples: they judge the verdict only
-    eval_names: list[str] = field(default_factory=list)
-    timed_samples: list[Sample] = field(default_factory=list)  # what the benchmark timed, where not the judged samples
-    deploy_samples: list[Sample] = field(default_factory=list)  # the eval samples as the artifact takes them (fused: uint8 crops)
+    samples: Samples | None = None  # the samples by role, read once by the load stage
     host_crops: list[Sample] = field(default_factory=list)  # fused preprocessing: every --data image as uint8 HWC crops
     # Every --data image as the artifact's own job makes it where that is not the reference's host path (draft
     # decoding; the torch backend's tensor path): the candidate's inputs, judged against the reference on full decodes.
@@ -169,4 +183,4 @@ class BuildContext:
             return tolerance, metrics, []
         if self.recipe.accuracy.labels.labels_only:  # agreement is reported, not gated: it cannot make a build hopeless
             return tolerance, metrics, []
-        return aimed_gate(tolerance, metrics, len(self.eval_samples), self.recipe.accuracy.confidence)
+        return aimed_gate(tolerance, metrics, len(self.samples.held_out), self.recipe.accuracy.confidence)

@@ -52,7 +52,7 @@ def fallback_actions(ctx: BuildContext, probes: list[Sample], shapes: dict[str, 
         return recipe.with_overrides(**overrides) if overrides else recipe
 
     def build(keep: list[str], out: Path, overrides: dict | None = None) -> PrecisionReport:
-        return transform(ctx.fp32_path, precision, chosen(overrides), ctx.backend.name, ctx.calibration_samples, out,
+        return transform(ctx.fp32_path, precision, chosen(overrides), ctx.backend.name, ctx.samples.calibration, out,
                          calibration_cache, ctx.cpu, keep_float=keep)
 
     # The fp32 model's outputs and float32 noise on the probes: measured once, every build of the search reuses them.

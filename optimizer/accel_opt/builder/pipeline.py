@@ -31,11 +31,10 @@ from accel_opt.builder.checks import (
 from accel_opt.builder.context import BuildContext, CandidateLimits
 from accel_opt.builder.fallback_actions import fallback_actions
 from accel_opt.builder.records import artifact_name, data_record, made_mark, reuse, write_manifest, write_reports
-from accel_opt.builder.samples import data_samples_needed, read_and_split, too_few_to_certify
+from accel_opt.builder.samples import data_samples_needed, dealt, read_and_split, too_few_to_certify
 from accel_opt.builder.sources import factory_of, recipe_for
 from accel_opt.builder.staging import batch_problem, deploy_shapes, stage_deployment
 from accel_opt.builder.torch_plan import torch_precision
-from accel_opt.data import Sample
 from accel_opt.data.npz import array_names
 from accel_opt.errors import AccelOptError, Unsupported, UsageError, no_space_error
 from accel_opt.files import ensure_free_space, mark_made, progress, sha256_file
@@ -139,9 +138,9 @@ def build(
                 evaluated=ctx.accuracy.evaluation.deployment,
                 samples_needed=ctx.accuracy.samples_needed, trial_unit=ctx.accuracy.trial_unit,
                 data_samples_needed=data_samples_needed(ctx, ctx.accuracy.samples_needed),
+                timed_samples=ctx.samples.timed_deployed,
             )
             fill_headline(result, ctx.bench)
-            result._eval_samples = ctx.timed_samples or ctx.deploy_samples
             write_manifest(ctx, staging, result)  # last file: the folder is complete when it is renamed into place
             if signer is not None:  # over every file, manifest included: published signed or not at all
                 signer(staging)
@@ -225,21 +224,9 @@ def _stage_load(ctx: BuildContext) -> tuple[StageStatus, str]:
     if recipe.text is not None:
         _load_text_stage(ctx)
     refuse_recipe_misfits(ctx)
-    samples = read_and_split(ctx)
+    ctx.samples = dealt(ctx, read_and_split(ctx))  # by role, once: no stage rewrites them
     ctx.notes += ctx.shapes.notes
     split = ctx.split
-
-    def pick(indices: list[int], source: list[Sample] | None = None) -> list[Sample]:
-        return [(source or samples)[i] for i in indices]
-
-    # As the artifact takes them: fused preprocessing takes the host's uint8 crops; draft decoding and the torch
-    # backend's tensor path, the job's own inputs.
-    as_deployed = ctx.host_crops if ctx.fused else ctx.job_samples or None
-    ctx.calibration_samples = pick(split.calibration)
-    ctx.steering_samples, ctx.steering_deploy = pick(split.steering), pick(split.steering, as_deployed)
-    ctx.steering_names = [ctx.sample_names[i] for i in split.steering]
-    ctx.eval_samples, ctx.deploy_samples = pick(split.verdict), pick(split.verdict, as_deployed)
-    ctx.eval_names = [ctx.sample_names[i] for i in split.verdict]
     ctx.deploy_batch = recipe.selection.target_batch_size if ctx.shapes.batch_dynamic else ctx.shapes.batch_size
     if recipe.text is not None and not recipe.benchmark.max_shapes:  # capacity at the longest text the job takes
         ctx.recipe = recipe.with_overrides(**{"benchmark.max_shapes": {
@@ -269,7 +256,7 @@ def _stage_cleanup(ctx: BuildContext) -> tuple[StageStatus, str]:
         raise _Skip("disabled by the recipe")
     if ctx.torch:
         raise _Skip("the torch backend compiles the PyTorch module, not the ONNX graph")
-    checked_on = (ctx.steering_samples or ctx.calibration_samples)[:CLEANUP_VERIFY_SAMPLES]  # never held-out ones
+    checked_on = (ctx.samples.steering or ctx.samples.calibration)[:CLEANUP_VERIFY_SAMPLES]  # never held-out ones
     if not checked_on:
         raise _Skip("no steering sample to check the rewrite on (held-out samples judge the verdict only)")
     total_bytes = sum(p.stat().st_size for p in [ctx.model_path, *ctx.loaded.external_data_files])
@@ -285,7 +272,7 @@ def _stage_precision(ctx: BuildContext) -> tuple[StageStatus, str]:
     ctx.candidate_path = ctx.fp32_path
     precision, config = ctx.recipe.precision, ctx.recipe.precision_options.fallback
     if ctx.torch:  # what compile() exports: the module, its inputs and outputs, the calibration samples for int8
-        ctx.backend.bind(ctx.torch_module, ctx.inputs, ctx.outputs, ctx.shapes.batch_axes, ctx.calibration_samples,
+        ctx.backend.bind(ctx.torch_module, ctx.inputs, ctx.outputs, ctx.shapes.batch_axes, ctx.samples.calibration,
                          cache_dir=ctx.cache_dir)
     if precision is Precision.fp32:
         raise _Skip("fp32: the graph keeps its precision")
@@ -293,7 +280,7 @@ def _stage_precision(ctx: BuildContext) -> tuple[StageStatus, str]:
         return torch_precision(ctx)
     # The search is steered by the steering samples only: neither calibration (the ranges fit those) nor the verdict's
     # held-out samples (a search that picks the variant doing best on them would judge itself).
-    probes = ctx.steering_samples[: config.probe_samples]
+    probes = ctx.samples.steering[: config.probe_samples]
     fixed = fallback.wide_weight_consumers(ctx.fp32_path) if precision is Precision.fp16 else []
     out = ctx.workdir / f"{precision.value}.onnx"
     _, _, hopeless = ctx.steering_gate()
@@ -346,19 +333,19 @@ def _stage_accuracy(ctx: BuildContext) -> tuple[StageStatus, str]:
     identity = f"{reference.name}:{ctx.model_sha256}"
     cache = ctx.reference_caches.setdefault(identity, ReferenceCache(identity)) if ctx.reference_caches is not None \
         else None
-    candidate = deployment.runner(runtime.feed_dtypes_of(ctx.deploy_samples))
+    candidate = deployment.runner(runtime.feed_dtypes_of(ctx.samples.held_out_deployed))
     ctx.accuracy = compare(
-        reference, candidate, ctx.eval_samples, recipe.tolerance, recipe.accuracy.task_metrics, names=ctx.eval_names,
-        batch_size=deployment.batch_size, batch_axes=deployment.batch_axes, candidate_samples=ctx.deploy_samples,
+        reference, candidate, ctx.samples.held_out, recipe.tolerance, recipe.accuracy.task_metrics, names=ctx.samples.held_out_names,
+        batch_size=deployment.batch_size, batch_axes=deployment.batch_axes, candidate_samples=ctx.samples.held_out_deployed,
         noise_reference=reference_runner(ctx.model_path, ctx.threads, optimize=True), padding=deployment.padding,
         confidence=recipe.accuracy.confidence, bounded=ctx.bounded, reference_cache=cache,
         groups=ctx.eval_groups, labels=ctx.eval_labels, labels_config=recipe.accuracy.labels)
     ctx.accuracy.roles = ctx.split.counts()
-    if ctx.steering_samples:  # what auto's shortlist reads: the deployed build on samples the verdict never sees
+    if ctx.samples.steering:  # what auto's shortlist reads: the deployed build on samples the verdict never sees
         tolerance, metrics, hopeless = ctx.steering_gate()
-        steered = compare(reference, candidate, ctx.steering_samples, tolerance, metrics, names=ctx.steering_names,
+        steered = compare(reference, candidate, ctx.samples.steering, tolerance, metrics, names=ctx.samples.steering_names,
                           batch_size=deployment.batch_size, batch_axes=deployment.batch_axes,
-                          candidate_samples=ctx.steering_deploy, padding=deployment.padding,
+                          candidate_samples=ctx.samples.steering_deployed, padding=deployment.padding,
                           noise_floor={o.name: o.noise_floor for o in ctx.accuracy.outputs}, reference_cache=cache,
                           labels=ctx.steering_labels, labels_config=recipe.accuracy.labels)
         ctx.accuracy.steering = SteeringVerdict(sample_count=steered.sample_count, passed=steered.passed and not hopeless,
@@ -369,7 +356,7 @@ def _stage_accuracy(ctx: BuildContext) -> tuple[StageStatus, str]:
     deployment.config = deployment.config.model_copy(update={"output_batch_axes": ctx.accuracy.evaluation.output_batch_axes})
     ctx.notes += exercise_image_path(deployment, ctx.data.source, ctx.workdir, ctx.recipe.accuracy.seed)
     if ctx.torch and ctx.job_samples:
-        ctx.notes.append(image_path_agreement(_reference(ctx), ctx.deploy_samples, ctx.accuracy._reference_outputs,
+        ctx.notes.append(image_path_agreement(_reference(ctx), ctx.samples.held_out_deployed, ctx.accuracy._reference_outputs,
                                               ctx.outputs[0].name))
     evaluation = ctx.accuracy.evaluation
     calls = f"{evaluation.calls} calls of batch {evaluation.batch_size}" if evaluation.mode == "batched" else "one per sample"

@@ -70,9 +70,9 @@ def reuse(ctx: BuildContext, final: Path, model: str, stages: list[StageResult],
         trial_unit=accuracy.trial_unit,
         artifact_dir=str(final), stages=stages,
         worst_cosine=accuracy.worst_cosine, data=data_record(ctx), evaluated=accuracy.evaluation.deployment, reused=True,
+        timed_samples=ctx.samples.timed_deployed,
     )
     fill_headline(result, bench)
-    result._eval_samples = ctx.deploy_samples
     return result
 
 
@@ -144,8 +144,8 @@ def input_record(ctx: BuildContext) -> dict[str, Any]:
 def data_record(ctx: BuildContext) -> DataRecord:
     held = ctx.eval_data if ctx.eval_data is not None and ctx.eval_data is not ctx.data else None
     return DataRecord(source=ctx.data.source, path=ctx.data.path, synthetic=ctx.data.synthetic,
-                      samples=ctx.data.count + (held.count if held else 0), evaluation_samples=len(ctx.eval_samples),
-                      calibration_samples=len(ctx.calibration_samples), steering_samples=len(ctx.steering_samples),
+                      samples=ctx.data.count + (held.count if held else 0), evaluation_samples=len(ctx.samples.held_out),
+                      calibration_samples=len(ctx.samples.calibration), steering_samples=len(ctx.samples.steering),
                       eval_path=ctx.eval_data.path if ctx.eval_data is not None else None, held_out_max=ctx.verdict_max)
 
 
@@ -182,9 +182,9 @@ def write_probe_set(ctx: BuildContext, folder: Path) -> int:
     from accel_opt.runtime import probe
 
     noise = {o.name: o.noise_floor for o in ctx.accuracy.outputs if o.noise_floor}
-    count = probe.probe_count(len(ctx.eval_names), ctx.recipe.accuracy.probe_samples)
+    count = probe.probe_count(len(ctx.samples.held_out_names), ctx.recipe.accuracy.probe_samples)
     preprocessing = ctx.resource_config.preprocessing
-    return probe.write_probe(folder, ctx.deploy_samples, ctx.accuracy._reference_outputs, ctx.eval_names, count,
+    return probe.write_probe(folder, ctx.samples.held_out_deployed, ctx.accuracy._reference_outputs, ctx.samples.held_out_names, count,
                              ctx.recipe.tolerance, ctx.recipe.accuracy.task_metrics, noise,
                              runtime.machine_class(ctx.resource_config, ctx.cpu), preprocessing.host_part() if preprocessing else None,
                              ctx.eval_labels, ctx.recipe.accuracy.labels)
@@ -197,7 +197,7 @@ def write_reports(ctx: BuildContext) -> str:
     write_json(staging / "accuracy.json", ctx.accuracy)
     write_text(
         staging / "signoff.md",
-        signoff_markdown(name, ctx.verdict, ctx.accuracy, ctx.precision, ctx.data, len(ctx.calibration_samples),
+        signoff_markdown(name, ctx.verdict, ctx.accuracy, ctx.precision, ctx.data, len(ctx.samples.calibration),
                                 ctx.notes + (ctx.precision.notes if ctx.precision else [])
                                 + ([ctx.limits.family_note] if ctx.limits and ctx.limits.family_note else [])
                                 + [f"Benchmark gate failed: {line}" for line in ctx.bench.failures],

@@ -7,7 +7,7 @@ import math
 from pathlib import Path
 
 from accel_opt.accuracy.metrics import samples_to_certify
-from accel_opt.builder.context import BuildContext
+from accel_opt.builder.context import BuildContext, Samples
 from accel_opt.data import (
     DataSplit,
     DataSummary,
@@ -178,3 +178,21 @@ def _read_data(ctx: BuildContext, folder: Path, flag: str) -> tuple[list[Sample]
     for sample, where in zip(samples, data.names):
         check_sample(sample, ctx.inputs, f"{flag} {where}")
     return samples, data
+
+
+def dealt(ctx: BuildContext, samples: list[Sample]) -> Samples:
+    """The samples read (in index order) dealt into their roles by ctx.split, each also as the folder takes it: fused
+    preprocessing takes the host's uint8 crops; draft decoding and the torch device path, the job's own inputs."""
+    split, deployed = ctx.split, (ctx.host_crops if ctx.fused else ctx.job_samples) or samples
+
+    def pick(indices: list[int], source: list[Sample]) -> list[Sample]:
+        return [source[i] for i in indices]
+
+    held_out, held_out_deployed = pick(split.verdict, samples), pick(split.verdict, deployed)
+    # Texts are timed in batches of one shape, padded to the longest; the gate judges them as they are.
+    timed = ctx.text_encoder.padding.same_length(held_out) if ctx.text_encoder is not None else None
+    return Samples(calibration=pick(split.calibration, samples), steering=pick(split.steering, samples),
+                   steering_deployed=pick(split.steering, deployed), steering_names=[ctx.sample_names[i] for i in split.steering],
+                   held_out=held_out, held_out_deployed=held_out_deployed,
+                   held_out_names=[ctx.sample_names[i] for i in split.verdict],
+                   timed=timed or held_out, timed_deployed=timed or held_out_deployed)

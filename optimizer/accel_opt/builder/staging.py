@@ -80,8 +80,8 @@ def batch_problem(ctx: BuildContext) -> str | None:
     if ctx.deploy_batch == 1 or all(a is not None for a in axes.values()):
         return None
     try:
-        with ctx.deployment.runner(runtime.feed_dtypes_of(ctx.deploy_samples)) as runner:
-            runner.infer(batch_of(ctx.deploy_samples, ctx.deploy_batch, axes), check_inputs=False)
+        with ctx.deployment.runner(runtime.feed_dtypes_of(ctx.samples.held_out_deployed)) as runner:
+            runner.infer(batch_of(ctx.samples.held_out_deployed, ctx.deploy_batch, axes), check_inputs=False)
     except AccelOptError:
         raise
     except Exception as exc:  # the runtime's own error types

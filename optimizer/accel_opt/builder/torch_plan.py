@@ -33,7 +33,7 @@ def torch_precision(ctx: BuildContext) -> tuple[StageStatus, str]:
     plan = PrecisionPlan(precision=precision)
     if precision is Precision.int8:
         transform = ("PT2E static int8 (X86InductorQuantizer: uint8 activations, int8 per-channel weights), "
-                     f"calibrated on {len(ctx.calibration_samples)} samples")
+                     f"calibrated on {len(ctx.samples.calibration)} samples")
     else:
         transform = (f"{REDUCED_DTYPES[precision]} weights and compute (module transform before torch.export), "
                      "float32 inputs and outputs")
@@ -54,7 +54,7 @@ def _fallback(ctx: BuildContext, plan: PrecisionPlan) -> PrecisionPlan:
     from accel_opt.backends.torch.runner import TorchRunner
 
     config = ctx.recipe.precision_options.fallback
-    probes = ctx.steering_samples[: config.probe_samples]  # never the held-out samples that judge the verdict
+    probes = ctx.samples.steering[: config.probe_samples]  # never the held-out samples that judge the verdict
     names = [o.name for o in ctx.outputs]
     report = FallbackReport(status="not needed", reason="", precision=plan.precision.value, probe_samples=len(probes),
                             probe_source="steering samples (eager PyTorch)", max_rounds=config.max_rounds,

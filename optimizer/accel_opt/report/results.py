@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, PrivateAttr, computed_field
+from pydantic import BaseModel, Field, computed_field
 
 from accel_opt.bench import BenchmarkReport
-from accel_opt.data import Sample
 from accel_opt.report.verdict import Verdict
 
 StageStatus = Literal["passed", "failed", "skipped"]
@@ -60,7 +59,9 @@ class BuildResult(BaseModel):
     evaluated: str | None = None  # what the gate ran: the artifact's files, backend, precision, batch
     reused: bool = False  # an identical build was found complete and verified under --out: nothing was rebuilt
     stages: list[StageResult] = []
-    _eval_samples: list[Sample] = PrivateAttr(default_factory=list)  # in memory only: what the build timed
+    # What the build timed (ctx.samples.timed_deployed), for auto's run-off of its winners: in memory only, never
+    # written (excluded from every dump).
+    timed_samples: list[dict[str, Any]] = Field(default_factory=list, exclude=True, repr=False)
 
     @computed_field
     @property
@@ -76,10 +77,6 @@ class BuildResult(BaseModel):
     @property
     def failures(self) -> list[str]:  # the verdict's reasons: each failed check, or the missing benefit
         return self.verdict.reasons
-
-    @property
-    def eval_samples(self) -> list[Sample]:
-        return self._eval_samples
 
     def synthetic_line(self) -> str | None:
         """Without --data: what the verdict covers, in words a reviewer reads; None on real data."""
