@@ -274,8 +274,9 @@ def test_a_variant_the_converter_cannot_write_leaves_the_build_before_it(tiny_cn
 
     from accel_opt.errors import Unsupported
     from accel_opt.precision import PrecisionReport
+    from accel_opt.precision.callbacks import Actions
     from accel_opt.precision.diagnose import Diagnosis, LayerError
-    from accel_opt.precision.fallback import Actions, ProbeVerdict, run
+    from accel_opt.precision.fallback import ProbeVerdict, run
     from accel_opt.recipe.stages import FallbackConfig
 
     first = onnx.load(str(tiny_cnn_path)).graph.node[0]

@@ -7,7 +7,8 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
-from accel_opt.precision.search import Build, Remedy, SearchActions, Unit, better, int8_remedies, search, tail_units
+from accel_opt.precision.callbacks import SearchActions
+from accel_opt.precision.search import Build, Remedy, Unit, better, int8_remedies, search, tail_units
 from accel_opt.recipe.stages import CalibrationConfig
 
 UNITS = [Unit("Conv 16x16x1x1", ["p1", "p2", "p3"], flops=300, added_error=9.0),  # the diagnosis blames it most...

@@ -21,6 +21,7 @@ from accel_opt.data import Sample
 from accel_opt.errors import first_line
 from accel_opt.graph.inspect import io_specs, with_batch
 from accel_opt.precision import fallback, transform, written_path
+from accel_opt.precision.callbacks import Actions
 from accel_opt.precision.diagnose import Diagnosis, diagnose, emulate_bfloat16
 from accel_opt.precision.report import PrecisionReport
 from accel_opt.precision.search import int8_remedies
@@ -36,7 +37,7 @@ log = logging.getLogger(__name__)
 SPEED_CHECK = BenchmarkConfig(warmup_iterations=3, min_iterations=20, min_seconds=0.5, max_iterations=400)
 
 
-def fallback_actions(ctx: BuildContext, probes: list[Sample], shapes: dict[str, list[int]]) -> fallback.Actions:
+def fallback_actions(ctx: BuildContext, probes: list[Sample], shapes: dict[str, list[int]]) -> Actions:
     """The fallback's build / judge / diagnose: the recipe's transform, the gate's tolerance on the probes
     run on the build's backend (compiled for `shapes`), and the per-layer diagnosis on ONNX Runtime (bf16 emulated)."""
     precision, recipe = ctx.recipe.precision, ctx.recipe
@@ -117,7 +118,7 @@ def fallback_actions(ctx: BuildContext, probes: list[Sample], shapes: dict[str, 
     fused = recipe.preprocessing is not None and recipe.preprocessing.fused
     remedies = int8_remedies(recipe.precision_options.calibration, ctx.backend.name, fused) \
         if precision is Precision.int8 else ()
-    return fallback.Actions(build=build, judge=judge, diagnose=examine, flops_of=flops_of, companions=companions,
+    return Actions(build=build, judge=judge, diagnose=examine, flops_of=flops_of, companions=companions,
                             judge_emulated=judge_emulated if precision is Precision.int8 else None, speedup=speedup,
                             remedies=remedies, structure=ctx.fp32_path,
                             written=lambda path, overrides: written_path(path, precision, chosen(overrides)))

@@ -17,9 +17,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from accel_opt.backends.torch.package import PLAN_SUFFIX, REDUCED_DTYPES, PrecisionPlan, write_plan
+from accel_opt.precision.callbacks import SearchActions
 from accel_opt.precision.fallback import PROBE_MARGIN, FallbackReport, ProbeVerdict, stricter
 from accel_opt.precision.report import KeptNode, PrecisionReport
-from accel_opt.precision.search import Build, SearchActions, Unit, search
+from accel_opt.precision.search import Build, Unit, search
 from accel_opt.recipe.types import Precision
 from accel_opt.report.results import StageStatus
 

@@ -18,10 +18,9 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Literal, Protocol
+from typing import Literal
 
 import numpy as np
 import onnx
@@ -29,22 +28,13 @@ from onnx import numpy_helper
 from pydantic import BaseModel
 
 from accel_opt.errors import CandidateDropped, Unsupported, first_line
+from accel_opt.precision.callbacks import Actions, SearchActions, SearchLimits
 from accel_opt.precision.diagnose import Diagnosis
 from accel_opt.precision.report import KeptNode, PrecisionReport
-from accel_opt.precision.search import Build, Remedy, SearchActions, SearchStep, Unit, search, tail_units
+from accel_opt.precision.search import Build, SearchStep, Unit, search, tail_units
 from accel_opt.recipe.gate import Tolerance
 from accel_opt.recipe.stages import FallbackConfig
 from accel_opt.recipe.types import Precision
-
-
-class SearchLimits(Protocol):
-    """What `--precision auto` tells one candidate's rescue search (builder.context.CandidateLimits is the one): its
-    share of the time budget, why a build at some speed-up cannot win, and where each step is reported."""
-
-    search_budget_s: float
-    on_step: Callable[[SearchStep], None] | None
-
-    def cannot_win(self, speedup: float | None) -> str | None: ...
 
 FP16_MAX = 65504.0
 FLOAT_BY_DESIGN = "accel_opt.float_by_design"  # metadata key: nodes the fallback left in float on purpose
@@ -98,33 +88,6 @@ class FallbackReport(BaseModel):
     search_seconds: float = 0.0
     time_budget_s: float = 0.0
     min_speedup: float = 0.0
-
-
-@dataclass
-class Actions:
-    # (nodes kept in fp32, out path, recipe keys of the adopted remedies or None) -> the transform's report
-    build: Callable[[list[str], Path, dict | None], PrecisionReport]
-    judge: Callable[[Path], ProbeVerdict]  # the build, on the probe samples, against the recipe's tolerance
-    diagnose: Callable[[Path], Diagnosis | None]  # per-layer errors of a build (None: not available for it)
-    # Conv/MatMul/Gemm FLOPs per node of a build, counted on the naive build (its node names are the ones kept)
-    flops_of: Callable[[Path], dict[str, int]]
-    # Nodes a build leaves to run in float anyway (ORT fuses a Conv into an integer kernel only with a
-    # QuantizeLinear after it, which a consumer kept in fp32 no longer has). None: nothing to check.
-    companions: Callable[[Path], list[str]] | None = None
-    # The build judged like `judge`, but with its Q/DQ emulated in float (what `diagnose` sees). None: not checked.
-    # The per-layer diagnosis sees the graph, not the deployed kernels: when only those fail, it would blame layers
-    # that are not at fault.
-    judge_emulated: Callable[[Path], ProbeVerdict] | None = None
-    # The build's speed-up against the same backend's fp32 build on the deployed kernels (None: not measurable)
-    speedup: Callable[[Path], float | None] = lambda path: None
-    remedies: tuple[Remedy, ...] = ()  # whole-graph remedies to try first (search.int8_remedies)
-    flops: dict[str, int] = field(default_factory=dict)  # flops_of(the naive build), set by run()
-    # (the out path given to `build`, the recipe keys of its remedies) -> the file it writes (precision.written_path):
-    # an OpenVINO IR (.xml) where NNCF quantizes
-    written: Callable[[Path, dict | None], Path] = lambda path, overrides: path
-    # The ONNX model whose node names the builds keep in float (the fp32 model): where a build is not ONNX, its FLOPs
-    # and layer groups are read from this. None: every build is ONNX.
-    structure: Path | None = None
 
 
 def run(precision: Precision, config: FallbackConfig, actions: Actions, out_path: Path, probe_samples: int,

@@ -47,6 +47,7 @@ from typing import Literal
 from pydantic import BaseModel
 
 from accel_opt.files import install_line, progress
+from accel_opt.precision.callbacks import SearchActions
 from accel_opt.recipe.stages import CalibrationConfig
 
 
@@ -204,15 +205,6 @@ def better(tried: Build, base: Build) -> tuple[bool, str]:
         counts += f" (sign test p = {p_value:.2g}: too few to tell)"
     return (tried.output_loss < base.output_loss,
             f"{counts}; output error {base.output_loss:.3g} -> {tried.output_loss:.3g} of its limit")
-
-
-@dataclass
-class SearchActions:
-    """What the search needs from the build: a variant with `keep` in float (and the recipe keys of the remedies
-    adopted, or None), judged on the probes; and the speed-up of a variant against fp32 (None: not measurable here)."""
-
-    build_and_judge: Callable[[list[str], Path, dict | None], Build]
-    speedup: Callable[[Path], float | None]
 
 
 @dataclass
