@@ -20,7 +20,7 @@ from pydantic import BaseModel
 from accel_opt.errors import ResourceExhausted
 
 # What a long stage is doing now (the search's step, the benchmark's round), for a person watching: the command line
-# shows the latest message on a terminal's live line (cli.common.StageProgress); nothing else reads it.
+# shows the latest message on a terminal's live line (cli.progress.build_progress); nothing else reads it.
 progress = logging.getLogger("accel_opt.progress")
 
 # Distributions whose versions key a result: a build's identity, a re-check's remembered verdict, a cached probe.

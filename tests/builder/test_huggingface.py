@@ -113,6 +113,8 @@ def test_a_text_classifier_folder_builds_with_its_labels_tokenizer_and_length(fo
     with torch.no_grad():
         logits = model(**tokenizer(queries.read_text().splitlines(), return_tensors="pt", padding=True)).logits
     assert [line["top1"] for line in lines] == logits.argmax(-1).tolist()
+    compared = _cli("compare", folder, folder)  # no ONNX file of its own to compare against: the flag that gives one
+    assert compared.exit_code == 2 and "exported inside the build: give --reference" in compared.stderr, compared.stderr
     monkeypatch.chdir(folder.parent)  # signoff.md's snippet, as written, tokenizes a text and runs it
     snippet = (folder / "signoff.md").read_text().split("```python\n", 1)[1].split("```", 1)[0]
     namespace: dict = {}

@@ -72,6 +72,9 @@ def reference_of(candidate: Deployment, given: str | Path | None) -> Path:
     """The fp32 model the candidate was built from: `given`, else the path its manifest records, which
     must still hold the same bytes (sha256)."""
     record = read_manifest(candidate.files).input_model
+    if given is None and record.get("factory"):  # exported inside the build: no ONNX file of its own to point at
+        raise UsageError(f"{candidate.folder.name} was built from {record['factory']}, exported inside the build: give "
+                         "--reference MODEL.onnx (accel-opt export writes one)")
     path = Path(given) if given else Path(record.get("path") or "")
     if not path.is_file():
         raise UsageError(f"the candidate's reference model {path} is not there: give --reference MODEL.onnx")

@@ -87,9 +87,9 @@ def default_recipe(model: str | Path, task: str | None = None) -> str | None:
     return hf.recipe_name if hf is not None else None
 
 
-def fit_recipe(model: str | Path, recipe: Recipe, task: str | None = None) -> tuple[Recipe, list[str]]:
-    """The recipe fitted to what a Hugging Face config says (unchanged for anything else), and notes saying what."""
-    hf = hf_config_of(model, task)
+def fit_recipe(model: str | Path, recipe: Recipe, hf) -> tuple[Recipe, list[str]]:
+    """The recipe fitted to what MODEL's Hugging Face config says (`hf`, from hf_config_of; None: unchanged), and
+    notes saying what."""
     if hf is None:
         return recipe, []
     overrides: dict[str, Any] = {}
@@ -144,7 +144,7 @@ def fit_defaults(recipe: Recipe, has_data: bool) -> tuple[dict[str, str], str | 
         support, why = False, str(exc)
     else:
         why = support.reason if not support else None
-    if support and (has_data or recipe.precision not in (Precision.int8,)):
+    if support and (has_data or recipe.precision is not Precision.int8):
         return {}, None
     why = why or f"--precision {recipe.precision.value} needs --data to calibrate"
     return ({"precision": "fp32", "backend": "onnxruntime"},
@@ -154,11 +154,11 @@ def fit_defaults(recipe: Recipe, has_data: bool) -> tuple[dict[str, str], str | 
 
 def recipe_for(model: str | Path, recipe: Recipe | None, task: str | None, has_data: bool) -> tuple[Recipe, list[str]]:
     """The recipe a build of MODEL uses when given `recipe` (None: the task's bundled one, fitted to run here)."""
-    notes: list[str] = []
+    hf, notes = hf_config_of(model, task), []  # the config read once
     if recipe is None:
-        recipe = load_recipe(default_recipe(model, task))
-        overrides, note = fit_defaults(recipe, has_data) if hf_config_of(model, task) is not None else ({}, None)
+        recipe = load_recipe(hf.recipe_name if hf is not None else None)
+        overrides, note = fit_defaults(recipe, has_data) if hf is not None else ({}, None)
         recipe = recipe.with_overrides(**overrides)
         notes += [note] if note else []
-    fitted, fit_notes = fit_recipe(model, recipe, task)
+    fitted, fit_notes = fit_recipe(model, recipe, hf)
     return fitted, fit_notes + notes

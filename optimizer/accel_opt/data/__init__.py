@@ -47,8 +47,12 @@ def load_samples(
         return _load_texts(Path(data_dir), text, flag)
     root = Path(data_dir)
     if not root.is_dir():
-        kind = "not found" if not root.exists() else "not a folder" if root.suffix.lower() not in (".txt", ".jsonl", ".csv", ".parquet") else \
-            "a text file: a recipe with a text stage reads it (--recipe text-encoder or text-classifier)"
+        if not root.exists():
+            kind = "not found"
+        elif root.suffix.lower() in (".txt", ".jsonl", ".csv", ".parquet"):
+            kind = "a text file: a recipe with a text stage reads it (--recipe text-encoder or text-classifier)"
+        else:
+            kind = "not a folder"
         raise InputRejected(f"{flag} {root}: {kind}; this recipe reads a folder of .npz feed dicts or images")
     folders = [root / name for name in class_folders(root)] if by_class else [root]
     npz_files = sorted(p for f in folders for p in f.iterdir() if p.suffix == ".npz" and p.is_file())

@@ -20,9 +20,9 @@ def load_recipe(path_or_name: str | Path | None = None) -> Recipe:
     from another with `extends: NAME` (a bundled name, or a path beside it): its keys are laid over that recipe's,
     mappings merged key by key, anything else replaced."""
     path = _recipe_path(path_or_name)
-    data = _read_extended(path, [])
-    lines = key_lines(path.read_text(encoding="utf-8"))  # this file's own keys; an extended recipe's are not located
-    return _validate(data, source=str(path), lines=lines)
+    # Where each key is, read only for an error: this file's own keys (an extended recipe's are not located)
+    return _validate(_read_extended(path, []), source=str(path),
+                     lines=lambda: key_lines(path.read_text(encoding="utf-8")))
 
 
 def _recipe_path(path_or_name: str | Path | None, beside: Path | None = None) -> Path:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import enum
 import hashlib
 import json
+from collections.abc import Callable
 from typing import Annotated, Any
 
 from pydantic import Field, ValidationError, model_validator
@@ -83,11 +84,12 @@ class Recipe(_Strict):
         return self.accuracy.tolerances[self.precision]
 
 
-def _validate(data: Any, source: str, lines: dict[tuple, int] | None = None) -> Recipe:
-    """The recipe, or UsageError naming every problem at once (`lines`: each key path's line in the YAML file)."""
+def _validate(data: Any, source: str, lines: Callable[[], dict[tuple, int]] | None = None) -> Recipe:
+    """The recipe, or UsageError naming every problem at once (`lines`: reads each key path's line in the YAML file,
+    called only when there are problems to place)."""
     try:
         return Recipe.model_validate(data)
     except ValidationError as exc:
         from accel_opt.recipe.problems import describe
 
-        raise UsageError(describe(exc, Recipe, source, lines)) from None
+        raise UsageError(describe(exc, Recipe, source, lines() if lines else None)) from None

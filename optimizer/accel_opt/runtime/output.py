@@ -62,6 +62,7 @@ class Outputs:
 
     predictions: Path
     _pinned: PinnedFolder | None = field(default=None, repr=False, compare=False)
+    _outputs_folder: PinnedFolder | None = field(default=None, repr=False, compare=False)  # opened on the first .npz
 
     @property
     def pinned(self) -> PinnedFolder:
@@ -154,20 +155,21 @@ class Outputs:
             self._unpin()
 
     def _unpin(self) -> None:
-        if self._pinned is not None:
-            self._pinned.close()
-            self._pinned = None
+        for folder in (self._outputs_folder, self._pinned):
+            if folder is not None:
+                folder.close()
+        self._pinned = self._outputs_folder = None
 
     def write_output(self, named: str, npz: bytes) -> None:
         """An answer's .npz, in the outputs folder, whole (before the line naming it is written)."""
         target = Path(named)
         if target.parent != self.outputs_dir:
             raise RuntimeError(f"an answer named outputs outside {self.outputs_dir}: {named}")
-        folder = self.pinned.folder(self.outputs_dir.name)
-        try:
-            folder.write_whole(target.name, lambda f: f.write(npz))
-        finally:
-            folder.close()
+        if self._outputs_folder is None:
+            self._outputs_folder = self.pinned.folder(self.outputs_dir.name)
+        # One per answer, on the job's hot path: each file synced (as before), the folder's rename not (a second sync
+        # per answer)
+        self._outputs_folder.write_whole(target.name, lambda f: f.write(npz), sync_folder=False)
 
     def start(self, artifact: Path, identity: str, resume: bool, overwrite: bool) -> set[str]:
         """Start this job's files (under the lock): keep the answered lines of the same artifact (--resume),

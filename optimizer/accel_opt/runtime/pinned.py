@@ -104,9 +104,11 @@ class PinnedFolder:
     def unlink(self, name: str) -> None:
         os.unlink(name, dir_fd=self.fd)
 
-    def write_whole(self, name: str, write: Callable[[Any], None], temporary: str | None = None) -> None:
+    def write_whole(self, name: str, write: Callable[[Any], None], temporary: str | None = None,
+                    sync_folder: bool = True) -> None:
         """`write(file)` into a new temporary file here (`temporary`, or a random name), synced, then renamed over
-        `name` (a link there is replaced, never written through): the file is whole or absent."""
+        `name` (a link there is replaced, never written through): the file is whole or absent. `sync_folder`: the
+        rename itself synced too (it survives a crash)."""
         temporary = temporary or f".{name[:200]}.{secrets.token_hex(4)}.tmp"
         try:
             with os.fdopen(self.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL), "wb") as f:
@@ -118,7 +120,8 @@ class PinnedFolder:
             with contextlib.suppress(OSError):
                 os.unlink(temporary, dir_fd=self.fd)
             raise
-        os.fsync(self.fd)  # the rename itself survives a crash
+        if sync_folder:
+            os.fsync(self.fd)
 
     def close(self) -> None:
         os.close(self.fd)

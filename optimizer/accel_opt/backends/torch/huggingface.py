@@ -227,7 +227,7 @@ def _transformers() -> Any:
         import transformers
         from transformers.utils import logging as transformers_logging
     except ImportError:
-        raise Unsupported(f"a Hugging Face folder needs transformers: {install_line('huggingface')}") from None
+        raise Unsupported(f"a Hugging Face folder needs transformers: {install_line('huggingface', 'torch==2.13.0')}") from None
     transformers_logging.disable_progress_bar()
     transformers_logging.set_verbosity_error()
     return transformers

@@ -1,19 +1,21 @@
 """Loading an AOTInductor package (`model.pt2`) into a callable, with its unpacked files kept where they are removed.
 
-The C++ loader unpacks the package into a new folder under the temporary folder (`$TMPDIR/aotinductor_XXXXXX`) and
-removes it when the loaded model is freed; when the load fails (a package of another torch, a broken library),
-nothing removes it, and each failed `run` left one behind (measured with torch 2.13: the folder stays after the
-loader's exception). So the loader unpacks into a folder of ours (mode 0700, from `tempfile.mkdtemp`), removed when
+The C++ loader unpacks the package into a new folder under the temporary folder (`$TMPDIR/aotinductor_` and six
+random characters) and removes it when the loaded model is freed; when the load fails (a package of another torch,
+a broken library), nothing removes it, and each failed `run` left one behind (measured with torch 2.13: the folder
+stays after the loader's exception). So the loader unpacks into a folder of ours (mode 0700, from `tempfile.mkdtemp`), removed when
 the load fails and when the loaded model is freed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
 import threading
 import weakref
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -52,23 +54,19 @@ def _load(torch: Any, package: Path, device_index: int, single_threaded: bool, u
                                          device_index=device_index))
 
 
-class _temporary_folder:
+@contextlib.contextmanager
+def _temporary_folder(folder: Path) -> Iterator[None]:
     """$TMPDIR pointed at `folder` while the loader unpacks (restored after, under one lock)."""
-
-    def __init__(self, folder: Path):
-        self.folder = folder
-
-    def __enter__(self) -> None:
-        _TMPDIR_LOCK.acquire()
-        self.before = os.environ.get("TMPDIR")
-        os.environ["TMPDIR"] = str(self.folder)
-
-    def __exit__(self, *exc: object) -> None:
-        if self.before is None:
-            os.environ.pop("TMPDIR", None)
-        else:
-            os.environ["TMPDIR"] = self.before
-        _TMPDIR_LOCK.release()
+    with _TMPDIR_LOCK:
+        before = os.environ.get("TMPDIR")
+        os.environ["TMPDIR"] = str(folder)
+        try:
+            yield
+        finally:
+            if before is None:
+                os.environ.pop("TMPDIR", None)
+            else:
+                os.environ["TMPDIR"] = before
 
 
 class _Package:
