@@ -15,7 +15,7 @@ from accel_opt import runtime
 from accel_opt.backends import compile_for
 from accel_opt.backends.gpu_timing import last_stage_ms, median_stage_ms
 from accel_opt.backends.onnxruntime.backend import OnnxRuntimeBackend
-from accel_opt.bench import JobTiming, Target, application, deployment_target, run_benchmark
+from accel_opt.bench import BenchmarkReport, JobTiming, Target, application, deployment_target, run_benchmark
 from accel_opt.bench.efficiency import efficiency
 from accel_opt.bench.sweep import capacity, recommend, sweep, sweep_checks
 from accel_opt.bench.text_capacity import length_capacity, lengths_to_measure
@@ -28,17 +28,19 @@ from accel_opt.report.verdict import rounds_needed
 from accel_opt.runtime.local.job import run_job
 
 if TYPE_CHECKING:
-    from accel_opt.builder.context import BuildContext
+    from accel_opt.builder.context import BuildSoFar
 
 log = logging.getLogger(__name__)
 
 
-def benchmark_build(ctx: BuildContext, unfused_shapes: dict[str, list[int]], image_input: str) -> tuple[StageStatus, str]:
+def benchmark_build(ctx: BuildSoFar, unfused_shapes: dict[str, list[int]],
+                    image_input: str) -> tuple[StageStatus, str, BenchmarkReport]:
     """The build's benchmark stage: the deployment next to the fp32 baseline (and the naive build, and PyTorch)
     interleaved; the concurrency and batch sweep, the recommendation and the capacity check; the application's
     stages and jobs on the --data files; efficiency against the FLOP count. It times ctx.samples.timed (texts
     padded to one length; the verdict's samples stay as the gate judged them). `unfused_shapes`: the deployed shapes
-    without fused preprocessing (how the baselines compile); `image_input`: the input the naive job feeds."""
+    without fused preprocessing (how the baselines compile); `image_input`: the input the naive job feeds. Returns the
+    status, its detail and the measurements."""
     targets = [deployment_target(ctx.deployment, runtime.feed_dtypes_of(ctx.samples.timed_deployed), samples=ctx.samples.timed_deployed)]
     if ctx.recipe.precision is not Precision.fp32:
         baseline = compile_for(ctx.backend, ctx.fp32_path, Precision.fp32, ctx.recipe, ctx.workdir / "baseline",
@@ -57,58 +59,60 @@ def benchmark_build(ctx: BuildContext, unfused_shapes: dict[str, list[int]], ima
     if ctx.recipe.precision is not Precision.fp32:  # the verdict's benefit is read at the deployed batch: time it
         batch_sizes = sorted({*batch_sizes, ctx.deploy_batch})
     axes = ctx.shapes.batch_axes
-    ctx.bench = run_benchmark(targets, ctx.samples.timed, batch_sizes, ctx.recipe.benchmark, ctx.threads, axes,
+    bench = run_benchmark(targets, ctx.samples.timed, batch_sizes, ctx.recipe.benchmark, ctx.threads, axes,
                               rounds=rounds_needed(ctx.recipe.accuracy.confidence))
     streams = getattr(ctx.backend, "concurrency_sweep", None)
     if streams is not None:  # streams x async requests: the concurrency a server would run
         feed = batch_of(ctx.samples.timed_deployed, ctx.deploy_batch, axes)
-        ctx.bench.concurrency = streams(ctx.deployment.compiled, feed, seconds=max(0.2, ctx.recipe.benchmark.min_seconds / 2))
+        bench.concurrency = streams(ctx.deployment.compiled, feed, seconds=max(0.2, ctx.recipe.benchmark.min_seconds / 2))
     config, dtypes = ctx.recipe.benchmark, runtime.feed_dtypes_of(ctx.samples.timed_deployed)
-    ctx.bench.sweep = sweep(lambda: ctx.deployment.runner(dtypes), ctx.samples.timed_deployed, batch_sizes, config, axes,
+    bench.sweep = sweep(lambda: ctx.deployment.runner(dtypes), ctx.samples.timed_deployed, batch_sizes, config, axes,
                             ctx.backend.synchronize)
-    ctx.bench.recommended, ctx.bench.recommendation = recommend(ctx.bench.sweep, config)
-    ctx.bench.capacity = capacity(ctx.bench.sweep, config, lambda: ctx.deployment.runner(dtypes), ctx.max_feed,
+    bench.recommended, bench.recommendation = recommend(bench.sweep, config)
+    bench.capacity = capacity(bench.sweep, config, lambda: ctx.deployment.runner(dtypes), ctx.dealt.max_feed,
                                   ctx.backend.synchronize)
-    ctx.bench.checks = sweep_checks(ctx.bench.recommended, ctx.bench.recommendation, ctx.bench.capacity, config)
-    if ctx.text_encoder is not None:  # activations grow with the tokens: a batch size per length
-        encoder = ctx.text_encoder
+    bench.checks = sweep_checks(bench.recommended, bench.recommendation, bench.capacity, config)
+    if ctx.loaded.text_encoder is not None:  # activations grow with the tokens: a batch size per length
+        encoder = ctx.loaded.text_encoder
         fill = {name: -1 if field == "ids" else 1 if field == "attention_mask" else 0
                 for name, (field, _) in encoder.inputs.items()}
-        ctx.bench.length_buckets = length_capacity(
+        bench.length_buckets = length_capacity(
             lambda: ctx.deployment.runner(dtypes), fill, encoder.tokenizer.get_vocab_size(),
             lengths_to_measure(encoder.stage.max_length, list(encoder.stage.length_buckets)), ctx.deploy_batch,
             max(config.concurrency), config.memory_budget_mib)
-    application_times(ctx, batch_sizes, image_input)
+    application_times(ctx, bench, batch_sizes, image_input)
     batch1 = with_batch(ctx.shapes.shapes, 1, axes) if ctx.shapes.batch_dynamic else ctx.shapes.shapes
     try:
-        ctx.bench.efficiency = efficiency(ctx.fp32_path, batch1, {b.batch_size: b.latency.p50_ms for b in
-                                                                  ctx.bench.models[0].batches}, ctx.recipe.precision.value)
+        bench.efficiency = efficiency(ctx.fp32_path, batch1, {b.batch_size: b.latency.p50_ms for b in
+                                                                  bench.models[0].batches}, ctx.recipe.precision.value)
     except (ValueError, RuntimeError, onnx.shape_inference.InferenceError) as exc:  # > 2 GB protos, odd graphs
         log.warning("no efficiency figures: %s", first_line(exc))
-    first = ctx.bench.models[0].batches[0]
+    first = bench.models[0].batches[0]
     detail = f"batch {first.batch_size}: p50 {first.latency.p50_ms:.2f} ms over {first.latency.iterations} iterations"
-    detail += f"; sweep of {len(ctx.bench.sweep)} points: " + (ctx.bench.recommendation if ctx.bench.recommended is None else
-              f"best batch {ctx.bench.recommended.batch_size} x {ctx.bench.recommended.concurrency} concurrent, "
-              f"{ctx.bench.recommended.throughput_per_s:.1f} samples/s")
-    if ctx.bench.failures:
-        return "failed", detail + "; " + "; ".join(ctx.bench.failures)
-    return "passed", detail
+    detail += f"; sweep of {len(bench.sweep)} points: " + (bench.recommendation if bench.recommended is None else
+              f"best batch {bench.recommended.batch_size} x {bench.recommended.concurrency} concurrent, "
+              f"{bench.recommended.throughput_per_s:.1f} samples/s")
+    if bench.failures:
+        return "failed", detail + "; " + "; ".join(bench.failures), bench
+    return "passed", detail, bench
 
 
-def application_times(ctx: BuildContext, batch_sizes: list[int], image_input: str) -> None:
-    """Where a batch's time goes and the whole job, naive against accel-opt's, on the --data files."""
-    if ctx.data_dir is None:
-        ctx.bench.stage_note = "no --data: the application's stages and the job need real input files"
+def application_times(ctx: BuildSoFar, bench: BenchmarkReport, batch_sizes: list[int], image_input: str) -> None:
+    """Where a batch's time goes and the whole job, naive against accel-opt's, on the --data files (added to `bench`,
+    the stage's own report while it is made)."""
+    data_dir, data, encoder = ctx.setup.data_dir, ctx.dealt.data, ctx.loaded.text_encoder
+    if data_dir is None:
+        bench.stage_note = "no --data: the application's stages and the job need real input files"
         return
     # The files the samples were read from (class folders too, with --labels folders); texts: their files.
-    files = [ctx.data_dir / name for name in ctx.data.names] if ctx.data.source in ("npz", "images") else \
-        application.data_files(ctx.data_dir)
-    config = ctx.resource_config
-    if ctx.text_encoder is not None:  # tokenizing is the texts' preprocessing
-        host = application.text_host_stage_ms(files, ctx.text_encoder)
+    files = [data_dir / name for name in data.names] if data.source in ("npz", "images") else \
+        application.data_files(data_dir)
+    config = ctx.compiled.resource_config
+    if encoder is not None:  # tokenizing is the texts' preprocessing
+        host = application.text_host_stage_ms(files, encoder)
     else:
         host = application.host_stage_ms(files, ctx.recipe.preprocessing.host_part() if ctx.recipe.preprocessing else None)
-    candidate = ctx.bench.models[0]
+    candidate = bench.models[0]
     outputs, device = {}, {}
     with ctx.deployment.runner(runtime.feed_dtypes_of(ctx.samples.timed_deployed)) as runner:
         for b in batch_sizes:  # GPU runners time h2d / compute / d2h apart, each ended by a synchronization
@@ -120,26 +124,26 @@ def application_times(ctx: BuildContext, batch_sizes: list[int], image_input: st
                     runner.infer(feed, check_inputs=False)
                     calls.append(last_stage_ms(runner))
             device[b] = median_stage_ms(calls) if calls[0] else None
-    ctx.bench.stages_ms = [
+    bench.stages_ms = [
         application.stage_times(host, candidate.at(b).latency.p50_ms,
                                 application.postprocess_ms(outputs[b], config.postprocess, config.outputs[0].name, b), b,
                                 device_ms=device[b])
         for b in batch_sizes]
-    note = application.CPU_NOTE if ctx.compiled.device == "cpu" else application.DEVICE_NOTE
-    ctx.bench.stage_note = f"host stages timed per input on {min(len(files), application.STAGE_FILES)} files (one core, median), x batch; {note}"
+    note = application.CPU_NOTE if ctx.compiled.compiled.device == "cpu" else application.DEVICE_NOTE
+    bench.stage_note = f"host stages timed per input on {min(len(files), application.STAGE_FILES)} files (one core, median), x batch; {note}"
     pre, job_files = ctx.recipe.preprocessing, files[: application.JOB_FILES]
-    ctx.bench.jobs = [accel_opt_job(job_files, ctx.deployment)]
+    bench.jobs = [accel_opt_job(job_files, ctx.deployment)]
     try:  # the naive job runs the fp32 model on ONNX Runtime, the portable default
         ort = OnnxRuntimeBackend()
         naive_runner = ort.runner(ort.compile(ctx.fp32_path, Precision.fp32, ctx.recipe, ctx.workdir / "naive"))
-        naive = (application.naive_text_job(job_files, naive_runner, ctx.text_encoder, ctx.deploy_batch)
-                 if ctx.text_encoder is not None else application.naive_job(job_files, naive_runner, pre, image_input))
-        ctx.bench.jobs.insert(0, naive)
+        naive = (application.naive_text_job(job_files, naive_runner, encoder, ctx.deploy_batch)
+                 if encoder is not None else application.naive_job(job_files, naive_runner, pre, image_input))
+        bench.jobs.insert(0, naive)
     except AccelOptError as exc:
-        ctx.bench.stage_note += f"; no naive job: {exc}"
+        bench.stage_note += f"; no naive job: {exc}"
 
 
-def max_feed(ctx: BuildContext, fused: bool) -> Sample | None:
+def max_feed(ctx: BuildSoFar, fused: bool) -> Sample | None:
     """A seeded feed at --max-shapes (inputs not named there keep the largest benchmarked batch)."""
     given = ctx.recipe.benchmark.max_shapes
     if not given:
@@ -149,7 +153,7 @@ def max_feed(ctx: BuildContext, fused: bool) -> Sample | None:
     batch = max(ctx.recipe.benchmark.batch_sizes) if ctx.shapes.batch_dynamic else ctx.shapes.batch_size
     base = with_batch(ctx.shapes.shapes, batch, ctx.shapes.batch_axes) if ctx.shapes.batch_dynamic else ctx.shapes.shapes
     resolved = resolve_shapes(ctx.inputs, {**base, **given}, given_batch_axes=ctx.recipe.batch_axes)  # checks ranks, fixed dims
-    feed = synthetic_samples(ctx.inputs, resolved.shapes, 1, ctx.recipe.accuracy.seed, ctx.loaded.index_bounds)[0][0]
+    feed = synthetic_samples(ctx.inputs, resolved.shapes, 1, ctx.recipe.accuracy.seed, ctx.loaded.model.index_bounds)[0][0]
     return {name: array.astype(ctx.samples.timed[0][name].dtype) for name, array in feed.items()}
 
 

@@ -103,7 +103,8 @@ def refuse_recipe_misfits(ctx) -> None:
     if ctx.fused and ctx.torch:
         raise UsageError("preprocessing.fused rewrites the ONNX graph; the torch backend ships the PyTorch module and "
                          "runs its image preprocessing as tensor ops on its device instead: drop `fused`")
-    if ctx.fused and (ctx.data_dir is None or any(Path(ctx.data_dir).glob("*.npz"))):
+    data_dir = ctx.setup.data_dir
+    if ctx.fused and (data_dir is None or any(Path(data_dir).glob("*.npz"))):
         raise UsageError("preprocessing.fused needs --data with image files: the fused model takes decoded crops")
 
 
@@ -117,7 +118,7 @@ def refuse_oversized(ctx, available_bytes: int | None = None) -> None:
     available = available_bytes if available_bytes is not None else available_memory_bytes()
     if available is None:
         return
-    proto = ctx.loaded.proto
+    proto = ctx.loaded.model.proto
     for declared in (largest_tensor(proto, ctx.shapes.shapes), weights(proto)):
         if declared is not None and declared.bytes > available:
             raise ResourceExhausted(f"{ctx.model_path.name}: {declared.what} takes {_gib(declared.bytes)}, more than the "

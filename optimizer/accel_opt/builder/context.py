@@ -1,10 +1,13 @@
-"""What one build knows as its stages run: the context pipeline.build() threads through them (its own module, so
-the stage bodies beside their domains can name its type without importing the pipeline)."""
+"""What each stage of a build hands on: typed, frozen results (the setup, the exported module, the loaded model, the
+samples dealt by role, the cleaned and reduced graphs, the compiled folder, the accuracy check, the measurements and
+the verdict), and BuildSoFar, which holds those made so far. pipeline.build() adds each stage's result as it passes;
+no stage rewrites another's. Its own module, so the stage bodies beside their domains can name these types without
+importing the pipeline."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -78,11 +81,14 @@ class Samples:
     timed_deployed: list[Sample]
 
 
-@dataclass
-class BuildContext:
-    model_path: Path
+@dataclass(frozen=True)
+class Setup:
+    """What the build was asked: its arguments, resolved once by pipeline.build before any stage runs."""
+
+    model_path: Path  # the ONNX file given (a factory: its name, .onnx)
     recipe: Recipe
     data_dir: Path | None
+    eval_data_dir: Path | None  # --eval-data: the held-out samples, instead of a share of --data
     workdir: Path
     staging: Path
     cache_dir: Path | None
@@ -90,49 +96,187 @@ class BuildContext:
     threads: int
     cpu: CpuProfile  # the CPU the build's class-dependent choices are made for, and its manifest records
     signer: Signer | None = None  # build --sign-key: signs the finished folder (artifact.signing.signer_of)
-    notes: list[str] = field(default_factory=list)
     factory: Any = None  # a torch ModuleFactory when the input is FILE.py:FACTORY
-    torch_module: Any = None  # the exported module: the accuracy reference and a baseline row
-    export: dict[str, Any] | None = None  # export + verification reports
-    loaded: LoadedModel | None = None
-    source_path: Path | None = None  # the ONNX file given (or exported); model_path may become a cleaned copy
-    model_sha256: str = ""
-    external_data_sha256: dict[str, str] = field(default_factory=dict)
-    inputs: list[TensorSpec] = field(default_factory=list)
-    outputs: list[TensorSpec] = field(default_factory=list)
-    shapes: ResolvedShapes | None = None
-    deploy_batch: int = 1  # rows per call of the shipped model: what the gate evaluates and `run` uses
-    data: DataSummary | None = None
-    eval_data_dir: Path | None = None  # --eval-data: the held-out samples, instead of a share of --data
-    eval_data: DataSummary | None = None
-    split: DataSplit | None = None  # which sample has which role (calibration, steering, verdict): the manifest records it
-    verdict_max: int | None = None  # held-out samples judged at most (accuracy.max_samples, or less for memory)
-    sample_names: list[str] = field(default_factory=list)  # every sample read, in index order (split's indices)
-    sample_keys: list[str] = field(default_factory=list)  # the --data samples' content hashes (data.sample_key), same order
-    sample_groups: list[str] | None = None  # each sample's group, where the user grouped them (data.groups)
-    sample_labels: list[int] = field(default_factory=list)  # each sample's class (--labels), aligned with samples
-    samples: Samples | None = None  # the samples by role, read once by the load stage
-    host_crops: list[Sample] = field(default_factory=list)  # fused preprocessing: every --data image as uint8 HWC crops
-    # Every --data image as the artifact's own job makes it where that is not the reference's host path (draft
-    # decoding; the torch backend's tensor path): the candidate's inputs, judged against the reference on full decodes.
-    job_samples: list[Sample] = field(default_factory=list)
-    max_feed: Sample | None = None  # a feed at --max-shapes, for the capacity check
-    text_encoder: Any = None  # the recipe's text stage with its tokenizer (preprocess.text.TextEncoder)
-    tokenizer_path: Path | None = None  # the tokenizer file the artifact folder carries
-    cleanup: CleanupReport | None = None
-    fp32_path: Path | None = None  # after cleanup: the baseline every precision is compared with
-    precision: PrecisionReport | None = None
-    fallback: fallback.FallbackReport | None = None
-    candidate_path: Path | None = None
-    compiled: CompiledModel | None = None  # the compile in the workdir (its settings go to the resource config)
-    resource_config: ResourceConfig | None = None
-    deployment: Deployment | None = None  # the staged artifact, loaded as a user would: what is checked and timed
-    deployed_hashes: dict[str, str] = field(default_factory=dict)  # its files' sha256 when it was loaded
-    accuracy: AccuracyReport | None = None
-    bench: BenchmarkReport | None = None
-    verdict: Verdict | None = None  # the one verdict, made by the verdict stage after the benchmark
     limits: CandidateLimits | None = None  # set when this build is a candidate of --precision auto
     reference_caches: dict | None = None  # auto: the reference's outputs by reference, shared by its candidates
+    notes: tuple[str, ...] = ()  # what choosing the recipe said (builder.sources)
+
+
+@dataclass(frozen=True)
+class Exported:
+    """The export stage's result: a PyTorch factory's module, exported and checked against itself."""
+
+    torch_module: Any  # the accuracy reference and a baseline row
+    onnx_path: Path
+    record: dict[str, Any]  # export + verification reports (build.json)
+    recipe: Recipe  # the setup's, with the example shapes a text factory was exported at
+    notes: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Loaded:
+    """The load stage's model: validated and loaded, its inputs and outputs, and the recipe fitted to it."""
+
+    model: LoadedModel
+    source_path: Path  # the ONNX file given (or exported); model.path may be a converted copy
+    model_sha256: str
+    external_data_sha256: dict[str, str]
+    inputs: list[TensorSpec]
+    outputs: list[TensorSpec]
+    recipe: Recipe  # preprocessing fitted to the inputs; a text model's capacity shapes at its longest text
+    text_encoder: Any = None  # the recipe's text stage with its tokenizer (preprocess.text.TextEncoder)
+    tokenizer_path: Path | None = None  # the tokenizer file the artifact folder carries
+    notes: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Dealt:
+    """The load stage's samples: what --data and --eval-data hold, the shapes they resolve, and every sample's role."""
+
+    data: DataSummary
+    eval_data: DataSummary | None
+    split: DataSplit  # which sample has which role (calibration, steering, verdict): the manifest records it
+    sample_names: list[str]  # every sample read, in index order (split's indices)
+    sample_keys: list[str]  # the --data samples' content hashes (data.sample_key), same order
+    sample_groups: list[str] | None  # each sample's group, where the user grouped them (data.groups)
+    sample_labels: list[int]  # each sample's class (--labels), aligned with the samples
+    verdict_max: int | None  # held-out samples judged at most (accuracy.max_samples, or less for memory)
+    samples: Samples
+    shapes: ResolvedShapes
+    deploy_batch: int  # rows per call of the shipped model: what the gate evaluates and `run` uses
+    max_feed: Sample | None = None  # a feed at --max-shapes, for the capacity check
+    notes: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Cleaned:
+    """The cleanup stage's result: the fp32 graph every precision starts from and is compared with."""
+
+    fp32_path: Path
+    report: CleanupReport | None = None
+
+
+@dataclass(frozen=True)
+class Reduced:
+    """The precision stage's result: the candidate model (graph, NNCF IR or a torch plan) and how it was made."""
+
+    candidate_path: Path
+    precision: PrecisionReport | None = None
+    fallback: fallback.FallbackReport | None = None
+
+
+@dataclass(frozen=True)
+class Compiled:
+    """The compile stage's result: the staged folder, loaded back as a user would: what is checked and timed."""
+
+    compiled: CompiledModel  # the compile in the workdir (its settings go to the resource config)
+    resource_config: ResourceConfig
+    deployment: Deployment
+    deployed_hashes: dict[str, str]  # the staged files' sha256 when it was loaded
+    shapes: ResolvedShapes  # the load stage's, or as given where the model fails at the deployed batch
+    deploy_batch: int
+    notes: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Checked:
+    """The accuracy stage's result: the held-out comparison, and the deployment with where its outputs hold a batch's
+    samples (what the gate found is part of how the folder runs)."""
+
+    accuracy: AccuracyReport
+    deployment: Deployment
+    notes: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class BuildSoFar:
+    """What a stage is handed: the setup and each earlier stage's result, never rewritten (pipeline.build makes a new
+    one with each stage's result added). The properties read a value where the latest stage that settles it left it."""
+
+    setup: Setup
+    exported: Exported | None = None
+    loaded: Loaded | None = None
+    dealt: Dealt | None = None
+    cleaned: Cleaned | None = None
+    reduced: Reduced | None = None
+    compiled: Compiled | None = None
+    checked: Checked | None = None
+    measured: BenchmarkReport | None = None
+    verdict: Verdict | None = None
+
+    @property
+    def recipe(self) -> Recipe:
+        return (self.loaded or self.exported or self.setup).recipe
+
+    @property
+    def model_path(self) -> Path:
+        """The ONNX model the build reads: as given, exported, then as loaded (a converted copy where it had to be)."""
+        if self.loaded is not None:
+            return self.loaded.model.path
+        return self.exported.onnx_path if self.exported is not None else self.setup.model_path
+
+    @property
+    def backend(self) -> Backend:
+        return self.setup.backend
+
+    @property
+    def threads(self) -> int:
+        return self.setup.threads
+
+    @property
+    def workdir(self) -> Path:
+        return self.setup.workdir
+
+    @property
+    def torch_module(self):
+        return self.exported.torch_module if self.exported is not None else None
+
+    @property
+    def inputs(self) -> list[TensorSpec]:
+        return self.loaded.inputs
+
+    @property
+    def outputs(self) -> list[TensorSpec]:
+        return self.loaded.outputs
+
+    @property
+    def samples(self) -> Samples:
+        return self.dealt.samples
+
+    @property
+    def shapes(self) -> ResolvedShapes:
+        return (self.compiled or self.dealt).shapes
+
+    @property
+    def deploy_batch(self) -> int:
+        return (self.compiled or self.dealt).deploy_batch
+
+    @property
+    def fp32_path(self) -> Path:
+        """The baseline every precision is compared with: the cleaned graph, or the loaded one."""
+        return self.cleaned.fp32_path if self.cleaned is not None else self.model_path
+
+    @property
+    def candidate_path(self) -> Path:
+        return self.reduced.candidate_path if self.reduced is not None else self.fp32_path
+
+    @property
+    def fallback(self) -> fallback.FallbackReport | None:
+        return self.reduced.fallback if self.reduced is not None else None
+
+    @property
+    def deployment(self) -> Deployment:
+        return (self.checked or self.compiled).deployment
+
+    @property
+    def accuracy(self) -> AccuracyReport:
+        return self.checked.accuracy
+
+    @property
+    def notes(self) -> list[str]:
+        """Every stage's notes, in stage order."""
+        parts = [self.setup, self.exported, self.loaded, self.dealt, self.compiled, self.checked]
+        return [note for part in parts if part is not None for note in part.notes]
 
     @property
     def torch(self) -> bool:
@@ -155,24 +299,27 @@ class BuildContext:
     @property
     def eval_groups(self) -> list[str] | None:
         """The held-out samples' groups (None: not grouped): the verdict's rates count groups as their trials."""
-        return [self.sample_groups[i] for i in self.split.verdict] if self.sample_groups else None
+        dealt = self.dealt
+        return [dealt.sample_groups[i] for i in dealt.split.verdict] if dealt.sample_groups else None
 
     @property
     def eval_labels(self) -> list[int] | None:
         """The held-out samples' classes (--labels), None without labels."""
-        return [self.sample_labels[i] for i in self.split.verdict] if self.sample_labels else None
+        dealt = self.dealt
+        return [dealt.sample_labels[i] for i in dealt.split.verdict] if dealt.sample_labels else None
 
     @property
     def steering_labels(self) -> list[int] | None:
         """The steering samples' classes (--labels): auto's shortlist reads the labeled gate there too."""
-        return [self.sample_labels[i] for i in self.split.steering] if self.sample_labels else None
+        dealt = self.dealt
+        return [dealt.sample_labels[i] for i in dealt.split.steering] if dealt.sample_labels else None
 
     @property
     def bounded(self) -> bool:
         """Whether the verdict's rates must clear their minimums by their confidence bound: every reduced precision
         on real data. An fp32 build is judged against the float32 noise floor by its observed rates, never refused for
         few samples; synthetic inputs (no --data) certify no rate: a numeric check on the observed counts."""
-        synthetic = self.data is not None and self.data.synthetic
+        synthetic = self.dealt is not None and self.dealt.data.synthetic
         return self.recipe.precision is not Precision.fp32 and not synthetic
 
     def steering_gate(self) -> tuple[Tolerance, list[TaskMetric], list[str]]:

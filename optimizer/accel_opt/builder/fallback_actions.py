@@ -29,7 +29,7 @@ from accel_opt.recipe.stages import BenchmarkConfig
 from accel_opt.recipe.types import Precision
 
 if TYPE_CHECKING:
-    from accel_opt.builder.context import BuildContext
+    from accel_opt.builder.context import BuildSoFar
 
 log = logging.getLogger(__name__)
 
@@ -37,15 +37,17 @@ log = logging.getLogger(__name__)
 SPEED_CHECK = BenchmarkConfig(warmup_iterations=3, min_iterations=20, min_seconds=0.5, max_iterations=400)
 
 
-def fallback_actions(ctx: BuildContext, probes: list[Sample], shapes: dict[str, list[int]]) -> Actions:
+def fallback_actions(ctx: BuildSoFar, probes: list[Sample], shapes: dict[str, list[int]]) -> Actions:
     """The fallback's build / judge / diagnose: the recipe's transform, the gate's tolerance on the probes
     run on the build's backend (compiled for `shapes`), and the per-layer diagnosis on ONNX Runtime (bf16 emulated)."""
     precision, recipe = ctx.recipe.precision, ctx.recipe
-    calibration_cache = ctx.cache_dir / "calibration" if ctx.cache_dir else None
+    cache_dir = ctx.setup.cache_dir
+    calibration_cache = cache_dir / "calibration" if cache_dir else None
 
     gate, metrics, _ = ctx.steering_gate()  # the rates the held-out verdict can certify
     tolerance = (fallback.stricter(gate), metrics)
-    padding = ctx.text_encoder.padding if ctx.text_encoder is not None else None  # texts of several lengths
+    encoder = ctx.loaded.text_encoder
+    padding = encoder.padding if encoder is not None else None  # texts of several lengths
     timed = padding.same_length(probes) if padding is not None else probes  # timed batches have one shape
     probe_labels = ctx.steering_labels[:len(probes)] if ctx.steering_labels else None  # the probes are steering's first
 
@@ -54,7 +56,7 @@ def fallback_actions(ctx: BuildContext, probes: list[Sample], shapes: dict[str, 
 
     def build(keep: list[str], out: Path, overrides: dict | None = None) -> PrecisionReport:
         return transform(ctx.fp32_path, precision, chosen(overrides), ctx.backend.name, ctx.samples.calibration, out,
-                         calibration_cache, ctx.cpu, keep_float=keep)
+                         calibration_cache, ctx.setup.cpu, keep_float=keep)
 
     # The fp32 model's outputs and float32 noise on the probes: measured once, every build of the search reuses them.
     noise_floor: dict[str, float] = {}

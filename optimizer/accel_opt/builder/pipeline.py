@@ -11,7 +11,9 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 from accel_opt import runtime
 from accel_opt.accuracy import SteeringVerdict, compare
@@ -28,10 +30,10 @@ from accel_opt.builder.checks import (
     refuse_oversubscribed_threads,
     refuse_recipe_misfits,
 )
-from accel_opt.builder.context import BuildContext, CandidateLimits
+from accel_opt.builder.context import BuildSoFar, CandidateLimits, Checked, Cleaned, Exported, Loaded, Reduced, Setup
 from accel_opt.builder.fallback_actions import fallback_actions
 from accel_opt.builder.records import artifact_name, data_record, made_mark, reuse, write_manifest, write_reports
-from accel_opt.builder.samples import data_samples_needed, dealt, read_and_split, too_few_to_certify
+from accel_opt.builder.samples import data_samples_needed, read_and_split, too_few_to_certify
 from accel_opt.builder.sources import factory_of, recipe_for
 from accel_opt.builder.staging import batch_problem, deploy_shapes, stage_deployment
 from accel_opt.builder.torch_plan import torch_precision
@@ -55,7 +57,11 @@ EXAMPLE_TOKENS = 16  # the sequence length a text factory is exported at when no
 
 
 class _Skip(Exception):
-    """Raised by a stage that has nothing to do; the message is the reason."""
+    """Raised by a stage that has nothing to do; the message is the reason, `results` what it still hands on."""
+
+    def __init__(self, reason: str, **results):
+        super().__init__(reason)
+        self.results = results
 
 
 def build(
@@ -111,16 +117,16 @@ def build(
     stages: list[StageResult] = []
     try:
         with build_folder(out_dir, model_path.stem) as (staging, work):
-            ctx = BuildContext(
+            ctx = BuildSoFar(Setup(
                 model_path=model_path, recipe=recipe, data_dir=Path(data_dir) if data_dir else None, workdir=work,
                 staging=staging, cache_dir=Path(cache_dir) if cache_dir else out_dir / ".cache", backend=backend,
                 threads=recipe.benchmark.threads or available_cpus(), factory=factory,
                 eval_data_dir=Path(eval_data_dir) if eval_data_dir else None, limits=limits,
-                reference_caches=reference_caches, cpu=cpu, signer=signer, notes=list(source_notes))
+                reference_caches=reference_caches, cpu=cpu, signer=signer, notes=tuple(source_notes)))
             if model_path.is_file():  # the staged artifact holds at least a copy of the model
                 ensure_free_space(work, model_path.stat().st_size)
             for name, stage in STAGES:
-                _run_stage(ctx, name, stage, stages, on_stage)
+                ctx = _run_stage(ctx, name, stage, stages, on_stage)
                 if name != "load":
                     continue
                 if limits is not None and (too_few := too_few_to_certify(ctx)):  # no build of it could sign off
@@ -140,7 +146,7 @@ def build(
                 data_samples_needed=data_samples_needed(ctx, ctx.accuracy.samples_needed),
                 timed_samples=ctx.samples.timed_deployed,
             )
-            fill_headline(result, ctx.bench)
+            fill_headline(result, ctx.measured)
             write_manifest(ctx, staging, result)  # last file: the folder is complete when it is renamed into place
             if signer is not None:  # over every file, manifest included: published signed or not at all
                 signer(staging)
@@ -154,14 +160,15 @@ def build(
     return result
 
 
-def _run_stage(ctx: BuildContext, name: str, stage, stages: list[StageResult], on_stage) -> None:
-    """Run one stage, timed; record (and report) it as passed, skipped or failed; failures re-raise."""
+def _run_stage(ctx: BuildSoFar, name: str, stage: Stage, stages: list[StageResult], on_stage) -> BuildSoFar:
+    """Run one stage, timed; record (and report) it as passed, skipped or failed; failures re-raise. Returns what the
+    next stage is handed: `ctx` with this stage's results added."""
     progress.info("%s", name, extra={"stage": name})  # a live progress line shows it begin
     started = time.perf_counter()
     try:
-        status, detail = stage(ctx)
+        status, detail, results = stage(ctx)
     except _Skip as skip:
-        status, detail = "skipped", str(skip)
+        status, detail, results = "skipped", str(skip), skip.results
     except BaseException as exc:
         detail = str(exc) if isinstance(exc, AccelOptError) else f"{type(exc).__name__}: {exc}"
         stages.append(StageResult(name=name, status="failed", seconds=time.perf_counter() - started, detail=detail))
@@ -171,39 +178,40 @@ def _run_stage(ctx: BuildContext, name: str, stage, stages: list[StageResult], o
     stages.append(StageResult(name=name, status=status, seconds=time.perf_counter() - started, detail=detail))
     if on_stage:
         on_stage(stages[-1])
+    return replace(ctx, **results)
 
 
 # ---- stages: each returns (status, detail) or raises _Skip / AccelOptError -----------------------
 
 
-def _stage_export(ctx: BuildContext) -> tuple[StageStatus, str]:
-    if ctx.factory is None:
+def _stage_export(ctx: BuildSoFar) -> Outcome:
+    factory, recipe, notes = ctx.setup.factory, ctx.recipe, []
+    if factory is None:
         raise _Skip("the input is an ONNX model")
     from accel_opt.accuracy.export_check import verify
     from accel_opt.backends.torch.export import export
 
-    if not ctx.recipe.shapes and ctx.recipe.text is not None and "input_dtypes" in ctx.factory.export_hints:
+    if not recipe.shapes and recipe.text is not None and "input_dtypes" in factory.export_hints:
         # Token inputs: a short example sequence (the factory's `dynamic` hint keeps the sequence axis free).
-        example = [1, min(EXAMPLE_TOKENS, ctx.recipe.text.max_length)]
-        ctx.recipe = ctx.recipe.with_overrides(shapes={name: example for name in ctx.factory.export_hints["input_dtypes"]})
-    if not ctx.recipe.shapes:
-        raise UsageError(f"{ctx.factory.spec}: a PyTorch factory needs --shapes to build its example inputs")
-    ctx.torch_module = ctx.factory()
+        example = [1, min(EXAMPLE_TOKENS, recipe.text.max_length)]
+        recipe = recipe.with_overrides(shapes={name: example for name in factory.export_hints["input_dtypes"]})
+    if not recipe.shapes:
+        raise UsageError(f"{factory.spec}: a PyTorch factory needs --shapes to build its example inputs")
+    module = factory()
     if ctx.torch:  # what ships is torch.export's program: a module it cannot trace fails here, with its reason
-        ctx.backend.check_traceable(ctx.torch_module, ctx.recipe.shapes, ctx.factory.export_hints.get("input_dtypes"))
+        ctx.backend.check_traceable(module, recipe.shapes, factory.export_hints.get("input_dtypes"))
     onnx_path = ctx.workdir / "export" / ctx.model_path.name
-    exported = export(ctx.torch_module, ctx.recipe.shapes, onnx_path, **ctx.factory.export_hints)
-    verification = verify(ctx.torch_module, onnx_path, ctx.recipe.shapes, threads=ctx.threads)  # GateFailed on mismatch
-    ctx.model_path = onnx_path
-    ctx.export = {"factory": ctx.factory.spec, "export": exported.model_dump(mode="json"),
-                  "verification": verification.model_dump(mode="json")}
-    ctx.notes += exported.notes
-    ctx.notes.append(f"Exported from {ctx.factory.spec} ({exported.exporter} exporter, opset {exported.opset}); "
-                     "the PyTorch module is the accuracy reference.")
-    return "passed", f"{exported.exporter} exporter, opset {exported.opset}, verified against PyTorch"
+    exported = export(module, recipe.shapes, onnx_path, **factory.export_hints)
+    verification = verify(module, onnx_path, recipe.shapes, threads=ctx.threads)  # GateFailed on mismatch
+    record = {"factory": factory.spec, "export": exported.model_dump(mode="json"),
+              "verification": verification.model_dump(mode="json")}
+    notes = [*exported.notes, f"Exported from {factory.spec} ({exported.exporter} exporter, opset {exported.opset}); "
+                              "the PyTorch module is the accuracy reference."]
+    return "passed", f"{exported.exporter} exporter, opset {exported.opset}, verified against PyTorch", {
+        "exported": Exported(torch_module=module, onnx_path=onnx_path, record=record, recipe=recipe, notes=tuple(notes))}
 
 
-def _reference(ctx: BuildContext):
+def _reference(ctx: BuildSoFar):
     """The accuracy reference: the PyTorch module for torch inputs, else the original ONNX on ORT."""
     if ctx.torch_module is not None:
         from accel_opt.backends.torch.backend import torch_runner
@@ -212,46 +220,44 @@ def _reference(ctx: BuildContext):
     return reference_runner(ctx.model_path, ctx.threads)
 
 
-def _stage_load(ctx: BuildContext) -> tuple[StageStatus, str]:
-    ctx.source_path = ctx.model_path
-    ctx.loaded = load_model(ctx.model_path, ctx.workdir, fed=array_names(ctx.data_dir) if ctx.data_dir else set())
-    ctx.model_sha256 = sha256_file(ctx.source_path)
-    ctx.external_data_sha256 = {p.name: sha256_file(p) for p in ctx.loaded.external_data_files}
-    ctx.notes += ctx.loaded.notes
-    ctx.model_path = ctx.loaded.path
-    ctx.inputs, ctx.outputs = io_specs(ctx.loaded.proto)
-    recipe = ctx.recipe = fit_preprocessing(ctx.recipe, ctx.inputs, ctx.notes)  # before any image is read
+def _stage_load(ctx: BuildSoFar) -> Outcome:
+    source = ctx.model_path
+    data_dir = ctx.setup.data_dir
+    model = load_model(source, ctx.workdir, fed=array_names(data_dir) if data_dir else set())
+    inputs, outputs = io_specs(model.proto)
+    notes = list(model.notes)
+    recipe = fit_preprocessing(ctx.recipe, inputs, notes)  # before any image is read
+    encoder = tokenizer = None
     if recipe.text is not None:
-        _load_text_stage(ctx)
-    refuse_recipe_misfits(ctx)
-    ctx.samples = dealt(ctx, read_and_split(ctx))  # by role, once: no stage rewrites them
-    ctx.notes += ctx.shapes.notes
-    split = ctx.split
-    ctx.deploy_batch = recipe.selection.target_batch_size if ctx.shapes.batch_dynamic else ctx.shapes.batch_size
+        from accel_opt.preprocess.text import TextEncoder, find_tokenizer
+
+        factory = ctx.setup.factory
+        hint = getattr(factory.fn, "tokenizer_file", None) if factory is not None else None
+        tokenizer = find_tokenizer(recipe.text, hint, source, inputs)
+        encoder = TextEncoder(tokenizer, recipe.text, {s.name: s.dtype for s in inputs})
+        notes.append(encoder.describe())
+    loaded = Loaded(model=model, source_path=source, model_sha256=sha256_file(source),
+                    external_data_sha256={p.name: sha256_file(p) for p in model.external_data_files},
+                    inputs=inputs, outputs=outputs, recipe=recipe, text_encoder=encoder, tokenizer_path=tokenizer,
+                    notes=tuple(notes))
+    refuse_recipe_misfits(replace(ctx, loaded=loaded))
+    dealt = read_and_split(replace(ctx, loaded=loaded))  # by role, once: no stage rewrites them
     if recipe.text is not None and not recipe.benchmark.max_shapes:  # capacity at the longest text the job takes
-        ctx.recipe = recipe.with_overrides(**{"benchmark.max_shapes": {
-            name: [ctx.deploy_batch, recipe.text.max_length] for name in ctx.text_encoder.inputs}})
-    ctx.max_feed = max_feed(ctx, ctx.fused)  # checked now: a wrong --max-shapes is a usage error before any work
-    refuse_oversized(ctx)  # before the reference runs: an allocation that cannot succeed never starts
-    shapes = ", ".join(f"{k}:{'x'.join(map(str, v)) or 'scalar'}" for k, v in ctx.shapes.shapes.items())
-    roles = split.counts()
+        loaded = replace(loaded, recipe=recipe.with_overrides(**{"benchmark.max_shapes": {
+            name: [dealt.deploy_batch, recipe.text.max_length] for name in encoder.inputs}}))
+    so_far = replace(ctx, loaded=loaded, dealt=dealt)
+    # Checked now: a wrong --max-shapes is a usage error before any work.
+    dealt = replace(dealt, max_feed=max_feed(so_far, so_far.fused))
+    refuse_oversized(so_far)  # before the reference runs: an allocation that cannot succeed never starts
+    shapes = ", ".join(f"{k}:{'x'.join(map(str, v)) or 'scalar'}" for k, v in dealt.shapes.shapes.items())
+    roles = dealt.split.counts()
     return "passed", (
-        f"opset {ctx.loaded.opset}, {len(ctx.loaded.proto.graph.node)} nodes, inputs {shapes}; {roles['calibration']} "
-        f"calibration + {roles['steering']} steering + {roles['verdict']} held-out samples ({ctx.data.source})"
-    )
+        f"opset {model.opset}, {len(model.proto.graph.node)} nodes, inputs {shapes}; {roles['calibration']} "
+        f"calibration + {roles['steering']} steering + {roles['verdict']} held-out samples ({dealt.data.source})"
+    ), {"loaded": loaded, "dealt": dealt}
 
 
-def _load_text_stage(ctx: BuildContext) -> None:
-    from accel_opt.preprocess.text import TextEncoder, find_tokenizer
-
-    hint = getattr(ctx.factory.fn, "tokenizer_file", None) if ctx.factory is not None else None
-    ctx.tokenizer_path = find_tokenizer(ctx.recipe.text, hint, ctx.source_path, ctx.inputs)
-    ctx.text_encoder = TextEncoder(ctx.tokenizer_path, ctx.recipe.text, {s.name: s.dtype for s in ctx.inputs})
-    ctx.notes.append(ctx.text_encoder.describe())
-
-
-def _stage_cleanup(ctx: BuildContext) -> tuple[StageStatus, str]:
-    ctx.fp32_path = ctx.model_path
+def _stage_cleanup(ctx: BuildSoFar) -> Outcome:
     if not ctx.recipe.cleanup.enabled:
         raise _Skip("disabled by the recipe")
     if ctx.torch:
@@ -259,21 +265,17 @@ def _stage_cleanup(ctx: BuildContext) -> tuple[StageStatus, str]:
     checked_on = (ctx.samples.steering or ctx.samples.calibration)[:CLEANUP_VERIFY_SAMPLES]  # never held-out ones
     if not checked_on:
         raise _Skip("no steering sample to check the rewrite on (held-out samples judge the verdict only)")
-    total_bytes = sum(p.stat().st_size for p in [ctx.model_path, *ctx.loaded.external_data_files])
-    ctx.fp32_path, ctx.cleanup = cleanup(ctx.model_path, total_bytes, checked_on,
-                                         ctx.recipe.accuracy.tolerances[Precision.fp32], ctx.threads,
-                                         ctx.workdir / "cleaned.onnx")
-    if not ctx.cleanup.applied:
-        raise _Skip(ctx.cleanup.reason)
-    return "passed", f"{ctx.cleanup.nodes_before} -> {ctx.cleanup.nodes_after} nodes; {ctx.cleanup.reason}"
+    total_bytes = sum(p.stat().st_size for p in [ctx.model_path, *ctx.loaded.model.external_data_files])
+    cleaned = Cleaned(*cleanup(ctx.model_path, total_bytes, checked_on, ctx.recipe.accuracy.tolerances[Precision.fp32],
+                               ctx.threads, ctx.workdir / "cleaned.onnx"))
+    report = cleaned.report
+    if not report.applied:
+        raise _Skip(report.reason, cleaned=cleaned)
+    return "passed", f"{report.nodes_before} -> {report.nodes_after} nodes; {report.reason}", {"cleaned": cleaned}
 
 
-def _stage_precision(ctx: BuildContext) -> tuple[StageStatus, str]:
-    ctx.candidate_path = ctx.fp32_path
+def _stage_precision(ctx: BuildSoFar) -> Outcome:
     precision, config = ctx.recipe.precision, ctx.recipe.precision_options.fallback
-    if ctx.torch:  # what compile() exports: the module, its inputs and outputs, the calibration samples for int8
-        ctx.backend.bind(ctx.torch_module, ctx.inputs, ctx.outputs, ctx.shapes.batch_axes, ctx.samples.calibration,
-                         cache_dir=ctx.cache_dir)
     if precision is Precision.fp32:
         raise _Skip("fp32: the graph keeps its precision")
     if ctx.torch:
@@ -291,106 +293,114 @@ def _stage_precision(ctx: BuildContext) -> tuple[StageStatus, str]:
         skipped = ("disabled", "not searched: no steering samples to judge variants on (give --data with more samples)")
     if skipped:
         config = config.model_copy(update={"enabled": False})
-    ctx.precision, ctx.fallback, ctx.candidate_path = fallback.run(
+    report, searched, candidate = fallback.run(
         precision, config, fallback_actions(ctx, probes, deploy_shapes(ctx, fused=False)), out, len(probes),
-        "steering samples", fixed, ctx.limits)
+        "steering samples", fixed, ctx.setup.limits)
     if skipped:
-        ctx.fallback.status, ctx.fallback.reason = skipped
-    ctx.fallback.probe_slack = fallback.PROBE_MARGIN
-    ctx.precision.notes.append(f"Fallback: {ctx.fallback.status}, {ctx.fallback.reason}.")
-    kept = len(ctx.precision.kept_in_higher_precision)
-    detail = f"{ctx.precision.transform}; {kept} nodes kept in higher precision; fallback {ctx.fallback.status}"
-    if ctx.fallback.steps:
-        detail += f" ({len(ctx.fallback.steps)} steps in {ctx.fallback.search_seconds:.0f} s, " \
-                  f"{ctx.fallback.fp32_flops_fraction:.1%} of FLOPs in float)"
-    return "passed", detail
+        searched.status, searched.reason = skipped
+    searched.probe_slack = fallback.PROBE_MARGIN
+    report.notes.append(f"Fallback: {searched.status}, {searched.reason}.")
+    kept = len(report.kept_in_higher_precision)
+    detail = f"{report.transform}; {kept} nodes kept in higher precision; fallback {searched.status}"
+    if searched.steps:
+        detail += f" ({len(searched.steps)} steps in {searched.search_seconds:.0f} s, " \
+                  f"{searched.fp32_flops_fraction:.1%} of FLOPs in float)"
+    return "passed", detail, {"reduced": Reduced(candidate_path=candidate, precision=report, fallback=searched)}
 
 
-def _stage_compile(ctx: BuildContext) -> tuple[StageStatus, str]:
-    stage_deployment(ctx, deploy_shapes(ctx))
-    problem = batch_problem(ctx)
+def _stage_compile(ctx: BuildSoFar) -> Outcome:
+    compiled = stage_deployment(ctx, deploy_shapes(ctx))
+    problem = batch_problem(replace(ctx, compiled=compiled))
     if problem:  # a batch axis the model's dims do not name (silero_vad.onnx's state): deploy as given
         axes = ", ".join(f"{n}:{'none' if a is None else a}" for n, a in ctx.shapes.batch_axes.items())
-        ctx.notes.append(f"The model fails at batch {ctx.deploy_batch} with batch axes {axes} ({problem}); deployed "
-                         f"and benchmarked at the shapes given. Give --batch-axes NAME:AXIS for an input whose batch "
-                         "axis the model does not name.")
-        ctx.shapes = ctx.shapes.model_copy(update={"batch_dynamic": False})
-        ctx.deploy_batch = ctx.shapes.batch_size
-        for path in ctx.staging.iterdir():
+        note = (f"The model fails at batch {ctx.deploy_batch} with batch axes {axes} ({problem}); deployed and "
+                f"benchmarked at the shapes given. Give --batch-axes NAME:AXIS for an input whose batch axis the "
+                "model does not name.")
+        shapes = ctx.shapes.model_copy(update={"batch_dynamic": False})
+        for path in ctx.setup.staging.iterdir():
             path.unlink()
-        stage_deployment(ctx, ctx.shapes.shapes)
-    c = ctx.compiled
+        as_given = replace(ctx, dealt=replace(ctx.dealt, shapes=shapes, deploy_batch=shapes.batch_size))
+        compiled = stage_deployment(as_given, shapes.shapes)
+        compiled = replace(compiled, notes=(note, *compiled.notes))
+    c = compiled.compiled
     detail = f"{c.backend} on {c.device} via {', '.join(c.providers)}, {c.threads} threads, {c.build_seconds:.2f} s"
     if "int8_check" in c.settings:  # what the package's kernels compute in (torch: PT2E int8)
-        ctx.notes.append(f"Kernels of the int8 package: {c.settings['int8_check']}.")
+        compiled = replace(compiled, notes=(*compiled.notes, f"Kernels of the int8 package: {c.settings['int8_check']}."))
         detail += f"; {c.settings['int8_check']}"
-    return "passed", detail
+    return "passed", detail, {"compiled": compiled}
 
 
-def _stage_accuracy(ctx: BuildContext) -> tuple[StageStatus, str]:
-    recipe, deployment = ctx.recipe, ctx.deployment
+def _stage_accuracy(ctx: BuildSoFar) -> Outcome:
+    recipe, deployment, samples = ctx.recipe, ctx.deployment, ctx.samples
     reference = _reference(ctx)
-    identity = f"{reference.name}:{ctx.model_sha256}"
-    cache = ctx.reference_caches.setdefault(identity, ReferenceCache(identity)) if ctx.reference_caches is not None \
-        else None
-    candidate = deployment.runner(runtime.feed_dtypes_of(ctx.samples.held_out_deployed))
-    ctx.accuracy = compare(
-        reference, candidate, ctx.samples.held_out, recipe.tolerance, recipe.accuracy.task_metrics, names=ctx.samples.held_out_names,
-        batch_size=deployment.batch_size, batch_axes=deployment.batch_axes, candidate_samples=ctx.samples.held_out_deployed,
-        noise_reference=reference_runner(ctx.model_path, ctx.threads, optimize=True), padding=deployment.padding,
-        confidence=recipe.accuracy.confidence, bounded=ctx.bounded, reference_cache=cache,
+    identity = f"{reference.name}:{ctx.loaded.model_sha256}"
+    caches = ctx.setup.reference_caches
+    cache = caches.setdefault(identity, ReferenceCache(identity)) if caches is not None else None
+    candidate = deployment.runner(runtime.feed_dtypes_of(samples.held_out_deployed))
+    accuracy = compare(
+        reference, candidate, samples.held_out, recipe.tolerance, recipe.accuracy.task_metrics,
+        names=samples.held_out_names, batch_size=deployment.batch_size, batch_axes=deployment.batch_axes,
+        candidate_samples=samples.held_out_deployed, noise_reference=reference_runner(ctx.model_path, ctx.threads,
+                                                                                      optimize=True),
+        padding=deployment.padding, confidence=recipe.accuracy.confidence, bounded=ctx.bounded, reference_cache=cache,
         groups=ctx.eval_groups, labels=ctx.eval_labels, labels_config=recipe.accuracy.labels)
-    ctx.accuracy.roles = ctx.split.counts()
-    if ctx.samples.steering:  # what auto's shortlist reads: the deployed build on samples the verdict never sees
+    accuracy.roles = ctx.dealt.split.counts()
+    if samples.steering:  # what auto's shortlist reads: the deployed build on samples the verdict never sees
         tolerance, metrics, hopeless = ctx.steering_gate()
-        steered = compare(reference, candidate, ctx.samples.steering, tolerance, metrics, names=ctx.samples.steering_names,
+        steered = compare(reference, candidate, samples.steering, tolerance, metrics, names=samples.steering_names,
                           batch_size=deployment.batch_size, batch_axes=deployment.batch_axes,
-                          candidate_samples=ctx.samples.steering_deployed, padding=deployment.padding,
-                          noise_floor={o.name: o.noise_floor for o in ctx.accuracy.outputs}, reference_cache=cache,
+                          candidate_samples=samples.steering_deployed, padding=deployment.padding,
+                          noise_floor={o.name: o.noise_floor for o in accuracy.outputs}, reference_cache=cache,
                           labels=ctx.steering_labels, labels_config=recipe.accuracy.labels)
-        ctx.accuracy.steering = SteeringVerdict(sample_count=steered.sample_count, passed=steered.passed and not hopeless,
-                                                loss=steered.loss, worst_cosine=steered.worst_cosine,
-                                                failures=(hopeless + steered.failures)[:3])
-    ctx.accuracy.evaluation.deployment = deployment.describe(artifact_name(ctx))
+        accuracy.steering = SteeringVerdict(sample_count=steered.sample_count, passed=steered.passed and not hopeless,
+                                            loss=steered.loss, worst_cosine=steered.worst_cosine,
+                                            failures=(hopeless + steered.failures)[:3])
+    accuracy.evaluation.deployment = deployment.describe(artifact_name(ctx))
     # What the gate found (where each output holds a batch's samples) is part of how the artifact runs.
-    deployment.config = deployment.config.model_copy(update={"output_batch_axes": ctx.accuracy.evaluation.output_batch_axes})
-    ctx.notes += exercise_image_path(deployment, ctx.data.source, ctx.workdir, ctx.recipe.accuracy.seed)
-    if ctx.torch and ctx.job_samples:
-        ctx.notes.append(image_path_agreement(_reference(ctx), ctx.samples.held_out_deployed, ctx.accuracy._reference_outputs,
-                                              ctx.outputs[0].name))
-    evaluation = ctx.accuracy.evaluation
+    deployment = replace(deployment, config=deployment.config.model_copy(
+        update={"output_batch_axes": accuracy.evaluation.output_batch_axes}))
+    notes = exercise_image_path(deployment, ctx.dealt.data.source, ctx.workdir, recipe.accuracy.seed)
+    if ctx.torch and ctx.dealt.data.source == "images":  # the folder takes its device path's own image inputs
+        notes.append(image_path_agreement(_reference(ctx), samples.held_out_deployed, accuracy._reference_outputs,
+                                          ctx.outputs[0].name))
+    checked = {"checked": Checked(accuracy=accuracy, deployment=deployment, notes=tuple(notes))}
+    evaluation = accuracy.evaluation
     calls = f"{evaluation.calls} calls of batch {evaluation.batch_size}" if evaluation.mode == "batched" else "one per sample"
-    summary = f"{ctx.accuracy.sample_count} held-out samples ({calls}), worst cosine {ctx.accuracy.worst_cosine:.6f}"
-    bounds = [c.evidence.line() for c in ctx.accuracy.checks if c.evidence is not None and c.evidence.minimum < 1]
-    if ctx.accuracy.bounded and bounds:
+    summary = f"{accuracy.sample_count} held-out samples ({calls}), worst cosine {accuracy.worst_cosine:.6f}"
+    bounds = [c.evidence.line() for c in accuracy.checks if c.evidence is not None and c.evidence.minimum < 1]
+    if accuracy.bounded and bounds:
         summary += "; " + "; ".join(bounds)
-    if ctx.accuracy.verdict == "insufficient":
-        return "failed", (f"{summary}; not enough held-out samples to sign off: {ctx.accuracy.samples_needed} needed "
-                          "(--data with more samples, or --eval-data)")
-    if not ctx.accuracy.passed:
-        return "failed", summary + "; " + "; ".join(ctx.accuracy.failures)
-    return "passed", summary
+    if accuracy.verdict == "insufficient":
+        return "failed", (f"{summary}; not enough held-out samples to sign off: {accuracy.samples_needed} needed "
+                          "(--data with more samples, or --eval-data)"), checked
+    if not accuracy.passed:
+        return "failed", summary + "; " + "; ".join(accuracy.failures), checked
+    return "passed", summary, checked
 
 
-def _stage_benchmark(ctx: BuildContext) -> tuple[StageStatus, str]:
-    return benchmark_build(ctx, deploy_shapes(ctx, fused=False), ctx.image_input)
+def _stage_benchmark(ctx: BuildSoFar) -> Outcome:
+    status, detail, bench = benchmark_build(ctx, deploy_shapes(ctx, fused=False), ctx.image_input)
+    return status, detail, {"measured": bench}
 
 
-def _stage_verdict(ctx: BuildContext) -> tuple[StageStatus, str]:
+def _stage_verdict(ctx: BuildSoFar) -> Outcome:
     """The build's one verdict (report.verdict.decide): the accuracy gate, the benchmark's budgets, and for a reduced
     precision the benefit over its fp32 build at the deployed batch."""
     benefit = None
     if ctx.recipe.precision is not Precision.fp32:
-        benefit = benefit_of(ctx.bench, ctx.deploy_batch, ctx.recipe.benchmark.min_speedup, ctx.recipe.accuracy.confidence)
-    ctx.verdict = decide(ctx.accuracy, ctx.bench.failures, benefit)
-    return ("passed" if ctx.verdict.signed_off else "failed"), ctx.verdict.line()
+        benefit = benefit_of(ctx.measured, ctx.deploy_batch, ctx.recipe.benchmark.min_speedup,
+                             ctx.recipe.accuracy.confidence)
+    verdict = decide(ctx.accuracy, ctx.measured.failures, benefit)
+    return ("passed" if verdict.signed_off else "failed"), verdict.line(), {"verdict": verdict}
 
 
-def _stage_reports(ctx: BuildContext) -> tuple[StageStatus, str]:
-    return "passed", write_reports(ctx)
+def _stage_reports(ctx: BuildSoFar) -> Outcome:
+    return "passed", write_reports(ctx), {}
 
 
-STAGES: list[tuple[str, Callable[[BuildContext], tuple[StageStatus, str]]]] = [
+Outcome = tuple[StageStatus, str, dict[str, Any]]  # status, one-line detail, the results handed on by field name
+Stage = Callable[[BuildSoFar], Outcome]
+STAGES: list[tuple[str, Stage]] = [
     ("export", _stage_export),
     ("load", _stage_load),
     ("cleanup", _stage_cleanup),

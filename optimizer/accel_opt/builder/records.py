@@ -35,12 +35,12 @@ from accel_opt.report.markdown import benchmark_markdown, signoff_markdown
 from accel_opt.report.results import BuildResult, DataRecord, StageResult, fill_headline
 
 if TYPE_CHECKING:
-    from accel_opt.builder.context import BuildContext
+    from accel_opt.builder.context import BuildSoFar
 
 log = logging.getLogger(__name__)
 
 
-def reuse(ctx: BuildContext, final: Path, model: str, stages: list[StageResult], on_stage) -> BuildResult | None:
+def reuse(ctx: BuildSoFar, final: Path, model: str, stages: list[StageResult], on_stage) -> BuildResult | None:
     """The BuildResult of an identical, complete folder that verifies here; None: build it (again).
     A folder that fails verification is never reused: the new build replaces it."""
     if not final.is_dir():
@@ -49,10 +49,11 @@ def reuse(ctx: BuildContext, final: Path, model: str, stages: list[StageResult],
     # re-hashed or another key's, is built again, never signed as found); without, this user's mark of its manifest
     # (which holds every file's hash), left outside the folder when it was published. A folder edited in --out and
     # re-hashed carries neither.
-    proof = ctx.signer.signed(final) if ctx.signer is not None else made_here(final / MANIFEST, made_mark(ctx, final))
+    signer = ctx.setup.signer
+    proof = signer.signed(final) if signer is not None else made_here(final / MANIFEST, made_mark(ctx, final))
     if not proof:
         log.info("not reusing %s: no proof this build made it (%s)", final,
-                 "no signature by the --sign-key key" if ctx.signer is not None else "no mark of this user's build")
+                 "no signature by the --sign-key key" if signer is not None else "no mark of this user's build")
         return None
     problems = runtime.check(final, trust=TrustPolicy(trust_unsigned=True))  # its native code is this build's own
     if problems:
@@ -76,15 +77,16 @@ def reuse(ctx: BuildContext, final: Path, model: str, stages: list[StageResult],
     return result
 
 
-def made_mark(ctx: BuildContext, final: Path) -> Path:
+def made_mark(ctx: BuildSoFar, final: Path) -> Path:
     """Where a published folder's mark (files.mark_made of its manifest) is kept: in the build cache, outside it."""
-    return ctx.cache_dir / "made" / f"{final.name}{MADE_SUFFIX}"
+    return ctx.setup.cache_dir / "made" / f"{final.name}{MADE_SUFFIX}"
 
 
-def measured_config(ctx: BuildContext) -> ResourceConfig:
+def measured_config(ctx: BuildSoFar) -> ResourceConfig:
     """The resource config the runtime read, with what the benchmark measured added (nothing it reads changes)."""
-    candidate = ctx.bench.models[0]
-    return ctx.resource_config.model_copy(update={
+    bench = ctx.measured
+    candidate = bench.models[0]
+    return ctx.compiled.resource_config.model_copy(update={
         "output_batch_axes": ctx.deployment.config.output_batch_axes,
         "batch_sizes_measured": [b.batch_size for b in candidate.batches],
         "memory": {
@@ -93,7 +95,7 @@ def measured_config(ctx: BuildContext) -> ResourceConfig:
             "measured_at_batch": max(b.batch_size for b in candidate.batches),
         },
         "session_load_ms": candidate.session_load_ms,
-        "recommended": recommended(ctx.compiled, ctx.bench, ctx.recipe.benchmark),
+        "recommended": recommended(ctx.compiled.compiled, bench, ctx.recipe.benchmark),
     })
 
 
@@ -120,11 +122,11 @@ def recommended(compiled: CompiledModel, bench: BenchmarkReport, config: Benchma
     return recommended
 
 
-def artifact_name(ctx: BuildContext) -> str:
-    cpu = ctx.cpu.record()
+def artifact_name(ctx: BuildSoFar) -> str:
+    cpu, loaded, dealt = ctx.setup.cpu.record(), ctx.loaded, ctx.dealt
     identity = json.dumps(
-        {"model": ctx.model_sha256, "external_data": ctx.external_data_sha256, "recipe": ctx.recipe.fingerprint(), "data": ctx.data.sha256,
-         "eval_data": ctx.eval_data.sha256 if ctx.eval_data is not None else None,
+        {"model": loaded.model_sha256, "external_data": loaded.external_data_sha256, "recipe": ctx.recipe.fingerprint(),
+         "data": dealt.data.sha256, "eval_data": dealt.eval_data.sha256 if dealt.eval_data is not None else None,
          "tools": tool_versions(), "hardware": {k: cpu[k] for k in ("model", "machine", "flags", "available_cpus")}},
         sort_keys=True,
     )
@@ -132,24 +134,29 @@ def artifact_name(ctx: BuildContext) -> str:
     return f"{ctx.model_path.stem}-{ctx.recipe.precision.value}-{ctx.backend.name}-{digest}"
 
 
-def input_record(ctx: BuildContext) -> dict[str, Any]:
-    record: dict[str, Any] = {"path": str(ctx.source_path), "sha256": ctx.model_sha256, "external_data": ctx.external_data_sha256}
-    if ctx.factory is not None:
-        source = Path(ctx.factory.spec.rpartition(":")[0])
-        record = {"factory": ctx.factory.spec, "exported_onnx_sha256": ctx.model_sha256,
+def input_record(ctx: BuildSoFar) -> dict[str, Any]:
+    loaded, factory = ctx.loaded, ctx.setup.factory
+    record: dict[str, Any] = {"path": str(loaded.source_path), "sha256": loaded.model_sha256,
+                              "external_data": loaded.external_data_sha256}
+    if factory is not None:
+        source = Path(factory.spec.rpartition(":")[0])
+        record = {"factory": factory.spec, "exported_onnx_sha256": loaded.model_sha256,
                   "source_sha256": sha256_file(source) if source.is_file() else None}
     return record
 
 
-def data_record(ctx: BuildContext) -> DataRecord:
-    held = ctx.eval_data if ctx.eval_data is not None and ctx.eval_data is not ctx.data else None
-    return DataRecord(source=ctx.data.source, path=ctx.data.path, synthetic=ctx.data.synthetic,
-                      samples=ctx.data.count + (held.count if held else 0), evaluation_samples=len(ctx.samples.held_out),
+def data_record(ctx: BuildSoFar) -> DataRecord:
+    dealt = ctx.dealt
+    data, eval_data = dealt.data, dealt.eval_data
+    held = eval_data if eval_data is not None and eval_data is not data else None
+    return DataRecord(source=data.source, path=data.path, synthetic=data.synthetic,
+                      samples=data.count + (held.count if held else 0), evaluation_samples=len(ctx.samples.held_out),
                       calibration_samples=len(ctx.samples.calibration), steering_samples=len(ctx.samples.steering),
-                      eval_path=ctx.eval_data.path if ctx.eval_data is not None else None, held_out_max=ctx.verdict_max)
+                      eval_path=eval_data.path if eval_data is not None else None, held_out_max=dealt.verdict_max)
 
 
-def write_manifest(ctx: BuildContext, folder: Path, result: BuildResult) -> None:
+def write_manifest(ctx: BuildSoFar, folder: Path, result: BuildResult) -> None:
+    dealt, cpu, device = ctx.dealt, ctx.setup.cpu, ctx.compiled.compiled.device
     manifest = Manifest(
         created_utc=now_utc(),
         verdict=result.verdict,
@@ -158,69 +165,70 @@ def write_manifest(ctx: BuildContext, folder: Path, result: BuildResult) -> None
         input_model=input_record(ctx),
         recipe={"name": ctx.recipe.name, "fingerprint": ctx.recipe.fingerprint(), "resolved": ctx.recipe.model_dump(mode="json")},
         # Which sample had which role, by name: no sample in two (checked by anyone reading this file).
-        data={**ctx.data.model_dump(mode="json", exclude={"names"}), **result.data.model_dump(mode="json"),
-              "eval_data_sha256": ctx.eval_data.sha256 if ctx.eval_data is not None else None,
-              "split": {"seed": ctx.split.seed, **ctx.split.names(ctx.sample_names)},
+        data={**dealt.data.model_dump(mode="json", exclude={"names"}), **result.data.model_dump(mode="json"),
+              "eval_data_sha256": dealt.eval_data.sha256 if dealt.eval_data is not None else None,
+              "split": {"seed": dealt.split.seed, **dealt.split.names(dealt.sample_names)},
               # The content hash (data.sample_key) of every sample that calibrated or steered this build: `compare` leaves
               # them out by content, whatever they are named later.
-              "seen_sha1": {role: [ctx.sample_keys[i] for i in getattr(ctx.split, role) if i < len(ctx.sample_keys)]
+              "seen_sha1": {role: [dealt.sample_keys[i] for i in getattr(dealt.split, role) if i < len(dealt.sample_keys)]
                             for role in ("calibration", "steering")}},
         artifacts=file_hashes(folder),
         stages=[s.model_dump() for s in result.stages],
         tools=tool_versions(),
-        cpu=ctx.cpu.record(),
+        cpu=cpu.record(),
         command_line=command_line(),
-        cpu_class=ctx.cpu.kernel_class(ctx.backend.name),
-        gpu=gpu_class(ctx.compiled.device) if ctx.compiled.device.startswith("cuda") else None,
+        cpu_class=cpu.kernel_class(ctx.backend.name),
+        gpu=gpu_class(device) if device.startswith("cuda") else None,
     )
     write_json(folder / MANIFEST, manifest)
 
 
-def write_probe_set(ctx: BuildContext, folder: Path) -> int:
+def write_probe_set(ctx: BuildSoFar, folder: Path) -> int:
     """The folder's probe set: the first evaluation samples as the artifact takes them, the reference's outputs on
     them and the gate's tolerance, so another CPU can re-check the sign-off (runtime.probe)."""
     from accel_opt.runtime import probe
 
     noise = {o.name: o.noise_floor for o in ctx.accuracy.outputs if o.noise_floor}
     count = probe.probe_count(len(ctx.samples.held_out_names), ctx.recipe.accuracy.probe_samples)
-    preprocessing = ctx.resource_config.preprocessing
+    config = ctx.compiled.resource_config
+    preprocessing = config.preprocessing
     return probe.write_probe(folder, ctx.samples.held_out_deployed, ctx.accuracy._reference_outputs, ctx.samples.held_out_names, count,
                              ctx.recipe.tolerance, ctx.recipe.accuracy.task_metrics, noise,
-                             runtime.machine_class(ctx.resource_config, ctx.cpu), preprocessing.host_part() if preprocessing else None,
+                             runtime.machine_class(config, ctx.setup.cpu), preprocessing.host_part() if preprocessing else None,
                              ctx.eval_labels, ctx.recipe.accuracy.labels)
 
 
-def write_reports(ctx: BuildContext) -> str:
+def write_reports(ctx: BuildSoFar) -> str:
     """Every report of the staged folder, JSON first and the rest rendered from it, the probe set and build.json
     (the manifest comes after, in write_manifest); returns the stage's one-line detail."""
-    staging, name = ctx.staging, ctx.model_path.stem
+    staging, name, bench, reduced = ctx.setup.staging, ctx.model_path.stem, ctx.measured, ctx.reduced
+    precision, limits, config = reduced.precision if reduced else None, ctx.setup.limits, ctx.compiled.resource_config
     write_json(staging / "accuracy.json", ctx.accuracy)
     write_text(
         staging / "signoff.md",
-        signoff_markdown(name, ctx.verdict, ctx.accuracy, ctx.precision, ctx.data, len(ctx.samples.calibration),
-                                ctx.notes + (ctx.precision.notes if ctx.precision else [])
-                                + ([ctx.limits.family_note] if ctx.limits and ctx.limits.family_note else [])
-                                + [f"Benchmark gate failed: {line}" for line in ctx.bench.failures],
-                                fallback=ctx.fallback, bench=ctx.bench)
-        + "\n".join(usage_markdown(artifact_name(ctx), ctx.resource_config)) + "\n",
+        signoff_markdown(name, ctx.verdict, ctx.accuracy, precision, ctx.dealt.data, len(ctx.samples.calibration),
+                         ctx.notes + (precision.notes if precision else [])
+                         + ([limits.family_note] if limits and limits.family_note else [])
+                         + [f"Benchmark gate failed: {line}" for line in bench.failures],
+                         fallback=ctx.fallback, bench=bench)
+        + "\n".join(usage_markdown(artifact_name(ctx), config)) + "\n",
     )
     if ctx.fallback is not None and ctx.fallback.naive_profile:
         (staging / "layer_error.png").write_bytes(layer_error_png(ctx.fallback.model_dump(mode="json")))
-    write_json(staging / "benchmark.json", ctx.bench)
-    write_text(staging / "benchmark.md", benchmark_markdown(name, ctx.bench))
+    write_json(staging / "benchmark.json", bench)
+    write_text(staging / "benchmark.md", benchmark_markdown(name, bench))
     write_json(staging / RESOURCE_CONFIG, measured_config(ctx))
-    config = ctx.resource_config
     build_info = {
         "model_name": name,
         "created_utc": now_utc(),
-        "cleanup": ctx.cleanup.model_dump(mode="json") if ctx.cleanup else None,
-        "precision": ctx.precision.model_dump(mode="json") if ctx.precision else None,
+        "cleanup": ctx.cleaned.report.model_dump(mode="json") if ctx.cleaned and ctx.cleaned.report else None,
+        "precision": precision.model_dump(mode="json") if precision else None,
         "fallback": ctx.fallback.model_dump(mode="json") if ctx.fallback else None,
-        "data": ctx.data.model_dump(mode="json"),
-        "export": ctx.export,
+        "data": ctx.dealt.data.model_dump(mode="json"),
+        "export": ctx.exported.record if ctx.exported else None,
         "notes": ctx.notes,
-        "environment": {"tools": tool_versions(), "cpu": ctx.cpu.record()},
-        "files_sha256": {f: ctx.deployed_hashes[f] for f in [config.model_file, *config.extra_files]},
+        "environment": {"tools": tool_versions(), "cpu": ctx.setup.cpu.record()},
+        "files_sha256": {f: ctx.compiled.deployed_hashes[f] for f in [config.model_file, *config.extra_files]},
     }
     write_probe_set(ctx, staging)
     write_json(staging / "build.json", build_info)

@@ -14,9 +14,9 @@ from __future__ import annotations
 import math
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from accel_opt.backends.torch.package import PLAN_SUFFIX, REDUCED_DTYPES, PrecisionPlan, write_plan
+from accel_opt.builder.context import BuildSoFar, Reduced
 from accel_opt.precision.callbacks import SearchActions
 from accel_opt.precision.fallback import PROBE_MARGIN, FallbackReport, ProbeVerdict, stricter
 from accel_opt.precision.report import KeptNode, PrecisionReport
@@ -24,14 +24,11 @@ from accel_opt.precision.search import Build, Unit, search
 from accel_opt.recipe.types import Precision
 from accel_opt.report.results import StageStatus
 
-if TYPE_CHECKING:
-    from accel_opt.builder.context import BuildContext
 
-
-def torch_precision(ctx: BuildContext) -> tuple[StageStatus, str]:
+def torch_precision(ctx: BuildSoFar) -> tuple[StageStatus, str, dict[str, Reduced]]:
     """Write the plan the compile stage exports (grown by the search when its probes fail); record what it does."""
     precision, config = ctx.recipe.precision, ctx.recipe.precision_options.fallback
-    plan = PrecisionPlan(precision=precision)
+    plan, searched = PrecisionPlan(precision=precision), None
     if precision is Precision.int8:
         transform = ("PT2E static int8 (X86InductorQuantizer: uint8 activations, int8 per-channel weights), "
                      f"calibrated on {len(ctx.samples.calibration)} samples")
@@ -39,17 +36,18 @@ def torch_precision(ctx: BuildContext) -> tuple[StageStatus, str]:
         transform = (f"{REDUCED_DTYPES[precision]} weights and compute (module transform before torch.export), "
                      "float32 inputs and outputs")
         if config.enabled:
-            plan = _fallback(ctx, plan)
-    ctx.candidate_path = write_plan(ctx.workdir / f"{precision.value}{PLAN_SUFFIX}", plan)
-    ctx.precision = PrecisionReport(
-        precision=precision, transform=transform, opset_before=ctx.loaded.opset, opset_after=ctx.loaded.opset,
-        keep_io_types=True, kept_in_higher_precision=[k for k in (ctx.fallback.kept if ctx.fallback else [])])
+            plan, searched = _fallback(ctx, plan)
+    opset = ctx.loaded.model.opset
+    report = PrecisionReport(precision=precision, transform=transform, opset_before=opset, opset_after=opset,
+                             keep_io_types=True, kept_in_higher_precision=list(searched.kept if searched else []))
+    reduced = Reduced(candidate_path=write_plan(ctx.workdir / f"{precision.value}{PLAN_SUFFIX}", plan),
+                      precision=report, fallback=searched)
     detail = f"{transform}; {len(plan.keep_fp32)} submodules kept in float32"
-    return "passed", detail + (f"; fallback {ctx.fallback.status}" if ctx.fallback else "")
+    return "passed", detail + (f"; fallback {searched.status}" if searched else ""), {"reduced": reduced}
 
 
-def _fallback(ctx: BuildContext, plan: PrecisionPlan) -> PrecisionPlan:
-    """The naive plan judged on the steering samples; the search when it fails (ctx.fallback: its report)."""
+def _fallback(ctx: BuildSoFar, plan: PrecisionPlan) -> tuple[PrecisionPlan, FallbackReport]:
+    """The naive plan judged on the steering samples; the search when it fails. Returns the plan and the report."""
     from accel_opt.accuracy import compare
     from accel_opt.backends.torch.modules import leaf_modules, precision_module
     from accel_opt.backends.torch.runner import TorchRunner
@@ -66,8 +64,7 @@ def _fallback(ctx: BuildContext, plan: PrecisionPlan) -> PrecisionPlan:
         report.status = "insufficient evidence" if hopeless else "disabled"
         report.reason = (f"not searched: {hopeless[0]}, so no plan it found could sign off" if hopeless else
                          "not searched: no steering samples to judge plans on (give --data with more samples)")
-        ctx.fallback = report
-        return plan
+        return plan, report
     tolerance = stricter(tolerance)
 
     reference = TorchRunner(ctx.torch_module, ctx.inputs, names, threads=ctx.threads, name="reference-pytorch")
@@ -88,24 +85,24 @@ def _fallback(ctx: BuildContext, plan: PrecisionPlan) -> PrecisionPlan:
                                 loss=naive.loss)
     if naive.passed:
         report.reason = "the plan passes the recipe's tolerance on the probe samples"
-        ctx.fallback = report
-        return plan
+        return plan, report
     groups: dict[str, list[str]] = {}
     for name, module in leaf_modules(ctx.torch_module):
         shapes = "x".join("x".join(map(str, p.shape)) for p in module.parameters(recurse=False))
         groups.setdefault(f"{type(module).__name__} {shapes}", []).append(name)
     units = [Unit(key=key, nodes=members) for key, members in groups.items()][: config.max_measured_units]
     started = time.monotonic()
-    budget_s = ctx.limits.search_budget_s if ctx.limits is not None else config.time_budget_s
+    limits = ctx.setup.limits
+    budget_s = limits.search_budget_s if limits is not None else config.time_budget_s
     found = search(naive, units, SearchActions(build_and_judge=build_and_judge, speedup=lambda path: None),
                    ctx.workdir / "search", time_budget_s=budget_s, min_speedup=config.min_speedup,
-                   max_additions=config.max_rounds, on_step=ctx.limits.on_step if ctx.limits is not None else None)
+                   max_additions=config.max_rounds, on_step=limits.on_step if limits is not None else None)
     report.search_seconds = round(time.monotonic() - started, 1)
     report.status, report.reason, report.steps = found.status, found.reason, found.steps
     report.kept = [KeptNode(node=n, op_type=_unit_of(n, units), reason="restored to float32 by the measured search")
                    for n in found.kept]
-    ctx.fallback = report
-    return PrecisionPlan(precision=plan.precision, keep_fp32=found.kept) if math.isfinite(found.best.loss) else plan
+    return (PrecisionPlan(precision=plan.precision, keep_fp32=found.kept) if math.isfinite(found.best.loss) else plan,
+            report)
 
 
 def _unit_of(node: str, units: list[Unit]) -> str:
