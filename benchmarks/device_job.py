@@ -236,7 +236,7 @@ def _naive_job(factory: str, folder: Path, files: list[Path], device: str) -> di
     from PIL import Image
 
     from accel_opt import runtime
-    from accel_opt.backends.torch.backend import load_factory
+    from accel_opt.backends.torch.factory import load_factory
     from accel_opt.preprocess.images import preprocess_image
 
     pre = runtime.load(folder, trust_unsigned=True, allow_not_signed_off=True).config.preprocessing

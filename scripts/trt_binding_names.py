@@ -3,7 +3,7 @@
     python scripts/trt_binding_names.py                 # download the newest 10.x and 11.x wheels
     python scripts/trt_binding_names.py WHEEL [WHEEL]   # or read wheels already downloaded
 
-Writes tests/data/trt_names/tensorrt-<major>.txt, which tests/backends/test_trt_conformance.py
+Writes tests/data/trt_names/tensorrt-<major>.txt, which tests/backends/tensorrt/test_trt_conformance.py
 checks optimizer/accel_opt/backends/tensorrt/ (backend.py, build.py, plan.py) against. `tensorrt_bindings/tensorrt.so` is a pybind11 module;
 it cannot be imported here, but its machine code names every binding it registers. The names are
 read from the disassembly (objdump, from binutils), not from `strings`: the linker merges a string

@@ -133,6 +133,27 @@ def test_no_submodule_shadows_a_name_its_package_exports():
 
 
 ROOT = SOURCES.parents[1]
+TESTS = Path(__file__).resolve().parent
+
+
+def misplaced_test_folders(tests: Path, sources: Path) -> list[str]:
+    """Folders of `tests` holding test modules that mirror no package of `sources` (tests/backends/torch/ for
+    accel_opt/backends/torch/, ...): the tests of a module are found where the module is."""
+    return sorted(str(folder.relative_to(tests)) for folder in {p.parent for p in tests.rglob("test_*.py")}
+                  if folder != tests and not (sources / folder.relative_to(tests) / "__init__.py").is_file())
+
+
+def test_tests_mirror_the_package():
+    assert not misplaced_test_folders(TESTS, SOURCES)
+
+
+def test_the_mirror_check_can_fail(tmp_path):
+    (tmp_path / "src" / "backends" / "torch").mkdir(parents=True)
+    (tmp_path / "src" / "backends" / "torch" / "__init__.py").write_text("")
+    for folder in ("backends/torch", "backends/tflite", "torch"):
+        (tmp_path / "tests" / folder).mkdir(parents=True, exist_ok=True)
+        (tmp_path / "tests" / folder / "test_x.py").write_text("")
+    assert misplaced_test_folders(tmp_path / "tests", tmp_path / "src") == ["backends/tflite", "torch"]
 
 
 def _lint_imports(cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:

@@ -1,6 +1,6 @@
 """The rescue search's decisions, on an explicit loss model: each unit takes a known share of the loss away when it is
 restored, and restoring costs a known share of the speed-up. (The search on real builds: test_fallback.py, the
-torch backend's in tests/backends/test_torch_package.py, and benchmarks/rescue.py.)"""
+torch backend's in tests/backends/torch/test_torch_package.py, and benchmarks/rescue.py.)"""
 
 from __future__ import annotations
 

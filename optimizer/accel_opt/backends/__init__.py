@@ -26,7 +26,7 @@ def get_backend(name: BackendName | str, providers: Sequence[str] | None = None,
     kernels are judged on (None: this machine's). Other backends ignore them."""
     name = BackendName(name)
     if name is BackendName.torch:
-        from accel_opt.backends.torch.package import TorchBackend
+        from accel_opt.backends.torch.backend import TorchBackend
 
         backend: Backend = TorchBackend(device)
     elif name is BackendName.onnxruntime:

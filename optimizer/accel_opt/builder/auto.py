@@ -138,7 +138,7 @@ def build_auto(
     """Build the candidates within the time budget and return (the winner's BuildResult or None, the selection).
     `cpu`: the CPU every class-dependent choice is made for (this machine's, read here, by default); `task` and
     `export_hints` pass to every candidate's build (pipeline.build)."""
-    from accel_opt.backends.torch.backend import looks_like_factory
+    from accel_opt.backends.torch.factory import looks_like_factory
 
     cpu = cpu or CpuProfile.here()
     refuse_oversubscribed_threads(recipe.benchmark.threads)

@@ -52,7 +52,7 @@ def benchmark_build(ctx: BuildSoFar, unfused_shapes: dict[str, list[int]],
         targets.append(Target(f"{ctx.backend.name}-{ctx.recipe.precision.value}-naive", ctx.backend.runner(naive),
                               ctx.backend.synchronize))
     if ctx.torch_module is not None:
-        from accel_opt.backends.torch.backend import torch_runner
+        from accel_opt.backends.torch.factory import torch_runner
 
         targets.append(Target("pytorch-eager", torch_runner(ctx.torch_module, ctx.model_path, ctx.threads)))
     batch_sizes = ctx.recipe.benchmark.batch_sizes if ctx.shapes.batch_dynamic else [ctx.shapes.batch_size]

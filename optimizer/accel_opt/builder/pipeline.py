@@ -214,7 +214,7 @@ def _stage_export(ctx: BuildSoFar) -> Outcome:
 def _reference(ctx: BuildSoFar):
     """The accuracy reference: the PyTorch module for torch inputs, else the original ONNX on ORT."""
     if ctx.torch_module is not None:
-        from accel_opt.backends.torch.backend import torch_runner
+        from accel_opt.backends.torch.factory import torch_runner
 
         return torch_runner(ctx.torch_module, ctx.model_path, ctx.threads, name="reference-pytorch")
     return reference_runner(ctx.model_path, ctx.threads)

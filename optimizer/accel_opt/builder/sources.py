@@ -73,7 +73,7 @@ def _factory(model: str, task: str | None):
         from accel_opt.backends.torch.huggingface import hf_factory
 
         return hf_factory(hf)
-    from accel_opt.backends.torch.backend import load_factory, looks_like_factory
+    from accel_opt.backends.torch.factory import load_factory, looks_like_factory
 
     if task is not None and hf_config_of(model, task) is None:
         raise UsageError("--task is for Hugging Face model folders, and ONNX models exported from one (beside its "

@@ -20,7 +20,7 @@ EXIT_BUILT, EXIT_FAILED, EXIT_INPUT, EXIT_OUT_OF_MEMORY, EXIT_CRASH = 0, 1, 3, 5
 # TensorRT's wording for allocation failures (its logger, "Error Code 2: OutOfMemory", CUDA's own).
 OUT_OF_MEMORY = re.compile(r"out ?of ?memory|could not be allocated|cudaErrorMemoryAllocation|failed to allocate",
                            re.IGNORECASE)
-# Version-specific names (see tests/backends/test_trt_conformance.py): each is read with getattr and a
+# Version-specific names (see tests/backends/tensorrt/test_trt_conformance.py): each is read with getattr and a
 # default, and the code works whichever way it resolves.
 OPTIONAL_TRT_NAMES = {
     "NetworkDefinitionCreationFlag.STRONGLY_TYPED": "10.x opts in with it; 11.x networks are always strongly "

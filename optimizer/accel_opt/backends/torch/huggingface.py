@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from accel_opt.backends.torch.backend import ModuleFactory
+from accel_opt.backends.torch.factory import ModuleFactory
 from accel_opt.backends.torch.runner import require_torch
 from accel_opt.errors import InputRejected, Unsupported, UsageError, first_line
 from accel_opt.files import install_line, sha256_file, user_cache_dir

@@ -16,7 +16,7 @@ pytest.importorskip("onnxscript")
 from accel_opt.accuracy.export_check import verify  # noqa: E402
 from accel_opt.backends.onnxruntime.backend import CPU_PROVIDER, create_session  # noqa: E402
 from accel_opt.backends.torch import export as exp  # noqa: E402
-from accel_opt.backends.torch.backend import (  # noqa: E402
+from accel_opt.backends.torch.factory import (  # noqa: E402
     load_factory,
     looks_like_factory,
     torch_runner,  # noqa: E402
@@ -24,7 +24,7 @@ from accel_opt.backends.torch.backend import (  # noqa: E402
 from accel_opt.backends.torch.runner import TorchRunner  # noqa: E402
 from accel_opt.errors import GateFailed, InputRejected, Unsupported, UsageError  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 TINY = ROOT / "examples" / "tiny_models.py"
 SHAPES = {
     "cnn": {"image": [2, 3, 32, 32]},
@@ -277,7 +277,7 @@ def test_torch_runner_keys_outputs_by_onnx_names_and_restores_threads(tmp_path: 
 
 
 def test_torch_is_optional(monkeypatch) -> None:
-    code = ("import sys, accel_opt.backends.torch.export, accel_opt.backends.torch.backend; "
+    code = ("import sys, accel_opt.backends.torch.export, accel_opt.backends.torch.factory; "
             "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
     monkeypatch.setitem(sys.modules, "torch", None)  # `import torch` now raises ImportError

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 NAMES_DIR = ROOT / "tests" / "data" / "trt_names"
 BACKENDS = ROOT / "optimizer" / "accel_opt" / "backends"
 SOURCES = [BACKENDS / "tensorrt" / "backend.py", BACKENDS / "tensorrt" / "build.py"]

@@ -19,7 +19,7 @@ from accel_opt.recipe.load import load_recipe
 from accel_opt.runtime.local.job import run_job
 from tests.conftest import FAST_BENCH
 
-SENTENCES = Path(__file__).parents[2] / "examples" / "sentences.txt"
+SENTENCES = Path(__file__).parents[3] / "examples" / "sentences.txt"
 TEXT_RECIPE = {"precision": "fp32", "backend": "onnxruntime", "benchmark": {**FAST_BENCH, "batch_sizes": [1, 4]},
                "selection.target_batch_size": 4, "text.max_length": 64, "text.length_buckets": [],
                "text.sort_window": 16}
@@ -239,7 +239,7 @@ def test_minilm_text_build_and_run_match_sentence_transformers(tmp_path):
     from examples.minilm import model_dir, read_sentences
 
     recipe = load_recipe("text-encoder").with_overrides(precision="fp32", backend="onnxruntime", benchmark=FAST_BENCH)
-    result = build(f"{Path(__file__).parents[2] / 'examples' / 'minilm.py'}:minilm", recipe, data_dir=SENTENCES,
+    result = build(f"{Path(__file__).parents[3] / 'examples' / 'minilm.py'}:minilm", recipe, data_dir=SENTENCES,
                    out_dir=tmp_path / "out")
     assert result.signed_off, result.failures
     summary = run_job(runtime.load(result.artifact_dir), [SENTENCES], tmp_path / "p.jsonl")

@@ -20,8 +20,7 @@ from accel_opt.preprocess.images import preprocess_image
 from accel_opt.recipe.deployed import Postprocess, Preprocessing
 from accel_opt.runtime.local.job import errors_path, run_job
 from accel_opt.runtime.output import Outputs
-
-from ..conftest import CLASSIFIER_PRE, image_npz_folder
+from tests.conftest import CLASSIFIER_PRE, image_npz_folder
 
 PRE = CLASSIFIER_PRE
 
@@ -153,8 +152,7 @@ def test_bad_out_paths_are_usage_errors_and_resume_leaves_a_foreign_file_alone(c
 
 def test_feeds_without_postprocess_get_an_npz_each(tiny_cnn_path, tmp_path):
     from accel_opt.recipe.load import load_recipe
-
-    from ..conftest import FAST_BENCH
+    from tests.conftest import FAST_BENCH
 
     result = build(tiny_cnn_path, load_recipe().with_overrides(benchmark=FAST_BENCH), out_dir=tmp_path / "out",
                    data_dir=image_npz_folder(tmp_path / "data", 5))
@@ -174,8 +172,7 @@ def test_feeds_without_postprocess_get_an_npz_each(tiny_cnn_path, tmp_path):
 
 def test_images_need_recorded_preprocessing(tiny_cnn_path, photos, tmp_path):
     from accel_opt.recipe.load import load_recipe
-
-    from ..conftest import FAST_BENCH
+    from tests.conftest import FAST_BENCH
 
     result = build(tiny_cnn_path, load_recipe().with_overrides(benchmark=FAST_BENCH), out_dir=tmp_path / "out")
     with pytest.raises(UsageError, match="without image `preprocessing`"):
@@ -237,8 +234,7 @@ def test_fused_preprocessing_takes_uint8_crops_and_is_checked_against_the_host_p
     import onnx
 
     from accel_opt.recipe.load import load_recipe
-
-    from ..conftest import FAST_BENCH
+    from tests.conftest import FAST_BENCH
 
     recipe = load_recipe().with_overrides(benchmark=FAST_BENCH, preprocessing={**PRE, "fused": True},
                                           postprocess={"topk": 3}, **{"selection.target_batch_size": 4})
@@ -272,8 +268,7 @@ def test_fused_preprocessing_takes_uint8_crops_and_is_checked_against_the_host_p
 @pytest.mark.skipif(__import__("importlib").util.find_spec("openvino") is None, reason="openvino is not installed")
 def test_fused_preprocessing_on_openvino_int8_keeps_its_fp32_baseline_unfused(tiny_cnn_path, photos, tmp_path):
     from accel_opt.recipe.load import load_recipe
-
-    from ..conftest import FAST_BENCH
+    from tests.conftest import FAST_BENCH
 
     # What is checked here is the baseline's shape, not the quantizer: a wide int8 tolerance keeps the build signed off.
     recipe = load_recipe().with_overrides(benchmark=FAST_BENCH, preprocessing={**PRE, "fused": True}, backend="openvino",
@@ -291,8 +286,7 @@ def test_draft_decoding_is_checked_by_the_gate_against_full_decodes(tiny_cnn_pat
     from accel_opt.preprocess.images import decode_image
     from accel_opt.recipe.deployed import Preprocessing
     from accel_opt.recipe.load import load_recipe
-
-    from ..conftest import FAST_BENCH
+    from tests.conftest import FAST_BENCH
 
     big = next(p for p in sorted(photos.iterdir()) if Image.open(p).size[0] >= 4 * PRE["resize"])
     with Image.open(big) as img:

@@ -24,10 +24,9 @@ from accel_opt.preprocess.images import preprocess_image  # noqa: E402
 from accel_opt.recipe.deployed import Preprocessing  # noqa: E402
 from accel_opt.recipe.load import load_recipe  # noqa: E402
 from accel_opt.runtime.local.job import run_job  # noqa: E402
+from tests.conftest import CLASSIFIER_PRE, FAST_BENCH  # noqa: E402
 
-from ..conftest import CLASSIFIER_PRE, FAST_BENCH  # noqa: E402
-
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
 CNN = f"{EXAMPLES / 'tiny_models.py'}:cnn"
 
 
@@ -104,7 +103,7 @@ def test_the_package_runs_jpegs_on_its_tensor_path_and_agrees_with_pillow(torch_
 
 
 def _module():
-    from accel_opt.backends.torch.backend import load_factory
+    from accel_opt.backends.torch.factory import load_factory
 
     return load_factory(CNN)()
 

@@ -23,8 +23,7 @@ from accel_opt.builder.pipeline import build
 from accel_opt.cli import main
 from accel_opt.data import split_roles
 from accel_opt.recipe.gate import SplitConfig
-
-from .conftest import FAST_BENCH, make_model, save
+from tests.conftest import FAST_BENCH, make_model, save
 
 TOP1_95 = {"accuracy.task_metrics": [{"kind": "topk", "min_agreement": {1: 0.95}}],
            "precision_options.fallback.enabled": False}
@@ -151,7 +150,7 @@ def test_held_out_samples_can_come_from_eval_data(recipe, tmp_path):
 def test_the_cleanup_check_never_uses_held_out_samples(tiny_cnn_path, fast_recipe, tmp_path):
     """An fp32 build of 1 sample holds it out and steers on none: the rewrite is not checked on the held-out sample,
     so cleanup is skipped, saying why."""
-    from .conftest import image_npz_folder
+    from tests.conftest import image_npz_folder
 
     result = build(tiny_cnn_path, fast_recipe, data_dir=image_npz_folder(tmp_path / "d1", 1), out_dir=tmp_path / "out")
     (cleanup,) = [s for s in result.stages if s.name == "cleanup"]
@@ -302,7 +301,7 @@ def test_the_default_recipe_does_not_sign_off_a_reduced_build_on_three_files(tin
     """The default recipe, int8, 3 .npz files: 1 calibrates, 1 steers, 1 is held out. None failing of 1 shows nothing about
     the share of inputs within tolerance: exit 6 with the numbers that would do. fp32 of the same files keeps its rule
     (judged against the float32 noise floor, never refused for few samples)."""
-    from .conftest import image_npz_folder
+    from tests.conftest import image_npz_folder
 
     data, recipe = image_npz_folder(tmp_path / "d3", 3), _default_recipe_file(tmp_path)
     flags = ["--data", str(data), "--recipe", str(recipe), "--out", str(tmp_path / "out")]
@@ -331,7 +330,7 @@ def test_auto_with_too_few_samples_is_exit_6_for_a_reduced_precision_and_ships_t
     """Auto on 3 files: `--precision int8` cannot certify any candidate, so exit 6 with the count, never SIGNED OFF and
     never "no candidate passed"; `--precision auto` ships the fp32 floor and says which reduced candidates could not
     be certified and how many samples would do."""
-    from .conftest import image_npz_folder
+    from tests.conftest import image_npz_folder
 
     data, recipe = image_npz_folder(tmp_path / "d3", 3), _default_recipe_file(tmp_path)
     flags = ["--data", str(data), "--recipe", str(recipe), "--out", str(tmp_path / "out")]
@@ -418,7 +417,7 @@ def test_groups_that_do_not_fit_the_samples_are_a_one_line_input_error(tmp_path)
 def test_run_and_verify_honour_a_folder_that_is_not_signed_off(tiny_cnn_path, tmp_path):
     """A folder its build did not sign off (too few held-out samples: exit 6): `run` refuses it with the build's own
     code and reason, on both engines, writing nothing; --allow-not-signed-off runs it and says so; `verify` is not ok."""
-    from .conftest import image_npz_folder
+    from tests.conftest import image_npz_folder
 
     data, recipe = image_npz_folder(tmp_path / "d3", 3), _default_recipe_file(tmp_path)
     built = CliRunner().invoke(main, ["build", str(tiny_cnn_path), "--precision", "int8", "--data", str(data),

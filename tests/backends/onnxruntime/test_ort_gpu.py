@@ -40,10 +40,9 @@ from accel_opt.machine import gpu as cuda_device
 from accel_opt.machine.gpu import CudaDevice, CudaProbe
 from accel_opt.recipe.schema import Recipe
 from accel_opt.recipe.types import Precision
+from tests.conftest import matmul_model, save
 
-from ..conftest import matmul_model, save
-
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 INSTALL_HINT = f"pip uninstall -y onnxruntime && {install_line('gpu')}"
 NO_GPU = CudaProbe((), None, "no NVIDIA GPU: no /dev/nvidia* device and no nvidia-smi (no NVIDIA driver)")
 H200 = CudaProbe((CudaDevice(0, "NVIDIA H200", "9.0", 143771),), "12.8")
@@ -350,7 +349,7 @@ def test_cuda_ep_refuses_a_model_with_cpu_only_nodes_unless_allowed(tmp_path):
     """ai.onnx.ml ops have CPU kernels only: strict, the build names them; allowed, they are recorded."""
     from onnx import TensorProto, helper
 
-    from ..conftest import make_model
+    from tests.conftest import make_model
 
     model = save(make_model([helper.make_node("Relu", ["x"], ["h"]),
                              helper.make_node("Binarizer", ["h"], ["y"], domain="ai.onnx.ml", threshold=0.5)],

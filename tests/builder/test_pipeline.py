@@ -12,8 +12,7 @@ from accel_opt.builder.pipeline import build
 from accel_opt.errors import Unsupported, UsageError
 from accel_opt.files import sha256_file
 from accel_opt.report.html import render
-
-from .conftest import image_npz_folder
+from tests.conftest import image_npz_folder
 
 EXPECTED_FILES = {"model.onnx", "resource_config.json", "accuracy.json", "signoff.md", "signoff.html", "benchmark.json", "benchmark.md",
                   "build.json", "probe.json", "probe.npz", MANIFEST}

@@ -21,8 +21,7 @@ from accel_opt.recipe.schema import Recipe
 from accel_opt.recipe.types import BackendName
 from accel_opt.report import selection
 from accel_opt.report.selection import AutoSelection
-
-from .conftest import CPU_CLASSES as CLASSES
+from tests.conftest import CPU_CLASSES as CLASSES
 
 TARGET = 2  # a batch size FAST_BENCH measures
 
@@ -343,8 +342,7 @@ def test_a_candidate_far_outside_the_gate_is_dropped_before_its_search(tmp_path)
 
     from accel_opt import zoo
     from accel_opt.recipe.load import load_recipe
-
-    from .conftest import FAST_BENCH
+    from tests.conftest import FAST_BENCH
 
     model = zoo.save(zoo.detector(96, width=8, score_bias=-5.0), tmp_path / "det.onnx")
     data = tmp_path / "data"

@@ -120,8 +120,7 @@ def test_quantized_op_left_in_float_by_ort_is_refused(tmp_path):
     from accel_opt.errors import Unsupported
     from accel_opt.recipe.schema import Recipe
     from accel_opt.recipe.types import Precision
-
-    from .conftest import lonely_qdq_conv
+    from tests.conftest import lonely_qdq_conv
 
     model = lonely_qdq_conv(tmp_path / "qdq.onnx")
     with pytest.raises(Unsupported, match="1 quantized compute ops in float.*lonely_conv") as info:

@@ -31,8 +31,7 @@ from accel_opt.machine.cpu import CpuProfile
 from accel_opt.machine.support import Availability
 from accel_opt.recipe.schema import Recipe
 from accel_opt.recipe.types import BackendName, Precision
-
-from ..conftest import CPU_CLASSES
+from tests.conftest import CPU_CLASSES
 
 needs_openvino = pytest.mark.skipif(importlib.util.find_spec("openvino") is None, reason="openvino is not installed")
 
@@ -359,8 +358,7 @@ def test_the_search_adopts_nncf_where_it_holds_and_the_ir_it_wrote_is_what_ships
     import accel_opt.precision.output_fit as output_fit
     import accel_opt.precision.search as search_module
     from accel_opt import runtime
-
-    from ..conftest import FAST_BENCH, image_npz_folder, save, spiky_cnn
+    from tests.conftest import FAST_BENCH, image_npz_folder, save, spiky_cnn
 
     clock = _TickingClock()
     for module in (search_module, adaround, output_fit):

@@ -19,8 +19,7 @@ from accel_opt.builder.sources import recipe_for  # noqa: E402
 from accel_opt.cli import main  # noqa: E402
 from accel_opt.recipe.load import load_recipe  # noqa: E402
 from accel_opt.runtime.local.job import run_job  # noqa: E402
-
-from ..conftest import FAST_BENCH  # noqa: E402
+from tests.conftest import FAST_BENCH  # noqa: E402
 
 LABELS = {0: "negative", 1: "neutral", 2: "positive"}
 

@@ -190,8 +190,7 @@ def raw_outputs(tiny_cnn_path, photos, tmp_path_factory) -> Path:
     """The `classifier` without a postprocess: every answer is an .npz of the outputs, not a JSON top-k."""
     from accel_opt.builder.pipeline import build
     from accel_opt.recipe.load import load_recipe
-
-    from ..conftest import CLASSIFIER_PRE, FAST_BENCH
+    from tests.conftest import CLASSIFIER_PRE, FAST_BENCH
 
     recipe = load_recipe().with_overrides(benchmark=FAST_BENCH, preprocessing=CLASSIFIER_PRE,
                                           **{"selection.target_batch_size": 4})

@@ -6,8 +6,7 @@ from accel_opt.data import batch_of, load_samples, sample_key, split_roles, synt
 from accel_opt.errors import InputRejected, UsageError
 from accel_opt.graph.inspect import TensorSpec, io_specs, resolve_shapes
 from accel_opt.recipe.load import parse_shapes
-
-from .conftest import make_model
+from tests.conftest import make_model
 
 IMAGE = TensorSpec(name="image", dtype="float32", shape=["batch", 3, "h", "w"])
 IDS = TensorSpec(name="ids", dtype="int64", shape=["batch", 16])

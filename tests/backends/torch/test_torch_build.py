@@ -10,7 +10,7 @@ from accel_opt.builder.pipeline import build
 from accel_opt.cli import main
 
 pytest.importorskip("torch")
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
 CNN = f"{EXAMPLES / 'tiny_models.py'}:cnn"
 
 

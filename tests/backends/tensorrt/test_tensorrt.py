@@ -42,7 +42,7 @@ from accel_opt.machine.gpu import CudaDevice, CudaProbe
 from accel_opt.recipe.schema import Recipe
 from accel_opt.recipe.types import BackendName, Precision
 
-DATA = Path(__file__).parents[1] / "data" / "trt_inspector"
+DATA = Path(__file__).parents[2] / "data" / "trt_inspector"
 IMAGE = TensorSpec(name="image", dtype="float32", shape=["batch", 3, 224, 224])
 MASK = TensorSpec(name="mask", dtype="int64", shape=["batch", "seq"])
 TABLE = TensorSpec(name="table", dtype="float32", shape=[16, 4])

@@ -106,8 +106,7 @@ def test_a_junit_path_that_cannot_be_written_is_refused_before_the_build(tmp_pat
     from click.testing import CliRunner
 
     from accel_opt.cli import main
-
-    from .conftest import matmul_model, save
+    from tests.conftest import matmul_model, save
 
     (tmp_path / "taken").mkdir()
     (tmp_path / "file.txt").write_text("x")
@@ -130,8 +129,7 @@ def test_an_output_the_model_lacks_is_refused_when_the_recipe_meets_the_model(tm
     from click.testing import CliRunner
 
     from accel_opt.cli import main
-
-    from .conftest import matmul_model, save
+    from tests.conftest import matmul_model, save
 
     recipe = tmp_path / "r.yaml"
     recipe.write_text(yaml.safe_dump(load_recipe().with_overrides(**overrides).model_dump(mode="json")))
@@ -168,8 +166,7 @@ def test_more_threads_than_cpus_is_refused_before_anything_is_built(tmp_path):
     from accel_opt.builder.auto import build_auto
     from accel_opt.builder.pipeline import build
     from accel_opt.machine.cpu import available_cpus
-
-    from .conftest import matmul_model, save
+    from tests.conftest import matmul_model, save
 
     recipe = load_recipe().with_overrides(**{"benchmark.threads": available_cpus() + 1})
     model = save(matmul_model(), tmp_path / "m.onnx")
