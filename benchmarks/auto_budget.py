@@ -104,8 +104,10 @@ def main() -> int:
     parser.add_argument("--out", type=Path, help=f"results file (default: {RESULTS}/auto_budget-CLASS.txt)")
     args = parser.parse_args()
     cpu = cpu_info()
-    header = [f"auto_budget on {cpu['model']}, {cpu['available_cpus']} CPUs, class {CpuProfile.here().kernel_class('onnxruntime')} "
-              f"(OpenVINO: {CpuProfile.here().kernel_class('openvino')}); {args.images} images per model at {SIZE}x{SIZE}"]
+    header = [f"auto_budget on {cpu['model']}, {cpu['available_cpus']} CPUs, class "
+              f"{CpuProfile.here().kernel_class('onnxruntime')} "
+              f"(OpenVINO: {CpuProfile.here().kernel_class('openvino')}); {args.images} images per model at "
+              f"{SIZE}x{SIZE}"]
     print(header[0], flush=True)
     lines = list(header)
     with tempfile.TemporaryDirectory(prefix="accel-opt-auto-budget-") as tmp:

@@ -59,7 +59,8 @@ def _after_decode(rounds: int = 20) -> None:
 
     def whole_then_crop(img):
         scale = pre.resize / min(img.size)
-        big = img.resize((max(pre.crop, round(img.width * scale)), max(pre.crop, round(img.height * scale))), Image.BILINEAR)
+        big = img.resize((max(pre.crop, round(img.width * scale)), max(pre.crop, round(img.height * scale))),
+                         Image.BILINEAR)
         left, top = (big.width - pre.crop) // 2, (big.height - pre.crop) // 2
         return np.asarray(big.crop((left, top, left + pre.crop, top + pre.crop)))
 

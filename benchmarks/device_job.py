@@ -54,9 +54,11 @@ def main() -> int:
     parser.add_argument("--device", choices=["cuda", "cpu"], help="default: cuda when torch sees a GPU, else cpu")
     parser.add_argument("--model", choices=sorted(MODELS), default="resnet50")
     parser.add_argument("--count", type=int, help="JPEGs in the job (default: 3000 on cuda, 300 on cpu)")
-    parser.add_argument("--precisions", help="torch builds (default: fp32,bf16 on cuda, and on a CPU with native bf16; else fp32)")
+    parser.add_argument("--precisions",
+                        help="torch builds (default: fp32,bf16 on cuda, and on a CPU with native bf16; else fp32)")
     parser.add_argument("--batch", type=int, default=32, help="the deployed batch of every build")
-    parser.add_argument("--peers", default=None, help="CPU only: other backends' jobs beside (default: onnxruntime,openvino; '' for none)")
+    parser.add_argument("--peers", default=None,
+                        help="CPU only: other backends' jobs beside (default: onnxruntime,openvino; '' for none)")
     parser.add_argument("--workdir", type=Path, help="keep files here (default: a temp dir)")
     parser.add_argument("--jpegs", type=Path, help="a folder of JPEGs the job's files are cropped from (default: "
                         "scikit-image's photos; the GPU kit carries benchmarks/data/kit)")
@@ -76,7 +78,8 @@ def main() -> int:
         return 0
     cpu = CpuProfile.here()
     precisions = (args.precisions or ("fp32,bf16" if cuda or cpu.native_bf16 else "fp32")).split(",")
-    peers = [] if cuda else [p for p in (args.peers if args.peers is not None else "onnxruntime,openvino").split(",") if p]
+    peers = [] if cuda else [p for p in (args.peers if args.peers is not None
+                                         else "onnxruntime,openvino").split(",") if p]
     count = args.count or (3000 if cuda else 300)
     work = args.workdir or Path(tempfile.mkdtemp(prefix="accel-opt-device-job-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -150,13 +153,15 @@ def main() -> int:
                    + ", ".join(f"{k} {v:.2f}" for k, v in stages.items())
                    + f"; slowest: {slowest}; host-decoded {job['summary']['host_decoded']} of {count}"
                    + (f" ({job['summary']['host_decoded_reasons']})" if job['summary']['host_decoded'] else "")
-                   + (f"; the job at {job_rate / limits['decode'][0]:.0%} of the decode limit" if limits["decode"] else "")
+                   + (f"; the job at {job_rate / limits['decode'][0]:.0%} of the decode limit"
+                      if limits["decode"] else "")
                    + (f", its compute at {compute_rate / limits['model']:.0%} of the package alone" if limits["model"]
                       else ""))
     if cuda:  # last: a capture that fails must not cost the numbers above
         graph = report.attempt("CUDA graph", _cuda_graph_ratio, fp32, args.batch)
         if graph:
-            report.add(f"  the fp32 package replayed as a CUDA graph: {graph:.2f}x its plain call at batch {args.batch}")
+            report.add(f"  the fp32 package replayed as a CUDA graph: {graph:.2f}x its plain call at batch "
+                       f"{args.batch}")
     print(f"written: {report.path}")
     return 0 if len(builds) == len(precisions) + len(peers) and not report.failed else 1
 
@@ -218,7 +223,8 @@ def _run_job(folder: Path, jobs: Path, out: Path, strict_device: bool = False) -
     from accel_opt.runtime.local.job import run_job
 
     started = time.perf_counter()
-    summary = run_job(runtime.load(folder, trust_unsigned=True, allow_not_signed_off=True), [jobs], out, overwrite=True, strict_device=strict_device)
+    summary = run_job(runtime.load(folder, trust_unsigned=True, allow_not_signed_off=True), [jobs], out, overwrite=True,
+                      strict_device=strict_device)
     seconds = time.perf_counter() - started
     return {"seconds": seconds, "summary": summary.model_dump(), "top1": _top1s(out)}
 

@@ -59,7 +59,8 @@ def make_jpegs(folder: Path, count: int, seed: int, sources: list[Path] | None =
     """`count` JPEGs of 320-800 px (longer side): random crops of the photos (scikit-image's, or the image files
     `sources`: the GPU kit carries its own); returns each file's photo."""
     folder.mkdir(parents=True)
-    photos = [Image.open(p).convert("RGB") for p in sources] if sources else [Image.fromarray(p) for p in zoo._skimage_photos()]
+    photos = [Image.open(p).convert("RGB")
+              for p in sources] if sources else [Image.fromarray(p) for p in zoo._skimage_photos()]
     rng = np.random.default_rng(seed)
     labels = []
     for i in range(count):
@@ -151,7 +152,8 @@ def main() -> int:
     parser.add_argument("--model", choices=["resnet50", "light"], default="resnet50",
                         help="resnet50: compute-bound (8 GFLOP/image); light: a small ResNet where decoding dominates")
     parser.add_argument("--width", type=int,
-                        help="the ResNet's first width (default: 64 for resnet50; 8 for light, 0.07 GFLOP/image: at width "
+                        help="the ResNet's first width (default: 64 for resnet50; 8 for light, 0.07 GFLOP/image: at "
+                             "width "
                              "16, 0.23 GFLOP, its compute costs more CPU than decoding on a CPU without AMX)")
     parser.add_argument("--threads", type=int, default=available_cpus())
     parser.add_argument("--workdir", type=Path, help="keep files here (default: a temp dir)")
@@ -213,15 +215,20 @@ def main() -> int:
 
     cpu = cpu_info()
     print(f"host: {cpu['model']}, {cpu['available_cpus']} CPUs, flags {' '.join(cpu['flags'])}")
-    print(f"model: {args.model} ({'x'.join(map(str, layout))} blocks, width {width}) at 224x224; {args.count} JPEGs of 320-800 px")
-    print(f"build ({build_seconds:.0f} s, not part of the job): {built['backend']} {built['precision']} signed off -> {artifact}"
-          + "".join(f"; {what} (checked by the gate)" for key, what in [("preprocessing.fused", "normalization fused into the model"),
-                                                                         ("preprocessing.draft_decode", "draft JPEG decoding")]
+    print(f"model: {args.model} ({'x'.join(map(str, layout))} blocks, width {width}) at 224x224; {args.count} JPEGs of "
+          "320-800 px")
+    print(f"build ({build_seconds:.0f} s, not part of the job): {built['backend']} {built['precision']} signed off -> "
+          f"{artifact}"
+          + "".join(f"; {what} (checked by the gate)" for key,
+                    what in [("preprocessing.fused", "normalization fused into the model"),
+                                                                         ("preprocessing.draft_decode", "draft JPEG "
+                                                                                                        "decoding")]
                     if key in fast_preprocessing))
     print()
     print(f"{'job (whole process)':42} {'seconds':>8} {'images/s':>9} {'vs naive':>9}")
     print(f"{'naive: Pillow + ORT fp32 batch 1, serial':42} {naive_s:8.2f} {args.count / naive_s:9.1f} {1.0:8.2f}x")
-    print(f"{'accel-opt run (' + built['backend'] + ' ' + built['precision'] + ')':42} {run_s:8.2f} {args.count / run_s:9.1f} "
+    print(f"{'accel-opt run (' + built['backend'] + ' ' + built['precision'] + ')':42} {run_s:8.2f} "
+          f"{args.count / run_s:9.1f} "
           f"{naive_s / run_s:8.2f}x")
     print(f"{'decode floor: decode only, all cores':42} {floor:8.2f} {args.count / floor:9.1f} {naive_s / floor:8.2f}x")
     print()
@@ -232,11 +239,13 @@ def main() -> int:
     print(f"top-1 agreement, accel-opt run vs naive: {agreement:.1%}; accuracy vs the photo: naive {naive_acc:.1%}, "
           f"accel-opt run {fast_acc:.1%}")
     print("CPU per image (one core): " + ", ".join(f"{k} {v:.2f} ms" for k, v in costs.items())
-          + f"; together {sum(costs.values()) / costs['decode']:.1f}x the decoding alone, on the same {args.threads} cores")
+          + f"; together {sum(costs.values()) / costs['decode']:.1f}x the decoding alone, on the same {args.threads} "
+            "cores")
     print(f"host state: fp32 GEMM probe {probe_before:.0f} GFLOP/s before the jobs, {probe_after:.0f} after")
     target = 6.0 if args.model == "resnet50" else None
     if target:
-        print(f"  [{'met' if naive_s / run_s >= target else 'NOT MET'}] >= {target}x the naive job: {naive_s / run_s:.2f}x")
+        print(f"  [{'met' if naive_s / run_s >= target else 'NOT MET'}] >= {target}x the naive job: "
+              f"{naive_s / run_s:.2f}x")
     else:
         print(f"  [{'met' if run_s <= 3 * floor else 'NOT MET'}] within 3x of the decode floor: {run_s / floor:.2f}x")
     print(f"  [{'met' if agreement >= 0.98 else 'NOT MET'}] top-1 agreement >= 98%: {agreement:.1%}")

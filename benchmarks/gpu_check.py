@@ -80,7 +80,8 @@ def _autocast(torch, precision: str):
     return torch.autocast("cuda", dtype=dtype) if dtype else torch.autocast("cuda", enabled=False)
 
 
-def measure(torch, model, precision: str, batch: int, warmup_s: float, measure_s: float, autocast: bool = True) -> Timing:
+def measure(torch, model, precision: str, batch: int, warmup_s: float, measure_s: float,
+            autocast: bool = True) -> Timing:
     """Per call: pinned H2D, forward, D2H into pinned memory, each between CUDA events on one stream. `model` is any
     callable on a CUDA tensor (the eager module under autocast, or a built package with its own precision)."""
     stream = torch.cuda.Stream()
@@ -193,7 +194,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="0.3 s warm-up and 0.5 s per point")
     parser.add_argument("--out", type=Path, default=RESULTS)
-    parser.add_argument("--package", type=Path, help="also time this torch build's AOTInductor package (a built folder)")
+    parser.add_argument("--package", type=Path,
+                        help="also time this torch build's AOTInductor package (a built folder)")
     args = parser.parse_args(argv)
     began = time.monotonic()
     try:
@@ -203,14 +205,16 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if not torch.cuda.is_available():
         print(f"gpu_check: skipped: no CUDA GPU visible to torch {torch.__version__} "
-              f"({'a CPU build' if torch.version.cuda is None else 'CUDA ' + torch.version.cuda + ' build, no device'})")
+              "(" + ("a CPU build" if torch.version.cuda is None else f"CUDA {torch.version.cuda} build, no device")
+              + ")")
         return 0
     torch.backends.cuda.matmul.allow_tf32 = False  # fp32 means fp32: TF32 rounds inputs to a 10-bit mantissa
     torch.backends.cudnn.allow_tf32 = False
     torch.backends.cudnn.benchmark = True
     props = torch.cuda.get_device_properties(0)
     report = Report(machine={
-        "gpu": props.name, "compute_capability": f"{props.major}.{props.minor}", "gpu_memory_mib": props.total_memory // 2**20,
+        "gpu": props.name, "compute_capability": f"{props.major}.{props.minor}",
+        "gpu_memory_mib": props.total_memory // 2**20,
         "torch": torch.__version__, "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version(),
         "python": platform.python_version(), "tf32": False, "model": "examples/resnet_torch.py:resnet50 (seeded)",
     })
@@ -227,7 +231,8 @@ def main(argv: list[str] | None = None) -> int:
             report.accuracy.append(accuracy(torch, model, precision, reference, inputs))
         for batch in BATCHES:
             if time.monotonic() - began > DEADLINE_S:
-                report.notes.append(f"deadline of {DEADLINE_S} s reached: {precision} batch {batch} and later not measured")
+                report.notes.append(f"deadline of {DEADLINE_S} s reached: {precision} batch {batch} and later not "
+                                    "measured")
                 break
             try:
                 report.timings.append(measure(torch, model, precision, batch, warmup_s, measure_s))

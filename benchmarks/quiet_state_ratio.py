@@ -44,7 +44,8 @@ def main() -> None:
         fp32_path = zoo.save(zoo.resnet(head_training=(photos[:head], labels[:head])), work / "resnet50.onnx")
         # The int8 graph the pipeline builds for OpenVINO (ort_cpu preset, minmax, 64 photos).
         int8_path = work / "resnet50-int8.onnx"
-        quantize(fp32_path, calibration, CalibrationConfig(samples=len(calibration)), "openvino", int8_path, cache_dir=None,
+        quantize(fp32_path, calibration, CalibrationConfig(samples=len(calibration)), "openvino", int8_path,
+                 cache_dir=None,
                  cpu=CpuProfile.here())
         nncf_path = nncf_int8(fp32_path, calibration, work / "resnet50.nncf.xml")
         variants = [
@@ -73,7 +74,8 @@ def main() -> None:
 
     stats = {name: np.percentile(np.array(ms, dtype=float), q, axis=1) for name, q in
              (("fastest", 0), ("p10", 10), ("median", 50))}
-    print(f"ResNet-50 layout, batch {BATCH}, {args.threads} threads, {args.seconds:.0f} s taking turns (order rotated, an untimed call before each timed one); "
+    print(f"ResNet-50 layout, batch {BATCH}, {args.threads} threads, {args.seconds:.0f} s taking turns (order rotated, "
+          "an untimed call before each timed one); "
           f"{len(ms[0])} calls each")
     print(f"{'variant':28} " + " ".join(f"{k + ' ms':>10} {'ratio':>6}" for k in stats))
     for i, v in enumerate(variants):

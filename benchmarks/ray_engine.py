@@ -31,14 +31,16 @@ from accel_opt.recipe.load import load_recipe
 from benchmarks._common import cpu_busy_fraction, wait_for_idle
 from benchmarks.e2e_job import make_jpegs
 
-FAST_BENCH = {"warmup_iterations": 1, "min_iterations": 5, "min_seconds": 0.05, "max_iterations": 50, "batch_sizes": [8],
+FAST_BENCH = {"warmup_iterations": 1, "min_iterations": 5, "min_seconds": 0.05, "max_iterations": 50,
+              "batch_sizes": [8],
               "concurrency": [1], "window_seconds": 0.02, "max_windows": 4}
 
 
 def build_artifact(work: Path, photos: Path) -> Path:
     from accel_opt.builder.pipeline import build
 
-    model = zoo.save(zoo.resnet(layout=(1, 1, 1, 1), width=8, num_classes=10, image_size=224, seed=0), work / "light.onnx")
+    model = zoo.save(zoo.resnet(layout=(1, 1, 1, 1), width=8, num_classes=10, image_size=224, seed=0),
+                     work / "light.onnx")
     recipe = load_recipe().with_overrides(benchmark=FAST_BENCH, preprocessing={"resize": 256, "crop": 224},
                                           postprocess={"topk": 5}, **{"selection.target_batch_size": 8})
     result = build(model, recipe, data_dir=photos, out_dir=work / "artifacts")
@@ -81,9 +83,11 @@ def _hwm_mib(pid: int) -> float:
 
 
 def run_job(artifact: Path, inputs: Path, out: Path, engine: str, actors: int | None = None) -> dict:
-    cmd = [sys.executable, "-m", "accel_opt.cli", "run", str(artifact), str(inputs), "--out", str(out), "--json", "--overwrite"]
+    cmd = [sys.executable, "-m", "accel_opt.cli", "run", str(artifact), str(inputs), "--out", str(out), "--json",
+           "--overwrite"]
     if engine == "ray":
-        cmd += ["--engine", "ray", "--actors", f"{actors}-{actors}" if actors == 1 else f"1-{actors}", "--cpus-per-actor", "1"]
+        cmd += ["--engine", "ray", "--actors", f"{actors}-{actors}" if actors == 1 else f"1-{actors}",
+                "--cpus-per-actor", "1"]
     start = time.perf_counter()
     process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     rss = PeakRss(process.pid)
@@ -93,7 +97,8 @@ def run_job(artifact: Path, inputs: Path, out: Path, engine: str, actors: int | 
     if process.returncode != 0:
         raise SystemExit(f"{engine} job failed ({process.returncode}): {stderr[-2000:]}")
     summary = json.loads(stdout)
-    return {"seconds": seconds, "summary": summary, "driver_mib": rss.driver_mib, "actors_mib": sorted(rss.actors_mib.values())}
+    return {"seconds": seconds, "summary": summary, "driver_mib": rss.driver_mib,
+            "actors_mib": sorted(rss.actors_mib.values())}
 
 
 def links(folder: Path, sources: list[Path], count: int) -> Path:
@@ -131,7 +136,8 @@ def check_cost(rows: int, work: Path) -> dict[str, float]:
     check_s = time.perf_counter() - start
     assert predicted == rows and not missing and not doubled
     del keys, table
-    return {"rows": rows, "listing_s": listing_s, "listing_mib": listing_mib, "publish_s": publish_s, "check_s": check_s}
+    return {"rows": rows, "listing_s": listing_s, "listing_mib": listing_mib, "publish_s": publish_s,
+            "check_s": check_s}
 
 
 def main() -> int:
@@ -150,7 +156,8 @@ def main() -> int:
         make_jpegs(work / "jpegs", args.images, seed=0)
         make_jpegs(work / "calib", 32, seed=1)
         artifact = build_artifact(work, work / "calib")
-        print(f"{args.images} JPEGs of 320-800 px and the artifact {artifact.name} ({time.perf_counter() - started:.0f} s, "
+        print(f"{args.images} JPEGs of 320-800 px and the artifact {artifact.name} "
+              f"({time.perf_counter() - started:.0f} s, "
               "not timed)")
         sources = sorted((work / "jpegs").iterdir())
         small = links(work / "small", sources, args.small)
@@ -182,43 +189,55 @@ def main() -> int:
 
         steady = {name: rate(name, "-small", "", args.small, args.images) for name in ("local", "ray-1", "ray-2")}
         steady_big = {name: rate(name, "-small", "-big", args.small, args.big) for name in ("local", "ray-2")}
-        print(f"\njob on {args.images} JPEGs (whole process)   seconds  inputs/s  steady inputs/s  start-up s  vs local steady")
+        print(f"\njob on {args.images} JPEGs (whole process)   seconds  inputs/s  steady inputs/s  start-up s  vs "
+              "local steady")
         for name, label in (("local", "local engine (2 reader threads)"), ("ray-1", "ray, 1 actor x 1 CPU"),
                             ("ray-2", "ray, 2 actors x 1 CPU")):
             run = runs[name]
             startup = run["seconds"] - args.images / steady[name]
             print(f"{label:<38}{run['seconds']:>9.1f}{args.images / run['seconds']:>10.1f}{steady[name]:>17.1f}"
                   f"{startup:>12.1f}{steady[name] / steady['local']:>15.2f}x")
-        print(f"  steady = ({args.images} - {args.small}) inputs / (difference of the two jobs' wall seconds); start-up = "
+        print(f"  steady = ({args.images} - {args.small}) inputs / (difference of the two jobs' wall seconds); "
+              "start-up = "
               "wall - inputs / steady")
         for name in ("ray-1", "ray-2"):
             summary = runs[name]["summary"]
-            print(f"  {name}: ray.init {summary['ray_start_seconds']:.1f} s, then {summary['first_answer_seconds']:.1f} s to the "
-                  f"first answers (actors start, load the model); its own first-to-last rate {summary['steady_inputs_per_s']:.1f} inputs/s")
+            print(f"  {name}: ray.init {summary['ray_start_seconds']:.1f} s, then "
+                  f"{summary['first_answer_seconds']:.1f} s to the "
+                  "first answers (actors start, load the model); its own first-to-last rate "
+                  f"{summary['steady_inputs_per_s']:.1f} inputs/s")
         ratio = steady_big["ray-2"] / steady_big["local"]
-        print(f"steady from {args.small} -> {args.big} inputs (the least noisy): local {steady_big['local']:.1f} inputs/s, "
+        print(f"steady from {args.small} -> {args.big} inputs (the least noisy): local {steady_big['local']:.1f} "
+              "inputs/s, "
               f"ray with 2 actors {steady_big['ray-2']:.1f} inputs/s")
-        print(f"  [{'met' if ratio >= 0.85 else 'NOT MET'}] ray (2 actors) steady state within 15% of the local engine's: {ratio:.2f}x\n")
+        print(f"  [{'met' if ratio >= 0.85 else 'NOT MET'}] ray (2 actors) steady state within 15% of the local "
+              f"engine's: {ratio:.2f}x\n")
         print("peak RSS (VmHWM, MiB)            driver   actors")
         for name, count in (("ray-2-small", args.small), ("ray-2-big", args.big)):
             run = runs[name]
-            print(f"ray, 2 actors, {count:>6} inputs   {run['driver_mib']:>8.0f}   {', '.join(f'{m:.0f}' for m in run['actors_mib'])}")
+            print(f"ray, 2 actors, {count:>6} inputs   {run['driver_mib']:>8.0f}   "
+                  f"{', '.join(f'{m:.0f}' for m in run['actors_mib'])}")
         driver_growth = runs["ray-2-big"]["driver_mib"] / runs["ray-2-small"]["driver_mib"] - 1
         actor_growth = max(runs["ray-2-big"]["actors_mib"]) / max(runs["ray-2-small"]["actors_mib"]) - 1
-        print(f"  [{'met' if driver_growth <= 0.15 else 'NOT MET'}] driver within 15% at 10x the inputs: {driver_growth:+.1%}")
-        print(f"  [{'met' if actor_growth <= 0.15 else 'NOT MET'}] actors within 15% at 10x the inputs: {actor_growth:+.1%}\n")
+        print(f"  [{'met' if driver_growth <= 0.15 else 'NOT MET'}] driver within 15% at 10x the inputs: "
+              f"{driver_growth:+.1%}")
+        print(f"  [{'met' if actor_growth <= 0.15 else 'NOT MET'}] actors within 15% at 10x the inputs: "
+              f"{actor_growth:+.1%}\n")
         cost = check_cost(args.check_rows, work)
         scale = 10_000_000 / cost["rows"]
         per_actor = steady["ray-1"]
-        print(f"driver at {cost['rows']:,} synthetic inputs: listing (key set + Arrow table) {cost['listing_s']:.2f} s, "
+        print(f"driver at {cost['rows']:,} synthetic inputs: listing (key set + Arrow table) {cost['listing_s']:.2f} "
+              "s, "
               f"+{cost['listing_mib']:.0f} MiB; publishing {cost['rows'] // 5000} parts {cost['publish_s']:.2f} s; "
               f"exactly-once check (reading the parts back) {cost['check_s']:.2f} s")
-        print(f"paper estimate at 10,000,000 inputs (linear from {cost['rows']:,}): listing {cost['listing_s'] * scale:.0f} s and "
+        print(f"paper estimate at 10,000,000 inputs (linear from {cost['rows']:,}): listing "
+              f"{cost['listing_s'] * scale:.0f} s and "
               f"{cost['listing_mib'] * scale / 1024:.1f} GiB on the driver, check {cost['check_s'] * scale:.0f} s")
         for actors in (2, 16, 64, 256):
             hours = 10_000_000 / (per_actor * actors) / 3600
             share = (cost["listing_s"] + cost["check_s"]) * scale / (hours * 3600)
-            print(f"  {actors:>3} actors x {per_actor:.0f} inputs/s each (measured here, 1 CPU): {hours:6.2f} h of inference; "
+            print(f"  {actors:>3} actors x {per_actor:.0f} inputs/s each (measured here, 1 CPU): {hours:6.2f} h of "
+                  "inference; "
                   f"listing + check = {share:.1%} of it")
         print(f"\nCPU busy after the jobs: {busy_after:.0%}; load average {os.getloadavg()[0]:.2f} at the end")
     return 0

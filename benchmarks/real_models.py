@@ -30,7 +30,9 @@ from accel_opt.machine.cpu import cpu_info
 from accel_opt.recipe.load import load_recipe
 
 PPOCR_MEAN, PPOCR_STD = np.array([0.485, 0.456, 0.406]), np.array([0.229, 0.224, 0.225])
-WORDS = ["invoice", "total", "amount", "date", "page", "table", "figure", "results", "method", "the", "of", "and", "model", "accuracy", "speed", "layout", "section", "abstract", "introduction", "2026", "42.0%", "revenue", "summary"]
+WORDS = ["invoice", "total", "amount", "date", "page", "table", "figure", "results", "method", "the", "of", "and",
+         "model", "accuracy", "speed", "layout", "section", "abstract", "introduction", "2026", "42.0%", "revenue",
+         "summary"]
 
 
 def document_page(size: int, rng: np.random.Generator) -> np.ndarray:
@@ -43,7 +45,8 @@ def document_page(size: int, rng: np.random.Generator) -> np.ndarray:
     y = int(rng.integers(size // 40, size // 10))
     while y < size * 0.9:
         kind = rng.choice(["title", "text", "text", "table", "photo"])
-        font = ImageFont.load_default(size=int(rng.integers(size // 30, size // 18)) if kind == "title" else int(rng.integers(size // 70, size // 40)))
+        font = ImageFont.load_default(size=int(rng.integers(size // 30, size // 18)) if kind == "title"
+                                      else int(rng.integers(size // 70, size // 40)))
         ink = tuple(int(v) for v in rng.integers(0, 70, 3))
         x0 = int(rng.integers(size // 20, size // 6))
         if kind in ("title", "text"):
@@ -99,7 +102,8 @@ def run(model: Path, recipe_name: str, data: Path, shapes: dict, out: Path, vari
             try:
                 result = build(model, recipe, data_dir=data, out_dir=out, force=True)
             except AccelOptError as exc:
-                rows.append({"model": model.stem, "backend": backend, "fallback": fallback, "error": f"exit {exc.exit_code}: {exc}"})
+                rows.append({"model": model.stem, "backend": backend, "fallback": fallback,
+                             "error": f"exit {exc.exit_code}: {exc}"})
                 print(json.dumps(rows[-1]), flush=True)
                 continue
             folder = Path(result.artifact_dir)
@@ -111,7 +115,8 @@ def run(model: Path, recipe_name: str, data: Path, shapes: dict, out: Path, vari
                          "signed_off": result.signed_off, "worst_cosine": result.worst_cosine,
                          "kept": len(fb.get("kept", [])), "fp32_flops": fb.get("fp32_flops_fraction", 0.0),
                          "reason": fb.get("reason", ""), "failures": result.failures[:2], "p50_ms": p50,
-                         "rounds": [(r["round"], r["verdict"]["worst_cosine"], r["verdict"]["passed"]) for r in fb.get("rounds", [])]})
+                         "rounds": [(r["round"], r["verdict"]["worst_cosine"],
+                                     r["verdict"]["passed"]) for r in fb.get("rounds", [])]})
             print(json.dumps(rows[-1]), flush=True)
     return rows
 

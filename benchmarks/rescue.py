@@ -3,7 +3,8 @@ NNCF's accuracy-controlled quantization, side by side in one run.
 
 The model is the trained mobile classifier of examples/mobile_classifier.py (depthwise-separable blocks,
 squeeze-excitation, hard-swish/ReLU6, 36 classes, trained here in about three minutes). Builds use the
-image-classifier recipe on --data made of other crops than the ones every variant is finally judged on. For each backend (OpenVINO,
+image-classifier recipe on --data made of other crops than the ones every variant is finally judged on. For each backend
+(OpenVINO,
 ONNX Runtime) the run builds fp32, int8 with --no-fallback (naive), int8 with the search at the recipe's budget,
 and int8 with the search's speed budget lifted (what it reaches when speed does not stop it); NNCF's
 `quantize_with_accuracy_control` runs on the same fp32 model, calibration images and metric (top-1 agreement with
@@ -29,7 +30,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 MOBILE = f"{ROOT / 'examples' / 'mobile_classifier.py'}:mobile"
-QUICK_BENCH = {"warmup_iterations": 2, "min_iterations": 10, "min_seconds": 0.2, "max_iterations": 200, "batch_sizes": [1, 8],
+QUICK_BENCH = {"warmup_iterations": 2, "min_iterations": 10, "min_seconds": 0.2, "max_iterations": 200,
+               "batch_sizes": [1, 8],
                "concurrency": [1], "window_seconds": 0.1, "max_windows": 4}
 TIMED_BATCHES = (1, 8)
 
@@ -38,7 +40,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backends", default="openvino,onnxruntime")
     parser.add_argument("--held-out", type=int, default=10, help="held-out crops per class (36 classes)")
-    parser.add_argument("--per-class", type=int, default=8, help="--data crops per class (288 by default: 64 calibrate, "
+    parser.add_argument("--per-class", type=int, default=8,
+                        help="--data crops per class (288 by default: 64 calibrate, "
                         "32 steer, 192 judge each build's own held-out verdict)")
     parser.add_argument("--workdir", type=Path)
     parser.add_argument("--out", type=Path, default=RESULTS)
@@ -63,7 +66,8 @@ def main() -> int:
         json.loads((work / "held-out-labels.json").read_text())
     (work / "held-out-labels.json").write_text(json.dumps(held_labels))
     cpu = cpu_info()
-    lines = [f"rescue on {cpu['model']}, {cpu['available_cpus']} CPUs, class {CpuProfile.here().kernel_class('onnxruntime')} "
+    lines = [f"rescue on {cpu['model']}, {cpu['available_cpus']} CPUs, class "
+             f"{CpuProfile.here().kernel_class('onnxruntime')} "
              f"(OpenVINO: {CpuProfile.here().kernel_class('openvino')})",
              f"model: the trained mobile classifier (examples/mobile_classifier.py, 36 classes, 96x96); builds on "
              f"{len(list(data.iterdir()))} crops, judged here on {len(held_labels)} held-out crops", ""]
@@ -86,14 +90,17 @@ def main() -> int:
             folder = Path(result.artifact_dir)
             fallback = json.loads((folder / "build.json").read_text()).get("fallback") or {}
             accuracy = json.loads((folder / "accuracy.json").read_text())
-            top1 = next((c["evidence"] for c in accuracy["checks"] if c["name"].endswith(": top1") and c["evidence"]), None)
+            top1 = next((c["evidence"] for c in accuracy["checks"] if c["name"].endswith(": top1")
+                         and c["evidence"]), None)
             variants[f"{backend} {label}"] = {
                 "folder": folder, "signed_off": result.signed_off, "build_s": time.monotonic() - started,
-                "verdict": result.verdict, "bound": f"{top1['lower']:.3f} ({top1['failures']}/{top1['trials']})" if top1 else "-",
+                "verdict": result.verdict,
+                "bound": f"{top1['lower']:.3f} ({top1['failures']}/{top1['trials']})" if top1 else "-",
                 "search_s": fallback.get("search_seconds", 0.0), "status": fallback.get("status", "-"),
                 "reason": fallback.get("reason", ""), "kept": len(fallback.get("kept", [])), "backend": backend}
             print(f"built {backend} {label}: {'signed off' if result.signed_off else 'NOT signed off'}"
-                  + (f"; fallback {fallback['status']}: {fallback['reason']}" if fallback.get("status") not in (None, "disabled") else ""),
+                  + (f"; fallback {fallback['status']}: {fallback['reason']}"
+                     if fallback.get("status") not in (None, "disabled") else ""),
                   flush=True)
     if not args.no_nncf and "openvino" in args.backends:
         started = time.monotonic()
@@ -102,14 +109,17 @@ def main() -> int:
             "path": path, "signed_off": None, "verdict": "-", "bound": "-", "build_s": time.monotonic() - started,
             "search_s": time.monotonic() - started,
             "status": note, "reason": "", "kept": None, "backend": "openvino"}
-        print(f"NNCF accuracy control: {note} in {variants['openvino NNCF quantize_with_accuracy_control']['search_s']:.0f} s",
+        print(f"NNCF accuracy control: {note} in "
+              f"{variants['openvino NNCF quantize_with_accuracy_control']['search_s']:.0f} s",
               flush=True)
 
     samples = _held_out_samples(held, recipe)
     outputs, speeds = _evaluate(variants, samples, work)
     minimum = recipe.accuracy.task_metrics[0].min_agreement[1]
-    lines += [f"Each build's own verdict rests on its held-out share of --data (the bound: top-1 agreement's lower bound "
-              f"at 95%, changed/judged); then every variant is judged here on {len(held_labels)} crops none of its stages "
+    lines += ["Each build's own verdict rests on its held-out share of --data (the bound: top-1 agreement's lower "
+              "bound "
+              f"at 95%, changed/judged); then every variant is judged here on {len(held_labels)} crops none of its "
+              "stages "
               f"saw: does its top-1 agreement with fp32 hold the recipe's {minimum}?", ""]
     lines += [f"{'variant':52} {'verdict':>21} {'bound':>15} {'top-1 = fp32':>12} {'holds':>5} {'accuracy':>9} "
               + " ".join(f"{'vs fp32 b' + str(b):>11}" for b in TIMED_BATCHES) + f" {'search s':>9}  fallback"]
@@ -117,7 +127,8 @@ def main() -> int:
         fp32 = outputs[f"{v['backend']} fp32"]
         top1 = np.mean([a == b for a, b in zip(outputs[name], fp32)])
         accuracy = np.mean([a == y for a, y in zip(outputs[name], held_labels)])
-        lines.append(f"{name:52} {v['verdict']:>21} {v['bound']:>15} {top1:12.1%} {'yes' if top1 >= minimum else 'NO':>5} {accuracy:9.1%} "
+        lines.append(f"{name:52} {v['verdict']:>21} {v['bound']:>15} {top1:12.1%} "
+                     f"{'yes' if top1 >= minimum else 'NO':>5} {accuracy:9.1%} "
                      + " ".join(f"{speeds[name][b]:10.2f}x" for b in TIMED_BATCHES)
                      + f" {v['search_s']:9.0f}  {v['status']}{': ' + v['reason'] if v['reason'] else ''}")
     text = "\n".join(lines)
@@ -150,16 +161,19 @@ def minilm(args) -> int:
     factory = f"{ROOT / 'examples' / 'minilm.py'}:minilm"
     lines = [f"rescue, all-MiniLM-L6-v2 on {len(list(feeds.iterdir()))} sentences (24 calibrate, the rest judge), "
              f"{recipe.backend.value} int8 on class {CpuProfile.here().kernel_class(recipe.backend)}", "",
-             f"{'variant':40} {'signed off':>10} {'worst cosine':>12} {'vs fp32 b1':>10} {'vs fp32 b8':>10} {'search s':>9}  fallback"]
+             f"{'variant':40} {'signed off':>10} {'worst cosine':>12} {'vs fp32 b1':>10} {'vs fp32 b8':>10} "
+             f"{'search s':>9}  fallback"]
     for label, overrides in (("int8 naive", {"precision_options.fallback.enabled": False}), ("int8 + search", {}),
                              ("int8 + search, speed budget lifted", {"precision_options.fallback.min_speedup": 0.01})):
-        result = build(factory, recipe.with_overrides(precision="int8", **overrides), data_dir=feeds, out_dir=work / "out")
+        result = build(factory, recipe.with_overrides(precision="int8", **overrides), data_dir=feeds,
+                       out_dir=work / "out")
         folder = Path(result.artifact_dir)
         fallback = json.loads((folder / "build.json").read_text()).get("fallback") or {}
         speed = {h.batch_size: h.speedup_vs_fp32 for h in result.headline}
         lines.append(f"{label:40} {'yes' if result.signed_off else 'no':>10} {result.worst_cosine:12.5f} "
                      + " ".join(f"{speed.get(b) or float('nan'):9.2f}x" for b in TIMED_BATCHES)
-                     + f" {fallback.get('search_seconds', 0):9.0f}  {fallback.get('status', '-')}: {fallback.get('reason', '')}")
+                     + f" {fallback.get('search_seconds', 0):9.0f}  {fallback.get('status', '-')}: "
+                       f"{fallback.get('reason', '')}")
         print(lines[-1], flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     out = args.out / f"rescue-minilm-{CpuProfile.here().kernel_class(recipe.backend)}.txt"
@@ -197,14 +211,16 @@ def _nncf_accuracy_control(fp32_folder: Path, data: Path, work: Path) -> tuple[P
     def agreement(compiled, items) -> float:
         return float(np.mean([int(np.argmax(compiled(x)[0])) == y for x, y in items]))
 
-    quantized = nncf.quantize_with_accuracy_control(model, calibration, validation, validation_fn=agreement, max_drop=0.01,
+    quantized = nncf.quantize_with_accuracy_control(model, calibration, validation, validation_fn=agreement,
+                                                    max_drop=0.01,
                                                     drop_type=nncf.DropType.ABSOLUTE, subset_size=len(samples))
     out = work / "nncf-qac.xml"
     ov.save_model(quantized, str(out), compress_to_fp16=False)
     return out, "quantized"
 
 
-def _evaluate(variants: dict[str, dict], samples: list[dict], work: Path) -> tuple[dict[str, list[int]], dict[str, dict[int, float]]]:
+def _evaluate(variants: dict[str, dict], samples: list[dict],
+              work: Path) -> tuple[dict[str, list[int]], dict[str, dict[int, float]]]:
     """Each variant's top-1 on the held-out samples, and its speed against its backend's fp32 at each timed batch, all
     targets of a backend timed in one interleaved run."""
     from accel_opt import runtime
@@ -232,7 +248,8 @@ def _evaluate(variants: dict[str, dict], samples: list[dict], work: Path) -> tup
     config = BenchmarkConfig(warmup_iterations=5, min_iterations=50, min_seconds=2.0, max_iterations=3000)
     for backend in {v["backend"] for v in variants.values()}:
         names = [n for n, v in variants.items() if v["backend"] == backend]
-        fresh = {n: runtime.load(variants[n]["folder"], allow_not_signed_off=True).runner() if "folder" in variants[n] else runners[n] for n in names}
+        fresh = {n: runtime.load(variants[n]["folder"], allow_not_signed_off=True).runner() if "folder" in variants[n]
+                 else runners[n] for n in names}
         report = run_benchmark([Target(n, fresh[n]) for n in names], samples, list(TIMED_BATCHES), config,
                                available_cpus(), {"image": 0})
         by_label = {m.label: m for m in report.models}

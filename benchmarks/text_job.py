@@ -1,4 +1,5 @@
-"""The whole text job: embedding a corpus with all-MiniLM-L6-v2, naive script vs sentence-transformers vs `accel-opt run`.
+"""The whole text job: embedding a corpus with all-MiniLM-L6-v2, naive script vs sentence-transformers vs `accel-opt
+run`.
 
 The corpus is generated offline from examples/sentences.txt with the length distribution of real corpora: most
 texts a sentence or two, a long tail of paragraphs (some past the 256-token limit). Each side runs as a whole
@@ -50,7 +51,8 @@ texts = open(corpus, encoding="utf-8").read().splitlines()
 vectors = []
 for start in range(0, len(texts), int(batch)):
     enc = tok.encode_batch(texts[start:start + int(batch)])
-    feed = {"input_ids": np.array([e.ids for e in enc], np.int64), "attention_mask": np.array([e.attention_mask for e in enc], np.int64)}
+    feed = {"input_ids": np.array([e.ids for e in enc], np.int64),
+            "attention_mask": np.array([e.attention_mask for e in enc], np.int64)}
     vectors.append(session.run(None, {n: feed[n] for n in names})[0])
 np.save(out, np.concatenate(vectors))
 """
@@ -103,7 +105,8 @@ def run(cmd: list[str], ok=(0,)) -> tuple[float, str]:
 
 def build(label: str, work: Path, calibration: Path, threads: int, *flags: str) -> tuple[str, float]:
     accel_opt = str(Path(sys.executable).parent / "accel-opt")
-    seconds, out = run([accel_opt, "build", "examples/minilm.py:minilm", "--recipe", "text-encoder", "--data", str(calibration),
+    seconds, out = run([accel_opt, "build", "examples/minilm.py:minilm", "--recipe", "text-encoder", "--data",
+                        str(calibration),
                         "--out", str(work / "artifacts"), "--threads", str(threads), "--json", *flags], ok=(0, 1))
     result = json.loads(out)
     print(f"build {label}: {result['backend']} {result['precision']}, signed off: {result['signed_off']}, "
@@ -124,7 +127,8 @@ def agreement(vectors: np.ndarray, reference: np.ndarray, texts: list[str]) -> t
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--count", type=int, default=2000, help="texts in the corpus")
-    parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds; each side's fastest round is reported")
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="interleaved rounds; each side's fastest round is reported")
     parser.add_argument("--threads", type=int, default=available_cpus())
     parser.add_argument("--workdir", type=Path, help="keep files here (default: a temp dir)")
     parser.add_argument("--no-int8", action="store_true", help="skip the OpenVINO int8 build")
@@ -136,7 +140,8 @@ def main() -> int:
     texts = make_corpus(corpus, args.count, seed=1)
     make_corpus(calibration, 96, seed=2)  # the builds' calibration and gate texts: not the job's
 
-    builds = {"ORT fp32": build("ORT fp32", work, calibration, args.threads, "--backend", "onnxruntime", "--precision", "fp32"),
+    builds = {"ORT fp32": build("ORT fp32", work, calibration, args.threads, "--backend", "onnxruntime",
+                                "--precision", "fp32"),
               "OpenVINO fp32": build("OpenVINO fp32", work, calibration, args.threads, "--backend", "openvino",
                                      "--precision", "fp32")}
     if not args.no_int8:
@@ -152,7 +157,8 @@ def main() -> int:
         "sentence-transformers encode (torch fp32)": lambda out: [sys.executable, "-c", ST_JOB, str(corpus), str(out),
                                                                    str(NAIVE_BATCH), str(ROOT)],
         **{f"accel-opt run ({label})": (lambda out, folder=folder: [accel_opt, "run", folder, str(corpus), "--out",
-                                                                    str(out.with_suffix(".jsonl")), "--overwrite", "--json"])
+                                                                    str(out.with_suffix(".jsonl")),
+                                                                    "--overwrite", "--json"])
            for label, (folder, _) in builds.items()},
     }
     files = {name: work / f"side{i}.npy" for i, name in enumerate(sides)}
@@ -183,7 +189,8 @@ def main() -> int:
           f"p90 {int(np.percentile(tokens, 90))}, max {max(tokens)}")
     print(f"each side a whole process, fastest of {args.rounds} interleaved rounds, {args.threads} threads")
     print()
-    print(f"{'job':48} {'seconds':>8} {'texts/s':>8} {'vs naive':>9} {'vs s-t':>7} {'mean cos':>9} {'worst cos':>9} {'NN agree':>9}")
+    print(f"{'job':48} {'seconds':>8} {'texts/s':>8} {'vs naive':>9} {'vs s-t':>7} {'mean cos':>9} {'worst cos':>9} "
+          f"{'NN agree':>9}")
     for name in sides:
         mean_cos, worst_cos, nn = agreement(vectors(name), reference, texts)
         print(f"{name:48} {best[name]:8.2f} {len(texts) / best[name]:8.1f} {best[naive_name] / best[name]:8.2f}x "
@@ -201,7 +208,8 @@ def main() -> int:
     fastest_fp32 = min((n for n in sides if n.startswith("accel-opt") and "int8" not in n), key=best.get)
     print(f"  [{'met' if best[fastest_fp32] < best[naive_name] else 'NOT MET'}] accel-opt run beats the naive job: "
           f"{best[naive_name] / best[fastest_fp32]:.2f}x ({fastest_fp32})")
-    print(f"  [{'met' if best[fastest_fp32] <= best[st_name] else 'NOT MET'}] at least level with sentence-transformers: "
+    print(f"  [{'met' if best[fastest_fp32] <= best[st_name] else 'NOT MET'}] at least level with "
+          "sentence-transformers: "
           f"{best[st_name] / best[fastest_fp32]:.2f}x")
     return 0
 

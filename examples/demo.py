@@ -38,7 +38,8 @@ def prepare(workdir: Path) -> tuple[Path, Path]:
             np.savez(data_dir / f"photo_{i:03d}.npz", **sample)
     groups = workdir / GROUPS_FILE  # the photo each crop came from (which is also its class): for --groups
     if not groups.exists():
-        groups.write_text("file,group\n" + "".join(f"photo_{i:03d}.npz,photo{label}\n" for i, label in enumerate(labels)))
+        groups.write_text("file,group\n" + "".join(f"photo_{i:03d}.npz,photo{label}\n" for i,
+                                                   label in enumerate(labels)))
     photos_dir = workdir / "photos"
     if not photos_dir.exists():
         from PIL import Image
@@ -56,7 +57,8 @@ def main() -> int:
     args = parser.parse_args()
 
     model_path, data_dir = prepare(args.out / "demo")
-    print(f"model: {model_path} (ResNet layout, {IMAGE_SIZE}x{IMAGE_SIZE}); data: {len(list(data_dir.iterdir()))} photos in {data_dir}")
+    print(f"model: {model_path} (ResNet layout, {IMAGE_SIZE}x{IMAGE_SIZE}); data: {len(list(data_dir.iterdir()))} "
+          f"photos in {data_dir}")
     recipe = load_recipe("image-classifier")
     rows, exit_code = [], 0
     for precision in args.precisions.split(","):
@@ -74,7 +76,8 @@ def main() -> int:
             f"{by_batch[1].latency_p50_ms:.2f}" if 1 in by_batch else "-",
             f"{by_batch[8].latency_p50_ms:.2f}" if 8 in by_batch else "-",
             speedups or "-",
-            ("signed off" if result.signed_off else f"NOT signed off ({result.verdict.outcome}, exit {result.exit_code})")
+            ("signed off" if result.signed_off
+             else f"NOT signed off ({result.verdict.outcome}, exit {result.exit_code})")
             + top1_evidence(result) + benefit_of(result),
             result.artifact_dir,
         ))
@@ -94,11 +97,13 @@ def main() -> int:
 
 
 def benefit_of(result) -> str:
-    """A reduced precision's measured benefit, as its verdict judged it (the lower bound against the recipe's minimum)."""
+    """A reduced precision's measured benefit, as its verdict judged it (the lower bound against the recipe's
+    minimum)."""
     benefit = result.verdict.benefit
     if benefit is None:
         return ""
-    return f"; benefit: lower bound {benefit.lower_bound or 0:.2f}x at batch {benefit.batch}, minimum {benefit.min_speedup:.2f}x"
+    return (f"; benefit: lower bound {benefit.lower_bound or 0:.2f}x at batch {benefit.batch}, "
+            f"minimum {benefit.min_speedup:.2f}x")
 
 
 def top1_evidence(result) -> str:
@@ -110,7 +115,8 @@ def top1_evidence(result) -> str:
     if top1 is None:
         return ""
     if top1["status"] == "insufficient":
-        return f": {top1['trials']} held-out samples cannot show top-1 >= {top1['minimum']:.0%}, {top1['needed']} needed"
+        return (f": {top1['trials']} held-out samples cannot show top-1 >= {top1['minimum']:.0%}, "
+                f"{top1['needed']} needed")
     return (f": top-1 >= {top1['lower']:.1%} at {top1['confidence']:.0%} confidence ({top1['failures']} changed of "
             f"{top1['trials']} held-out)")
 

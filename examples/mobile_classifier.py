@@ -7,7 +7,8 @@ neighbouring quadrants look alike), so its class margins are a trained network's
 
     python examples/mobile_classifier.py train [--out artifacts/mobile]     # writes mobile.pt (a state dict)
     python examples/mobile_classifier.py images DIR --count 200 --seed 7   # JPEG crops of the same photos
-    accel-opt build examples/mobile_classifier.py:mobile --shapes image:1x3x96x96 ...   # loads artifacts/mobile/mobile.pt
+    accel-opt build examples/mobile_classifier.py:mobile --shapes image:1x3x96x96 ...   # loads
+    artifacts/mobile/mobile.pt
 
 The factory loads its weights with `torch.load(..., weights_only=True)`; it trains them first when the file is missing.
 """
@@ -25,11 +26,13 @@ from torch import nn
 
 SIZE = 96
 QUADRANTS = 4
-WEIGHTS = Path(os.environ.get("ACCEL_OPT_MOBILE_WEIGHTS", Path(__file__).resolve().parent.parent / "artifacts" / "mobile" / "mobile.pt"))
+WEIGHTS = Path(os.environ.get("ACCEL_OPT_MOBILE_WEIGHTS",
+                              Path(__file__).resolve().parent.parent / "artifacts" / "mobile" / "mobile.pt"))
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 # (expansion, out channels, squeeze-excite, activation, stride): a MobileNetV3-Small-like stack, narrowed
 BLOCKS = [(1, 16, True, "relu6", 2), (4, 24, False, "relu6", 2), (3, 24, False, "relu6", 1), (4, 40, True, "hswish", 2),
-          (6, 40, True, "hswish", 1), (3, 48, True, "hswish", 1), (6, 96, True, "hswish", 2), (6, 96, True, "hswish", 1)]
+          (6, 40, True, "hswish", 1), (3, 48, True, "hswish", 1), (6, 96, True, "hswish", 2),
+          (6, 96, True, "hswish", 1)]
 
 
 def _act(name: str) -> nn.Module:
@@ -39,7 +42,8 @@ def _act(name: str) -> nn.Module:
 class SqueezeExcite(nn.Module):
     def __init__(self, channels: int):
         super().__init__()
-        self.reduce, self.expand = nn.Conv2d(channels, max(8, channels // 4), 1), nn.Conv2d(max(8, channels // 4), channels, 1)
+        self.reduce, self.expand = nn.Conv2d(channels, max(8, channels // 4),
+                                             1), nn.Conv2d(max(8, channels // 4), channels, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate = torch.relu(self.reduce(x.mean((2, 3), keepdim=True)))

@@ -159,7 +159,8 @@ def main() -> int:
         raise SystemExit(f"gpu_rehearsal: FAILED: the kit's steps on the CPU: {failed or names}")
 
     repository, wheels = carried_bytes(work / f"wheelhouse-{GPU_PYTHON_VERSION}")
-    print(f"gpu_rehearsal: the kit carries {(repository + wheels) / 2**20:.1f} MiB (repository {repository / 2**20:.1f} "
+    print(f"gpu_rehearsal: the kit carries {(repository + wheels) / 2**20:.1f} MiB (repository "
+          f"{repository / 2**20:.1f} "
           f"MiB, wheelhouse {wheels / 2**20:.1f} MiB) of the {CARRY_LIMIT_BYTES / 2**20:.0f} MiB a run may carry")
     if repository + wheels > CARRY_LIMIT_BYTES:
         raise SystemExit("gpu_rehearsal: FAILED: the kit is over the GPU machine's carry limit")

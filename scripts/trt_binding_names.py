@@ -4,7 +4,8 @@
     python scripts/trt_binding_names.py WHEEL [WHEEL]   # or read wheels already downloaded
 
 Writes tests/data/trt_names/tensorrt-<major>.txt, which tests/backends/tensorrt/test_trt_conformance.py
-checks optimizer/accel_opt/backends/tensorrt/ (backend.py, build.py, plan.py) against. `tensorrt_bindings/tensorrt.so` is a pybind11 module;
+checks optimizer/accel_opt/backends/tensorrt/ (backend.py, build.py, plan.py) against. `tensorrt_bindings/tensorrt.so`
+is a pybind11 module;
 it cannot be imported here, but its machine code names every binding it registers. The names are
 read from the disassembly (objdump, from binutils), not from `strings`: the linker merges a string
 into the tail of a longer one ("INT8" lives inside "UINT8", "serialize" inside "deserialize"), so a
@@ -58,7 +59,8 @@ MOVE = re.compile(r"^\s*[0-9a-f]+:\s+mov\s+%(\w+),%(\w+)\s*$")
 WRITES = re.compile(r",%(\w+)\s*$")  # the destination register of any other instruction
 CALLEE_SAVED = {"rbx", "rbp", "r12", "r13", "r14", "r15"}  # survive a call (System V x86-64 ABI)
 # pybind11 internals a fully inlined `class_<T>::def*` ends in; T is then the class in scope.
-INLINED_DEFS = ("pybind11::detail::add_class_method(", "pybind11::detail::generic_type::def_property_static_impl(")  # instructions after a `lea ..., %rsi` within which its call must come
+# instructions after a `lea ..., %rsi` within which its call must come
+INLINED_DEFS = ("pybind11::detail::add_class_method(", "pybind11::detail::generic_type::def_property_static_impl(")
 
 
 def newest_versions() -> dict[int, str]:
@@ -222,7 +224,8 @@ def write_list(wheel: Path, out_dir: Path) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("wheels", nargs="*", type=Path, help="bindings wheels (default: download the newest 10.x, 11.x)")
+    parser.add_argument("wheels", nargs="*", type=Path,
+                        help="bindings wheels (default: download the newest 10.x, 11.x)")
     parser.add_argument("--out", type=Path, default=OUT_DIR)
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:

@@ -56,13 +56,15 @@ def _temporary_files_under_pytest(tmp_path_factory):
 
 # min_speedup 0: whether a tiny model's int8 build runs faster than its fp32 build depends on the host, and no test's
 # outcome may; the benefit rule is tested with injected timings and with a minimum no build reaches (test_verdict.py).
-FAST_BENCH = {"warmup_iterations": 1, "min_iterations": 5, "min_seconds": 0.05, "max_iterations": 50, "batch_sizes": [1, 2],
+FAST_BENCH = {"warmup_iterations": 1, "min_iterations": 5, "min_seconds": 0.05, "max_iterations": 50,
+              "batch_sizes": [1, 2],
               "concurrency": [1], "window_seconds": 0.02, "max_windows": 4, "min_speedup": 0}
 
 
 @pytest.fixture(scope="session")
 def tiny_cnn_path(tmp_path_factory) -> Path:
-    """A ResNet-layout classifier small enough to build in about a second: image [batch,3,32,32] -> logits [batch,10]."""
+    """A ResNet-layout classifier small enough to build in about a second: image [batch,3,32,32] -> logits
+    [batch,10]."""
     path = tmp_path_factory.mktemp("models") / "tiny_cnn.onnx"
     return zoo.save(zoo.resnet(layout=(1, 1), width=8, num_classes=10, image_size=32, seed=0), path)
 
@@ -79,7 +81,8 @@ def photos(tmp_path_factory) -> Path:
     for i, photo in enumerate(zoo._skimage_photos()[:6]):
         for j, scale in enumerate((0.5, 0.8)):
             img = Image.fromarray(photo)
-            img.resize((int(img.width * scale), int(img.height * scale))).rotate(90 * j, expand=True).save(folder / f"{i:02d}_{j}.jpg")
+            img.resize((int(img.width * scale),
+                        int(img.height * scale))).rotate(90 * j, expand=True).save(folder / f"{i:02d}_{j}.jpg")
     return folder
 
 
@@ -161,7 +164,8 @@ def spiky_cnn(seed: int = 0) -> onnx.ModelProto:
             w *= weight_scale
         nodes.extend([helper.make_node("Conv", [x, f"{name}_w", f"{name}_b"], [name], pads=[k // 2] * 4, name=name),
                       helper.make_node("Relu", [name], [f"{name}_r"], name=f"{name}_relu")])
-        inits.extend([numpy_helper.from_array(w, f"{name}_w"), numpy_helper.from_array(np.zeros(cout, np.float32), f"{name}_b")])
+        inits.extend([numpy_helper.from_array(w, f"{name}_w"),
+                      numpy_helper.from_array(np.zeros(cout, np.float32), f"{name}_b")])
         return f"{name}_r"
 
     x = "image"

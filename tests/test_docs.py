@@ -69,7 +69,8 @@ def test_the_link_check_can_fail(tmp_path):
     page = tmp_path / "page.md"
     page.write_text("# Title\n\n[ok](#title) [gone](missing.md) [bad anchor](#nowhere)\n")
     assert _links(page) == ["#title", "missing.md", "#nowhere"]
-    assert _anchors(page) == {"title"} and _slug("Choosing a build: `--precision auto`") == "choosing-a-build---precision-auto"
+    assert _anchors(page) == {"title"}
+    assert _slug("Choosing a build: `--precision auto`") == "choosing-a-build---precision-auto"
 
 
 def _package_map() -> dict[str, str]:

@@ -126,7 +126,8 @@ def small_mount(tmp_path):
     def mount(options: str) -> Path:
         point = tmp_path / f"mnt{len(mounted)}"
         point.mkdir()
-        done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(point)], capture_output=True, text=True)
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(point)],
+                              capture_output=True, text=True)
         if done.returncode != 0:
             pytest.skip(f"cannot mount a tmpfs here (needs root): {done.stderr.strip()}")
         mounted.append(point)

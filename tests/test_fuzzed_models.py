@@ -26,7 +26,8 @@ def _weight() -> onnx.TensorProto:
 
 
 def _classifier(extra_nodes=(), outputs=(Y,), inputs=(X,), initializers=()) -> onnx.ModelProto:
-    nodes = [helper.make_node("Flatten", ["x"], ["f"], name="flatten"), helper.make_node("MatMul", ["f", "W"], ["y"], name="fc"),
+    nodes = [helper.make_node("Flatten", ["x"], ["f"], name="flatten"),
+             helper.make_node("MatMul", ["f", "W"], ["y"], name="fc"),
              *extra_nodes]
     return make_model(nodes, list(inputs), list(outputs), [_weight(), *initializers])
 
@@ -54,7 +55,8 @@ def build(recipe):
     """`accel-opt build MODEL ARGS...` through the CLI, with the short-benchmark recipe unless ARGS name one."""
     def run(model: Path, *args):
         given = [str(a) for a in args]
-        return CliRunner().invoke(main, ["build", str(model), *([] if "--recipe" in given else ["--recipe", str(recipe)]),
+        return CliRunner().invoke(main, ["build", str(model),
+                                         *([] if "--recipe" in given else ["--recipe", str(recipe)]),
                                          *given])
     return run
 
@@ -96,7 +98,8 @@ def test_9_samples_of_several_lengths_are_judged_one_per_call(build, tmp_path):
     w = numpy_helper.from_array(np.random.default_rng(0).standard_normal((8, 4)).astype(np.float32), "W")
     model = save(make_model([helper.make_node("MatMul", ["x", "W"], ["y"])],
                             [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", "T", 8])],
-                            [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", "T", 4])], [w]), tmp_path / "seq.onnx")
+                            [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", "T", 4])], [w]),
+                 tmp_path / "seq.onnx")
     data = tmp_path / "seq"
     data.mkdir()
     rng = np.random.default_rng(0)
@@ -111,7 +114,8 @@ def test_10_a_long_input_file_name_does_not_break_the_outputs(build, data, tmp_p
     long_data = tmp_path / "long"
     long_data.mkdir()
     for i, path in enumerate(sorted(data.iterdir())):
-        (long_data / (("a" * 246 + f"{i:02d}") if i == 0 else path.stem)).with_suffix(".npz").write_bytes(path.read_bytes())
+        (long_data / (("a" * 246 + f"{i:02d}") if i == 0
+                      else path.stem)).with_suffix(".npz").write_bytes(path.read_bytes())
     model = save(_classifier(), tmp_path / "m.onnx")
     done = build(model, "--data", long_data, "--out", tmp_path / "out")
     assert done.exit_code == 0, done.output
@@ -175,7 +179,8 @@ def test_16_entropy_bins_are_bounded_by_the_schema():
 def test_19_a_local_function_in_a_custom_domain_and_an_output_listed_twice_build(build, data, tmp_path):
     function = helper.make_function("mine", "proj", ["a", "b"], ["c"], [helper.make_node("MatMul", ["a", "b"], ["c"])],
                                     [helper.make_opsetid("", 17)])
-    local = make_model([helper.make_node("Flatten", ["x"], ["f"]), helper.make_node("proj", ["f", "W"], ["y"], domain="mine")],
+    local = make_model([helper.make_node("Flatten", ["x"], ["f"]),
+                        helper.make_node("proj", ["f", "W"], ["y"], domain="mine")],
                        [X], [Y], [_weight()], domains=["mine"])
     local.functions.append(function)
     twice = _classifier(outputs=(Y, Y))
@@ -189,7 +194,8 @@ def test_19_a_local_function_in_a_custom_domain_and_an_output_listed_twice_build
 def test_20_a_fixed_dim_of_zero_is_fixed(build, tmp_path):
     empty = helper.make_tensor_value_info("e", TensorProto.FLOAT, ["N", 0])
     model = save(_classifier([helper.make_node("Identity", ["e"], ["z"])], inputs=(X, empty),
-                             outputs=(Y, helper.make_tensor_value_info("z", TensorProto.FLOAT, ["N", 0]))), tmp_path / "z.onnx")
+                             outputs=(Y, helper.make_tensor_value_info("z", TensorProto.FLOAT, ["N", 0]))),
+                 tmp_path / "z.onnx")
     done = build(model, "--out", tmp_path / "out")  # no --shapes asked for: the 0 is not unknown
     assert done.exit_code == 0, done.output
 

@@ -24,10 +24,12 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_a_gpu_jobs_host_decoded_images_are_said_with_why():
     summary = JobSummary(artifact="a", predictions="p.jsonl", errors="p.errors.jsonl", inputs=10, predicted=10,
-                         rejected=0, skipped=0, workers=4, batch_size=8, seconds=1.0, inputs_per_s=10.0, stages_seconds={},
+                         rejected=0, skipped=0, workers=4, batch_size=8, seconds=1.0, inputs_per_s=10.0,
+                         stages_seconds={},
                          bottleneck="compute", path="device", device="cuda:0", host_decoded=3, exit_code=0,
                          host_decoded_reasons={"not a JPEG (the device decodes JPEGs only)": 2,
-                                               "the device decoder refused it (nvJPEG: a progressive, CMYK or broken JPEG)": 1})
+                                               "the device decoder refused it (nvJPEG: a progressive, CMYK or broken "
+                                               "JPEG)": 1})
     note = host_decoding_note(summary)
     assert note.startswith("; 3 of 10 decoded on the host, not the device (2 not a JPEG") and "--strict-device" in note
     assert host_decoding_note(summary.model_copy(update={"device": "cpu"})) == ""  # on a CPU that is the design
@@ -106,7 +108,8 @@ def test_the_kit_installs_and_runs_in_the_gpu_machines_package_set(tmp_path):
                           capture_output=True, text=True, timeout=1800)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "gpu_rehearsal: passed" in done.stdout and "MiB) of the 64 MiB a run may carry" in done.stdout
-    summary = json.loads((tmp_path / f"results-{sys.version_info[0]}.{sys.version_info[1]}" / "summary.json").read_text())
+    summary = json.loads((tmp_path / f"results-{sys.version_info[0]}.{sys.version_info[1]}"
+                          / "summary.json").read_text())
     steps = {s["name"]: s["status"] for s in summary["steps"]}
     assert steps["device-job"] == "passed" and steps["doctor"] == "passed" and steps["verify-fp32"] == "passed"
     assert steps["gpu-check"] == "skipped"  # no CUDA GPU here: it says so

@@ -17,7 +17,8 @@ def test_import_after_onnxruntime_quantization_in_a_fresh_interpreter(tmp_path):
             "import accel_opt.builder.pipeline\n"
             "assert callable(build) and callable(load_recipe)\n"
             "assert accel_opt.builder.pipeline.__file__.startswith(sys.argv[1]), accel_opt.builder.pipeline.__file__\n")
-    done = subprocess.run([sys.executable, "-c", code, str(ROOT / "optimizer" / "accel_opt")], cwd=tmp_path, capture_output=True, text=True)
+    done = subprocess.run([sys.executable, "-c", code, str(ROOT / "optimizer" / "accel_opt")], cwd=tmp_path,
+                          capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
 
 
@@ -49,7 +50,8 @@ def test_the_wheel_carries_the_recipes_and_a_core_install_builds_a_model(tmp_pat
         packed = {Path(name).stem for name in archive.namelist() if name.startswith("accel_opt/recipes/")}
     assert packed == {p.stem for p in (ROOT / "recipes").glob("*.yaml")}
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
-    subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet", str(wheel)], check=True, timeout=600)
+    subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet", str(wheel)], check=True,
+                   timeout=600)
     model = zoo.save(zoo.resnet(layout=(1, 1), width=8, num_classes=10, image_size=32, seed=0), tmp_path / "tiny.onnx")
     cli = str(venv / "bin" / "accel-opt")
     done = subprocess.run([cli, "build", str(model), "--out", str(tmp_path / "out")], capture_output=True, text=True,

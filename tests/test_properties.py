@@ -1,4 +1,5 @@
-"""Property-based tests (hypothesis) of the three surfaces a user feeds `accel-opt build`: recipe documents, data folders
+"""Property-based tests (hypothesis) of the three surfaces a user feeds `accel-opt build`: recipe documents, data
+folders
 and their samples, and command-line flag combinations. The property is the contract of every refusal: an exit code in
 the documented set, one line on stderr, no traceback, and no artifact published after a refusal.
 
@@ -29,8 +30,10 @@ DOCUMENTED_EXIT_CODES = {0, 1, 2, 3, 4, 5, 6, 7}
 REACHED: dict[str, list[bool]] = {}
 BUILT = (0, 1, 6, 7)  # the build reached its verdict (signed off, gate failed, too few samples, no measured benefit)
 # A fixed seed (derandomize) and no example database: the same examples on every machine, nothing written beside.
-FAST = settings(max_examples=12, derandomize=True, database=None, deadline=None, suppress_health_check=list(HealthCheck))
-MORE = settings(max_examples=60, derandomize=True, database=None, deadline=None, suppress_health_check=list(HealthCheck))
+FAST = settings(max_examples=12, derandomize=True, database=None, deadline=None,
+                suppress_health_check=list(HealthCheck))
+MORE = settings(max_examples=60, derandomize=True, database=None, deadline=None,
+                suppress_health_check=list(HealthCheck))
 
 
 def _refusal_contract(done, out: Path) -> None:
@@ -100,7 +103,8 @@ def recipe_documents(draw, hostile_share: float = 0.3):
     hostile_edit = edits - 1 if draw(_share(hostile_share)) else None  # at most one hostile edit per document
     for edit in range(edits):
         hostile = edit == hostile_edit
-        path = draw(st.sampled_from(paths)) if not hostile or draw(st.booleans()) else (draw(st.text(min_size=1, max_size=8)),)
+        path = (draw(st.sampled_from(paths)) if not hostile or draw(st.booleans())
+                else (draw(st.text(min_size=1, max_size=8)),))
         node = document
         for key in path[:-1]:
             node = node.setdefault(key, {}) if isinstance(node, dict) else {}
@@ -248,7 +252,8 @@ TEXT = st.text(alphabet=st.characters(blacklist_categories=("Cs",), blacklist_ch
 FLAGS = {
     "--precision": st.sampled_from(["fp32", "fp16", "bf16", "int8", "auto", "fp8"]),
     "--backend": st.sampled_from(["onnxruntime", "openvino", "torch", "auto", "tvm"]),
-    "--shapes": st.one_of(st.sampled_from(["x:1x4", "x:0x4", "x:2x5", "y:1x4", "x:-1x4", "x:1x4,x:2x4", "x:99999999999x4"]),
+    "--shapes": st.one_of(st.sampled_from(["x:1x4", "x:0x4", "x:2x5", "y:1x4", "x:-1x4", "x:1x4,x:2x4",
+                                           "x:99999999999x4"]),
                           TEXT),
     "--batch-axes": st.one_of(st.sampled_from(["x:0", "x:none", "x:7", "q:0"]), TEXT),
     "--max-shapes": st.one_of(st.sampled_from(["x:4x4", "x:1x3", "x:100000000x4"]), TEXT),

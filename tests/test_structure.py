@@ -118,7 +118,8 @@ def test_long_modules_say_why_they_are_one():
 
 def test_no_submodule_shadows_a_name_its_package_exports():
     """`from accel_opt.accuracy import compare` must stay the function: a submodule of the same name, once imported
-    anywhere, replaces the package's attribute with itself (it did: a module accuracy/compare.py, since gone, hid accuracy.compare())."""
+    anywhere, replaces the package's attribute with itself (it did: a module accuracy/compare.py, since gone, hid
+    accuracy.compare())."""
     clashes = []
     for name, path in MODULES.items():
         if path.name != "__init__.py":
@@ -281,7 +282,8 @@ def _verdict_decisions(source: str) -> list[str]:
         if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None)) == "Verdict":
             found.append(f"{where}: builds a Verdict")
         if isinstance(node, ast.Call):
-            found += [f"{where}: signed_off=..." for k in node.keywords if k.arg == "signed_off" and not reads_one(k.value)]
+            found += [f"{where}: signed_off=..." for k in node.keywords if k.arg == "signed_off"
+                      and not reads_one(k.value)]
         if isinstance(node, ast.Assign) and any(reads_one(t) for t in node.targets) and not reads_one(node.value):
             found.append(f"{where}: sets .signed_off")
         if isinstance(node, ast.Compare) and "exit_code" in ast.unparse(node.left) and any(

@@ -24,7 +24,8 @@ from accel_opt.errors import ResourceExhausted
 progress = logging.getLogger("accel_opt.progress")
 
 # Distributions whose versions key a result: a build's identity, a re-check's remembered verdict, a cached probe.
-_TOOLS = ("accel-opt", "onnx", "onnxruntime", "onnxruntime-gpu", "polygraphy", "onnxslim", "numpy", "openvino", "nncf", "torch",
+_TOOLS = ("accel-opt", "onnx", "onnxruntime", "onnxruntime-gpu", "polygraphy", "onnxslim", "numpy", "openvino",
+          "nncf", "torch",
           "tensorrt")
 
 

@@ -40,7 +40,8 @@ class _Graph:
         b = self.const("B", self.rng.normal(0, 0.01, (c_out,)))
         y = self.name("conv")
         self.nodes.append(
-            helper.make_node("Conv", [x, w, b], [y], name=y, kernel_shape=[k, k], strides=[stride, stride], pads=[k // 2] * 4)
+            helper.make_node("Conv", [x, w, b], [y], name=y, kernel_shape=[k, k], strides=[stride, stride],
+                             pads=[k // 2] * 4)
         )
         return self.relu(y) if relu else y
 
@@ -80,7 +81,8 @@ def resnet(
     g = _Graph(seed)
     x = g.conv("image", 3, width, 7, stride=2)
     pooled = g.name("maxpool")
-    g.nodes.append(helper.make_node("MaxPool", [x], [pooled], name=pooled, kernel_shape=[3, 3], strides=[2, 2], pads=[1] * 4))
+    g.nodes.append(helper.make_node("MaxPool", [x], [pooled], name=pooled, kernel_shape=[3, 3], strides=[2, 2],
+                                    pads=[1] * 4))
     x, c_in = pooled, width
     for stage, blocks in enumerate(layout):
         mid = width * 2**stage
@@ -180,8 +182,8 @@ def detector(image_size: int = 640, num_classes: int = 8, width: int = 16, seed:
     graph = helper.make_graph(
         g.nodes, "detector",
         [helper.make_tensor_value_info("image", TensorProto.FLOAT, ["batch", 3, image_size, image_size])],
-        [helper.make_tensor_value_info("output0", TensorProto.FLOAT, ["batch", 4 + num_classes,
-                                                                        sum((image_size // s) ** 2 for s in YOLO_STRIDES)])],
+        [helper.make_tensor_value_info("output0", TensorProto.FLOAT,
+                                       ["batch", 4 + num_classes, sum((image_size // s) ** 2 for s in YOLO_STRIDES)])],
         g.inits,
     )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)], producer_name="accel-opt.zoo")
@@ -337,7 +339,8 @@ def text_encoder(vocab_size: int, width: int = 32, seed: int = 0) -> onnx.ModelP
     rng = np.random.default_rng(seed)
 
     def weight(name: str, *shape: int, scale: float = 1.0) -> onnx.TensorProto:
-        return numpy_helper.from_array((rng.standard_normal(shape) * scale / np.sqrt(shape[0])).astype(np.float32), name)
+        return numpy_helper.from_array((rng.standard_normal(shape) * scale
+                                        / np.sqrt(shape[0])).astype(np.float32), name)
 
     inits = [weight("E", vocab_size, width, scale=np.sqrt(vocab_size)), weight("Wq", width, width),
              weight("Wk", width, width), weight("Wv", width, width), weight("Wo", width, width),
@@ -364,8 +367,9 @@ def text_encoder(vocab_size: int, width: int = 32, seed: int = 0) -> onnx.ModelP
         node("Div", ["total", "count"], ["embedding"]),
     ]
     tokens = ["batch", "tokens"]
-    graph = helper.make_graph(nodes, "text_encoder", [helper.make_tensor_value_info("input_ids", TensorProto.INT64, tokens),
-                                                      helper.make_tensor_value_info("attention_mask", TensorProto.INT64, tokens)],
+    graph = helper.make_graph(nodes, "text_encoder",
+                              [helper.make_tensor_value_info("input_ids", TensorProto.INT64, tokens),
+                               helper.make_tensor_value_info("attention_mask", TensorProto.INT64, tokens)],
                               [helper.make_tensor_value_info("embedding", TensorProto.FLOAT, ["batch", width])], inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)], producer_name="accel-opt.zoo")
     model.ir_version = 8
@@ -382,9 +386,11 @@ def word_tokenizer(texts: list[str], path: str | Path, vocab_size: int = 300) ->
     tokenizer = Tokenizer(WordPiece(unk_token="[UNK]"))
     tokenizer.normalizer = normalizers.BertNormalizer(lowercase=True)
     tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
-    tokenizer.train_from_iterator(texts, WordPieceTrainer(vocab_size=vocab_size, special_tokens=["[PAD]", "[UNK]", "[CLS]", "[SEP]"]))
+    tokenizer.train_from_iterator(texts, WordPieceTrainer(vocab_size=vocab_size,
+                                                          special_tokens=["[PAD]", "[UNK]", "[CLS]", "[SEP]"]))
     tokenizer.post_processor = processors.TemplateProcessing(
-        single="[CLS] $A [SEP]", special_tokens=[("[CLS]", tokenizer.token_to_id("[CLS]")), ("[SEP]", tokenizer.token_to_id("[SEP]"))])
+        single="[CLS] $A [SEP]", special_tokens=[("[CLS]", tokenizer.token_to_id("[CLS]")),
+                                                 ("[SEP]", tokenizer.token_to_id("[SEP]"))])
     tokenizer.enable_padding(pad_id=tokenizer.token_to_id("[PAD]"), pad_token="[PAD]")
     tokenizer.save(str(path))
     return Path(path)

@@ -84,7 +84,8 @@ def test_one_broken_sample_in_64_fails_and_is_named(tiny_cnn_path, tmp_path):
         helper.make_node("Cast", ["keep"], ["keep_f"], to=TensorProto.FLOAT),
         helper.make_node("Unsqueeze", ["keep_f", "axis1"], ["keep_col"]),
         helper.make_node("Mul", ["logits_raw", "keep_col"], ["logits"]),
-    ], [numpy_helper.from_array(np.array(MARKER, np.float32), "marker"), numpy_helper.from_array(np.array([1]), "axis1")])
+    ], [numpy_helper.from_array(np.array(MARKER, np.float32), "marker"),
+        numpy_helper.from_array(np.array([1]), "axis1")])
     samples, names = _image_samples(64, marked=17)
     report = compare(reference_runner(tiny_cnn_path, 1), reference_runner(faulty, 1), samples, INT8,
                      [TopKMetric(min_agreement={1: 0.97})], names=names)
@@ -99,7 +100,8 @@ def test_one_broken_sample_in_64_fails_and_is_named(tiny_cnn_path, tmp_path):
 
 
 def test_uniform_scale_error_fails_although_cosine_is_one(tiny_cnn_path, tmp_path):
-    scaled = _with_tail(tiny_cnn_path, tmp_path, "scaled.onnx", [helper.make_node("Mul", ["logits_raw", "k"], ["logits"])],
+    scaled = _with_tail(tiny_cnn_path, tmp_path, "scaled.onnx",
+                        [helper.make_node("Mul", ["logits_raw", "k"], ["logits"])],
                         [numpy_helper.from_array(np.array(1.09, np.float32), "k")])
     samples, names = _image_samples(16)
     report = compare(reference_runner(tiny_cnn_path, 1), reference_runner(scaled, 1), samples, INT8, names=names)
@@ -119,7 +121,8 @@ def test_bf16_like_error_on_pixel_outputs_passes(tiny_cnn_path, tmp_path):
     pixels = _pixel_model(tiny_cnn_path, tmp_path)
     # Relative error 1e-3 per element, like bf16 rounding: 0.1-0.3 px on values of 0-320 px.
     wobble = 1 + 1e-3 * np.random.default_rng(1).choice([-1.0, 1.0], size=(1, 10)).astype(np.float32)
-    candidate = _with_tail(pixels, tmp_path, "pixels_bf16.onnx", [helper.make_node("Mul", ["logits_raw", "w"], ["logits"])],
+    candidate = _with_tail(pixels, tmp_path, "pixels_bf16.onnx",
+                           [helper.make_node("Mul", ["logits_raw", "w"], ["logits"])],
                            [numpy_helper.from_array(wobble, "w")])
     samples, names = _image_samples(16)
     report = compare(reference_runner(pixels, 1), reference_runner(candidate, 1), samples, BF16, names=names)
@@ -208,8 +211,10 @@ def test_integer_outputs_are_compared_exactly_by_agreement():
     assert not report.passed and report.failures == ["cls: 97.00% of the elements equal the reference < 98.00%; "
                                                      "3 of 100 samples differ, first s0"]
     masks = [{"m": np.array([True, False])}, {"m": np.array([True, True])}]
-    assert judge(masks, [{"m": np.array([True, False])}, {"m": np.array([True, False])}], ["a", "b"], INT8).failures[0] \
-        .startswith("m: 75.00% of the elements equal the reference < 98.00%; 1 of 2 samples differ, first b (4 elements: one changed element")
+    assert judge(masks, [{"m": np.array([True, False])}, {"m": np.array([True, False])}], ["a", "b"],
+                 INT8).failures[0] \
+        .startswith("m: 75.00% of the elements equal the reference < 98.00%; 1 of 2 samples differ, first b (4 "
+                    "elements: one changed element")
 
 
 def test_integer_outputs_get_a_bounded_rate_counted_per_sample():
@@ -257,7 +262,8 @@ def test_task_metrics(tmp_path):
     model = matmul_model(out_dim=8, seed=5)  # a different classifier: top-1 mostly disagrees
     cand = save(model, tmp_path / "c.onnx")
     samples = [{"x": s["x"]} for s in _samples(20)]
-    same = compare(reference_runner(ref, 1), reference_runner(ref, 1), samples, TOL, [TopKMetric(min_agreement={1: 1.0}), CosineMetric()])
+    same = compare(reference_runner(ref, 1), reference_runner(ref, 1), samples, TOL,
+                   [TopKMetric(min_agreement={1: 1.0}), CosineMetric()])
     assert same.passed and same.task_metrics[0].values["top1"] == 1.0
     other = compare(reference_runner(ref, 1), reference_runner(cand, 1), samples, OPEN,
                     [TopKMetric(min_agreement={1: 0.99, 8: 1.0})], names=[f"s{i}" for i in range(20)])
@@ -295,7 +301,8 @@ def test_topk_agreement_is_judged_by_its_bound_and_too_few_rows_are_their_own_ve
     # A sample counts once however many rows it holds: 8 trials, not 16.
     assert "(0 changed of 8 samples (0 of their 16 rows); >= 68.8% at 95% confidence)" in observed.checks[-1].line
     few = compare(reference_runner(ref, 1), reference_runner(ref, 1), few_samples, TOL, metric, bounded=True)
-    assert not few.passed and few.verdict == "insufficient" and few.samples_needed == 99  # (1 - 0.95) ** (1 / 99) >= 0.97
+    # (1 - 0.95) ** (1 / 99) >= 0.97
+    assert not few.passed and few.verdict == "insufficient" and few.samples_needed == 99
     assert few.failures[-1] == ("task metric topk on y: top-1 agreement: 8 held-out samples cannot show >= 97.0% at "
                                 "95% confidence even with none changed (68.8% is the most they can); 99 needed")
     data = DataSummary(source="npz", path="d", count=8, sha256="0", seed=0)

@@ -1,4 +1,5 @@
-"""Labeled accuracy: the paired bound on the drop from fp32 holds its confidence, and refuses a real drop; labels are read
+"""Labeled accuracy: the paired bound on the drop from fp32 holds its confidence, and refuses a real drop; labels are
+read
 from an ImageFolder layout or a file,label CSV, and bad labels are one-line input errors."""
 
 from __future__ import annotations
@@ -10,7 +11,8 @@ from accel_opt.accuracy.labeled import drop_upper_bound, labeled_accuracy, sampl
 from accel_opt.data.labels import class_folders, csv_labels, folder_labels, read_classes
 from accel_opt.errors import InputRejected
 
-# (chance a sample goes right -> wrong, wrong -> right): no flips, symmetric flips, a real drop, a real gain, rare flips.
+# (chance a sample goes right -> wrong, wrong -> right): no flips, symmetric flips, a real drop, a real gain, rare
+# flips.
 TRUE_RATES = [(0.0, 0.0), (0.03, 0.03), (0.05, 0.01), (0.01, 0.04), (0.002, 0.0)]
 
 

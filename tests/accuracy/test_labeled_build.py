@@ -1,4 +1,5 @@
-"""A build judged on real labels: scikit-learn's digits (1797 labeled 8x8 images shipped in the package) as an ImageFolder
+"""A build judged on real labels: scikit-learn's digits (1797 labeled 8x8 images shipped in the package) as an
+ImageFolder
 of .npz samples and as a CSV, a softmax classifier trained on half of them at a fixed seed, built at fp32 and int8
 with the labels: fp32 and candidate accuracy reported on the held-out samples and the drop gated by its paired bound."""
 
@@ -36,7 +37,8 @@ def digits(tmp_path_factory) -> tuple[Path, Path, Path]:
         weights -= 0.5 * x[train].T @ (p - onehot) / len(train)
         bias -= 0.5 * (p - onehot).mean(0)
     root = tmp_path_factory.mktemp("digits")
-    model = save(make_model([helper.make_node("MatMul", ["x", "W"], ["h"]), helper.make_node("Add", ["h", "b"], ["logits"])],
+    model = save(make_model([helper.make_node("MatMul", ["x", "W"], ["h"]),
+                             helper.make_node("Add", ["h", "b"], ["logits"])],
                             [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 64])],
                             [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["N", 10])],
                             [numpy_helper.from_array(weights.astype(np.float32), "W"),
@@ -157,7 +159,8 @@ def test_gating_on_labels_alone_needs_labels_and_a_limit(digits, tmp_path, label
 
 
 def test_auto_judges_a_labels_only_candidate_by_its_own_verdict(digits, tmp_path):
-    """Issue 73: under `gate: labels`, `--precision int8` signs off while auto dropped the same candidate on an agreement
+    """Issue 73: under `gate: labels`, `--precision int8` signs off while auto dropped the same candidate on an
+    agreement
     check the recipe does not gate. Auto's record of the candidate now holds its gated checks only, so reading its
     held-out verdict again (at auto's family-wise level) passes, and given the runoff's points it wins. The points are
     injected: which build is faster on this host decides nothing here."""

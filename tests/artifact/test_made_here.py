@@ -63,7 +63,8 @@ def test_a_cached_int8_model_altered_under_out_is_calibrated_again(tiny_cnn_path
     planted = build(tiny_cnn_path, recipe, data_dir=data, out_dir=tmp_path / "out", force=True)
     assert "calibration cache hit" not in notes(planted)
     config = json.loads((Path(first.artifact_dir) / "resource_config.json").read_text())
-    assert sha256_file(Path(planted.artifact_dir) / config["model_file"]) == sha256_file(Path(first.artifact_dir) / config["model_file"])
+    assert sha256_file(Path(planted.artifact_dir)
+                       / config["model_file"]) == sha256_file(Path(first.artifact_dir) / config["model_file"])
 
 
 def test_sign_key_never_signs_a_folder_it_did_not_build(tiny_cnn_path, fast_recipe, tmp_path):

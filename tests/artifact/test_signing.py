@@ -30,7 +30,8 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID  # noqa: E402
 
 def _write_key_pair(folder: Path, name: str) -> ec.EllipticCurvePrivateKey:
     key = ec.generate_private_key(ec.SECP256R1())
-    (folder / f"{name}.pem").write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+    (folder / f"{name}.pem").write_bytes(key.private_bytes(serialization.Encoding.PEM,
+                                                           serialization.PrivateFormat.PKCS8,
                                                            serialization.NoEncryption()))
     (folder / f"{name}.pub").write_bytes(key.public_key().public_bytes(serialization.Encoding.PEM,
                                                                        serialization.PublicFormat.SubjectPublicKeyInfo))
@@ -97,7 +98,8 @@ def test_a_forged_folder_passes_the_hashes_but_not_the_signature(classifier, pho
     assert _cli("verify", folder).exit_code == 0
     refused = _cli("verify", folder, "--public-key", keys / "ours.pub")
     assert refused.exit_code == 3
-    assert refused.stderr.strip() == (f"accel-opt: {folder}: signature check failed: manifest.json, model.onnx: changed "
+    assert refused.stderr.strip() == (f"accel-opt: {folder}: signature check failed: manifest.json, model.onnx: "
+                                      "changed "
                                       "after the folder was signed")
     out = tmp_path / "p.jsonl"
     ran = _cli("run", folder, photos, "--out", out, "--public-key", keys / "ours.pub")

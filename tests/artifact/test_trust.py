@@ -202,7 +202,8 @@ def test_provider_options_from_a_folder_pass_an_allowlist(option, classifier, tm
     _forge_config(folder, settings=settings)
     _rehash(folder)
     done = _cli("verify", folder)
-    assert done.exit_code == 3 and f"TensorrtExecutionProvider option {option} is not one a build records" in done.stderr
+    assert done.exit_code == 3
+    assert f"TensorrtExecutionProvider option {option} is not one a build records" in done.stderr
     with pytest.raises(InputRejected, match=option):
         runtime.load(folder)
     # The runner checks the options it is handed too (the boundary where they would reach a session).

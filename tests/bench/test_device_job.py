@@ -16,7 +16,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.mark.slow
 def test_the_device_job_script_runs_on_the_cpu_and_reports_every_stage(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "benchmarks.device_job", "--device", "cpu", "--model", "tiny", "--count",
+    done = subprocess.run([sys.executable, "-m", "benchmarks.device_job", "--device", "cpu", "--model",
+                           "tiny", "--count",
                            "24", "--batch", "8", "--peers", "onnxruntime", "--workdir", str(tmp_path / "work"), "--out",
                            str(tmp_path / "results")], cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]

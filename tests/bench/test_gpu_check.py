@@ -36,7 +36,8 @@ def test_other_runtimes_say_why_they_are_skipped():
 
 
 def test_report_renders_stages_ratios_and_accuracy():
-    report = gpu_check.Report(machine={"gpu": "NVIDIA H200", "compute_capability": "9.0", "torch": "2.x", "cuda": "12.8"})
+    report = gpu_check.Report(machine={"gpu": "NVIDIA H200", "compute_capability": "9.0", "torch": "2.x",
+                                       "cuda": "12.8"})
     report.timings = [gpu_check.Timing("fp32", 8, 100, 0.2, 4.0, 4.2, 0.01, 4.3, 1860.0, 900.0),
                       gpu_check.Timing("fp16", 8, 100, 0.2, 1.0, 1.1, 0.01, 1.3, 6150.0, 500.0)]
     report.accuracy = [gpu_check.Accuracy("fp16", 0.99999, 0.01, 1.0)]

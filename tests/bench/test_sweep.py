@@ -48,7 +48,8 @@ def test_capacity_is_the_largest_batch_at_the_highest_concurrency():
     points = [_point(1, 1, 2.0, 500, memory=100), _point(8, 2, 30.0, 1000, memory=900)]
     assert capacity(points, BenchmarkConfig()).passed
     tight = capacity(points, BenchmarkConfig(memory_budget_mib=500))
-    assert not tight.passed and (tight.batch_size, tight.concurrency) == (8, 2) and "900 MiB > the 500 MiB budget" in tight.line
+    assert not tight.passed and (tight.batch_size,
+                                 tight.concurrency) == (8, 2) and "900 MiB > the 500 MiB budget" in tight.line
 
 
 def test_a_memory_budget_too_small_fails_the_build_with_the_numbers(tiny_cnn_path, fast_recipe, tmp_path):
@@ -63,9 +64,11 @@ def test_a_memory_budget_too_small_fails_the_build_with_the_numbers(tiny_cnn_pat
     assert "NOT SIGNED OFF" in (folder / "signoff.html").read_text()
     config = json.loads((folder / "resource_config.json").read_text())
     assert config["recommended"]["batch_size"] is None and config["recommended"]["budgets"]["memory_mib"] == 1
-    roomy = build(tiny_cnn_path, fast_recipe.with_overrides(benchmark={**FAST_BENCH, "memory_budget_mib": 100000}), out_dir=tmp_path)
+    roomy = build(tiny_cnn_path, fast_recipe.with_overrides(benchmark={**FAST_BENCH, "memory_budget_mib": 100000}),
+                  out_dir=tmp_path)
     assert roomy.signed_off
-    assert json.loads((Path(roomy.artifact_dir) / "resource_config.json").read_text())["recommended"]["batch_size"] in (1, 2)
+    assert json.loads((Path(roomy.artifact_dir)
+                       / "resource_config.json").read_text())["recommended"]["batch_size"] in (1, 2)
 
 
 def test_a_worker_that_fails_stops_the_point_with_its_error(tmp_path):
@@ -85,7 +88,8 @@ def test_capacity_runs_at_the_max_shapes(tmp_path, fast_recipe):
     # y = x * 2 on [batch, n]: memory grows with both dims; n is dynamic, so only --max-shapes reaches its peak.
     model = save(make_model([helper.make_node("Add", ["x", "x"], ["y"])],
                             [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "n"])],
-                            [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", "n"])]), tmp_path / "add.onnx")
+                            [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", "n"])]),
+                 tmp_path / "add.onnx")
     bench = {**FAST_BENCH, "max_shapes": {"x": [4, 4_000_000]}, "memory_budget_mib": 100000}
     result = build(model, fast_recipe.with_overrides(shapes={"x": [1, 16]}, benchmark=bench), out_dir=tmp_path / "out")
     cap = json.loads((Path(result.artifact_dir) / "benchmark.json").read_text())["capacity"]
@@ -105,10 +109,12 @@ def test_running_out_of_memory_at_the_largest_shapes_is_a_measured_limit_not_a_c
     from ..conftest import make_model
 
     model = save(make_model(
-        [helper.make_node("Expand", ["x", "wide"], ["big"]), helper.make_node("ReduceSum", ["big", "axis"], ["y"], keepdims=0)],
+        [helper.make_node("Expand", ["x", "wide"], ["big"]),
+         helper.make_node("ReduceSum", ["big", "axis"], ["y"], keepdims=0)],
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 1])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch"])],
-        [numpy_helper.from_array(np.array([1, 1 << 26], np.int64), "wide"), numpy_helper.from_array(np.array([1]), "axis")]),
+        [numpy_helper.from_array(np.array([1, 1 << 26], np.int64), "wide"),
+         numpy_helper.from_array(np.array([1]), "axis")]),
         tmp_path / "wide.onnx")
     bench = {**FAST_BENCH, "max_shapes": {"x": [1024, 1]}}
     recipe = fast_recipe.with_overrides(shapes={"x": [1, 1]}, benchmark=bench, **{"selection.target_batch_size": 2,
@@ -129,7 +135,8 @@ def test_max_shapes_are_checked_before_any_work(tmp_path, fast_recipe):
 
     model = save(matmul_model(), tmp_path / "m.onnx")
     with pytest.raises(UsageError, match="rank 3 given"):
-        build(model, fast_recipe.with_overrides(benchmark={**FAST_BENCH, "max_shapes": {"x": [1, 2, 3]}}), out_dir=tmp_path)
+        build(model, fast_recipe.with_overrides(benchmark={**FAST_BENCH, "max_shapes": {"x": [1, 2, 3]}}),
+              out_dir=tmp_path)
 
 
 def test_flops_are_counted_from_the_graph(tmp_path, tiny_cnn_path, fast_recipe):

@@ -58,7 +58,8 @@ def test_plan_auto_tries_every_sensible_pair_with_a_reason(name):
     assert any(p == "int8" for _, p, _ in pairs) and all(why for _, _, why in pairs)
     # fp32 floors first; ONNX Runtime's int8 is the last build on every class (what the progress labels rely on).
     order = auto.build_order(pairs)
-    assert [p for _, p, _ in order[:len(backends)]] == ["fp32"] * len(backends) and order[-1][:2] == ("onnxruntime", "int8")
+    assert [p for _, p,
+            _ in order[:len(backends)]] == ["fp32"] * len(backends) and order[-1][:2] == ("onnxruntime", "int8")
 
 
 @pytest.mark.parametrize("name", CLASSES)
@@ -141,20 +142,24 @@ def test_build_auto_picks_the_fastest_candidate_whose_held_out_verdict_holds(tin
     level = 1 - 0.05 / planned if planned > 1 else 0.95
     for c in selection.candidates:
         if c.reduced and c.artifact_dir:
-            assert json.loads((Path(c.artifact_dir) / "accuracy.json").read_text())["confidence"] == pytest.approx(level)
+            assert json.loads((Path(c.artifact_dir)
+                               / "accuracy.json").read_text())["confidence"] == pytest.approx(level)
             if planned > 1:
-                assert f"family-wise over the {planned} reduced candidates" in (Path(c.artifact_dir) / "signoff.md").read_text()
+                signoff = (Path(c.artifact_dir) / "signoff.md").read_text()
+                assert f"family-wise over the {planned} reduced candidates" in signoff
         if c.family_confidence is not None:
             assert c.family_confidence == pytest.approx(level)
     for c in timed:
         if c is not winner:
             assert c.verdict.startswith(("lost: ", "not faster than fp32", "fastest left, but")), c.verdict
     assert result is not None and result.signed_off
-    assert (result.backend, result.precision, result.artifact_dir) == (winner.backend, winner.precision, winner.artifact_dir)
+    assert (result.backend, result.precision, result.artifact_dir) == (winner.backend, winner.precision,
+                                                                       winner.artifact_dir)
 
     # Progress: every stage of every build, with the candidate, the time spent and the time left of the budget.
     assert progress == selection.progress and all(e.remaining_s is not None for e in progress)
-    assert {e.candidate for e in progress} == {f"{c.label} ({i}/{count})" for i, c in enumerate(selection.candidates, 1)}
+    assert {e.candidate for e in progress} == {f"{c.label} ({i}/{count})" for i,
+                                               c in enumerate(selection.candidates, 1)}
     assert any(e.line().startswith(f"[onnxruntime int8 ({count}/{count}) | ") and " min left] accuracy: ok in "
                in e.line() for e in progress)
     assert selection.time_budget_s == 900 and 0 < selection.seconds < 900 and not selection.untried
@@ -195,7 +200,8 @@ def test_candidates_the_held_out_samples_cannot_certify_are_not_built(tiny_cnn_p
     result, selection = build_auto(tiny_cnn_path, strict, "onnxruntime", "auto", data_dir, tmp_path)
     (fp32, int8) = selection.candidates
     assert result is not None and result.precision == "fp32" and fp32.signed_off
-    assert int8.artifact_dir is None and int8.verdict.startswith("dropped: not built: top-1 agreement >= 99.0% needs 299")
+    assert int8.artifact_dir is None and int8.verdict.startswith("dropped: not built: top-1 agreement >= 99.0% needs "
+                                                                 "299")
     assert set(int8.stage_seconds) <= {"export", "load"}  # stopped after loading, before any calibration or benchmark
 
 
@@ -207,7 +213,8 @@ def test_latency_budget_makes_every_candidate_lose(tiny_cnn_path, recipe, data_d
     from accel_opt.cli import main
 
     tight = tmp_path / "tight.yaml"
-    tight.write_text(yaml.safe_dump(recipe.with_overrides(**{"selection.latency_budget_ms": 1e-6}).model_dump(mode="json")))
+    tight_recipe = recipe.with_overrides(**{"selection.latency_budget_ms": 1e-6})
+    tight.write_text(yaml.safe_dump(tight_recipe.model_dump(mode="json")))
     out = tmp_path / "out"
     result = CliRunner().invoke(main, ["build", str(tiny_cnn_path), "--backend", "onnxruntime", "--precision", "auto",
                                        "--recipe", str(tight), "--data", str(data_dir), "--out", str(out), "--json"])
@@ -224,7 +231,8 @@ def test_latency_budget_makes_every_candidate_lose(tiny_cnn_path, recipe, data_d
     assert any("over the 1e-06 ms budget" in c.verdict for c in selection.candidates)
     assert json.loads((out / "tiny_cnn-auto-selection.json").read_text())["winner"] is None
     markdown = (out / "tiny_cnn-auto-selection.md").read_text()
-    assert "latency budget p99 <= 1e-06 ms" in markdown and "No winner: the signed-off candidates lose on the objective" in markdown
+    assert "latency budget p99 <= 1e-06 ms" in markdown
+    assert "No winner: the signed-off candidates lose on the objective" in markdown
 
 
 def test_unbuildable_candidate_is_listed_with_its_reason(tiny_cnn_path, recipe, tmp_path):
@@ -326,7 +334,8 @@ def test_reading_several_held_out_verdicts_costs_confidence():
                                     "is a failure: top-1 agreement >= 9")
     assert steady.verdict.startswith("won: ") and "held-out verdict passes at 97.50%" in steady.verdict
     alone = _rated("int8", 3000.0, changed=4, rows=200)
-    assert choice.choose([_candidate("fp32", [(8, 10.0, 11.0, 800.0)]), alone], "throughput", None, 8) is alone  # 95% alone
+    # 95% alone
+    assert choice.choose([_candidate("fp32", [(8, 10.0, 11.0, 800.0)]), alone], "throughput", None, 8) is alone
     too_few = _rated("int8", 3000.0, changed=0, rows=40)  # 40 rows cannot show 95%: fp32 ships
     assert choice.choose([fp32, too_few], "throughput", None, 8) is fp32 and "not enough evidence" in too_few.verdict
 
@@ -362,5 +371,6 @@ def test_a_candidate_far_outside_the_gate_is_dropped_before_its_search(tmp_path)
     assert int8.artifact_dir is None and int8.verdict.startswith("dropped: its probes' loss is"), int8.verdict
     assert "far outside what a rescue has recovered" in int8.verdict
     assert "benchmark" not in int8.stage_seconds  # stopped in its precision stage, before any search or timing
-    assert any(e.step == "precision" and "FAILED" in e.detail for e in selection.progress if e.candidate.startswith("onnxruntime int8"))
+    assert any(e.step == "precision" and "FAILED" in e.detail for e in selection.progress
+               if e.candidate.startswith("onnxruntime int8"))
     assert "dropped: its probes' loss is" in (tmp_path / "out" / "det-auto-selection.md").read_text()

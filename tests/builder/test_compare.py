@@ -23,7 +23,8 @@ def fast_and_slow(tiny_cnn_path, tmp_path_factory):
     out = tmp_path_factory.mktemp("out")
     wide = zoo.save(zoo.resnet(layout=(1, 1), width=32, num_classes=10, image_size=32, seed=1),
                     tmp_path_factory.mktemp("models") / "wide_cnn.onnx")
-    recipe = load_recipe().with_overrides(benchmark={**FAST_BENCH, "min_seconds": 0.3}, **{"accuracy.synthetic_samples": 4})
+    recipe = load_recipe().with_overrides(benchmark={**FAST_BENCH, "min_seconds": 0.3},
+                                          **{"accuracy.synthetic_samples": 4})
     fast = build(tiny_cnn_path, recipe, out_dir=out)
     slow = build(wide, recipe, out_dir=out)
     return Path(fast.artifact_dir), Path(slow.artifact_dir)

@@ -70,11 +70,13 @@ def test_the_search_time_goes_where_the_class_has_the_instructions(cpu):
     assert promise("bf16", cpu) == (PROMISE_FAST if name in NATIVE_BF16 else PROMISE_SLOW)
     assert promise("fp16", cpu) == (PROMISE_FAST if name in NATIVE_FP16 else PROMISE_SLOW)
 
-    recipe = Recipe().with_overrides(**{"selection.time_budget_s": 1000, "precision_options.fallback.time_budget_s": 10_000})
+    recipe = Recipe().with_overrides(**{"selection.time_budget_s": 1000,
+                                        "precision_options.fallback.time_budget_s": 10_000})
     fp32 = Candidate(backend="openvino", precision="fp32", why_tried="", seconds=100.0)
     int8, fp16 = (Candidate(backend="openvino", precision=p, why_tried="") for p in ("int8", "fp16"))
     clock = auto._Clock(recipe.selection.time_budget_s, None)
-    clock.started -= 100.0  # the fp32 build took 100 s: 900 s left, 100 s of it for each pending build besides its search
+    # the fp32 build took 100 s: 900 s left, 100 s of it for each pending build besides its search
+    clock.started -= 100.0
     limits = auto._limits(int8, [fp32, int8, fp16], clock, "openvino int8", recipe, cpu)
     assert isinstance(limits, CandidateLimits)
     share = 2 / 3 if name == "avx512_vnni" else 1 / 2

@@ -3,7 +3,8 @@ rate is judged by its confidence bound, and too few held-out samples is its own 
 
 The constructed case: a classifier whose int8 error is concentrated on a known subset of inputs. Its input carries a
 constant channel of 100 that sets the input's int8 range (a step of ~0.4), while for the "hard" inputs a feature of
--0.1 alone decides between two otherwise tied classes; int8 rounds it to 0, so every hard input's top-1 changes, and no other
+-0.1 alone decides between two otherwise tied classes; int8 rounds it to 0, so every hard input's top-1 changes, and no
+other
 input's does (their classes are decided by margins of 5-6). Hard inputs are put where the split deals held-out
 samples only: the steering samples (what a small judged set would see) show no change, the held-out ones do."""
 
@@ -41,7 +42,8 @@ def tie_classifier() -> object:
 
 def write_data(folder: Path, count: int, hard_share: float = 0.0, calibrates: bool = True,
                seed: int = 0) -> tuple[Path, set[int]]:
-    """`count` distinct samples; `hard_share` of them hard (int8 changes their top-1), all among the held-out samples."""
+    """`count` distinct samples; `hard_share` of them hard (int8 changes their top-1), all among the held-out
+    samples."""
     split = split_roles([str(i) for i in range(count)], SplitConfig(), calibrates, 64, 300, seed=0)
     rng = np.random.default_rng(seed)
     hard = set(split.verdict[: round(hard_share * count)])
@@ -70,7 +72,8 @@ def test_a_build_that_passes_on_the_steering_samples_is_not_signed_off_when_held
     assert accuracy["steering"]["passed"]  # what a small judged set saw: no change at all
     (top1,) = [c for c in accuracy["checks"] if c["name"].endswith("top1")]
     assert top1["evidence"]["failures"] == len(hard) and top1["evidence"]["trials"] == accuracy["sample_count"]
-    assert not top1["passed"] and f"({len(hard)} changed of {accuracy['sample_count']} held-out samples) < 95.0%" in top1["line"]
+    assert not top1["passed"]
+    assert f"({len(hard)} changed of {accuracy['sample_count']} held-out samples) < 95.0%" in top1["line"]
 
 
 def test_the_manifest_records_a_split_with_no_sample_in_two_roles(recipe, tmp_path):
@@ -110,7 +113,8 @@ def test_sixteen_held_out_rows_against_95_percent_are_not_enough_evidence(recipe
     assert said["method"] == "Clopper-Pearson (exact binomial), one-sided" and said["status"] == "insufficient"
     assert (said["trials"], said["failures"], said["minimum"], said["confidence"]) == ("16", "0", "0.95", "0.95")
     payload = json.loads(done.stdout)
-    assert payload["verdict"]["outcome"] == "too few samples" and payload["samples_needed"] == 59 and not payload["signed_off"]
+    assert payload["verdict"]["outcome"] == "too few samples"
+    assert payload["samples_needed"] == 59 and not payload["signed_off"]
     assert payload["data"]["evaluation_samples"] == 16 and payload["data"]["held_out_max"] == 300
     assert payload["data_samples_needed"] == 99  # 99 distinct samples: 25 calibrate, 15 steer, 59 held out
     assert payload["failures"] == [
@@ -126,7 +130,8 @@ def test_sixteen_held_out_rows_against_95_percent_are_not_enough_evidence(recipe
                                       str(tmp_path / "out")])
     said = " ".join(human.stdout.split())  # rich wraps long lines
     assert human.exit_code == 6 and ("not enough held-out samples to certify it (59 needed with none failing): give "
-                                     "--data with at least 99 distinct samples (this recipe's split holds 59 out) or 59 "
+                                     "--data with at least 99 distinct samples (this recipe's split holds 59 out) or "
+                                     "59 "
                                      "held-out ones with --eval-data") in said
 
 
@@ -245,7 +250,8 @@ def test_verify_and_compare_say_what_their_samples_can_confirm(recipe, fast_reci
     report = json.loads(bounded.stdout)
     assert bounded.exit_code == 6 and 0.01 < report["accuracy_drop_bound"] < 0.1, bounded.output
     (drop,) = [c for c in report["checks"] if c["name"] == "accuracy drop"]
-    assert "paired on 65 samples" in drop["line"] and "too few samples to certify it (437 samples needed" in drop["line"]
+    assert "paired on 65 samples" in drop["line"]
+    assert "too few samples to certify it (437 samples needed" in drop["line"]
     loose = CliRunner().invoke(main, ["compare", fp32.artifact_dir, int8.artifact_dir, "--data", str(data),
                                       "--max-accuracy-drop", "0.2"])
     assert loose.exit_code == 0, loose.output
@@ -298,7 +304,8 @@ def _default_recipe_file(tmp_path: Path) -> Path:
 
 
 def test_the_default_recipe_does_not_sign_off_a_reduced_build_on_three_files(tiny_cnn_path, tmp_path):
-    """The default recipe, int8, 3 .npz files: 1 calibrates, 1 steers, 1 is held out. None failing of 1 shows nothing about
+    """The default recipe, int8, 3 .npz files: 1 calibrates, 1 steers, 1 is held out. None failing of 1 shows nothing
+    about
     the share of inputs within tolerance: exit 6 with the numbers that would do. fp32 of the same files keeps its rule
     (judged against the float32 noise floor, never refused for few samples)."""
     from tests.conftest import image_npz_folder
@@ -308,8 +315,8 @@ def test_the_default_recipe_does_not_sign_off_a_reduced_build_on_three_files(tin
     int8 = CliRunner().invoke(main, ["build", str(tiny_cnn_path), "--precision", "int8", *flags])
     said = " ".join(int8.stdout.split())
     assert int8.exit_code == 6, int8.output
-    assert "NOT SIGNED OFF: not enough held-out samples to certify it (59 needed with none failing): give --data with " \
-           "at least 99 distinct samples" in said
+    assert ("NOT SIGNED OFF: not enough held-out samples to certify it (59 needed with none failing): give --data "
+            "with at least 99 distinct samples") in said
     assert "samples within tolerance: 1 held-out sample cannot show >= 95.0% at 95% confidence" in said
     fp32 = CliRunner().invoke(main, ["build", str(tiny_cnn_path), *flags])
     assert fp32.exit_code == 0 and "verdict: SIGNED OFF" in " ".join(fp32.stdout.split()), fp32.output
@@ -386,7 +393,8 @@ def test_a_grouped_build_counts_held_out_groups_and_records_them(recipe, tmp_pat
     accuracy = json.loads((folder / "accuracy.json").read_text())
     split = json.loads((folder / "manifest.json").read_text())["data"]["split"]
     assert accuracy["trial_unit"] == "groups" and accuracy["trial_count"] == len(split["groups"]["verdict"])
-    assert sum(len(v) for v in split["groups"].values()) == 40 and accuracy["sample_count"] == 3 * accuracy["trial_count"]
+    assert sum(len(v)
+               for v in split["groups"].values()) == 40 and accuracy["sample_count"] == 3 * accuracy["trial_count"]
     (top1,) = [c for c in accuracy["checks"] if c["name"].endswith("top1")]
     assert top1["evidence"]["trials"] == accuracy["trial_count"] and top1["evidence"]["unit"] == "groups"
     # fewer held-out sources than the 59 trials 95% needs with none failing: too few is the verdict
@@ -416,7 +424,8 @@ def test_groups_that_do_not_fit_the_samples_are_a_one_line_input_error(tmp_path)
 
 def test_run_and_verify_honour_a_folder_that_is_not_signed_off(tiny_cnn_path, tmp_path):
     """A folder its build did not sign off (too few held-out samples: exit 6): `run` refuses it with the build's own
-    code and reason, on both engines, writing nothing; --allow-not-signed-off runs it and says so; `verify` is not ok."""
+    code and reason, on both engines, writing nothing; --allow-not-signed-off runs it and says so; `verify` is not
+    ok."""
     from tests.conftest import image_npz_folder
 
     data, recipe = image_npz_folder(tmp_path / "d3", 3), _default_recipe_file(tmp_path)
@@ -429,7 +438,8 @@ def test_run_and_verify_honour_a_folder_that_is_not_signed_off(tiny_cnn_path, tm
         assert refused.exit_code == 6 and refused.stderr.count("\n") == 1, (engine, refused.output)
         assert "is NOT signed off: too few held-out samples to certify it (" in refused.stderr
         assert "--allow-not-signed-off" in refused.stderr and not out.exists()
-    allowed = CliRunner().invoke(main, ["run", folder, str(data), "--out", str(out), "--allow-not-signed-off", "--json"])
+    allowed = CliRunner().invoke(main, ["run", folder, str(data), "--out", str(out),
+                                        "--allow-not-signed-off", "--json"])
     assert allowed.exit_code == 0 and json.loads(allowed.stdout)["not_signed_off"] is True, allowed.output
     # The old spelling still works for one release, and says it is deprecated.
     said = CliRunner().invoke(main, ["run", folder, str(data), "--out", str(out), "--allow-unsigned", "--overwrite"])

@@ -14,7 +14,8 @@ from accel_opt.files import sha256_file
 from accel_opt.report.html import render
 from tests.conftest import image_npz_folder
 
-EXPECTED_FILES = {"model.onnx", "resource_config.json", "accuracy.json", "signoff.md", "signoff.html", "benchmark.json", "benchmark.md",
+EXPECTED_FILES = {"model.onnx", "resource_config.json", "accuracy.json", "signoff.md", "signoff.html", "benchmark.json",
+                  "benchmark.md",
                   "build.json", "probe.json", "probe.npz", MANIFEST}
 
 
@@ -30,7 +31,8 @@ def test_fp32_build_signs_off_with_every_artifact(tiny_cnn_path, fast_recipe, tm
     for name, digest in manifest["artifacts"].items():
         assert sha256_file(folder / name) == digest
     stages = {s["name"]: s["status"] for s in manifest["stages"]}
-    assert list(stages) == ["export", "load", "cleanup", "precision", "compile", "accuracy", "benchmark", "verdict", "reports"]
+    assert list(stages) == ["export", "load", "cleanup", "precision", "compile", "accuracy", "benchmark",
+                            "verdict", "reports"]
     assert stages["export"] == "skipped" and stages["precision"] == "skipped" and stages["accuracy"] == "passed"
     assert manifest["data"]["source"] == "synthetic"
     assert "avx" in " ".join(manifest["cpu"]["flags"]) or manifest["cpu"]["machine"] != "x86_64"
@@ -146,4 +148,5 @@ def test_the_folders_own_snippet_loads_and_runs_it(classifier, monkeypatch):
     namespace: dict = {}
     exec(compile(_snippet(classifier), "signoff.md", "exec"), namespace)  # noqa: S102 - the file this build wrote
     assert namespace["outputs"]["logits"].shape == (4, 10)
-    assert f"accel-opt run {classifier.name} INPUTS... --out predictions.jsonl" in (classifier / "signoff.md").read_text()
+    signoff = (classifier / "signoff.md").read_text()
+    assert f"accel-opt run {classifier.name} INPUTS... --out predictions.jsonl" in signoff

@@ -110,7 +110,8 @@ def test_int8_from_a_folder_of_images_with_recipe_preprocessing(tiny_cnn_path, f
 def test_int8_build_records_the_integer_kernels_ort_runs(tiny_cnn_path, fast_recipe, tmp_path):
     data, _ = _write_data(tmp_path / "data")
     result = build(tiny_cnn_path, fast_recipe.with_overrides(precision="int8"), data_dir=data, out_dir=tmp_path / "out")
-    kernels = json.loads((_folder(result, tmp_path / "out") / "resource_config.json").read_text())["settings"]["integer_kernels_by_op"]
+    kernels = json.loads((_folder(result, tmp_path / "out")
+                          / "resource_config.json").read_text())["settings"]["integer_kernels_by_op"]
     assert kernels["QLinearConv"] >= 2
 
 

@@ -28,7 +28,8 @@ def test_build_json_for_ci(tiny_cnn_path, fast_recipe_file, tmp_path):
     result = _run("build", tiny_cnn_path, "--recipe", fast_recipe_file, "--out", tmp_path / "out", "--json")
     assert result.exit_code == 0, result.stderr
     payload = json.loads(result.stdout)
-    for key in ("artifact_dir", "signed_off", "precision", "backend", "exit_code", "latency_p50_ms", "throughput_per_s"):
+    for key in ("artifact_dir", "signed_off", "precision", "backend", "exit_code", "latency_p50_ms",
+                "throughput_per_s"):
         assert key in payload
     assert payload["signed_off"] is True and payload["exit_code"] == 0 and payload["precision"] == "fp32"
     assert payload["headline"][0]["batch_size"] == 1
@@ -36,13 +37,15 @@ def test_build_json_for_ci(tiny_cnn_path, fast_recipe_file, tmp_path):
 
 
 def test_build_table_for_people(tiny_cnn_path, fast_recipe_file, tmp_path):
-    result = _run("build", tiny_cnn_path, "--recipe", fast_recipe_file, "--out", tmp_path, "--shapes", "image:2x3x32x32")
+    result = _run("build", tiny_cnn_path, "--recipe", fast_recipe_file, "--out", tmp_path, "--shapes",
+                  "image:2x3x32x32")
     assert result.exit_code == 0, result.stderr
     assert "SIGNED OFF" in result.stdout and "artifacts:" in result.stdout
     # off a terminal (this log): a line per stage that did its work, as it ends, on stdout before the result; no
     # live line's control codes; stderr holds nothing but a failed build's error line
     stages = [line.split()[:2] for line in result.stdout.splitlines()[:7]]
-    assert stages == [[name, "ok"] for name in ("load", "cleanup", "compile", "accuracy", "benchmark", "verdict", "reports")]
+    assert stages == [[name, "ok"] for name in ("load", "cleanup", "compile", "accuracy", "benchmark",
+                                                "verdict", "reports")]
     assert "\x1b" not in result.stdout and result.stderr == ""
     quiet = _run("build", tiny_cnn_path, "--recipe", fast_recipe_file, "--out", tmp_path, "--shapes", "image:2x3x32x32",
                  "--quiet")
@@ -97,7 +100,8 @@ def test_bad_data_folder_exit_3(tmp_path, fast_recipe_file):
     result = _run("build", model, "--recipe", fast_recipe_file, "--data", data, "--out", tmp_path / "out", "--json")
     assert result.exit_code == 3
     assert "dtype float16" in result.stderr
-    assert json.loads(result.stdout) == {"exit_code": 3, "signed_off": False, "error": result.stderr.split("error: ", 1)[1].strip(), "artifact_dir": None}
+    assert json.loads(result.stdout) == {"exit_code": 3, "signed_off": False,
+                                         "error": result.stderr.split("error: ", 1)[1].strip(), "artifact_dir": None}
 
 
 def test_bad_recipe_exit_2(tmp_path):
@@ -133,9 +137,11 @@ def test_json_says_what_the_verdict_rests_on(tiny_cnn_path, fast_recipe_file, tm
     result = _run("build", tiny_cnn_path, "--recipe", fast_recipe_file, "--out", tmp_path / "out", "--json")
     payload = json.loads(result.stdout)
     assert payload["data"] == {"source": "synthetic", "path": None, "synthetic": True, "samples": 8,
-                               "evaluation_samples": 4, "calibration_samples": 0, "steering_samples": 4, "eval_path": None,
+                               "evaluation_samples": 4, "calibration_samples": 0, "steering_samples": 4,
+                               "eval_path": None,
                                "held_out_max": None}
-    assert payload["verdict"]["outcome"] == "signed off" and payload["samples_needed"] is None and payload["data_samples_needed"] is None
+    assert payload["verdict"]["outcome"] == "signed off"
+    assert payload["samples_needed"] is None and payload["data_samples_needed"] is None
     assert "batch 8" in payload["evaluated"] and "model.onnx" in payload["evaluated"]
     manifest = json.loads((tmp_path / "out" / payload["artifact_dir"].split("/")[-1] / "manifest.json").read_text())
     assert manifest["data"]["synthetic"] is True and manifest["data"]["evaluation_samples"] == 4
@@ -168,7 +174,8 @@ def test_junit_has_one_case_per_gate_check(tiny_cnn_path, fast_recipe_file, tmp_
     assert all(c.find("failure") is None for c in cases.values())
 
     tight = tmp_path / "tight.yaml"  # fp32 optimized kernels against the unoptimized reference: not bit-exact
-    tight.write_text(fast_recipe_file.read_text().replace("accuracy:\n", "accuracy:\n  tolerances:\n    fp32: {atol: 0, rtol: 0}\n"))
+    tight.write_text(fast_recipe_file.read_text().replace("accuracy:\n",
+                                                          "accuracy:\n  tolerances:\n    fp32: {atol: 0, rtol: 0}\n"))
     failed = _run("build", tiny_cnn_path, "--recipe", tight, "--out", tmp_path / "out", "--junit", junit)
     assert failed.exit_code == 1
     failing = [c for c in ET.parse(junit).getroot().iter("testcase") if c.find("failure") is not None]

@@ -30,7 +30,8 @@ def test_dynamic_non_batch_dim_needs_a_shape():
 
 
 def test_every_input_a_shape_is_missing_for_is_named_at_once_with_a_value_that_works():
-    tokens = [TensorSpec(name=name, dtype="int64", shape=["batch", "sequence"]) for name in ("input_ids", "attention_mask")]
+    tokens = [TensorSpec(name=name, dtype="int64", shape=["batch",
+                                                          "sequence"]) for name in ("input_ids", "attention_mask")]
     with pytest.raises(UsageError) as info:
         resolve_shapes(tokens, {})
     message = str(info.value)
@@ -152,11 +153,13 @@ def test_too_few_samples_to_calibrate_and_judge_is_rejected():
 
     with pytest.raises(InputRejected, match="at least 2 samples"):
         split_roles(["a"], SplitConfig(), calibrates=True, calibration_max=64, verdict_max=10, seed=0)
-    assert split_roles(["a"], SplitConfig(), calibrates=False, calibration_max=64, verdict_max=10, seed=0).verdict == [0]
+    assert split_roles(["a"], SplitConfig(), calibrates=False, calibration_max=64, verdict_max=10,
+                       seed=0).verdict == [0]
 
 
 def test_synthetic_samples_are_seeded_and_typed():
-    spec = [TensorSpec(name="input_ids", dtype="int64", shape=["b", 4]), TensorSpec(name="attention_mask", dtype="int64", shape=["b", 4])]
+    spec = [TensorSpec(name="input_ids", dtype="int64", shape=["b", 4]),
+            TensorSpec(name="attention_mask", dtype="int64", shape=["b", 4])]
     a, summary = synthetic_samples(spec, {"input_ids": [2, 4], "attention_mask": [2, 4]}, 3, seed=1)
     b, _ = synthetic_samples(spec, {"input_ids": [2, 4], "attention_mask": [2, 4]}, 3, seed=1)
     assert summary.source == "synthetic" and summary.sha256 is None
@@ -170,7 +173,8 @@ def test_batch_of_cycles_samples():
     assert batch.shape == (5, 2) and batch[:, 0].tolist() == [0, 1, 2, 0, 1]
 
 
-@pytest.mark.parametrize("layout,dtype", [("NCHW", "float32"), ("NHWC", "float32"), ("NCHW", "float16"), ("NHWC", "uint8")])
+@pytest.mark.parametrize("layout,dtype", [("NCHW", "float32"), ("NHWC", "float32"), ("NCHW", "float16"),
+                                          ("NHWC", "uint8")])
 def test_model_input_matches_the_textbook_normalization(layout, dtype):
     """The fast in-place normalization computes (x / 255 - mean) / std, laid out and typed as asked."""
     from accel_opt.preprocess.images import to_model_input
@@ -201,7 +205,8 @@ def test_crop_region_resize_matches_resizing_the_whole_image():
         smooth = Image.fromarray(rng.integers(0, 256, (size[1] // 8 + 1, size[0] // 8 + 1, 3), dtype=np.uint8))
         img = smooth.resize(size, Image.BICUBIC)
         scale = pre.resize / min(size)
-        whole = img.resize((max(pre.crop, round(size[0] * scale)), max(pre.crop, round(size[1] * scale))), Image.BILINEAR)
+        whole = img.resize((max(pre.crop, round(size[0] * scale)), max(pre.crop, round(size[1] * scale))),
+                           Image.BILINEAR)
         left, top = (whole.width - pre.crop) // 2, (whole.height - pre.crop) // 2
         expected = np.asarray(whole.crop((left, top, left + pre.crop, top + pre.crop)), dtype=int)
         got = preprocess_image(img, pre)[0].astype(int)

@@ -57,7 +57,8 @@ def test_text_file(tmp_path):
 
 def test_git_lfs_pointer(tmp_path):
     (tmp_path / "p.onnx").write_text(
-        "version https://git-lfs.github.com/spec/v1\noid sha256:4d7a214614ab2935c943f9e0ff69d22eadbb8f32b1258daaa5e2ca24d17e2393\nsize 12345\n"
+        "version https://git-lfs.github.com/spec/v1\noid "
+        "sha256:4d7a214614ab2935c943f9e0ff69d22eadbb8f32b1258daaa5e2ca24d17e2393\nsize 12345\n"
     )
     _rejects(tmp_path / "p.onnx", tmp_path, "Git LFS pointer")
 
@@ -74,7 +75,8 @@ def test_graph_failing_the_checker(tmp_path):
 def test_type_error_fails_shape_inference(tmp_path):
     bad = make_model(
         [helper.make_node("Add", ["x", "i"], ["y"])],
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2]), helper.make_tensor_value_info("i", TensorProto.INT64, [2])],
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2]),
+         helper.make_tensor_value_info("i", TensorProto.INT64, [2])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])],
     )
     _rejects(save(bad, tmp_path / "s.onnx"), tmp_path, "checker rejected|shape inference failed")
@@ -87,7 +89,8 @@ def test_unknown_domain_is_unsupported(tmp_path):
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])],
         domains=["com.example"],
     )
-    assert _rejects(save(custom, tmp_path / "u.onnx"), tmp_path, "unknown domain 'com.example'", Unsupported).exit_code == 4
+    assert _rejects(save(custom, tmp_path / "u.onnx"), tmp_path, "unknown domain 'com.example'",
+                    Unsupported).exit_code == 4
 
 
 def test_a_training_only_op_is_unsupported_not_rejected(tmp_path):
@@ -159,7 +162,8 @@ def test_external_data_inside_folder_loads(tmp_path):
     assert loaded.external_data_files == [(folder / "weights.bin").resolve()]
 
 
-@pytest.mark.parametrize("location, match", [("../secret.bin", "leaves the model folder"), ("/etc/passwd", "relative path")])
+@pytest.mark.parametrize("location, match", [("../secret.bin", "leaves the model folder"),
+                                             ("/etc/passwd", "relative path")])
 def test_external_data_outside_folder(tmp_path, location, match):
     folder = tmp_path / "m"
     folder.mkdir()
@@ -234,6 +238,7 @@ def test_non_numeric_inputs_and_outputs_are_unsupported(tmp_path, kind):
         inputs = [helper.make_tensor_value_info("s", TensorProto.STRING, [1])]
         outputs = [helper.make_tensor_value_info("o", TensorProto.STRING, [1])]
         match = "input 's' is a string tensor"
-    model = helper.make_model(helper.make_graph(nodes, "g", inputs, outputs), opset_imports=[helper.make_opsetid("", 17)])
+    model = helper.make_model(helper.make_graph(nodes, "g", inputs, outputs),
+                              opset_imports=[helper.make_opsetid("", 17)])
     with pytest.raises(Unsupported, match=match):
         load_model(save(model, tmp_path / "m.onnx"), tmp_path)

@@ -79,9 +79,11 @@ def test_index_bounds_follow_the_index_to_its_table(tmp_path):
 
     model = onnx.load(str(_embedding(tmp_path / "emb.onnx")))
     assert index_bounds(model) == {"ids": 10, "pos": 3}
-    axis1 = make_model([helper.make_node("Reshape", ["i", "shape"], ["r"]), helper.make_node("Gather", ["t", "r"], ["y"], axis=-1)],
+    axis1 = make_model([helper.make_node("Reshape", ["i", "shape"], ["r"]),
+                        helper.make_node("Gather", ["t", "r"], ["y"], axis=-1)],
                        [value("i", TensorProto.INT64, [5]), value("t", TensorProto.FLOAT, [2, 7])],
-                       [value("y", TensorProto.FLOAT, [2, 5])], [numpy_helper.from_array(np.array([5], np.int64), "shape")])
+                       [value("y", TensorProto.FLOAT, [2, 5])],
+                       [numpy_helper.from_array(np.array([5], np.int64), "shape")])
     assert index_bounds(onnx.shape_inference.infer_shapes(axis1)) == {"i": 7}  # the table's last axis, through Reshape
 
 

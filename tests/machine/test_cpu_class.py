@@ -56,14 +56,16 @@ def test_the_host_profile_reads_the_flags_and_the_onednn_cap(monkeypatch):
 
 
 @pytest.mark.parametrize("host", CPU_CLASSES)
-@pytest.mark.parametrize(("target", "seven_bit"), [("avx2", True), ("avx512", True), ("avx512_vnni", False), ("amx", False)])
+@pytest.mark.parametrize(("target", "seven_bit"), [("avx2", True), ("avx512", True), ("avx512_vnni", False),
+                                                   ("amx", False)])
 def test_int8_weights_follow_the_target_cpu(target, seven_bit, host):
     """A recipe's target class decides the weights' range whatever the class of the CPU that builds."""
     here = CpuProfile.of_class(host)
     cpu, reduce_range, reason = weight_range(ORT_CPU, CalibrationConfig(target_cpu=target), here)
     assert (cpu, reduce_range) == (target, seven_bit) and target in reason
     assert weight_range(TENSORRT, CalibrationConfig(target_cpu="avx2"), here)[1] is False  # the GPU's kernels
-    assert weight_range(ORT_CPU, CalibrationConfig(target_cpu="avx2", reduce_range=False), here)[1] is False  # the recipe
+    # the recipe
+    assert weight_range(ORT_CPU, CalibrationConfig(target_cpu="avx2", reduce_range=False), here)[1] is False
 
 
 def saturating_data(folder: Path, count: int = 100) -> Path:  # int8 holds 60 out: none failing shows >= 95%
@@ -82,7 +84,8 @@ def test_seven_bit_weights_stay_within_their_range(tmp_path):
         report = quantize(model, samples, CalibrationConfig(samples=8, target_cpu=target), "onnxruntime", out, None,
                           CpuProfile.of_class("avx512_vnni"))  # the recipe's target decides, not the building CPU
         assert report.calibration.target_cpu == target and report.calibration.reduce_range_reason
-        weights = [numpy_helper.to_array(t) for t in onnx.load(str(out)).graph.initializer if t.data_type == TensorProto.INT8
+        weights = [numpy_helper.to_array(t) for t in onnx.load(str(out)).graph.initializer
+                   if t.data_type == TensorProto.INT8
                    and len(t.dims) == 4]
         peaks[target] = max(int(np.abs(w.astype(np.int32)).max()) for w in weights)
     assert peaks == {"avx2": 64, "amx": 127}  # 7-bit: [-64, 63] (ORT's reduce_range), else the full 8 bits
@@ -98,7 +101,8 @@ def test_the_noise_floor_keeps_fp32_reordering_from_failing_a_near_constant_outp
     tol = load_recipe().accuracy.tolerances["fp32"]
     refs = _near_constant(8, rng)
     # Another fp32 evaluation: 2% of the output's tiny std off, as float32 reordering leaves such a map.
-    other = [{"prob": r["prob"] + np.float32(2e-9) * rng.standard_normal(r["prob"].shape).astype(np.float32)} for r in refs]
+    other = [{"prob": r["prob"] + np.float32(2e-9) * rng.standard_normal(r["prob"].shape).astype(np.float32)}
+             for r in refs]
     noise = {"prob": 2 * max(float(np.abs(o["prob"] - r["prob"]).max()) for o, r in zip(other, refs))}
     names = [f"s{i}" for i in range(8)]
     assert not judge(refs, other, names, tol).passed  # judged in units of that std alone: a false reject

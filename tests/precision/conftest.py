@@ -24,7 +24,8 @@ def mobile_block(path: Path) -> Path:
     weights = {"w1": rng.normal(0, 0.4, (CHANNELS, 3, 3, 3)), "b1": rng.normal(0, 0.1, CHANNELS),
                "w2": rng.normal(0, 0.5, (CHANNELS, 1, 3, 3)), "b2": rng.normal(0, 0.1, CHANNELS),
                "w3": rng.normal(0, 0.3, (CHANNELS, CHANNELS, 1, 1)), "b3": rng.normal(0, 0.1, CHANNELS),
-               "w4": rng.normal(0, 0.5, (10, CHANNELS)), "b4": np.zeros(10), "low": np.array(0.0), "high": np.array(6.0)}
+               "w4": rng.normal(0, 0.5, (10, CHANNELS)), "b4": np.zeros(10), "low": np.array(0.0),
+               "high": np.array(6.0)}
     nodes = [helper.make_node("Conv", ["x", "w1", "b1"], ["h1"], name="stem", pads=[0, 0, 1, 1], strides=[2, 2]),
              helper.make_node("Clip", ["h1", "low", "high"], ["r1"], name="relu6_1"),
              helper.make_node("Conv", ["r1", "w2", "b2"], ["h2"], name="depthwise", group=CHANNELS, pads=[1, 1, 1, 1]),

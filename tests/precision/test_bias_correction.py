@@ -72,7 +72,8 @@ def test_corrected_biases_bring_the_int8_outputs_mean_back_to_fp32s(net, target,
     assert shift_after < 0.5 * shift_before, (shift_before, shift_after)
 
     before, after = onnx.load(str(tmp_path / "plain.onnx")), onnx.load(str(tmp_path / "corrected.onnx"))
-    assert [(n.op_type, list(n.input)) for n in before.graph.node] == [(n.op_type, list(n.input)) for n in after.graph.node]
+    assert [(n.op_type, list(n.input)) for n in before.graph.node] == [(n.op_type,
+                                                                        list(n.input)) for n in after.graph.node]
     changed = {i.name for i, j in zip(before.graph.initializer, after.graph.initializer)
                if not np.array_equal(numpy_helper.to_array(i), numpy_helper.to_array(j))}
     assert changed and all("b" in name for name in changed), changed  # bias values only

@@ -60,7 +60,8 @@ def test_mapping_across_qdq_has_no_false_errors(tiny_cnn_path, samples, tmp_path
 
 def test_mapping_across_cast_inserted_fp16_graph(tiny_cnn_path, samples, tmp_path):
     convert_float(tiny_cnn_path, Precision.fp16, Recipe().precision_options, tmp_path / "h.onnx")
-    mapping = map_tensors(onnx.load(str(tiny_cnn_path)), onnx.shape_inference.infer_shapes(onnx.load(str(tmp_path / "h.onnx"))))
+    mapping = map_tensors(onnx.load(str(tiny_cnn_path)),
+                          onnx.shape_inference.infer_shapes(onnx.load(str(tmp_path / "h.onnx"))))
     assert "logits" in mapping.pairs and mapping.node_of["logits"].op_type == "Gemm"  # through the output Cast
     diagnosis = diagnose(tiny_cnn_path, tmp_path / "h.onnx", samples[:2])
     assert diagnosis.tensors_unmatched == 0
@@ -89,11 +90,13 @@ def _steps(fallback: dict) -> list[tuple[str, str, str]]:
 
 @pytest.mark.slow
 def test_int8_collapse_is_rescued_by_the_measured_search(spiky, fast_recipe, tmp_path):
-    """One channel x2000 breaks per-tensor int8 of one tensor: no whole-graph remedy alone saves it; restoring the 1x1 conv
+    """One channel x2000 breaks per-tensor int8 of one tensor: no whole-graph remedy alone saves it; restoring the 1x1
+    conv
     group that reads it gains the most, measured; it is kept, and nothing that did not help is. The network's tail (its
     last 2 of 8 layers) is measured first, and is not what restores it."""
     model, data = spiky
-    recipe = fast_recipe.with_overrides(precision="int8", **ANY_SPEED, **{"precision_options.fallback.tail_layers": [2]})
+    recipe = fast_recipe.with_overrides(precision="int8", **ANY_SPEED,
+                                        **{"precision_options.fallback.tail_layers": [2]})
     result = build(model, recipe, data_dir=data, out_dir=tmp_path / "out")
     assert result.signed_off, result.failures
     info = json.loads((_folder(result) / "build.json").read_text())
@@ -105,7 +108,8 @@ def test_int8_collapse_is_rescued_by_the_measured_search(spiky, fast_recipe, tmp
     assert kinds[0] == "speed" and "remedy" in kinds and "measure" in kinds and kinds[-1] == "stop"
     measured = {s["what"]: s["gain"] for s in fallback["steps"] if s["kind"] == "measure"}
     assert next(iter(measured)) == "restore the last 2 of 8 layers alone"
-    assert all("Conv 16x16x1x1 (1 layer) to float took" in k["reason"] for k in fallback["kept"] if k["node"] == "c_after")
+    assert all("Conv 16x16x1x1 (1 layer) to float took" in k["reason"] for k in fallback["kept"]
+               if k["node"] == "c_after")
     best = max(measured, key=measured.get)
     assert any(best.removeprefix("restore ").removesuffix(" alone") in s["what"] and s["decision"] == "kept"
                for s in fallback["steps"] if s["kind"] == "add")  # the best-measured group is the one kept
@@ -285,13 +289,17 @@ def test_a_variant_the_converter_cannot_write_leaves_the_build_before_it(tiny_cn
         if kept:
             raise Unsupported("the float16 converter wrote a model ONNX Runtime refuses (round1-fp16.onnx)")
         shutil.copy(tiny_cnn_path, path)
-        return PrecisionReport(precision=Precision.fp16, transform="naive", opset_before=17, opset_after=17, keep_io_types=True)
+        return PrecisionReport(precision=Precision.fp16, transform="naive", opset_before=17, opset_after=17,
+                               keep_io_types=True)
 
-    layer = LayerError(node=first.name, op_type=first.op_type, depth=0, tensor=first.output[0], error=0.5, input_error=0.0,
+    layer = LayerError(node=first.name, op_type=first.op_type, depth=0, tensor=first.output[0], error=0.5,
+                       input_error=0.0,
                        added_error=0.5, max_abs_reference=1.0)
-    actions = Actions(build=build, judge=lambda path: ProbeVerdict(passed=False, worst_cosine=0.5, failures=["y: cosine 0.5"],
+    actions = Actions(build=build, judge=lambda path: ProbeVerdict(passed=False, worst_cosine=0.5,
+                                                                   failures=["y: cosine 0.5"],
                                                                    loss=3.0),
-                      diagnose=lambda path: Diagnosis(samples=1, tensors_compared=1, tensors_unmatched=0, layers=[layer]),
+                      diagnose=lambda path: Diagnosis(samples=1, tensors_compared=1, tensors_unmatched=0,
+                                                      layers=[layer]),
                       flops_of=lambda path: {})
     report, fallback, chosen = run(Precision.fp16, FallbackConfig(), actions, tmp_path / "fp16.onnx", 4, "probes")
     assert fallback.status == "budget exhausted"

@@ -89,10 +89,12 @@ def test_the_bias_fit_brings_the_int8_output_closer_to_fp32_on_inputs_it_never_s
 
 
 @pytest.mark.parametrize(("fit", "reused", "dtypes"), [
-    ({"bias_fit": True, "bias_fit_steps": 25}, "bias fit: the biases fitted on the whole graph reused for 3 of its 4 layers",
+    ({"bias_fit": True, "bias_fit_steps": 25},
+     "bias fit: the biases fitted on the whole graph reused for 3 of its 4 layers",
      {np.int32}),
     ({"weight_fit": True, "weight_fit_steps": 300},
-     "weight fit: the biases and weights fitted on the whole graph reused for 6 of its 8 tensors", {np.int32, np.int8})])
+     "weight fit: the biases and weights fitted on the whole graph reused for 6 of its 8 tensors",
+     {np.int32, np.int8})])
 def test_a_build_keeping_layers_in_float_reuses_the_fit_learned_on_the_all_int8_graph(block, tmp_path, fit, reused,
                                                                                        dtypes):
     model, calibration, _ = block

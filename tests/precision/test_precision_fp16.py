@@ -120,7 +120,8 @@ def test_bf16_keeps_opset_when_ops_allow_it_and_blocks_softmax(tmp_path):
     rng = np.random.default_rng(0)
     weight = numpy_helper.from_array(rng.standard_normal((16, 8)).astype(np.float32), "W")
     graph = helper.make_graph(
-        [helper.make_node("MatMul", ["x", "W"], ["h"], name="mm"), helper.make_node("Softmax", ["h"], ["y"], name="sm")],
+        [helper.make_node("MatMul", ["x", "W"], ["h"], name="mm"),
+         helper.make_node("Softmax", ["h"], ["y"], name="sm")],
         "mlp",
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 16])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 8])],

@@ -105,7 +105,8 @@ def test_ort_cpu_preset_uint8_activations_int8_per_channel_weights(model_path, c
     out = tmp_path / "ort.onnx"
     report = quantize(model_path, calib, CalibrationConfig(samples=8), "onnxruntime", out, cache_dir=None, cpu=CPU)
     cal = report.calibration
-    assert (cal.preset, cal.activation_type, cal.weight_type, cal.symmetric_activations) == ("ort_cpu", "uint8", "int8", False)
+    assert (cal.preset, cal.activation_type, cal.weight_type,
+            cal.symmetric_activations) == ("ort_cpu", "uint8", "int8", False)
     assert cal.sample_count == 8 and "uint8" in cal.preset_reason
     model, inits = _quantize_ops(out)
     q_zero_points = {inits[n.input[2]].dtype for n in model.graph.node if n.op_type == "QuantizeLinear"}
@@ -169,7 +170,8 @@ def test_cache_hit_on_second_call_and_key_follows_settings(model_path, calib, tm
                      tmp_path / "c.onnx", cache, cpu=CPU)
     assert not other.calibration.cache_hit and other.calibration.cache_key != first.calibration.cache_key
     shifted = [{"image": s["image"] + 0.01} for s in calib]
-    assert quantize(model_path, shifted, config, "onnxruntime", tmp_path / "d.onnx", cache, cpu=CPU).calibration.cache_key \
+    assert quantize(model_path, shifted, config, "onnxruntime", tmp_path / "d.onnx", cache,
+                    cpu=CPU).calibration.cache_key \
         != first.calibration.cache_key
 
 
@@ -216,7 +218,8 @@ def test_calibrating_on_mis_scaled_data_gives_visibly_larger_error(model_path, c
 
 def test_transform_entry_point_dispatches_int8_and_fp16(model_path, calib, tmp_path):
     recipe = Recipe()
-    int8 = transform(model_path, Precision.int8, recipe, "onnxruntime", calib, tmp_path / "i.onnx", tmp_path / "c", cpu=CPU)
+    int8 = transform(model_path, Precision.int8, recipe, "onnxruntime", calib, tmp_path / "i.onnx",
+                     tmp_path / "c", cpu=CPU)
     assert int8.precision is Precision.int8 and int8.calibration.sample_count == len(calib)
     half = transform(model_path, Precision.fp16, recipe, "onnxruntime", [], tmp_path / "h.onnx", None, cpu=CPU)
     assert half.precision is Precision.fp16 and half.calibration is None
@@ -245,7 +248,8 @@ def test_excluded_nodes_stay_float_and_rebuilds_reuse_the_ranges(model_path, cal
     plain = quantize(model_path, calib, config, "onnxruntime", tmp_path / "plain.onnx", tmp_path / "cache", cpu=CPU)
     assert plain.kept_in_higher_precision == [] and not plain.calibration.cache_hit
     convs = [n.name for n in onnx.load(str(tmp_path / "plain.onnx")).graph.node if n.op_type == "Conv"]
-    again = quantize(model_path, calib, config, "onnxruntime", tmp_path / "ex.onnx", tmp_path / "cache", exclude=[convs[0]], cpu=CPU)
+    again = quantize(model_path, calib, config, "onnxruntime", tmp_path / "ex.onnx", tmp_path / "cache",
+                     exclude=[convs[0]], cpu=CPU)
     assert again.calibration.cache_key != plain.calibration.cache_key
     assert list((tmp_path / "cache" / "ranges").iterdir()), "the ranges were not cached"
     graph = onnx.load(str(tmp_path / "ex.onnx")).graph
@@ -271,13 +275,15 @@ def test_onnx_runtimes_other_quantizer_options_change_the_graph_as_named(model_p
     extremes over all samples, some narrower), Relu kept explicit between Q/DQ pairs, per-tensor weights."""
     def build(name: str, **options) -> Path:
         out = tmp_path / f"{name}.onnx"
-        quantize(model_path, calib, CalibrationConfig(samples=16, **options), "onnxruntime", out, cache_dir=None, cpu=CPU)
+        quantize(model_path, calib, CalibrationConfig(samples=16, **options), "onnxruntime", out,
+                 cache_dir=None, cpu=CPU)
         assert _relative_error(_run(out, evaluation), _run(model_path, evaluation)) < 0.3
         return out
 
     plain, averaged = _activation_scales(build("plain")), _activation_scales(build("averaged", moving_average=True))
     assert plain.keys() == averaged.keys()
-    assert all(averaged[n] <= plain[n] * (1 + 1e-6) for n in plain) and any(averaged[n] < plain[n] * 0.99 for n in plain)
+    assert all(averaged[n] <= plain[n] * (1 + 1e-6)
+               for n in plain) and any(averaged[n] < plain[n] * 0.99 for n in plain)
     relus = {str(path): sum(n.op_type == "Relu" for n in onnx.load(str(path)).graph.node)
              for path in (tmp_path / "plain.onnx", build("explicit", keep_removable_activations=True))}
     assert relus[str(tmp_path / "plain.onnx")] == 0 < relus[str(tmp_path / "explicit.onnx")]  # folded vs kept

@@ -50,7 +50,8 @@ def test_what_is_kept_is_what_the_measurement_shows_not_the_diagnosis(tmp_path):
     model = Model({"Conv 16x1x3x3": 2.5})
     found = _run(model, tmp_path)
     assert found.status == "rescued" and sorted(found.kept) == ["d1", "d2"]
-    assert found.gains == {"Conv 16x16x1x1 (3 layers)": 0.0, "Conv 16x1x3x3 (2 layers)": 2.5, "Gemm 10x16 (1 layer)": 0.0}
+    assert found.gains == {"Conv 16x16x1x1 (3 layers)": 0.0, "Conv 16x1x3x3 (2 layers)": 2.5,
+                           "Gemm 10x16 (1 layer)": 0.0}
     assert [s.kind for s in found.steps] == ["speed", "measure", "measure", "measure", "add", "stop"]
 
 
@@ -261,7 +262,8 @@ def test_a_drop_that_would_relearn_adaround_past_the_budget_is_not_started(tmp_p
     assert found.status == "rescued" and set(found.remedies) == {"percentile calibration", "AdaRound"}
     drops = [(s.what, s.decision) for s in found.steps if s.kind == "drop"]
     assert drops[0][0] == "without AdaRound" and drops[0][1].startswith("kept")  # percentile is cached: built
-    assert drops[1] == ("without percentile calibration", "skipped: its build may take ~110 s, 100 s of the budget left")
+    assert drops[1] == ("without percentile calibration",
+                        "skipped: its build may take ~110 s, 100 s of the budget left")
     assert clock.now <= 650.0
 
 
@@ -277,7 +279,8 @@ def test_measuring_stops_where_the_budget_left_is_needed_to_add_what_gains(tmp_p
     assert found.status == "rescued" and sorted(found.kept) == ["p1", "p2", "p3"]
     assert [(s.kind, s.what, s.decision) for s in found.steps][1:3] == [
         ("measure", "restore Conv 16x16x1x1 (3 layers) alone", "gains"),
-        ("measure", "the other 2 unit(s)", "skipped: 15 s of the budget left, kept to add what was measured (~10 s a unit)")]
+        ("measure", "the other 2 unit(s)",
+         "skipped: 15 s of the budget left, kept to add what was measured (~10 s a unit)")]
     # Nothing gained yet: measuring goes on whatever is left (nothing could be added).
     clock.now = 0.0
     found = _run(TimedBuilds(clock, 10.0, gains={"Gemm 10x16": 2.5}), tmp_path, time_budget_s=25.0)
@@ -321,7 +324,8 @@ OPENVINO_REMEDIES = int8_remedies(CalibrationConfig(), "openvino")
 
 
 def test_nncf_is_tried_on_openvino_last_and_instead_of_the_remedies_adopted(tmp_path):
-    """NNCF is another quantizer: its build resets what the remedies before it set, and it is named as replacing them."""
+    """NNCF is another quantizer: its build resets what the remedies before it set, and it is named as replacing
+    them."""
     nncf = ["NNCF on OpenVINO", "NNCF on OpenVINO + SmoothQuant", "NNCF on OpenVINO + ChannelAlignment"]
     assert [r.name for r in OPENVINO_REMEDIES] == [r.name for r in REMEDIES] + nncf
     assert not any(r.name.startswith("NNCF") for r in REMEDIES)  # ONNX Runtime's builds: ONNX Q/DQ only
@@ -337,5 +341,6 @@ def test_nncf_is_tried_on_openvino_last_and_instead_of_the_remedies_adopted(tmp_
 def test_nncf_is_offered_only_where_the_recipe_keeps_what_it_replaces():
     assert int8_remedies(CalibrationConfig(quantizer="nncf"), "openvino") == ()  # NNCF already: nothing to add
     assert not any(r.name.startswith("NNCF") for r in int8_remedies(CalibrationConfig(reduce_range=True), "openvino"))
-    fused = [r for r in int8_remedies(CalibrationConfig(), "openvino", fused_preprocessing=True) if r.name.startswith("NNCF")]
+    fused = [r for r in int8_remedies(CalibrationConfig(), "openvino",
+                                      fused_preprocessing=True) if r.name.startswith("NNCF")]
     assert fused and all("preprocessing.fused" in r.unavailable for r in fused)

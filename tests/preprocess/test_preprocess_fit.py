@@ -72,7 +72,8 @@ def _pooling_cnn(path: Path) -> Path:
     """image [batch, 3, h, w] (any size) -> Conv -> GlobalAveragePool -> [batch, 4]."""
     w = np.random.default_rng(0).standard_normal((4, 3, 3, 3)).astype(np.float32)
     return save(make_model(
-        [helper.make_node("Conv", ["image", "w"], ["c"], pads=[1] * 4), helper.make_node("GlobalAveragePool", ["c"], ["g"]),
+        [helper.make_node("Conv", ["image", "w"], ["c"], pads=[1] * 4),
+         helper.make_node("GlobalAveragePool", ["c"], ["g"]),
          helper.make_node("Flatten", ["g"], ["y"])],
         [helper.make_tensor_value_info("image", TensorProto.FLOAT, ["batch", 3, "h", "w"])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 4])], [numpy_helper.from_array(w, "w")]), path)
@@ -83,11 +84,13 @@ def test_a_folder_that_cannot_take_its_own_images_is_not_built(tmp_path):
     size, so nothing is fitted, but images would reach the 40x40 deployment as 32x32: no folder, exit 2."""
     recipe = CLASSIFIER.with_overrides(preprocessing={"resize": 36, "crop": 32})
     data = image_npz_folder(tmp_path / "data", 3, size=40)
-    with pytest.raises(UsageError, match=r"does not take images .*crop 32.*shape \[1, 3, 32, 32\], the artifact takes \[1, 3, 40, 40\]"):
+    with pytest.raises(UsageError, match=r"does not take images .*crop 32.*shape \[1, 3, 32, 32\], the artifact takes "
+                                         r"\[1, 3, 40, 40\]"):
         build(_pooling_cnn(tmp_path / "pool.onnx"), recipe, data_dir=data, out_dir=tmp_path / "out")
     assert not [p for p in (tmp_path / "out").iterdir() if not p.name.startswith(".")]
     # The same model built at the crop's size takes images.
-    ok = build(_pooling_cnn(tmp_path / "pool.onnx"), recipe, data_dir=image_npz_folder(tmp_path / "d32", 3), out_dir=tmp_path / "out")
+    ok = build(_pooling_cnn(tmp_path / "pool.onnx"), recipe, data_dir=image_npz_folder(tmp_path / "d32", 3),
+               out_dir=tmp_path / "out")
     assert ok.signed_off and not any("fitted" in n for n in _notes(Path(ok.artifact_dir)))
 
 
@@ -123,7 +126,8 @@ def test_fitting_follows_the_layout_and_leaves_fitting_crops_alone():
 
 
 def test_preprocessing_input_must_name_the_image_input():
-    specs = [TensorSpec(name="a", dtype="float32", shape=[1, 3, 8, 8]), TensorSpec(name="b", dtype="float32", shape=[1, 4])]
+    specs = [TensorSpec(name="a", dtype="float32", shape=[1, 3, 8, 8]),
+             TensorSpec(name="b", dtype="float32", shape=[1, 4])]
     with pytest.raises(UsageError, match="must name the image input .*a, b"):
         fit_preprocessing(PRE, specs, [])
     with pytest.raises(UsageError, match="'c' is not a model input"):

@@ -31,7 +31,8 @@ def test_every_bundled_recipe_validates():
         ("- just\n- a list\n", "mapping"),
         ("key: [unclosed\n", "not valid YAML"),
         ("!!python/object/apply:os.system ['true']\n", "not valid YAML"),
-        ("accuracy:\n  split: {calibration_fraction: 0.9, steering_fraction: 0.5}\n", "at least a tenth of --data is held out"),
+        ("accuracy:\n  split: {calibration_fraction: 0.9, steering_fraction: 0.5}\n",
+         "at least a tenth of --data is held out"),
         # Fuzzed recipes that used to crash far from the recipe (exit 70): refused where they are read.
         ("description: " + "[" * 600 + "]" * 600 + "\n", "nested too deeply|description"),  # exit 2 either way
         ("accuracy:\n  task_metrics: [{kind: cosine, min_mean_cosine: .nan}]\n", "min_mean_cosine"),

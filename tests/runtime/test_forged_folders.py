@@ -42,7 +42,8 @@ def _external_data(folder: Path, location: str) -> None:
 
 FORGERIES = {
     "external data outside the folder": lambda f: _external_data(f, "../stolen.bin"),
-    "external data by absolute path": lambda f: (_external_data(f, "inside.bin"), _relocate(f, str(f.parent / "abs.bin"))),
+    "external data by absolute path": lambda f: (_external_data(f, "inside.bin"),
+                                                 _relocate(f, str(f.parent / "abs.bin"))),
     "external data through a symlink": lambda f: (_external_data(f, "../outside.bin"), _relocate(f, "link.bin"),
                                                   os.symlink(f.parent / "outside.bin", f / "link.bin")),
     "model.onnx is text": lambda f: (f / "model.onnx").write_text("version https://git-lfs.github.com/spec/v1\n"),
@@ -59,7 +60,8 @@ FORGERIES = {
     # a timing file is still native code, and a cache prefix is a name, never a path.
     "a TensorRT EP engine listed as a timing file": lambda f: _trt_ep(f, {"trt_engine_cache_prefix": "ort-trt"},
                                                                      timing_files=["ort-trt_0.engine"]),
-    "a TensorRT EP cache prefix that climbs out": lambda f: _trt_ep(f, {"trt_engine_cache_prefix": "../timing/ort-trt"}),
+    "a TensorRT EP cache prefix that climbs out": lambda f: _trt_ep(f,
+                                                                    {"trt_engine_cache_prefix": "../timing/ort-trt"}),
     "a TensorRT EP cache switched on without its files": lambda f: _trt_ep(f, {"trt_engine_cache_enable": "True"}),
 }
 
@@ -120,7 +122,8 @@ def test_an_untouched_copy_verifies_and_runs(classifier, photos, tmp_path):
     done = cli.invoke(main, ["run", str(folder), str(photos), "--out", str(tmp_path / "preds.jsonl")])
     assert done.exit_code == 0, done.output
     assert len((tmp_path / "preds.jsonl").read_text().splitlines()) == len(list(photos.iterdir()))
-    assert np.isfinite([json.loads(line)["topk"][0][1] for line in (tmp_path / "preds.jsonl").read_text().splitlines()]).all()
+    assert np.isfinite([json.loads(line)["topk"][0][1] for line in (tmp_path
+                                                                    / "preds.jsonl").read_text().splitlines()]).all()
 
 
 def _forged_fields():
@@ -135,7 +138,8 @@ def _forged_fields():
             hows = ["removed", "null", "another type"] if field.is_required() else ["null", "another type"]
             cases += [(file, name, how) for how in hows]
     for backend, model in SETTINGS_OF.items():
-        cases += [("resource_config.json", f"{backend}:settings.{name}", how) for name, field in model.model_fields.items()
+        cases += [("resource_config.json", f"{backend}:settings.{name}", how) for name,
+                  field in model.model_fields.items()
                   for how in (["removed", "another type"] if field.is_required() else ["another type"])]
     return cases
 
@@ -212,7 +216,8 @@ def test_an_unlisted_file_is_refused_before_anything_is_copied(classifier, photo
     temp.mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(temp))
     ran = CliRunner().invoke(main, ["run", str(folder), str(photos), "--out", str(tmp_path / "p.jsonl")])
-    assert ran.exit_code == 3 and "padding.bin: not part of the artifact (not in the manifest)" in ran.stderr, ran.output
+    assert ran.exit_code == 3, ran.output
+    assert "padding.bin: not part of the artifact (not in the manifest)" in ran.stderr, ran.output
     written = sum(p.stat().st_size for p in temp.rglob("*") if p.is_file())
     assert written == 0, written  # nothing was copied
 
@@ -236,7 +241,8 @@ def test_check_without_a_policy_is_as_strict_as_load(classifier, tmp_path):
 @pytest.mark.parametrize("forgery", [name for name in FORGERIES if "TensorRT EP" in name])
 def test_a_tensorrt_ep_cache_in_an_unsigned_folder_is_refused_as_native_code_not_as_a_missing_gpu(classifier, tmp_path,
                                                                                                    forgery):
-    """Issue 74: these ended exit 4 ("needs a GPU") where a GPU is missing, and would have loaded the engine where one is
+    """Issue 74: these ended exit 4 ("needs a GPU") where a GPU is missing, and would have loaded the engine where one
+    is
     present. Refused before anything loads, exit 3, on any machine."""
     from accel_opt import runtime
 
@@ -244,4 +250,5 @@ def test_a_tensorrt_ep_cache_in_an_unsigned_folder_is_refused_as_native_code_not
     FORGERIES[forgery](folder)
     _rehash(folder)
     (problem,) = runtime.check(folder)
-    assert problem.exit_code == 3 and ("TensorRT EP engines" in problem.line or "trt_engine_cache_prefix" in problem.line)
+    assert problem.exit_code == 3 and ("TensorRT EP engines" in problem.line
+                                       or "trt_engine_cache_prefix" in problem.line)

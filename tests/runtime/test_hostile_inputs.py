@@ -50,7 +50,8 @@ def test_an_npz_declaring_a_gibibyte_is_refused_from_its_header(tmp_path):
     path = _header_only_npz(tmp_path / "liar.npz", "image", (16384, 16384))
     assert path.stat().st_size < 1000
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    with pytest.raises(InputRejected, match=r"image declares \[16384, 16384\] float32 \(1,024.0 MiB\), over the 256.0 MiB "
+    with pytest.raises(InputRejected,
+                       match=r"image declares \[16384, 16384\] float32 \(1,024.0 MiB\), over the 256.0 MiB "
                                             r"limit per input \(ACCEL_OPT_MAX_INPUT_MIB\)"):
         read_npz(path)
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 64 << 10  # KiB: nothing like 1 GiB was held
@@ -132,7 +133,8 @@ def _constant_of_shape(shape: list[int]):
     from ..conftest import make_model
 
     return make_model(
-        [helper.make_node("ConstantOfShape", ["shape"], ["big"], name="big", value=helper.make_tensor("v", TensorProto.FLOAT, [1], [0.0])),
+        [helper.make_node("ConstantOfShape", ["shape"], ["big"], name="big",
+                          value=helper.make_tensor("v", TensorProto.FLOAT, [1], [0.0])),
          helper.make_node("Add", ["x", "big"], ["y"])],
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 1])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["a", "b"])],

@@ -118,7 +118,8 @@ def test_a_failing_recheck_refuses_the_run_and_fails_verify(built, photos, tmp_p
     cache = tmp_path / "cache"
     checked = _accel_opt("verify", folder, "--accuracy", cache=cache)
     assert checked.returncode == 1 and "FAILED" in checked.stderr and "gain 0.6667" in checked.stderr, checked.stderr
-    assert checked.stdout.startswith("not ok: ") and "re-checked on this CPU class" in checked.stdout and "FAILED" in checked.stdout
+    assert checked.stdout.startswith("not ok: ")
+    assert "re-checked on this CPU class" in checked.stdout and "FAILED" in checked.stdout
     ran = _accel_opt("run", folder, photos, "--out", tmp_path / "p.jsonl", cache=cache)
     assert ran.returncode == 1 and "FAILED" in ran.stderr and not (tmp_path / "p.jsonl").exists()
 
@@ -158,7 +159,8 @@ def test_a_folder_from_before_probe_sets_runs_on_its_own_class_only(built, photo
     assert ran.returncode == 0, ran.stderr  # the class derived from its recorded flags is this CPU's: it runs as it did
     manifest = json.loads((folder / MANIFEST).read_text())
     elsewhere = "avx2" if _recorded_class(built) != "avx2" else "amx_int8"
-    manifest["cpu"]["flags"] = ["avx", "avx2", "fma"] if elsewhere == "avx2" else [*manifest["cpu"]["flags"], "amx_int8"]
+    manifest["cpu"]["flags"] = ["avx", "avx2",
+                                "fma"] if elsewhere == "avx2" else [*manifest["cpu"]["flags"], "amx_int8"]
     (folder / MANIFEST).write_text(json.dumps(manifest))
     refused = _accel_opt("run", folder, photos, "--out", tmp_path / "q.jsonl", cache=cache)
     assert refused.returncode == 3 and "predates probe sets" in refused.stderr

@@ -54,7 +54,8 @@ def test_incomplete_folder_is_refused(published, tmp_path):
 
 
 @pytest.mark.parametrize("change, message", [
-    (lambda f: (f / "model.onnx").write_bytes((f / "model.onnx").read_bytes()[:-1] + b"\0"), "model.onnx: sha256 does not match"),
+    (lambda f: (f / "model.onnx").write_bytes((f / "model.onnx").read_bytes()[:-1] + b"\0"),
+     "model.onnx: sha256 does not match"),
     (lambda f: (f / "resource_config.json").unlink(), "resource_config.json: missing"),
     (lambda f: (f / "extra.bin").write_bytes(b"x"), "extra.bin: not part of the artifact"),
 ])

@@ -1,6 +1,7 @@
 """One verdict, made once by the build, recorded in the manifest and enforced where a folder is opened: the Python API
 (`runtime.load`), Ray's `Predictor`, `run`, `bench`, `verify --accuracy` and `compare` refuse a folder its build did not
-sign off unless the caller allows it, and say so when they run it. The benefit rule (a reduced precision must be measured
+sign off unless the caller allows it, and say so when they run it. The benefit rule (a reduced precision must be
+measured
 faster than its fp32 build) is tested with injected timings, and end to end with a minimum no build can reach."""
 
 from __future__ import annotations
@@ -49,7 +50,8 @@ def _bench(candidate_rounds_ms: list[float], fp32_rounds_ms: list[float], batch:
                                                    throughput_per_s=batch / p50 * 1e3, round_p50_ms=rounds)])
 
     return BenchmarkReport(threads=2, synchronized=True, speedup_vs_baseline={},
-                           models=[model("onnxruntime-int8", candidate_rounds_ms), model("onnxruntime-fp32", fp32_rounds_ms)])
+                           models=[model("onnxruntime-int8", candidate_rounds_ms),
+                                   model("onnxruntime-fp32", fp32_rounds_ms)])
 
 
 def test_the_lower_bound_is_a_low_round_and_needs_enough_rounds_for_the_level():
@@ -172,7 +174,8 @@ def test_the_ray_predictor_refuses_it_on_every_actor_unless_allowed(no_benefit):
     assert answered.column("error").to_pylist() == [None]
 
 
-@pytest.mark.parametrize("command", [["bench", "{F}"], ["compare", "{F}", "{F}", "--data", "{D}"], ["verify", "{F}", "--accuracy"],
+@pytest.mark.parametrize("command", [["bench", "{F}"], ["compare", "{F}", "{F}", "--data", "{D}"],
+                                     ["verify", "{F}", "--accuracy"],
                                      ["run", "{F}", "{D}", "--out", "{P}"]])
 def test_every_command_refuses_it_with_the_verdicts_code_and_says_so_when_allowed(no_benefit, tmp_path, command):
     folder, data = no_benefit
@@ -182,7 +185,8 @@ def test_every_command_refuses_it_with_the_verdicts_code_and_says_so_when_allowe
     assert "--allow-not-signed-off" in refused.stderr and not (tmp_path / "p.jsonl").exists()
     allowed = CliRunner().invoke(main, [*args, "--allow-not-signed-off"])
     said = allowed.stdout + allowed.stderr
-    if command[0] == "verify":  # verify's exit is the verdict's: the re-check ran, and the verdict is still not a sign-off
+    # verify's exit is the verdict's: the re-check ran, and the verdict is still not a sign-off
+    if command[0] == "verify":
         assert allowed.exit_code == 7 and "accuracy re-checked here" in said, allowed.output
     else:
         assert allowed.exit_code == 0, allowed.output

@@ -21,5 +21,6 @@ from accel_opt.accuracy.models import (
 )
 from accel_opt.accuracy.run import compare, fp32_noise_floor, run_candidate
 
-__all__ = ["AccuracyReport", "Check", "Evaluation", "OutputAccuracy", "SampleAccuracy", "SteeringVerdict", "TaskMetricResult", "compare",
+__all__ = ["AccuracyReport", "Check", "Evaluation", "OutputAccuracy", "SampleAccuracy", "SteeringVerdict",
+           "TaskMetricResult", "compare",
            "fp32_noise_floor", "judge", "run_candidate"]

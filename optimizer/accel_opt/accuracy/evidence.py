@@ -2,7 +2,8 @@
 neighbours kept, samples within tolerance) is a count of successes among trials, and a build signs off only where
 the one-sided lower confidence bound of that rate clears the recipe's minimum.
 
-The bound is Clopper-Pearson's (the exact binomial interval, `statsmodels.proportion_confint(method="beta")`), one-sided:
+The bound is Clopper-Pearson's (the exact binomial interval, `statsmodels.proportion_confint(method="beta")`),
+one-sided:
 the rate is at least `lower` with probability `confidence` whatever the true rate is. With no failure in n trials it is
 (1 - confidence) ** (1 / n): 0 changed of 16 samples shows only >= 82.9% at 95%, so 16 samples can never certify 95%;
 that needs 59, 97% needs 99. Too few trials for any result to clear the minimum is its own answer
@@ -202,14 +203,17 @@ class RateEvidence(BaseModel):
         bound = f">= {self.lower:.1%} at {self.confidence:.0%} confidence"
         status = self.status
         if status == "insufficient":
-            return (f"{self.what}: {self.trials}{held} {_of(self.trials, self.unit)} cannot show >= {self.shown_minimum:.1%} at "
-                    f"{self.confidence:.0%} confidence even with none {self.failure} ({self.lower:.1%} is the most they "
+            return (f"{self.what}: {self.trials}{held} {_of(self.trials, self.unit)} cannot show >= "
+                    f"{self.shown_minimum:.1%} at "
+                    f"{self.confidence:.0%} confidence even with none {self.failure} ({self.lower:.1%} is the most "
+                    "they "
                     f"can); {self.needed} needed")
         if self.minimum >= 1.0:
             shown = f" ({bound})" if self.shown_minimum < 1.0 and status == "pass" else ""
             return f"{self.what}: {counted}; none may fail{shown}" + ("" if status == "pass" else " (FAIL)")
         if not self.bounded:
-            return f"{self.what} {self.rate:.2%} {'>=' if status == 'pass' else '<'} {self.minimum:.2%} ({counted}; {bound})"
+            relation = ">=" if status == "pass" else "<"
+            return f"{self.what} {self.rate:.2%} {relation} {self.minimum:.2%} ({counted}; {bound})"
         return f"{self.what} {bound} ({counted}) {'>=' if status == 'pass' else '<'} {self.minimum:.1%}"
 
     def counted(self, held: str = "") -> str:

@@ -72,7 +72,8 @@ def verify(
         batch_dynamic = all(s.shape and not isinstance(s.shape[0], int) for s in inputs)
         batch_sizes = batch_sizes or ((base, 3 if base != 3 else 2) if batch_dynamic else (base,))
         samples = [
-            synthetic_samples(inputs, {k: [b, *v[1:]] for k, v in shapes.items()}, 1, seed + b)[0][0] for b in batch_sizes
+            synthetic_samples(inputs, {k: [b, *v[1:]] for k, v in shapes.items()}, 1,
+                              seed + b)[0][0] for b in batch_sizes
         ]
     tolerance = tolerance or AccuracyConfig().tolerances[Precision.fp32]
     session = create_session(Path(onnx_path), [CPU_PROVIDER], threads)
@@ -104,7 +105,8 @@ def verify(
             for output, r in ref.items():
                 g = got[output]
                 same_shape = np.shape(g) == np.shape(r)
-                max_abs = float(np.nan_to_num(np.abs(g.astype(np.float64) - r), nan=np.inf).max(initial=0.0)) if same_shape else np.inf
+                max_abs = float(np.nan_to_num(np.abs(g.astype(np.float64) - r),
+                                              nan=np.inf).max(initial=0.0)) if same_shape else np.inf
                 checks.append(OutputCheck(name=output, batch_size=batch, shape=list(np.shape(g)), max_abs_error=max_abs,
                                           passed=same_shape and (name, output) not in failed))
     report = VerificationReport(

@@ -73,7 +73,8 @@ def judge(
             checks.append(Check(name=f"{name}: shape", passed=False, line=f"{name}: sample {bad_shape[0]}: candidate "
                                 f"shape {list(bad_shape[1])} != reference {list(bad_shape[2])}"))
             continue
-        output, samples = _judge_output(name, [r[name] for r in ref_outs], [c[name] for c in cand_outs], names, tolerance,
+        output, samples = _judge_output(name, [r[name] for r in ref_outs], [c[name] for c in cand_outs],
+                                        names, tolerance,
                                         (noise_floor or {}).get(name, 0.0), confidence, bounded, trials)
         outputs.append(output)
         per_sample += samples
@@ -82,7 +83,8 @@ def judge(
     task_results = [task_metric(metric, ref_outs, cand_outs, names, confidence, bounded, trials)
                     for metric in task_metrics]
     for r in task_results:
-        extra = (f" ({r.note})" if r.note else "") + (f"; worst: {', '.join(r.worst_samples[:3])}" if r.worst_samples else "")
+        extra = (f" ({r.note})" if r.note else "") + (f"; worst: {', '.join(r.worst_samples[:3])}"
+                                                      if r.worst_samples else "")
         for key, minimum in r.thresholds.items():
             evidence = r.evidence.get(key)
             if evidence is not None:
@@ -93,7 +95,8 @@ def judge(
                 passed = r.values[key] >= minimum
                 line = f"task metric {r.kind} on {r.output}: {key}={r.values[key]:.4f} (min {minimum})"
             checks.append(Check(name=f"task {r.kind} on {r.output}: {key}", passed=passed, evidence=evidence,
-                                line=line + ("" if passed or (evidence is not None and evidence.status == "insufficient")
+                                line=line + ("" if passed or (evidence is not None
+                                                              and evidence.status == "insufficient")
                                              else extra)))
     failures = [c.line for c in checks if not c.passed]
     return AccuracyReport(
@@ -189,7 +192,8 @@ def _judge_output(name: str, refs: list[np.ndarray], cands: list[np.ndarray], na
 
     # Polygraphy's own statistics and cosine, over all samples together (absolute units).
     absolute = tol.atol is not None or tol.rtol is not None
-    simple = SimpleCompareFunc(atol=tol.atol or 0.0 if absolute else math.inf, rtol=tol.rtol or 0.0 if absolute else math.inf,
+    simple = SimpleCompareFunc(atol=tol.atol or 0.0 if absolute else math.inf,
+                               rtol=tol.rtol or 0.0 if absolute else math.inf,
                                check_error_stat=tol.error_stat)
     as_cand = IterationResult(outputs={name: cand_all}, runner_name="candidate")
     as_ref = IterationResult(outputs={name: ref_all}, runner_name="reference")
@@ -199,7 +203,8 @@ def _judge_output(name: str, refs: list[np.ndarray], cands: list[np.ndarray], na
         stats = simple(as_cand, as_ref)[name]  # Polygraphy's rtol is relative to the second (reference)
         cosine = CosineSimilarityCompareFunc()(scaled["candidate"], scaled["reference"])[name].cosine_similarity
     energy = float((ref_all / unit) @ (ref_all / unit))
-    gain = float((cand_all / unit) @ (ref_all / unit) / energy) if energy > 0 else (1.0 if not cand_all.any() else math.inf)
+    gain = float((cand_all / unit) @ (ref_all / unit)
+                 / energy) if energy > 0 else (1.0 if not cand_all.any() else math.inf)
     directions = [s.cosine for s in samples if s.cosine is not None]
     output = OutputAccuracy(
         name=name,
@@ -272,7 +277,8 @@ def _output_checks(o: OutputAccuracy, samples: list[SampleAccuracy], tol: Tolera
         line = (agreement.line() if bounded else f"{o.agreement:.2%} of the elements equal the reference "
                 f"{'>=' if within else '<'} {tol.min_agreement:.2%}")
         return [Check(name=f"{o.name}: agreement", passed=within, evidence=agreement, line=f"{o.name}: {line}"
-                      + (f"; {len(differing)} of {len(samples)} samples differ, first {differing[0]}" if differing else "")
+                      + (f"; {len(differing)} of {len(samples)} samples differ, first {differing[0]}"
+                         if differing else "")
                       + (f" ({note})" if note else ""))]
 
     abs_err = _abs(o, tol.error_stat)
@@ -321,8 +327,10 @@ def _output_checks(o: OutputAccuracy, samples: list[SampleAccuracy], tol: Tolera
         stat = tol.error_stat
         rel_err = {"max": o.max_rel_error, "mean": o.mean_rel_error}.get(stat, o.mean_rel_error)
         within = abs_err <= (tol.atol or 0.0) or rel_err <= (tol.rtol or 0.0)
-        checks.append(check("absolute", within, f"{stat} error {'within' if within else 'beyond'} atol={tol.atol or 0:g}/"
-                                                 f"rtol={tol.rtol or 0:g} ({stat} abs {abs_err:.3g}, {stat} rel {rel_err:.3g})"))
+        checks.append(check("absolute", within,
+                            f"{stat} error {'within' if within else 'beyond'} atol={tol.atol or 0:g}/"
+                                                 f"rtol={tol.rtol or 0:g} ({stat} abs {abs_err:.3g}, {stat} rel "
+                                                 f"{rel_err:.3g})"))
     return checks
 
 

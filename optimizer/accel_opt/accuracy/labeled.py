@@ -99,7 +99,8 @@ class LabeledAccuracy(BaseModel):
     def line(self) -> str:
         """One line for a person: both accuracies, the drop, its bound and the verdict."""
         head = (f"top-{self.k} accuracy on the labels: fp32 {self.reference_accuracy:.1%}, candidate "
-                f"{self.candidate_accuracy:.1%} ({self.samples} held-out, {self.lost} lost, {self.gained} gained): drop "
+                f"{self.candidate_accuracy:.1%} ({self.samples} held-out, {self.lost} lost, {self.gained} gained): "
+                "drop "
                 f"{self.drop:+.2%}, at most {self.drop_bound:+.2%} at {self.confidence:.0%} confidence")
         if self.limit is None:
             return head

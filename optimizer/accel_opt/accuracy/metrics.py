@@ -56,7 +56,8 @@ def task_metric(metric: TaskMetric, ref_outs, cand_outs, names: list[str], confi
             agreed = np.array([r in row[:k] for r, row in zip(ref_top1, ranked)], dtype=bool)
             values[f"top{k}"] = rate(f"top{k}", f"top-{k} agreement", agreed, owner, minimum, "changed")
             thresholds[f"top{k}"] = minimum
-        changed = [names[i] for i in sorted({int(i) for i in owner[ranked[:, 0] != ref_top1]})]  # a top-k miss is a top-1 change too
+        # a top-k miss is a top-1 change too
+        changed = [names[i] for i in sorted({int(i) for i in owner[ranked[:, 0] != ref_top1]})]
         worst = changed[:MAX_LISTED_SAMPLES]
     elif isinstance(metric, CosineMetric):
         dots = (ref * cand).sum(axis=1)
@@ -171,7 +172,8 @@ def aimed_gate(tolerance: Tolerance, metrics: list[TaskMetric], verdict_samples:
             metric = metric.model_copy(update={"min_agreement": {k: aim(v, f"top-{k} agreement")
                                                                  for k, v in metric.min_agreement.items()}})
         elif isinstance(metric, NeighbourMetric):
-            metric = metric.model_copy(update={"min_agreement": aim(metric.min_agreement, "nearest-neighbour agreement")})
+            metric = metric.model_copy(update={"min_agreement": aim(metric.min_agreement,
+                                                                    "nearest-neighbour agreement")})
         elif isinstance(metric, DetectionMetric):
             metric = metric.model_copy(update={"min_precision": aim(metric.min_precision, "detection precision"),
                                                "min_recall": aim(metric.min_recall, "detection recall")})

@@ -187,7 +187,8 @@ class AccuracyReport(BaseModel):
         the rescue search lowers and auto's shortlist reads. Gated on the labels alone: the observed drop against
         its limit."""
         if any(not c.gated for c in self.checks):
-            labeled = [c.labeled for c in self.checks if c.gated and c.labeled is not None and c.labeled.limit is not None]
+            labeled = [c.labeled for c in self.checks if c.gated and c.labeled is not None
+                       and c.labeled.limit is not None]
             return max((_over(max(r.drop, 0.0), r.limit) for r in labeled), default=0.0)
         ratios = [self.output_loss]
         for metric in self.task_metrics:

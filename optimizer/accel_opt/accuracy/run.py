@@ -161,7 +161,8 @@ def run_candidate(runner: BaseRunner, samples: list[Sample], ref_outs: list[dict
                    axes: BatchAxes, padding: Padding | None = None) -> tuple[list[dict[str, np.ndarray]], Evaluation]:
     note = None
     if padding is not None:  # texts: batched as the job batches them (by length, within its token budget)
-        groups = padding.plan([next(iter(s.values())).shape[1] for s in samples], batch_size) if batch_size > 1 else None
+        groups = padding.plan([next(iter(s.values())).shape[1] for s in samples],
+                              batch_size) if batch_size > 1 else None
     else:
         groups = pack_batches(samples, batch_size, axes) if batch_size > 1 else None
     if batch_size > 1 and groups is None:
@@ -190,7 +191,8 @@ def run_candidate(runner: BaseRunner, samples: list[Sample], ref_outs: list[dict
             sizes = sorted({len(set(group)) for group in groups})
             varied = (f"texts batched by length as the job batches them, {sizes[0]}-{sizes[-1]} per call, each batch "
                       "padded to its longest" if padding is not None and len(sizes) > 1 else None)
-            return outs, Evaluation(mode="batched", batch_size=batch_size, calls=len(groups), output_batch_axes=output_axes,
+            return outs, Evaluation(mode="batched", batch_size=batch_size, calls=len(groups),
+                                    output_batch_axes=output_axes,
                                     note=varied)
     outs = [_infer(runner, s, f"sample {i}") for i, s in enumerate(samples)]
     rows = min(rows_of(s, axes) for s in samples)

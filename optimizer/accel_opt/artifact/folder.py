@@ -74,7 +74,8 @@ class Manifest(BaseModel):
     def _verdict_of_older_folders(cls, data: Any) -> Any:
         """A folder built before verdicts were recorded carries `signed_off` and `exit_code`: read as its verdict."""
         if isinstance(data, dict) and data.get("format", 1) == 1 and "verdict" not in data and "signed_off" in data:
-            failed = next((s for s in data.get("stages", []) if isinstance(s, dict) and s.get("status") == "failed"), None)
+            failed = next((s for s in data.get("stages",
+                                               []) if isinstance(s, dict) and s.get("status") == "failed"), None)
             reason = f"{failed.get('name')}: {failed.get('detail', '')}"[:300] if failed else ""
             data = {**data, "verdict": legacy_verdict(bool(data["signed_off"]), int(data.get("exit_code", 1)), reason)}
         return data
@@ -82,7 +83,8 @@ class Manifest(BaseModel):
 
 def file_hashes(folder: Path) -> dict[str, str]:
     """sha256 of every file directly in `folder` except the manifest and a signature, by name."""
-    return {p.name: sha256_file(p) for p in sorted(folder.iterdir()) if p.is_file() and p.name not in (MANIFEST, SIGNATURE)}
+    return {p.name: sha256_file(p) for p in sorted(folder.iterdir()) if p.is_file()
+            and p.name not in (MANIFEST, SIGNATURE)}
 
 
 def prepare_out_dir(out_dir: Path) -> Path:

@@ -24,7 +24,8 @@ from accel_opt.artifact.folder import SIGNATURE
 from accel_opt.errors import Unsupported, UsageError, first_line
 from accel_opt.files import install_line
 
-PUBLIC_KEY_ENV = "ACCEL_OPT_PUBLIC_KEY"  # a trusted public key for run/bench/verify/compare when --public-key is not given
+# a trusted public key for run/bench/verify/compare when --public-key is not given
+PUBLIC_KEY_ENV = "ACCEL_OPT_PUBLIC_KEY"
 INSTALL = install_line("sign")
 # Backends whose artifact is native code once deserialized: loading it runs whatever its builder put there.
 NATIVE_CODE = {"torch": "an AOTInductor package (a compiled shared library)",
@@ -101,7 +102,8 @@ def native_code_of(backend: str, settings: dict) -> str | None:
     cache = cache if isinstance(cache, dict) else {}  # a forged type is refused by the settings check after this
     options = options.get("TensorrtExecutionProvider") if isinstance(options, dict) else None
     options = options if isinstance(options, dict) else {}
-    if cache.get("engine_files") or cache.get("timing_files") or str(options.get("trt_engine_cache_enable")).lower() == "true":
+    cache_enabled = str(options.get("trt_engine_cache_enable")).lower() == "true"
+    if cache.get("engine_files") or cache.get("timing_files") or cache_enabled:
         return "TensorRT EP engines (executable GPU code)"
     return None
 
@@ -110,10 +112,12 @@ def trust_of(public_key: str | Path | None, certificate_chain: Iterable[str | Pa
     """The Trust the options ask for, or None (no signature required). Key files are checked here (exit 2)."""
     chain = tuple(Path(p) for p in certificate_chain)
     if public_key is not None and chain:
-        raise UsageError("--public-key and --certificate-chain: give one (a key, or the CA a signing certificate chains to)")
+        raise UsageError("--public-key and --certificate-chain: give one (a key, or the CA a signing certificate "
+                         "chains to)")
     if public_key is None and not chain:
         return None
-    for path, option in [(Path(public_key), "--public-key")] if public_key is not None else [(p, "--certificate-chain") for p in chain]:
+    for path, option in [(Path(public_key),
+                          "--public-key")] if public_key is not None else [(p, "--certificate-chain") for p in chain]:
         if not path.is_file():
             raise UsageError(f"{option} {path}: not found")
     if public_key is not None:
@@ -127,7 +131,8 @@ def signer_of(private_key: Path, signing_certificate: Path | None = None,
     refuses a bad key before it builds."""
     signing, _, hashing = _model_signing()
     chain = [Path(p) for p in certificate_chain]
-    for path, name in [(private_key, option), *([(signing_certificate, "--signing-certificate")] if signing_certificate else []),
+    for path, name in [(private_key, option), *([(signing_certificate,
+                                                  "--signing-certificate")] if signing_certificate else []),
                        *[(p, "--certificate-chain") for p in chain]]:
         if not Path(path).is_file():
             raise UsageError(f"{name} {path}: not found")
@@ -136,11 +141,13 @@ def signer_of(private_key: Path, signing_certificate: Path | None = None,
     config = signing.Config()
     try:
         if signing_certificate is not None:
-            config.use_certificate_signer(private_key=private_key, signing_certificate=signing_certificate, certificate_chain=chain)
+            config.use_certificate_signer(private_key=private_key, signing_certificate=signing_certificate,
+                                          certificate_chain=chain)
         else:
             config.use_elliptic_key_signer(private_key=private_key)
     except (ValueError, TypeError) as exc:  # not PEM, not a private key, not an elliptic curve
-        raise UsageError(f"{option} {private_key}: not a usable elliptic-curve private key ({first_line(exc)})") from None
+        raise UsageError(f"{option} {private_key}: not a usable elliptic-curve private key "
+                         f"({first_line(exc)})") from None
     config.set_hashing_config(_hashing_config(hashing))
     return Signer(config, Path(private_key), option, by_certificate=signing_certificate is not None)
 
@@ -163,8 +170,10 @@ class Signer:
             self._config.sign(folder, tmp)
             os.chmod(tmp, 0o644)
             os.replace(tmp, target)
-        except (ValueError, TypeError) as exc:  # a certificate that does not match the key, a symlink in the folder, ...
-            raise UsageError(f"cannot sign {folder} with {self._option} {self.private_key}: {first_line(exc)}") from None
+        # a certificate that does not match the key, a symlink in the folder, ...
+        except (ValueError, TypeError) as exc:
+            raise UsageError(f"cannot sign {folder} with {self._option} {self.private_key}: "
+                             f"{first_line(exc)}") from None
         finally:
             Path(tmp).unlink(missing_ok=True)
         return target
@@ -243,7 +252,8 @@ def _check_public_key(path: Path) -> None:
     except (ValueError, TypeError) as exc:
         raise UsageError(f"--public-key {path}: not a public key in PEM ({first_line(exc)})") from None
     if not isinstance(key, EllipticCurvePublicKey):
-        raise UsageError(f"--public-key {path}: not an elliptic-curve key ({type(key).__name__}); model signing uses EC keys")
+        raise UsageError(f"--public-key {path}: not an elliptic-curve key ({type(key).__name__}); model signing uses "
+                         "EC keys")
 
 
 def _model_signing():

@@ -11,7 +11,8 @@ def usage_markdown(folder_name: str, config: ResourceConfig) -> list[str]:
     takes = ("text files (a text per line, .jsonl, .parquet, .csv)" if config.text is not None else
              "images" if config.preprocessing is not None else ".npz feed dicts")
     if config.text is not None:
-        feed = ['feed, _, _ = deployment.text_encoder.encode(["A sentence to answer."])[0]  # token ids, as the build did']
+        feed = ['feed, _, _ = deployment.text_encoder.encode(["A sentence to answer."])[0]  # token ids, as the build '
+                'did']
     else:
         arrays = ", ".join(f'"{i.name}": np.zeros({tuple(i.shape_used)}, np.{i.dtype})' for i in config.inputs)
         feed = [f"feed = {{{arrays}}}  # the inputs as deployed: preprocessed, batch {config.batch_size}"]

@@ -162,7 +162,8 @@ def _names_to_copy(folder: Path) -> list[str]:
     for name in present:
         regular = stat.S_ISREG(os.lstat(folder / name).st_mode)  # links, folders, pipes: refused as such when copied
         if regular and name not in listed and name not in (MANIFEST, SIGNATURE):
-            raise InputRejected(f"{folder}: artifact altered or incomplete: {name}: not part of the artifact (not in the manifest)")
+            raise InputRejected(f"{folder}: artifact altered or incomplete: {name}: not part of the artifact (not in "
+                                "the manifest)")
     return present
 
 

@@ -29,8 +29,10 @@ def auto_backend(cpu: CpuProfile, openvino_importable: bool | None = None) -> tu
     flags, machine = cpu.flags, cpu.machine.lower()
     importable = _openvino_importable() if openvino_importable is None else openvino_importable
     if machine not in X86:
-        return BackendName.onnxruntime, f"{machine} CPU: OpenVINO's fast paths are x86; ONNX Runtime is the portable default"
-    wide = ", ".join(sorted(f for f in flags if f.startswith("amx") or f in ("avx512f", "avx512_vnni", "avx2"))) or "x86"
+        return (BackendName.onnxruntime,
+                f"{machine} CPU: OpenVINO's fast paths are x86; ONNX Runtime is the portable default")
+    wide = ", ".join(sorted(f for f in flags if f.startswith("amx")
+                            or f in ("avx512f", "avx512_vnni", "avx2"))) or "x86"
     if not importable:
         return BackendName.onnxruntime, (
             f"x86 CPU ({wide}) where OpenVINO is often the faster runtime, but openvino is not installed "

@@ -123,7 +123,8 @@ def latency_stats(seconds: list[float]) -> LatencyStats:
     )
 
 
-def timed_calls(call: Callable[[], object], min_iterations: int, min_seconds: float, max_iterations: int) -> list[float]:
+def timed_calls(call: Callable[[], object], min_iterations: int, min_seconds: float,
+                max_iterations: int) -> list[float]:
     """Per-call wall seconds: at least `min_iterations` and `min_seconds`, at most `max_iterations`."""
     times: list[float] = []
     clock = time.perf_counter

@@ -88,7 +88,8 @@ def naive_text_job(files: list[Path], runner: BaseRunner, encoder, batch: int) -
     with runner:
         for first in range(0, len(texts), batch):
             rows = [feed for feed, _, _ in encoder.encode(texts[first:first + batch]) if feed is not None]
-            runner.infer(pad_batch(rows, encoder.padding.values, (length,)), check_inputs=False)  # every row to max_length
+            # every row to max_length
+            runner.infer(pad_batch(rows, encoder.padding.values, (length,)), check_inputs=False)
     seconds = time.perf_counter() - start
     return timing("naive", f"texts tokenized per batch of {batch} and padded to max_length {length}, the fp32 model on "
                    "ONNX Runtime, in input order", len(texts), seconds, "compute on padding")
@@ -124,7 +125,8 @@ def postprocess_ms(outputs: dict[str, np.ndarray], post: Postprocess | None, fir
     """ms to turn one batch's outputs into per-input answers (top-k, an embedding, or one .npz each)."""
     from accel_opt.preprocess.postprocess import embedding_record, topk_record
 
-    rows = [{name: np.asarray(a)[i:i + 1] if np.ndim(a) and np.shape(a)[0] == batch else a for name, a in outputs.items()}
+    rows = [{name: np.asarray(a)[i:i + 1] if np.ndim(a) and np.shape(a)[0] == batch else a for name,
+             a in outputs.items()}
             for i in range(batch)]
     start = time.perf_counter()
     for row in rows:
@@ -142,7 +144,8 @@ def stage_times(host_ms: dict[str, float], compute_ms: float, post_ms: float, ba
     """One batch's stages; `device_ms` (a GPU runner's h2d_ms / compute_ms / d2h_ms) replaces the CPU's 0 / p50 / 0."""
     device = device_ms or {"h2d_ms": 0.0, "compute_ms": compute_ms, "d2h_ms": 0.0}
     stages = {"read_ms": host_ms["read"] * batch, "decode_ms": host_ms["decode"] * batch,
-              "preprocess_ms": host_ms["preprocess"] * batch, "h2d_ms": device["h2d_ms"], "compute_ms": device["compute_ms"],
+              "preprocess_ms": host_ms["preprocess"] * batch, "h2d_ms": device["h2d_ms"],
+              "compute_ms": device["compute_ms"],
               "d2h_ms": device["d2h_ms"], "postprocess_ms": post_ms}
     return StageTimes(batch_size=batch, bottleneck=max(stages, key=stages.get).removesuffix("_ms"), **stages)
 

@@ -83,7 +83,8 @@ def _node_flops(model_path, shapes: dict[str, list[int]]) -> tuple[dict[str, int
             kernel = weights.get(node.input[1]) or tuple(known.get(node.input[1], ()))
             if len(kernel) >= 3:
                 groups = next((a.i for a in node.attribute if a.name == "group"), 1)
-                per_output = int(np.prod(kernel[1:])) if node.op_type == "Conv" else int(np.prod(kernel[2:])) * kernel[0] // groups
+                per_output = (int(np.prod(kernel[1:])) if node.op_type == "Conv"
+                              else int(np.prod(kernel[2:])) * kernel[0] // groups)
                 count = 2 * int(np.prod(out)) * per_output
         elif node.op_type in ("MatMul", "Gemm"):
             a = known.get(node.input[0]) or list(weights.get(node.input[0], ()))
@@ -126,11 +127,14 @@ def efficiency(fp32_model_path, shapes_batch1: dict[str, list[int]], p50_ms_by_b
     for batch, p50_ms in sorted(p50_ms_by_batch.items()):
         achieved = flops * batch / (p50_ms / 1e3) / 1e9
         intensity = flops * batch / max(weight_bytes + io_bytes_per_sample * batch, 1)
-        batches.append(BatchEfficiency(batch_size=batch, achieved_gflops=achieved, fraction_of_fp32_ceiling=achieved / ceiling,
-                                       arithmetic_intensity=intensity, bound="compute" if intensity >= balance else "memory"))
+        batches.append(BatchEfficiency(batch_size=batch, achieved_gflops=achieved,
+                                       fraction_of_fp32_ceiling=achieved / ceiling,
+                                       arithmetic_intensity=intensity,
+                                       bound="compute" if intensity >= balance else "memory"))
     note = ("fp32: the ceiling is this precision's" if precision == "fp32" else
             f"{precision}: its kernels' ceiling is higher than the fp32 GEMM's (no {precision} probe here); "
             "a fraction above 1 means the reduced precision pays")
-    return Efficiency(gflop_per_sample=flops / 1e9, weight_mib=weight_bytes / 2**20, io_mib_per_sample=io_bytes_per_sample / 2**20,
+    return Efficiency(gflop_per_sample=flops / 1e9, weight_mib=weight_bytes / 2**20,
+                      io_mib_per_sample=io_bytes_per_sample / 2**20,
                       fp32_ceiling_gflops=ceiling, memory_gib_per_s=bandwidth, machine_balance=balance,
                       precision_note=note, batches=batches)

@@ -163,10 +163,12 @@ def _measure_point(make_runner, feed: Sample, batch: int, concurrency: int, conf
     completed = sum(1 for log in done for end, _ in log if measured_from <= end < measured_to)
     p50, p90, p99 = np.percentile(latencies, [50, 90, 99])
     stable_windows = rates[1:][-STABLE_WINDOWS:]
-    return SweepPoint(batch_size=batch, concurrency=concurrency, p50_ms=float(p50), p90_ms=float(p90), p99_ms=float(p99),
+    return SweepPoint(batch_size=batch, concurrency=concurrency, p50_ms=float(p50), p90_ms=float(p90),
+                      p99_ms=float(p99),
                       throughput_per_s=completed * batch / max(measured_to - measured_from, 1e-9), peak_memory_mib=peak,
                       windows=len(rates), device_peak_memory_mib=max(device_peaks) if device_peaks else None,
-                      stable=len(stable_windows) == STABLE_WINDOWS and _spread_pct(stable_windows) <= config.stability_pct)
+                      stable=len(stable_windows) == STABLE_WINDOWS
+                      and _spread_pct(stable_windows) <= config.stability_pct)
 
 
 def _timed(runner: BaseRunner) -> BaseRunner:
@@ -204,7 +206,8 @@ def recommend(points: list[SweepPoint], config: BenchmarkConfig) -> tuple[Recomm
     best = max(within, key=lambda p: p.throughput_per_s)
     reason = (f"the highest measured throughput of {len(points)} points"
               + (f" within {', '.join(budgets)}" if budgets else " (no budget set)"))
-    return Recommendation(batch_size=best.batch_size, concurrency=best.concurrency, throughput_per_s=best.throughput_per_s,
+    return Recommendation(batch_size=best.batch_size, concurrency=best.concurrency,
+                          throughput_per_s=best.throughput_per_s,
                           p99_ms=best.p99_ms, peak_memory_mib=best.peak_memory_mib, reason=reason), reason
 
 
@@ -220,7 +223,8 @@ def capacity(points: list[SweepPoint], config: BenchmarkConfig, make_runner: Cal
         peak = _point(make_runner, max_feed, batch, max(config.concurrency), config, synchronize)
         shapes = {name: list(np.shape(array)) for name, array in max_feed.items()}
     budget = config.memory_budget_mib
-    at = "shapes " + ", ".join(f"{n}:{'x'.join(map(str, d))}" for n, d in shapes.items()) if shapes else f"batch {peak.batch_size}"
+    at = "shapes " + ", ".join(f"{n}:{'x'.join(map(str, d))}" for n,
+                               d in shapes.items()) if shapes else f"batch {peak.batch_size}"
     if peak.out_of_memory is not None:  # the deployment's measured limit: recorded, the build goes on
         return Capacity(batch_size=peak.batch_size, concurrency=peak.concurrency, shapes=shapes,
                         peak_memory_mib=peak.peak_memory_mib, memory_budget_mib=budget, passed=True,
@@ -230,7 +234,8 @@ def capacity(points: list[SweepPoint], config: BenchmarkConfig, make_runner: Cal
     passed = budget is None or peak.peak_memory_mib <= budget
     device = f"; device {peak.device_peak_memory_mib:.0f} MiB" if peak.device_peak_memory_mib is not None else ""
     line = (f"{at} x {peak.concurrency} concurrent: peak memory {peak.peak_memory_mib:.0f} MiB{device}"
-            + (f" {'<=' if passed else '>'} the {budget:g} MiB budget" if budget is not None else " (no memory budget set)"))
+            + (f" {'<=' if passed else '>'} the {budget:g} MiB budget" if budget is not None
+               else " (no memory budget set)"))
     return Capacity(batch_size=peak.batch_size, concurrency=peak.concurrency, shapes=shapes, p99_ms=peak.p99_ms,
                     peak_memory_mib=peak.peak_memory_mib, memory_budget_mib=budget, passed=passed, line=line,
                     device_peak_memory_mib=peak.device_peak_memory_mib)
@@ -242,7 +247,8 @@ def sweep_checks(recommended: Recommendation | None, why: str, cap: Capacity, co
 
     checks = []
     if config.p99_budget_ms is not None or config.memory_budget_mib is not None:
-        line = (f"recommended batch {recommended.batch_size} x {recommended.concurrency}: {why}" if recommended else why)
+        line = (f"recommended batch {recommended.batch_size} x {recommended.concurrency}: {why}"
+                if recommended else why)
         checks.append(Check(name="budgets", passed=recommended is not None, line=line))
     checks.append(Check(name="capacity", passed=cap.passed, line=cap.line))
     return checks

@@ -28,7 +28,8 @@ class LengthBucket(BaseModel):
     model_memory_mib: float  # what loading the runner added
     per_row_mib: float  # the memory one more text of this length adds (see length_capacity)
     before_mib: float = Field(default=0.0, exclude=True)  # the process before the runner loaded
-    recommended_batch: int | None = None  # the largest batch fitting the budget at the concurrency (0: none); None: no budget
+    # the largest batch fitting the budget at the concurrency (0: none); None: no budget
+    recommended_batch: int | None = None
 
 
 def lengths_to_measure(max_length: int, buckets: list[int]) -> list[int]:

@@ -146,7 +146,8 @@ def build_auto(
                                  cpu, looks_like_factory(str(model)))
     if backend == AUTO:  # ONNX Runtime on a GPU: its CUDA EP, as the choice says
         choice = auto_backend_choice(cpu)
-        if choice.backend is BackendName.onnxruntime and choice.providers and choice.providers[0] != "CPUExecutionProvider":
+        if (choice.backend is BackendName.onnxruntime and choice.providers
+                and choice.providers[0] != "CPUExecutionProvider"):
             recipe = recipe.with_overrides(**{"onnxruntime.providers": [choice.providers[0]]})
     selection_config = recipe.selection
     target = selection_config.target_batch_size
@@ -183,7 +184,8 @@ def build_auto(
             # A reduced candidate's own gate judges at the family-wise level: its signoff.md, JUnit and manifest.json
             # state the level auto reads its verdict at.
             level = {"accuracy.confidence": family} if candidate.reduced and family_size > 1 else {}
-            result = build(model, recipe.with_overrides(backend=candidate.backend, precision=candidate.precision, **level),
+            result = build(model, recipe.with_overrides(backend=candidate.backend,
+                                                        precision=candidate.precision, **level),
                            data_dir=data_dir, out_dir=out_dir, on_stage=staged, force=force,
                            eval_data_dir=eval_data_dir, limits=limits, reference_caches=references, cpu=cpu,
                            signer=signer, task=task, export_hints=export_hints)
@@ -242,7 +244,8 @@ def _fill(candidate: Candidate, result: BuildResult, target: int) -> None:
     # The benchmark gate's failures are not rates: they are the verdict's reasons beyond the accuracy gate's (a missing
     # benefit is read on its own, candidate.benefit).
     bench_failed = result.verdict.outcome == "gate failed" and len(result.verdict.reasons) > len(accuracy.failures)
-    candidate.checks_passed = all(c.passed for c in gated if c.evidence is None and c.labeled is None) and not bench_failed
+    candidate.checks_passed = all(c.passed for c in gated if c.evidence is None
+                                  and c.labeled is None) and not bench_failed
     candidate.benefit = result.verdict.benefit
     if accuracy.steering is not None:
         candidate.steering_passed, candidate.steering_loss = accuracy.steering.passed, accuracy.steering.loss
@@ -286,7 +289,8 @@ def _limits(candidate: Candidate, candidates: list[Candidate], clock: _Clock, ta
     candidate.search_budget_s = round(search_budget, 1)
     signed = [c for c in candidates if c.signed_off and c.throughput_per_s and c.steering_passed is not False]
     best = max(signed, key=lambda c: c.throughput_per_s, default=None)
-    fp32 = next((c for c in candidates if c.backend == candidate.backend and not c.reduced and c.throughput_per_s), None)
+    fp32 = next((c for c in candidates if c.backend == candidate.backend and not c.reduced
+                 and c.throughput_per_s), None)
 
     def on_step(step) -> None:
         clock.say(tag, "search", f"step {step.step} {step.kind}: {step.what}"
@@ -314,7 +318,8 @@ def _runoff(candidates: list[Candidate], samples: list[Sample], recipe: Recipe, 
     # Folders this build published moments ago, under its own --out: its own native code, trusted as such. Timed
     # whatever their verdicts (a held-out verdict is read only down the ranking; an fp32 floor failed its gate); the
     # winner is one whose own verdict signed it off (choice.choose).
-    deployments = [runtime.load(c.artifact_dir, cpu=cpu, trust=TrustPolicy(trust_unsigned=True), allow_not_signed_off=True)
+    deployments = [runtime.load(c.artifact_dir, cpu=cpu, trust=TrustPolicy(trust_unsigned=True),
+                                allow_not_signed_off=True)
                    for c in candidates]
     for deployment in deployments:  # timed, not shipped: the selection report gives each candidate's verdict
         deployment.said_not_signed_off = True
@@ -331,4 +336,5 @@ def _runoff(candidates: list[Candidate], samples: list[Sample], recipe: Recipe, 
     sizes = ", ".join(map(str, batches))
     floors = sum(not c.reduced and not c.signed_off for c in candidates)
     return (f"one interleaved runoff of the {len(candidates) - floors} builds that passed on the steering samples at "
-            f"batch {sizes}" + (f", with {floors} fp32 build(s) that failed the gate timed as the speed floor" if floors else ""))
+            f"batch {sizes}" + (f", with {floors} fp32 build(s) that failed the gate timed as the speed floor"
+                                if floors else ""))

@@ -41,7 +41,8 @@ def benchmark_build(ctx: BuildSoFar, unfused_shapes: dict[str, list[int]],
     padded to one length; the verdict's samples stay as the gate judged them). `unfused_shapes`: the deployed shapes
     without fused preprocessing (how the baselines compile); `image_input`: the input the naive job feeds. Returns the
     status, its detail and the measurements."""
-    targets = [deployment_target(ctx.deployment, runtime.feed_dtypes_of(ctx.samples.timed_deployed), samples=ctx.samples.timed_deployed)]
+    targets = [deployment_target(ctx.deployment, runtime.feed_dtypes_of(ctx.samples.timed_deployed),
+                                 samples=ctx.samples.timed_deployed)]
     if ctx.recipe.precision is not Precision.fp32:
         baseline = compile_for(ctx.backend, ctx.fp32_path, Precision.fp32, ctx.recipe, ctx.workdir / "baseline",
                                unfused_shapes)
@@ -64,7 +65,8 @@ def benchmark_build(ctx: BuildSoFar, unfused_shapes: dict[str, list[int]],
     streams = getattr(ctx.backend, "concurrency_sweep", None)
     if streams is not None:  # streams x async requests: the concurrency a server would run
         feed = batch_of(ctx.samples.timed_deployed, ctx.deploy_batch, axes)
-        bench.concurrency = streams(ctx.deployment.compiled, feed, seconds=max(0.2, ctx.recipe.benchmark.min_seconds / 2))
+        bench.concurrency = streams(ctx.deployment.compiled, feed,
+                                    seconds=max(0.2, ctx.recipe.benchmark.min_seconds / 2))
     config, dtypes = ctx.recipe.benchmark, runtime.feed_dtypes_of(ctx.samples.timed_deployed)
     bench.sweep = sweep(lambda: ctx.deployment.runner(dtypes), ctx.samples.timed_deployed, batch_sizes, config, axes,
                             ctx.backend.synchronize)
@@ -111,7 +113,8 @@ def application_times(ctx: BuildSoFar, bench: BenchmarkReport, batch_sizes: list
     if encoder is not None:  # tokenizing is the texts' preprocessing
         host = application.text_host_stage_ms(files, encoder)
     else:
-        host = application.host_stage_ms(files, ctx.recipe.preprocessing.host_part() if ctx.recipe.preprocessing else None)
+        host = application.host_stage_ms(files,
+                                         ctx.recipe.preprocessing.host_part() if ctx.recipe.preprocessing else None)
     candidate = bench.models[0]
     outputs, device = {}, {}
     with ctx.deployment.runner(runtime.feed_dtypes_of(ctx.samples.timed_deployed)) as runner:
@@ -126,11 +129,13 @@ def application_times(ctx: BuildSoFar, bench: BenchmarkReport, batch_sizes: list
             device[b] = median_stage_ms(calls) if calls[0] else None
     bench.stages_ms = [
         application.stage_times(host, candidate.at(b).latency.p50_ms,
-                                application.postprocess_ms(outputs[b], config.postprocess, config.outputs[0].name, b), b,
+                                application.postprocess_ms(outputs[b], config.postprocess,
+                                                           config.outputs[0].name, b), b,
                                 device_ms=device[b])
         for b in batch_sizes]
     note = application.CPU_NOTE if ctx.compiled.compiled.device == "cpu" else application.DEVICE_NOTE
-    bench.stage_note = f"host stages timed per input on {min(len(files), application.STAGE_FILES)} files (one core, median), x batch; {note}"
+    bench.stage_note = (f"host stages timed per input on {min(len(files), application.STAGE_FILES)} files (one core, "
+                        f"median), x batch; {note}")
     pre, job_files = ctx.recipe.preprocessing, files[: application.JOB_FILES]
     bench.jobs = [accel_opt_job(job_files, ctx.deployment)]
     try:  # the naive job runs the fp32 model on ONNX Runtime, the portable default
@@ -151,9 +156,12 @@ def max_feed(ctx: BuildSoFar, fused: bool) -> Sample | None:
     if fused:
         raise UsageError("--max-shapes with fused preprocessing is not supported yet: the image input changes layout")
     batch = max(ctx.recipe.benchmark.batch_sizes) if ctx.shapes.batch_dynamic else ctx.shapes.batch_size
-    base = with_batch(ctx.shapes.shapes, batch, ctx.shapes.batch_axes) if ctx.shapes.batch_dynamic else ctx.shapes.shapes
-    resolved = resolve_shapes(ctx.inputs, {**base, **given}, given_batch_axes=ctx.recipe.batch_axes)  # checks ranks, fixed dims
-    feed = synthetic_samples(ctx.inputs, resolved.shapes, 1, ctx.recipe.accuracy.seed, ctx.loaded.model.index_bounds)[0][0]
+    base = with_batch(ctx.shapes.shapes, batch,
+                      ctx.shapes.batch_axes) if ctx.shapes.batch_dynamic else ctx.shapes.shapes
+    # checks ranks, fixed dims
+    resolved = resolve_shapes(ctx.inputs, {**base, **given}, given_batch_axes=ctx.recipe.batch_axes)
+    feed = synthetic_samples(ctx.inputs, resolved.shapes, 1, ctx.recipe.accuracy.seed,
+                             ctx.loaded.model.index_bounds)[0][0]
     return {name: array.astype(ctx.samples.timed[0][name].dtype) for name, array in feed.items()}
 
 
@@ -164,5 +172,7 @@ def accel_opt_job(files: list[Path], deployment) -> JobTiming:
         summary = run_job(deployment, files, Path(tmp) / "predictions.jsonl")
         seconds = time.perf_counter() - start
     how = (f"texts sorted by length in windows, batches of {summary.batch_size} padded to their longest"
-           if summary.text is not None else f"reader threads ({summary.workers}) overlapping batches of {summary.batch_size}")
-    return application.timing("accel-opt run", how + " on the deployed artifact", summary.inputs, seconds, summary.bottleneck)
+           if summary.text is not None
+           else f"reader threads ({summary.workers}) overlapping batches of {summary.batch_size}")
+    return application.timing("accel-opt run", how + " on the deployed artifact", summary.inputs, seconds,
+                              summary.bottleneck)

@@ -1,6 +1,7 @@
 """Checks a build makes of its own intermediate results, with the gate's rules: the simplified graph against the
 original (cleanup), and the artifact's image path on generated images where the build's data were not images; and
-of the recipe against the loaded model (refuse_recipe_misfits) and against this machine (refuse_oversubscribed_threads)."""
+of the recipe against the loaded model (refuse_recipe_misfits) and against this machine
+(refuse_oversubscribed_threads)."""
 
 from __future__ import annotations
 
@@ -67,7 +68,8 @@ def exercise_image_path(deployment, data_source: str, workdir: Path, seed: int =
     spec = image_input(pre, list(deployment.config.inputs))
     made = preprocess_image(read_image(images[0], pre), pre.host_part())
     if made.dtype.name != spec.dtype:
-        raise UsageError(f"the recorded preprocessing makes {spec.name} as {made.dtype.name}, the artifact takes {spec.dtype}")
+        raise UsageError(f"the recorded preprocessing makes {spec.name} as {made.dtype.name}, the artifact takes "
+                         f"{spec.dtype}")
     predictions = workdir / "image-check.jsonl"
     summary = run_job(deployment, [images[0].parent], predictions, overwrite=True, workers=1)
     if summary.rejected:
@@ -121,7 +123,8 @@ def refuse_oversized(ctx, available_bytes: int | None = None) -> None:
     proto = ctx.loaded.model.proto
     for declared in (largest_tensor(proto, ctx.shapes.shapes), weights(proto)):
         if declared is not None and declared.bytes > available:
-            raise ResourceExhausted(f"{ctx.model_path.name}: {declared.what} takes {_gib(declared.bytes)}, more than the "
+            raise ResourceExhausted(f"{ctx.model_path.name}: {declared.what} takes {_gib(declared.bytes)}, more than "
+                                    "the "
                                     f"{_gib(available)} of memory available here: refused before anything runs it")
 
 

@@ -45,7 +45,8 @@ def choose(candidates: list[Candidate], objective: str, budget_ms: float | None,
         if objective == "throughput_within_p99":
             best = max(within, key=lambda p: p.throughput_per_s, default=None)
         else:
-            best = next((p for p in within if p.batch_size == (1 if lower_is_better else target)), within[0] if within else None)
+            best = next((p for p in within if p.batch_size == (1 if lower_is_better else target)),
+                        within[0] if within else None)
         if best is None:
             c.verdict = f"p99 {min(p.p99_ms for p in c.points):.2f} ms over the {budget_ms} ms budget at every batch"
             continue
@@ -70,7 +71,8 @@ def choose(candidates: list[Candidate], objective: str, budget_ms: float | None,
                 ranked.append(c)
         elif floor is not None and not better(c.objective_value, floor.objective_value):
             c.verdict = (f"not faster than fp32 on the objective: {c.objective_value:.2f} vs {floor.backend} fp32 "
-                         f"{floor.objective_value:.2f} {unit}" + ("" if floor.signed_off else " (that fp32 build failed the gate)"))
+                         f"{floor.objective_value:.2f} {unit}" + ("" if floor.signed_off
+                                                                  else " (that fp32 build failed the gate)"))
         else:
             ranked.append(c)
     ranked.sort(key=lambda c: c.objective_value, reverse=not lower_is_better)
@@ -89,16 +91,20 @@ def choose(candidates: list[Candidate], objective: str, budget_ms: float | None,
         if held_out == "pass":
             winner = c
             break
-        level = f"{family:.2%} ({confidence:.0%} family-wise over {readable} planned)" if readable > 1 else f"{family:.0%}"
+        level = (f"{family:.2%} ({confidence:.0%} family-wise over {readable} planned)" if readable > 1
+                 else f"{family:.0%}")
         c.verdict = (f"fastest left, but its held-out verdict at {level} is "
                      + {"fail": "a failure", "insufficient": "not enough evidence"}[held_out]
-                     + (f": {'; '.join(r.line() for r in c.rates if r.status_at(family) != 'pass')[:300]}" if c.rates else ""))
+                     + (f": {'; '.join(r.line() for r in c.rates if r.status_at(family) != 'pass')[:300]}"
+                        if c.rates else ""))
     for c in ranked:
         if c is winner:
-            c.verdict = (f"won: best on the objective ({OBJECTIVES[objective]}): {c.objective_value:.2f} {unit} at batch "
+            c.verdict = (f"won: best on the objective ({OBJECTIVES[objective]}): {c.objective_value:.2f} {unit} at "
+                         "batch "
                          f"{c.objective_batch}" + (f"; held-out verdict passes at {c.family_confidence:.2%}"
                                                    if c.family_confidence and readable > 1 else "")
                          + (f"; benefit: {c.benefit.line()}" if c.benefit is not None else ""))
         elif winner is not None and not c.verdict.startswith("fastest left"):
-            c.verdict = f"lost: {c.objective_value / winner.objective_value:.2f}x the winner's {unit} at batch {c.objective_batch}"
+            ratio = c.objective_value / winner.objective_value
+            c.verdict = f"lost: {ratio:.2f}x the winner's {unit} at batch {c.objective_batch}"
     return winner

@@ -53,7 +53,8 @@ class CandidateLimits:
         if best_case >= CANNOT_WIN_MARGIN * self.beat_per_s:
             return None
         return (f"even fully rescued it would run at most {best_case:.1f} samples/s (its naive build: {speedup:.2f}x "
-                f"its fp32's {self.fp32_per_s:.1f}), below {self.beat_label}'s {self.beat_per_s:.1f} already signed off")
+                f"its fp32's {self.fp32_per_s:.1f}), below {self.beat_label}'s {self.beat_per_s:.1f} already signed "
+                "off")
 
 
 CANNOT_WIN_MARGIN = 0.9

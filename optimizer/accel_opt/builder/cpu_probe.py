@@ -75,7 +75,8 @@ def _measure(cpu: CpuProfile) -> dict[str, dict[str, float]]:
     runs: dict[tuple[str, str], object] = {}
     with tempfile.TemporaryDirectory(prefix="accel-opt-cpu-probe-") as tmp_name:
         tmp = Path(tmp_name)
-        fp32 = zoo.save(zoo.resnet(layout=(1, 1), width=64, num_classes=10, image_size=PROBE_SIZE, seed=0), tmp / "fp32.onnx")
+        fp32 = zoo.save(zoo.resnet(layout=(1, 1), width=64, num_classes=10, image_size=PROBE_SIZE, seed=0),
+                        tmp / "fp32.onnx")
         int8 = {}
         for backend in ("onnxruntime", "openvino"):
             if backend == "openvino" and importlib.util.find_spec("openvino") is None:

@@ -91,7 +91,8 @@ def diagnose(probe: bool = True, refresh: bool = False, cpu: CpuProfile | None =
                 ratios = ", ".join(f"{p} {r:.2f}x" for p, r in measured[status.name].items() if p != "fp32")
                 status.fast_precisions = faster_than_fp32(status.name, measured)
                 status.detail += f"; measured vs its fp32 here: {ratios}"
-    return DoctorReport(cpu=cpu.record(), cpu_features=features, cpu_class=cpu.cpu_class, gpus=gpus, gpu_detail=gpu_detail,
+    return DoctorReport(cpu=cpu.record(), cpu_features=features, cpu_class=cpu.cpu_class, gpus=gpus,
+                        gpu_detail=gpu_detail,
                         backends=backends, measured_speedups=measured)
 
 
@@ -101,7 +102,8 @@ def _onnxruntime(features: dict[str, bool], gpus: list[Gpu]) -> BackendStatus:
     providers = ort.get_available_providers()
     gpu_build = _version("onnxruntime-gpu") is not None
     status = BackendStatus(name="onnxruntime", installed=True, version=ort.__version__,
-                           detail=f"providers: {', '.join(providers)}", fast_precisions=cpu_fast_precisions(features, "onnxruntime"))
+                           detail=f"providers: {', '.join(providers)}",
+                           fast_precisions=cpu_fast_precisions(features, "onnxruntime"))
     if gpus and not gpu_build:
         status.install = INSTALL["onnxruntime-gpu"]
         status.detail += "; the CPU build: the CUDA and TensorRT execution providers need onnxruntime-gpu"
@@ -144,6 +146,7 @@ def _tensorrt(gpus: list[Gpu], best_cc: str | None) -> BackendStatus:
 
         version = tensorrt.__version__
     except Exception as exc:  # the bindings without their libraries
-        return BackendStatus(name="tensorrt", installed=True, detail=f"does not import: {exc}", install=INSTALL["tensorrt"])
+        return BackendStatus(name="tensorrt", installed=True, detail=f"does not import: {exc}",
+                             install=INSTALL["tensorrt"])
     return BackendStatus(name="tensorrt", installed=True, version=version, detail="GPU found",
                          fast_precisions=gpu_fast_precisions(best_cc))

@@ -63,21 +63,25 @@ def fallback_actions(ctx: BuildSoFar, probes: list[Sample], shapes: dict[str, li
     reference_outputs: list[dict] = []
 
     def verdict(candidate) -> fallback.ProbeVerdict:
-        result = compare(reference_runner(ctx.fp32_path, ctx.threads), candidate, probes, *tolerance, batch_size=ctx.deploy_batch,
+        result = compare(reference_runner(ctx.fp32_path, ctx.threads), candidate, probes, *tolerance,
+                         batch_size=ctx.deploy_batch,
                          batch_axes=ctx.shapes.batch_axes, noise_floor=noise_floor or None,
-                         noise_reference=None if noise_floor else reference_runner(ctx.fp32_path, ctx.threads, optimize=True),
+                         noise_reference=None if noise_floor
+                         else reference_runner(ctx.fp32_path, ctx.threads, optimize=True),
                          reference_outputs=reference_outputs or None, padding=padding, labels=probe_labels,
                          labels_config=recipe.accuracy.labels)
         noise_floor.update({o.name: o.noise_floor for o in result.outputs})
         reference_outputs[:] = result._reference_outputs
-        return fallback.ProbeVerdict(passed=result.passed, worst_cosine=result.worst_cosine, failures=result.failures[:3],
+        return fallback.ProbeVerdict(passed=result.passed, worst_cosine=result.worst_cosine,
+                                     failures=result.failures[:3],
                                      loss=result.loss, output_loss=result.output_loss, changed=result.changed_samples)
 
     compiled: dict[Path, object] = {}  # each build compiled once: judged, then perhaps timed
 
     def deployed_runner(path: Path, as_precision: Precision = precision):
         if path not in compiled:
-            compiled[path] = compile_for(ctx.backend, path, as_precision, recipe, ctx.workdir / "probe" / path.stem, shapes)
+            compiled[path] = compile_for(ctx.backend, path, as_precision, recipe,
+                                         ctx.workdir / "probe" / path.stem, shapes)
         graph = path if fallback.is_onnx(path) else ctx.fp32_path  # NNCF's IR keeps the fp32 model's inputs
         deployed = {spec.name: spec.dtype for spec in io_specs(onnx.load(str(graph), load_external_data=False))[0]}
         return casting_inputs(ctx.backend.runner(compiled[path]), runtime.feed_dtypes_of(probes), deployed)

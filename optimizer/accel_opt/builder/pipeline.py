@@ -102,7 +102,8 @@ def build(
     cpu = cpu or CpuProfile.here()
     factory = factory_of(str(model), task, export_hints)
     if recipe.backend is BackendName.torch and factory is None:
-        raise Unsupported(f"--backend torch builds PyTorch factories (FILE.py:FACTORY), not {Path(str(model)).name}: an "
+        raise Unsupported(f"--backend torch builds PyTorch factories (FILE.py:FACTORY), not {Path(str(model)).name}: "
+                          "an "
                           "ONNX model takes --backend onnxruntime, openvino or tensorrt")
     model_path = Path(model) if factory is None else Path(factory.name + ".onnx")
     out_dir = Path(out_dir)
@@ -208,7 +209,8 @@ def _stage_export(ctx: BuildSoFar) -> Outcome:
     notes = [*exported.notes, f"Exported from {factory.spec} ({exported.exporter} exporter, opset {exported.opset}); "
                               "the PyTorch module is the accuracy reference."]
     return "passed", f"{exported.exporter} exporter, opset {exported.opset}, verified against PyTorch", {
-        "exported": Exported(torch_module=module, onnx_path=onnx_path, record=record, recipe=recipe, notes=tuple(notes))}
+        "exported": Exported(torch_module=module, onnx_path=onnx_path, record=record, recipe=recipe,
+                             notes=tuple(notes))}
 
 
 def _reference(ctx: BuildSoFar):
@@ -325,7 +327,8 @@ def _stage_compile(ctx: BuildSoFar) -> Outcome:
     c = compiled.compiled
     detail = f"{c.backend} on {c.device} via {', '.join(c.providers)}, {c.threads} threads, {c.build_seconds:.2f} s"
     if "int8_check" in c.settings:  # what the package's kernels compute in (torch: PT2E int8)
-        compiled = replace(compiled, notes=(*compiled.notes, f"Kernels of the int8 package: {c.settings['int8_check']}."))
+        compiled = replace(compiled, notes=(*compiled.notes,
+                                            f"Kernels of the int8 package: {c.settings['int8_check']}."))
         detail += f"; {c.settings['int8_check']}"
     return "passed", detail, {"compiled": compiled}
 
@@ -365,7 +368,8 @@ def _stage_accuracy(ctx: BuildSoFar) -> Outcome:
                                           ctx.outputs[0].name))
     checked = {"checked": Checked(accuracy=accuracy, deployment=deployment, notes=tuple(notes))}
     evaluation = accuracy.evaluation
-    calls = f"{evaluation.calls} calls of batch {evaluation.batch_size}" if evaluation.mode == "batched" else "one per sample"
+    calls = (f"{evaluation.calls} calls of batch {evaluation.batch_size}" if evaluation.mode == "batched"
+             else "one per sample")
     summary = f"{accuracy.sample_count} held-out samples ({calls}), worst cosine {accuracy.worst_cosine:.6f}"
     bounds = [c.evidence.line() for c in accuracy.checks if c.evidence is not None and c.evidence.minimum < 1]
     if accuracy.bounded and bounds:

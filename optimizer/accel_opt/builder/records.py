@@ -70,7 +70,8 @@ def reuse(ctx: BuildSoFar, final: Path, model: str, stages: list[StageResult], o
         samples_needed=accuracy.samples_needed, data_samples_needed=data_samples_needed(ctx, accuracy.samples_needed),
         trial_unit=accuracy.trial_unit,
         artifact_dir=str(final), stages=stages,
-        worst_cosine=accuracy.worst_cosine, data=data_record(ctx), evaluated=accuracy.evaluation.deployment, reused=True,
+        worst_cosine=accuracy.worst_cosine, data=data_record(ctx), evaluated=accuracy.evaluation.deployment,
+        reused=True,
         timed_samples=ctx.samples.timed_deployed,
     )
     fill_headline(result, bench)
@@ -163,14 +164,17 @@ def write_manifest(ctx: BuildSoFar, folder: Path, result: BuildResult) -> None:
         precision=ctx.recipe.precision.value,
         backend=ctx.backend.name,
         input_model=input_record(ctx),
-        recipe={"name": ctx.recipe.name, "fingerprint": ctx.recipe.fingerprint(), "resolved": ctx.recipe.model_dump(mode="json")},
+        recipe={"name": ctx.recipe.name, "fingerprint": ctx.recipe.fingerprint(),
+                "resolved": ctx.recipe.model_dump(mode="json")},
         # Which sample had which role, by name: no sample in two (checked by anyone reading this file).
         data={**dealt.data.model_dump(mode="json", exclude={"names"}), **result.data.model_dump(mode="json"),
               "eval_data_sha256": dealt.eval_data.sha256 if dealt.eval_data is not None else None,
               "split": {"seed": dealt.split.seed, **dealt.split.names(dealt.sample_names)},
-              # The content hash (data.sample_key) of every sample that calibrated or steered this build: `compare` leaves
+              # The content hash (data.sample_key) of every sample that calibrated or steered this build: `compare`
+              # leaves
               # them out by content, whatever they are named later.
-              "seen_sha1": {role: [dealt.sample_keys[i] for i in getattr(dealt.split, role) if i < len(dealt.sample_keys)]
+              "seen_sha1": {role: [dealt.sample_keys[i] for i in getattr(dealt.split, role)
+                                   if i < len(dealt.sample_keys)]
                             for role in ("calibration", "steering")}},
         artifacts=file_hashes(folder),
         stages=[s.model_dump() for s in result.stages],
@@ -192,9 +196,11 @@ def write_probe_set(ctx: BuildSoFar, folder: Path) -> int:
     count = probe.probe_count(len(ctx.samples.held_out_names), ctx.recipe.accuracy.probe_samples)
     config = ctx.compiled.resource_config
     preprocessing = config.preprocessing
-    return probe.write_probe(folder, ctx.samples.held_out_deployed, ctx.accuracy._reference_outputs, ctx.samples.held_out_names, count,
+    return probe.write_probe(folder, ctx.samples.held_out_deployed, ctx.accuracy._reference_outputs,
+                             ctx.samples.held_out_names, count,
                              ctx.recipe.tolerance, ctx.recipe.accuracy.task_metrics, noise,
-                             runtime.machine_class(config, ctx.setup.cpu), preprocessing.host_part() if preprocessing else None,
+                             runtime.machine_class(config, ctx.setup.cpu),
+                             preprocessing.host_part() if preprocessing else None,
                              ctx.eval_labels, ctx.recipe.accuracy.labels)
 
 

@@ -84,7 +84,8 @@ def reference_of(candidate: Deployment, given: str | Path | None) -> Path:
 
 
 def run_comparison(baseline: Deployment, candidate: Deployment, reference: Path, data_dir: str | Path | None,
-                   max_latency_regression_pct: float | None = None, max_accuracy_drop: float | None = None) -> Comparison:
+                   max_latency_regression_pct: float | None = None,
+                   max_accuracy_drop: float | None = None) -> Comparison:
     if [i.name for i in baseline.config.inputs] != [i.name for i in candidate.config.inputs]:
         raise UsageError("the two artifacts take different inputs: not the same model family")
     recipe = Recipe.model_validate(read_manifest(candidate.files).recipe["resolved"])
@@ -99,7 +100,8 @@ def run_comparison(baseline: Deployment, candidate: Deployment, reference: Path,
 
     # A reduced-precision side is judged as its build was: every rate by its lower bound at the recipe's confidence.
     reports = [compare(reference_runner(reference, threads), side.runner(_dtypes(own)), samples, recipe.tolerance,
-                       recipe.accuracy.task_metrics, names=names, batch_size=side.batch_size, batch_axes=side.batch_axes,
+                       recipe.accuracy.task_metrics, names=names, batch_size=side.batch_size,
+                       batch_axes=side.batch_axes,
                        candidate_samples=own, noise_reference=reference_runner(reference, threads, optimize=True),
                        confidence=recipe.accuracy.confidence, bounded=side.config.precision is not Precision.fp32)
                for side, own in zip((baseline, candidate), fed, strict=True)]
@@ -128,7 +130,8 @@ def run_comparison(baseline: Deployment, candidate: Deployment, reference: Path,
     if max_latency_regression_pct is not None:
         ok = regression <= max_latency_regression_pct
         checks.append(Check(name="latency regression", passed=ok,
-                            line=f"candidate {abs(regression):.1f}% {'slower' if regression > 0 else 'faster'} per sample "
+                            line=f"candidate {abs(regression):.1f}% {'slower' if regression > 0 else 'faster'} per "
+                                 "sample "
                                  f"({cand.throughput_per_s:.1f} vs {base.throughput_per_s:.1f} samples/s); "
                                  f"limit {max_latency_regression_pct:g}% slower"))
     drop_bound = None
@@ -149,7 +152,8 @@ def _drop_check(reports: list[AccuracyReport], names: list[str], metric: str, ba
     each side changed; (check, bound, too few samples to certify the limit). Without a metric counting outcomes per
     sample (a cosine), the point difference, said so."""
     changed = [report.task_metrics[0].changed if report.task_metrics else None for report in reports]
-    point = f"{metric}: candidate {cand_quality:.4f}, baseline {base_quality:.4f}, drop {base_quality - cand_quality:.4f}"
+    drop = base_quality - cand_quality
+    point = f"{metric}: candidate {cand_quality:.4f}, baseline {base_quality:.4f}, drop {drop:.4f}"
     if changed[0] is None or changed[1] is None:
         ok = base_quality - cand_quality <= limit
         return Check(name="accuracy drop", passed=ok, line=f"{point}; limit {limit:g} (a point difference: this metric "
@@ -159,7 +163,8 @@ def _drop_check(reports: list[AccuracyReport], names: list[str], metric: str, ba
     bound = drop_upper_bound(lost, gained, len(names), confidence)
     needed = samples_to_certify_drop(limit, confidence)
     short = bound > limit and (needed is None or len(names) < needed)  # no outcome of these samples could clear it
-    line = (f"{point}; paired on {len(names)} samples ({lost} lost, {gained} gained against the reference): the drop is "
+    line = (f"{point}; paired on {len(names)} samples ({lost} lost, {gained} gained against the reference): the drop "
+            "is "
             f"at most {bound:.4f} at {confidence:.0%} confidence; limit {limit:g}")
     if short:
         line += f"; too few samples to certify it ({needed or 'no number of'} samples needed with none changed)"
@@ -188,7 +193,8 @@ def _judgeable(samples: list, names: list[str], sides: tuple[Deployment, ...]) -
         else:
             kept.append(i)
     if not kept:
-        raise InputRejected(f"every one of the {len(samples)} --data samples calibrated or steered one of the builds, or "
+        raise InputRejected(f"every one of the {len(samples)} --data samples calibrated or steered one of the builds, "
+                            "or "
                             "repeats another: give samples neither build has seen")
     return kept, {why: n for why, n in left_out.items() if n}
 
@@ -229,18 +235,23 @@ def comparison_markdown(c: Comparison) -> str:
         f"Reference: `{c.reference}`; data: {c.data.source} ({c.data.count} samples); interleaved in one run; "
         f"quality: {c.quality_metric}.",
         "",
-        "| | artifact | backend | precision | batch | p50 ms | samples/s | quality | signed off against the reference |",
+        "| | artifact | backend | precision | batch | p50 ms | samples/s | quality "
+        "| signed off against the reference |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
-    out += [f"| {label} | {Path(s.artifact).name} | {s.backend} | {s.precision} | {s.batch_size} | {s.latency_p50_ms:.2f} | "
-            f"{s.throughput_per_s:.1f} | {s.quality:.4f} | {'yes' if s.accuracy.passed else 'no'} |" for s, label in rows]
-    out += ["", f"Throughput ratio candidate / baseline: {c.throughput_ratio:.2f}x; accuracy drop {c.accuracy_drop:.4f}.", ""]
+    out += [f"| {label} | {Path(s.artifact).name} | {s.backend} | {s.precision} | {s.batch_size} | "
+            f"{s.latency_p50_ms:.2f} | "
+            f"{s.throughput_per_s:.1f} | {s.quality:.4f} | {'yes' if s.accuracy.passed else 'no'} |" for s,
+            label in rows]
+    out += ["", f"Throughput ratio candidate / baseline: {c.throughput_ratio:.2f}x; accuracy drop "
+                f"{c.accuracy_drop:.4f}.", ""]
     if c.left_out:
         why = {"calibration": "calibrated a build", "steering": "steered a build", "copies": "repeated another sample"}
         out += ["Not judged (evidence a build has already seen, by manifest.json's split): "
                 + ", ".join(f"{n} that {why[k]}" for k, n in c.left_out.items()) + ".", ""]
     for side, label in rows:  # each rate with its bound and counts: what these samples can certify
-        rates = [ch.evidence.line() for ch in side.accuracy.checks if ch.evidence is not None and ch.evidence.minimum < 1]
+        rates = [ch.evidence.line() for ch in side.accuracy.checks if ch.evidence is not None
+                 and ch.evidence.minimum < 1]
         how = (f"by the lower bound at {side.accuracy.confidence:.0%} confidence ({side.accuracy.method})"
                if side.accuracy.bounded else "as observed (fp32)")
         if rates:

@@ -53,7 +53,8 @@ def read_and_split(ctx: BuildSoFar) -> Dealt:
         shapes = resolve_shapes(ctx.inputs, recipe.shapes, given_batch_axes=recipe.batch_axes)
         samples, data = synthetic_samples(ctx.inputs, shapes.shapes, steering + accuracy.synthetic_samples,
                                           accuracy.seed, index_bounds)
-        split = DataSplit(seed=accuracy.seed, steering=list(range(steering)), verdict=list(range(steering, len(samples))))
+        split = DataSplit(seed=accuracy.seed, steering=list(range(steering)),
+                          verdict=list(range(steering, len(samples))))
         notes.append(f"No --data given: {len(samples)} synthetic samples (seed {accuracy.seed}) were used: "
                      f"{accuracy.synthetic_samples} for the accuracy check, {steering} to steer choices.")
         return _dealt(ctx, samples, [], data, None, split, data.names, [], None, [], None, shapes, notes)
@@ -90,8 +91,10 @@ def read_and_split(ctx: BuildSoFar) -> Dealt:
         raise InputRejected("--eval-data holds no sample that --data does not: every one is a copy of a --data sample"
                             if held_out is not None else
                             f"--data holds only {len(split.calibration + split.steering)} distinct sample(s), "
-                            "all taken to calibrate and steer: none is left to judge the build; give more distinct samples")
-    return _dealt(ctx, samples, deployed, data, eval_data, split, names, keys, groups, labels, verdict_max, shapes, notes)
+                            "all taken to calibrate and steer: none is left to judge the build; give more distinct "
+                            "samples")
+    return _dealt(ctx, samples, deployed, data, eval_data, split, names, keys, groups, labels, verdict_max,
+                  shapes, notes)
 
 
 def too_few_to_certify(ctx: BuildSoFar) -> TooFewToCertify | None:

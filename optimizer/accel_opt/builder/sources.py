@@ -14,8 +14,10 @@ from accel_opt.recipe.schema import Recipe
 from accel_opt.recipe.types import Precision
 
 MODEL_SUFFIXES = {  # model files that are not ONNX: what to do with each, in one line
-    ".pt": "a PyTorch checkpoint is pickled Python: give the factory that builds the module (FILE.py:FACTORY) or its folder",
-    ".pth": "a PyTorch checkpoint is pickled Python: give the factory that builds the module (FILE.py:FACTORY) or its folder",
+    ".pt": "a PyTorch checkpoint is pickled Python: give the factory that builds the module (FILE.py:FACTORY) or its "
+           "folder",
+    ".pth": "a PyTorch checkpoint is pickled Python: give the factory that builds the module (FILE.py:FACTORY) or its "
+            "folder",
     ".bin": "pytorch_model.bin is one part of a Hugging Face folder: give the folder (with its config.json)",
     ".safetensors": "safetensors hold weights only: give the Hugging Face folder (with its config.json) they belong to",
     ".gguf": "GGUF files are not built here yet: export the model to ONNX",
@@ -26,7 +28,8 @@ def model_route_problem(model: str) -> str | None:
     """Why MODEL cannot be built as given, with the route that works; None when it can be read as given."""
     path = Path(model)
     if path.is_dir() and not (path / "config.json").is_file():
-        return (f"{model} is a folder without config.json: give an .onnx file, a Hugging Face model folder (config.json "
+        return (f"{model} is a folder without config.json: give an .onnx file, a Hugging Face model folder "
+                "(config.json "
                 "and weights), or a factory FILE.py:FACTORY")
     if path.is_file() and (route := MODEL_SUFFIXES.get(path.suffix.lower())):
         return f"{path.name}: {route}"
@@ -120,7 +123,8 @@ def fit_recipe(model: str | Path, recipe: Recipe, hf) -> tuple[Recipe, list[str]
         overrides["postprocess.labels"] = hf.labels
         # top-k agreement with k beyond the number of classes says nothing
         overrides["accuracy.task_metrics"] = [
-            {**m, "min_agreement": {k: v for k, v in m["min_agreement"].items() if int(k) < hf.num_labels} or {1: m["min_agreement"].get(1, 0.97)}}
+            {**m, "min_agreement": {k: v for k, v in m["min_agreement"].items() if int(k) < hf.num_labels}
+             or {1: m["min_agreement"].get(1, 0.97)}}
             if m.get("kind") == "topk" else m for m in recipe.model_dump(mode="json")["accuracy"]["task_metrics"]]
     return recipe.with_overrides(**overrides), notes
 

@@ -33,7 +33,8 @@ def stage_deployment(ctx: BuildSoFar, shapes: dict[str, list[int]]) -> Compiled:
         # calibration samples of an int8 plan.
         ctx.backend.bind(ctx.torch_module, ctx.inputs, ctx.outputs, ctx.shapes.batch_axes, ctx.samples.calibration,
                          cache_dir=ctx.setup.cache_dir)
-        c = compile_for(ctx.backend, ctx.candidate_path, ctx.recipe.precision, ctx.recipe, ctx.workdir / "torch", shapes)
+        c = compile_for(ctx.backend, ctx.candidate_path, ctx.recipe.precision, ctx.recipe,
+                        ctx.workdir / "torch", shapes)
         shutil.copy2(c.path, staging / c.path.name)
         deployed_inputs, deployed_outputs = ctx.inputs, ctx.outputs
     elif not is_onnx(ctx.candidate_path):  # NNCF's OpenVINO IR (calibration.quantizer: nncf): it ships as written
@@ -54,7 +55,8 @@ def stage_deployment(ctx: BuildSoFar, shapes: dict[str, list[int]]) -> Compiled:
         if extra.parent != staging:
             shutil.copy2(extra, staging / extra.name)
     text = ctx.recipe.text
-    if ctx.loaded.tokenizer_path is not None:  # the folder runs as it was checked: its own tokenizer, hashed like every file
+    # the folder runs as it was checked: its own tokenizer, hashed like every file
+    if ctx.loaded.tokenizer_path is not None:
         from accel_opt.preprocess.text import TOKENIZER_FILE
 
         shutil.copy2(ctx.loaded.tokenizer_path, staging / TOKENIZER_FILE)

@@ -57,33 +57,46 @@ from accel_opt.errors import (
 @click.option("--tokenizer", type=click.Path(path_type=Path), help="A text recipe's tokenizer.json (default: the "
               "recipe's text.tokenizer, the factory's hint, or tokenizer.json beside the model).")
 @click.option("--shapes", help="Fix dynamic dims, trtexec-style: NAME:1x3x224x224[,NAME:...].")
-@click.option("--batch-axes", help="Batch axis of inputs whose dims do not tell: NAME:AXIS or NAME:none (not batched)[,...].")
-@click.option("--max-shapes", help="Largest shapes to take, trtexec-style (NAME:16x3x640x640,...): the capacity check runs at them.")
-@click.option("--require-data", is_flag=True, help="Refuse synthetic inputs: without --data, exit 2 (for CI sign-offs).")
-@click.option("--keep-io-types/--no-keep-io-types", default=None, help="fp16/bf16: keep inputs/outputs in fp32 (default: keep).")
-@click.option("--providers", help="ONNX Runtime execution provider: CUDAExecutionProvider or TensorrtExecutionProvider (onnxruntime-gpu, a GPU); default CPU.")
+@click.option("--batch-axes",
+              help="Batch axis of inputs whose dims do not tell: NAME:AXIS or NAME:none (not batched)[,...].")
+@click.option("--max-shapes",
+              help="Largest shapes to take, trtexec-style (NAME:16x3x640x640,...): the capacity check runs at them.")
+@click.option("--require-data", is_flag=True,
+              help="Refuse synthetic inputs: without --data, exit 2 (for CI sign-offs).")
+@click.option("--keep-io-types/--no-keep-io-types", default=None,
+              help="fp16/bf16: keep inputs/outputs in fp32 (default: keep).")
+@click.option("--providers", help="ONNX Runtime execution provider: CUDAExecutionProvider or TensorrtExecutionProvider "
+                                  "(onnxruntime-gpu, a GPU); default CPU.")
 @click.option("--calibration", type=click.Choice(["minmax", "entropy", "percentile"]), help="int8 calibration method.")
 @click.option("--target-cpu", type=click.Choice(["host", "avx2", "avx512", "avx_vnni", "avx512_vnni", "amx", "arm64"]),
               help="int8: the CPU class to build for (default: this one); avx2/avx512 without VNNI get 7-bit weights.")
 @click.option("--time-budget", "time_budget_s", type=float, help="--precision/--backend auto: seconds for every "
-              "candidate's build together (recipe selection.time_budget_s, default 900); what it leaves untried is said.")
-@click.option("--no-fallback", is_flag=True, help="int8/fp16/bf16: ship the naive build even when it fails (no measured search for a calibration or layers kept in float).")
+              "candidate's build together (recipe selection.time_budget_s, default 900); what it leaves untried is "
+              "said.")
+@click.option("--no-fallback", is_flag=True, help="int8/fp16/bf16: ship the naive build even when it fails (no "
+                                                  "measured search for a calibration or layers kept in float).")
 @click.option("--threads", type=int, help="Intra-op threads (default: CPUs available).")
-@click.option("--out", "out_dir", type=click.Path(path_type=Path), default=Path("artifacts"), show_default=True, help="Where build folders go.")
+@click.option("--out", "out_dir", type=click.Path(path_type=Path), default=Path("artifacts"), show_default=True,
+              help="Where build folders go.")
 @click.option("--force", is_flag=True, help="Rebuild even when an identical, verified build is already under --out.")
-@click.option("--sign-key", type=click.Path(path_type=Path), help="Sign the folder with this elliptic-curve private key "
-              "(PEM) as the build's last step, before it is published: model.sig proves who built it (checked before any "
+@click.option("--sign-key", type=click.Path(path_type=Path),
+              help="Sign the folder with this elliptic-curve private key "
+              "(PEM) as the build's last step, before it is published: model.sig proves who built it (checked before "
+              "any "
               "build starts). Verify with --public-key on run, bench, verify and compare.")
 @click.option("--signing-certificate", type=click.Path(path_type=Path),
               help="With --sign-key: the key's certificate, which the signature carries (verifiers trust its CA).")
-@click.option("--junit", "junit_file", type=click.Path(path_type=Path), help="Write the gate's checks as JUnit XML here (for CI).")
+@click.option("--junit", "junit_file", type=click.Path(path_type=Path),
+              help="Write the gate's checks as JUnit XML here (for CI).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout (for CI).")
 @click.option("-q", "--quiet", is_flag=True, help="Print only the verdict (and the error line of a failed build).")
 @click.option("-v", "--verbose", is_flag=True, help="Log progress and show tracebacks.")
-def build(model, precision, backend, device, task, input_dtypes, dynamic, recipe_path, data_dir, eval_data_dir, groups_file, group_pattern, labels,
+def build(model, precision, backend, device, task, input_dtypes, dynamic, recipe_path, data_dir, eval_data_dir,
+          groups_file, group_pattern, labels,
           classes, max_accuracy_drop, min_relative_accuracy, tokenizer, shapes,
           batch_axes, max_shapes, require_data,
-          keep_io_types, providers, calibration, target_cpu, time_budget_s, no_fallback, threads, out_dir, force, sign_key,
+          keep_io_types, providers, calibration, target_cpu, time_budget_s, no_fallback, threads, out_dir,
+          force, sign_key,
           signing_certificate, junit_file, as_json, quiet, verbose):
     """Build MODEL (.onnx, a Hugging Face model folder, or a PyTorch factory FILE.py:FACTORY) through cleanup,
     precision, compile, accuracy gate, benchmark and verdict. A factory is Python: building it imports and runs
@@ -98,7 +111,8 @@ def build(model, precision, backend, device, task, input_dtypes, dynamic, recipe
         if problem := model_route_problem(str(model)):
             raise InputRejected(problem)
         if require_data and data_dir is None:
-            raise UsageError("--require-data: give --data DIR; a sign-off on synthetic inputs says nothing about real ones")
+            raise UsageError("--require-data: give --data DIR; a sign-off on synthetic inputs says nothing about real "
+                             "ones")
         if junit_file is not None and not _writable_file(junit_file):
             raise UsageError(f"--junit {junit_file}: cannot be written (a folder, or a path below a file)")
         signer = None
@@ -133,12 +147,14 @@ def build(model, precision, backend, device, task, input_dtypes, dynamic, recipe
                 "benchmark.max_shapes": parse_shapes(max_shapes) if max_shapes else None,
                 "accuracy.split.groups_file": str(groups_file.resolve()) if groups_file else None,
                 "accuracy.split.group_pattern": group_pattern,
-                **_label_overrides(labels, classes, max_accuracy_drop, min_relative_accuracy, data_dir or eval_data_dir),
+                **_label_overrides(labels, classes, max_accuracy_drop, min_relative_accuracy,
+                                   data_dir or eval_data_dir),
             },
         )
         if tokenizer is not None:
             if recipe.text is None:
-                raise UsageError(f"--tokenizer: the recipe {recipe.name!r} has no text stage (try --recipe text-encoder)")
+                raise UsageError(f"--tokenizer: the recipe {recipe.name!r} has no text stage (try --recipe "
+                                 "text-encoder)")
             recipe = recipe.with_overrides(**{"text.tokenizer": str(tokenizer.resolve())})
         mode = "none" if as_json or quiet else "live" if sys.stderr.isatty() and not verbose else "lines"
         selection = None
@@ -190,7 +206,8 @@ def build(model, precision, backend, device, task, input_dtypes, dynamic, recipe
         if result:
             _print_result(result)
             if signer is not None:
-                click.echo(f"signed: {Path(result.artifact_dir) / 'model.sig'} by {sign_key.name} (every file, manifest "
+                click.echo(f"signed: {Path(result.artifact_dir) / 'model.sig'} by {sign_key.name} (every file, "
+                           "manifest "
                            "included, as built)")
         if result and selection is not None and selection.too_few_line():  # what --precision auto could not certify
             click.echo(f"not certified: {selection.too_few_line()}")
@@ -293,13 +310,15 @@ def export_command(factory, shapes, output, dynamic, input_dtypes, opset, as_jso
 
         loaded = factory_of(factory, hints=_export_hints(input_dtypes, dynamic))
         if loaded is None:
-            raise UsageError(f"{factory}: export takes a factory FILE.py:FACTORY or a Hugging Face folder, not a model file")
+            raise UsageError(f"{factory}: export takes a factory FILE.py:FACTORY or a Hugging Face folder, not a model "
+                             "file")
         hints = loaded.export_hints
         if shapes:
             example_shapes = parse_shapes(shapes)
         elif (hf := hf_folder_of(factory)) is not None:
             crop = hf.image_preprocessing()["crop"] if not hf.is_text else 0
-            example_shapes = {name: [1, 16] for name in hf.text_inputs} if hf.is_text else {"pixel_values": [1, 3, crop, crop]}
+            example_shapes = {name: [1, 16]
+                              for name in hf.text_inputs} if hf.is_text else {"pixel_values": [1, 3, crop, crop]}
         else:
             raise UsageError("export: give --shapes NAME:DIMxDIM,... (the example inputs, in forward()'s order)")
         module = loaded()
@@ -359,7 +378,8 @@ def _print_result(result) -> None:
     console = Console()
     table = Table(title=f"{Path(result.model).name}: {result.precision} on {result.backend}")
     with_torch = any(h.speedup_vs_pytorch is not None for h in result.headline)
-    for col in ("batch", "p50 ms", "samples/s", "speedup vs fp32") + (("speedup vs PyTorch eager",) if with_torch else ()):
+    for col in ("batch", "p50 ms", "samples/s", "speedup vs fp32") + (("speedup vs PyTorch eager",
+                                                                       ) if with_torch else ()):
         table.add_column(col, justify="right")
     for h in result.headline:
         ratios = [h.speedup_vs_fp32] + ([h.speedup_vs_pytorch] if with_torch else [])
@@ -376,4 +396,5 @@ def _print_result(result) -> None:
         console.print(f"benefit: {result.verdict.benefit.line()}", highlight=False)
     for failure in result.failures:
         console.print(f"  - {failure}", highlight=False)
-    console.print(f"artifacts: {result.artifact_dir}" + (" (reused: an identical build verified; --force rebuilds)" if result.reused else ""))
+    console.print(f"artifacts: {result.artifact_dir}" + (" (reused: an identical build verified; --force rebuilds)"
+                                                         if result.reused else ""))

@@ -45,7 +45,8 @@ IMPORT_CHATTER_LOGGERS = ("torchao", "torch.utils._pytree")
 
 
 def setup_logging(verbose: bool) -> None:
-    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
     # Warnings printed on import, whoever imports them (transformers imports torchao when it is installed): torchao
     # names each CUDA kernel library a CPU build cannot load, and torch's pytree deprecates how torchao registers
     # its enums. Neither concerns the build; --verbose shows them.
@@ -97,7 +98,7 @@ def interrupted(exc: KeyboardInterrupt, what: str = "no artifact was written") -
 
 def write_junit(path: Path, suites: list) -> None:
     from accel_opt.files import write_text
-    from accel_opt.report.markdown import junit_xml
+    from accel_opt.report.junit import junit_xml
 
     path.parent.mkdir(parents=True, exist_ok=True)
     write_text(path, junit_xml(suites))
@@ -113,7 +114,8 @@ def not_signed_off_note(deployment) -> str:
 def _deprecated_allow_unsigned(ctx, _param, value) -> None:
     if value:
         click.echo("accel-opt: --allow-unsigned is deprecated and will be removed in the next release: it allows a "
-                   "folder its build did not sign off (not one without a signature); use --allow-not-signed-off", err=True)
+                   "folder its build did not sign off (not one without a signature); use --allow-not-signed-off",
+                   err=True)
         ctx.meta["allow_not_signed_off"] = True
 
 
@@ -124,7 +126,8 @@ def allow_not_signed_off_option(command):
                            callback=lambda ctx, _p, value: value or ctx.meta.get("allow_not_signed_off", False),
                            help="Open a folder its build did not sign off (gate failed, too few held-out samples, or "
                                 "no measured benefit); without it that is refused with the verdict's own exit code "
-                                "(1, 6 or 7). The summary line and JSON say it ran a folder that is not signed off.")(command)
+                                "(1, 6 or 7). The summary line and JSON say it ran a folder that is not signed "
+                                "off.")(command)
     return click.option("--allow-unsigned", is_flag=True, hidden=True, expose_value=False, is_eager=True,
                         callback=_deprecated_allow_unsigned)(command)
 
@@ -166,7 +169,8 @@ def trust_options(command):
                            "(exit 3). Loading it runs whatever its builder compiled in: only for folders you built "
                            "yourself. The summary and JSON say so.")(command)
     command = click.option("--certificate-chain", "certificate_chain", multiple=True, type=click.Path(path_type=Path),
-                           help="Require a signature whose signing certificate chains to these CA certificates (PEM).")(command)
+                           help="Require a signature whose signing certificate chains to these CA certificates "
+                                "(PEM).")(command)
     return click.option("--public-key", type=click.Path(path_type=Path),
                         help=f"Require a signature (model.sig) by this elliptic-curve public key (PEM), checked before "
                              f"anything in the folder is read. Default: the key {PUBLIC_KEY_ENV} names (set but "

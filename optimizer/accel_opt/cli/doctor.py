@@ -9,7 +9,8 @@ import click
 
 @click.command("doctor")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout.")
-@click.option("--no-probe", is_flag=True, help="Say which precisions are faster from CPU flags alone, without timing them.")
+@click.option("--no-probe", is_flag=True,
+              help="Say which precisions are faster from CPU flags alone, without timing them.")
 @click.option("--refresh", is_flag=True, help="Time the CPU probe again instead of using its cached result.")
 def doctor_command(as_json, no_probe, refresh):
     """What this machine can build and run: CPU features and class, GPUs, backends, which precisions are faster
@@ -26,12 +27,14 @@ def doctor_command(as_json, no_probe, refresh):
                f"class {report.cpu_class}")
     if report.gpus:
         for gpu in report.gpus:
-            click.echo(f"GPU         {gpu.name}, compute {gpu.compute_capability}, {gpu.memory_mib} MiB, driver {gpu.driver}")
+            click.echo(f"GPU         {gpu.name}, compute {gpu.compute_capability}, {gpu.memory_mib} MiB, driver "
+                       f"{gpu.driver}")
     else:
         click.echo(f"GPU         none: {report.gpu_detail}")
     for b in report.backends:
         state = f"{b.version}" if b.installed and b.version else ("installed" if b.installed else "not installed")
-        fast = f"; faster than fp32 here: {', '.join(p for p in b.fast_precisions if p != 'fp32') or 'none'}" if b.fast_precisions else ""
+        faster = ", ".join(p for p in b.fast_precisions if p != "fp32") or "none"
+        fast = f"; faster than fp32 here: {faster}" if b.fast_precisions else ""
         click.echo(f"{b.name:<12}{state}: {b.detail}{fast}")
         if b.install:
             click.echo(f"{'':<12}to add: {b.install}")

@@ -70,7 +70,8 @@ def verify_command(artifact, accuracy, as_json, allow_not_signed_off, public_key
         from accel_opt.runtime.probe import probe_evaluated, recheck_reach
 
         evaluated = probe_evaluated(files)
-        judged = f"{recheck.sample_count} probe samples" + (f" of the {evaluated} the build judged" if evaluated else "")
+        judged = f"{recheck.sample_count} probe samples" + (f" of the {evaluated} the build judged"
+                                                            if evaluated else "")
         reach = recheck_reach(recheck, evaluated)
     if as_json:
         click.echo(json.dumps({"artifact_dir": str(artifact), "ok": exit_code == 0, "exit_code": exit_code,
@@ -80,7 +81,8 @@ def verify_command(artifact, accuracy, as_json, allow_not_signed_off, public_key
                                "signed_off": verdict.signed_off if verdict else None,
                                "verdict": verdict.model_dump(mode="json") if verdict else None,
                                "cpu_class": scope.model_dump() if scope else None,
-                               "recheck": {**recheck.model_dump(mode="json", include={"sample_count", "failures", "checks"}),
+                               "recheck": {**recheck.model_dump(mode="json",
+                                                                include={"sample_count", "failures", "checks"}),
                                            "passed": recheck.passed, "judged": judged, "confirms": reach}
                                if recheck else None}))
     elif problems:
@@ -123,7 +125,8 @@ Exit codes:
 
 @click.command("sign", epilog=SIGN_EXIT_CODES)
 @click.argument("artifact", type=click.Path(path_type=Path))
-@click.option("--key", "private_key", type=click.Path(path_type=Path), required=True, help="Elliptic-curve private key (PEM).")
+@click.option("--key", "private_key", type=click.Path(path_type=Path), required=True,
+              help="Elliptic-curve private key (PEM).")
 @click.option("--signing-certificate", type=click.Path(path_type=Path),
               help="The certificate of --key: the signature carries it, and verifiers trust its CA instead of one key.")
 @click.option("--certificate-chain", "certificate_chain", multiple=True, type=click.Path(path_type=Path),

@@ -37,19 +37,25 @@ A folder whose gate failed is refused with exit 1 (--allow-not-signed-off times 
 
 @click.command("bench", epilog=BENCH_EXIT_CODES)
 @click.argument("artifact", type=click.Path(path_type=Path))
-@click.option("--data", "data_dir", type=click.Path(path_type=Path), help="Folder of .npz feeds or images (default: synthetic).")
+@click.option("--data", "data_dir", type=click.Path(path_type=Path),
+              help="Folder of .npz feeds or images (default: synthetic).")
 @click.option("--batch-sizes", help="Comma-separated batch sizes (default: the build's).")
-@click.option("--max-p99-ms", type=click.FloatRange(min=0, min_open=True), help="Fail (exit 1) when p99 latency at any measured batch size exceeds this.")
-@click.option("--min-throughput", type=click.FloatRange(min=0, min_open=True), help="Fail (exit 1) when the best samples/s is below this.")
-@click.option("--no-recheck", is_flag=True, help="On another CPU class or GPU than the sign-off's, time without re-checking "
+@click.option("--max-p99-ms", type=click.FloatRange(min=0, min_open=True),
+              help="Fail (exit 1) when p99 latency at any measured batch size exceeds this.")
+@click.option("--min-throughput", type=click.FloatRange(min=0, min_open=True),
+              help="Fail (exit 1) when the best samples/s is below this.")
+@click.option("--no-recheck", is_flag=True,
+              help="On another CPU class or GPU than the sign-off's, time without re-checking "
               "the probe set first (the sign-off check then fails: what is timed was not checked here).")
 @click.option("--out", "out_file", type=click.Path(path_type=Path), help="Also write the report as JSON here.")
-@click.option("--junit", "junit_file", type=click.Path(path_type=Path), help="Write the checks as JUnit XML (one case per check).")
+@click.option("--junit", "junit_file", type=click.Path(path_type=Path),
+              help="Write the checks as JUnit XML (one case per check).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as one JSON object on stdout.")
 @allow_not_signed_off_option
 @trust_options
 @click.option("-v", "--verbose", is_flag=True)
-def bench_command(artifact, data_dir, batch_sizes, max_p99_ms, min_throughput, no_recheck, out_file, junit_file, as_json,
+def bench_command(artifact, data_dir, batch_sizes, max_p99_ms, min_throughput, no_recheck, out_file,
+                  junit_file, as_json,
                   public_key, certificate_chain, trust_unsigned, allow_not_signed_off, verbose):
     """Benchmark a built ARTIFACT folder again, loaded and run as deployed, without rebuilding it. The folder is
     verified and its sign-off re-checked on this machine class first (as `run` does), and limits can be given."""
@@ -124,9 +130,12 @@ A folder whose build's gate failed is refused with exit 1 (--allow-not-signed-of
 @click.command("compare", epilog=COMPARE_EXIT_CODES)
 @click.argument("baseline", type=click.Path(path_type=Path))
 @click.argument("candidate", type=click.Path(path_type=Path))
-@click.option("--data", "data_dir", type=click.Path(path_type=Path), help="Folder of .npz feeds or images (default: synthetic).")
-@click.option("--reference", type=click.Path(path_type=Path), help="The fp32 model (default: the candidate's input model, sha256-checked).")
-@click.option("--max-latency-regression", type=float, help="Fail (exit 1) when the candidate is more than PCT percent slower per sample.")
+@click.option("--data", "data_dir", type=click.Path(path_type=Path),
+              help="Folder of .npz feeds or images (default: synthetic).")
+@click.option("--reference", type=click.Path(path_type=Path),
+              help="The fp32 model (default: the candidate's input model, sha256-checked).")
+@click.option("--max-latency-regression", type=float,
+              help="Fail (exit 1) when the candidate is more than PCT percent slower per sample.")
 @click.option("--max-accuracy-drop", type=float, help="Fail (exit 1) unless the candidate's drop in agreement with the "
               "reference under the first task metric is at most this, by the paired upper bound at the recipe's "
               "confidence (as the build bounds a drop on labels; exit 6 when the samples are too few to show it). "
@@ -136,7 +145,8 @@ A folder whose build's gate failed is refused with exit 1 (--allow-not-signed-of
 @allow_not_signed_off_option
 @trust_options
 @click.option("-v", "--verbose", is_flag=True)
-def compare_command(baseline, candidate, data_dir, reference, max_latency_regression, max_accuracy_drop, junit_file, as_json,
+def compare_command(baseline, candidate, data_dir, reference, max_latency_regression, max_accuracy_drop,
+                    junit_file, as_json,
                     public_key, certificate_chain, trust_unsigned, allow_not_signed_off, verbose):
     """Compare two built artifacts of one model family (the deployed build and a new one): speed interleaved
     in one run, accuracy of each against the same reference, and regression gates."""
@@ -147,12 +157,14 @@ def compare_command(baseline, candidate, data_dir, reference, max_latency_regres
         from accel_opt.machine.cpu import CpuProfile
         from accel_opt.runtime.probe import signed_off_here
 
-        trust, cpu = trust_from(public_key, certificate_chain, trust_unsigned), CpuProfile.here()  # both folders carry it
+        # both folders carry it
+        trust, cpu = trust_from(public_key, certificate_chain, trust_unsigned), CpuProfile.here()
         base, cand = (runtime.load(folder, trust=trust, cpu=cpu, allow_not_signed_off=allow_not_signed_off)
                       for folder in (baseline, candidate))
         for side in (base, cand):
             say_scope(signed_off_here(side, recheck_allowed=False))
-        result = run_comparison(base, cand, reference_of(cand, reference), data_dir, max_latency_regression, max_accuracy_drop)
+        result = run_comparison(base, cand, reference_of(cand, reference), data_dir, max_latency_regression,
+                                max_accuracy_drop)
     except (AccelOptError, MemoryError, Exception) as exc:  # noqa: BLE001
         if junit_file:
             write_junit(junit_file, [("compare", [], f"compare failed: {exc}")])

@@ -45,13 +45,19 @@ def ray_options(command):
         click.option("--engine", type=click.Choice(["local", "ray"]), default="local", show_default=True,
                      help="local: this process; ray: a Ray Data actor pool, on a local Ray or the cluster at --address "
                           "(then --out is a folder of part files)."),
-        click.option("--address", help="--engine ray: the cluster's head, HOST:PORT (default: a local Ray of this machine's CPUs)."),
-        click.option("--actors", help="--engine ray: N (up to N actors) or MIN-MAX (default: 1 to the cluster's CPUs / --cpus-per-actor)."),
-        click.option("--cpus-per-actor", type=click.IntRange(min=1), help="--engine ray: CPUs per actor, and its compute threads (default 1)."),
-        click.option("--format", "output_format", type=click.Choice(["jsonl", "parquet"]), help="--engine ray: part files' format (default jsonl)."),
-        click.option("--sorted", "sort", is_flag=True, default=None, help="--engine ray: also write DIR/predictions.sorted.jsonl in input order."),
+        click.option("--address",
+                     help="--engine ray: the cluster's head, HOST:PORT (default: a local Ray of this machine's CPUs)."),
+        click.option("--actors", help="--engine ray: N (up to N actors) or MIN-MAX (default: 1 to the cluster's CPUs / "
+                                      "--cpus-per-actor)."),
+        click.option("--cpus-per-actor", type=click.IntRange(min=1),
+                     help="--engine ray: CPUs per actor, and its compute threads (default 1)."),
+        click.option("--format", "output_format", type=click.Choice(["jsonl", "parquet"]),
+                     help="--engine ray: part files' format (default jsonl)."),
+        click.option("--sorted", "sort", is_flag=True, default=None,
+                     help="--engine ray: also write DIR/predictions.sorted.jsonl in input order."),
         click.option("--timeout-s", type=click.FloatRange(min=0, min_open=True),
-                     help="--engine ray: end the job (exit 5) after this many seconds; what is published stays for --resume."),
+                     help="--engine ray: end the job (exit 5) after this many seconds; what is published stays for "
+                          "--resume."),
     ]
     for option in reversed(options):
         command = option(command)
@@ -78,7 +84,8 @@ def run_on_ray(artifact, inputs, out_dir, resume, overwrite, as_json, no_recheck
         # stdout holds only the summary.
         with progress(not as_json and sys.stderr.isatty()) as on_progress, contextlib.redirect_stdout(sys.stderr):
             try:
-                summary = run_ray_job(deployment, inputs, out_dir, address=address, actors=pool, cpus_per_actor=cpus_per_actor or 1,
+                summary = run_ray_job(deployment, inputs, out_dir, address=address, actors=pool,
+                                      cpus_per_actor=cpus_per_actor or 1,
                                       resume=resume, overwrite=overwrite, output_format=output_format or "jsonl",
                                       sort=bool(sort), timeout_s=timeout_s, on_progress=on_progress, started=started,
                                       verbose=verbose)
@@ -95,10 +102,14 @@ def run_on_ray(artifact, inputs, out_dir, resume, overwrite, as_json, no_recheck
         click.echo(summary.model_dump_json())
     else:
         skipped = f", {summary.skipped} already answered" if summary.skipped else ""
-        rejected = f", {summary.rejected} rejected (see {Path(out_dir) / 'rejected-*.jsonl'})" if summary.rejected else ""
-        click.echo(f"predicted {summary.predicted} of {summary.inputs} inputs{skipped}{rejected}, each exactly once, in "
-                   f"{summary.seconds:.1f} s ({summary.inputs_per_s:.1f} inputs/s; Ray start {summary.ray_start_seconds:.1f} s, "
-                   f"first answers {summary.first_answer_seconds:.1f} s later, then {summary.steady_inputs_per_s:.1f} inputs/s) "
+        rejected = (f", {summary.rejected} rejected (see {Path(out_dir) / 'rejected-*.jsonl'})" if summary.rejected
+                    else "")
+        click.echo(f"predicted {summary.predicted} of {summary.inputs} inputs{skipped}{rejected}, each exactly once, "
+                   "in "
+                   f"{summary.seconds:.1f} s ({summary.inputs_per_s:.1f} inputs/s; Ray start "
+                   f"{summary.ray_start_seconds:.1f} s, "
+                   f"first answers {summary.first_answer_seconds:.1f} s later, then {summary.steady_inputs_per_s:.1f} "
+                   "inputs/s) "
                    f"on {summary.actors[0]}-{summary.actors[1]} actors -> {out_dir}"
                    + not_signed_off_note(deployment) + f"; {summary.signature}", err=True)
     sys.exit(summary.exit_code)

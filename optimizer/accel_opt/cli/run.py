@@ -48,10 +48,12 @@ Exit codes:
               help="Predictions, JSON Lines (--engine ray: a folder of part files and _SUMMARY.json).")
 @click.option("--resume", is_flag=True, help="Skip the inputs PREDICTIONS already answers; append the rest.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing PREDICTIONS file.")
-@click.option("--workers", type=click.IntRange(min=1), help="Reader threads decoding and preprocessing inputs (default: CPUs available).")
+@click.option("--workers", type=click.IntRange(min=1),
+              help="Reader threads decoding and preprocessing inputs (default: CPUs available).")
 @click.option("--json", "as_json", is_flag=True, help="Print the job summary as one JSON object on stdout.")
 @click.option("--strict-device", is_flag=True, help="A torch artifact on a GPU: every image must be decoded on the "
-              "device (nvJPEG); a device without a decoder is exit 4, an image it does not decode is rejected (exit 3). "
+              "device (nvJPEG); a device without a decoder is exit 4, an image it does not decode is rejected (exit "
+              "3). "
               "Without it, such images are decoded on the host and the summary says how many and why.")
 @click.option("--no-recheck", is_flag=True, help="On another CPU class than the sign-off's, run without re-checking "
               "the folder's probe set here first (the default re-checks, once, and refuses a failed re-check).")
@@ -59,7 +61,8 @@ Exit codes:
 @trust_options
 @ray_options
 @click.option("-v", "--verbose", is_flag=True)
-def run_command(artifact, inputs, predictions, resume, overwrite, workers, as_json, strict_device, no_recheck, public_key,
+def run_command(artifact, inputs, predictions, resume, overwrite, workers, as_json, strict_device,
+                no_recheck, public_key,
                 certificate_chain, trust_unsigned, allow_not_signed_off, verbose, engine, **ray_args):
     """Run a built ARTIFACT folder on INPUTS: image files, .npz feed dicts, or for an artifact with a text stage
     text files (.txt a text per line, .jsonl, .parquet, .csv), folders of them (read recursively), globs
@@ -84,7 +87,8 @@ def run_command(artifact, inputs, predictions, resume, overwrite, workers, as_js
     started = time.perf_counter()
     if engine == "ray":
         return run_on_ray(artifact, inputs, predictions, resume, overwrite, as_json, no_recheck,
-                          lambda: trust_from(public_key, certificate_chain, trust_unsigned), verbose, workers, started, allow_not_signed_off,
+                          lambda: trust_from(public_key, certificate_chain, trust_unsigned), verbose, workers, started,
+                          allow_not_signed_off,
                           **ray_args)
     try:
         refuse_ray_options(**ray_args)

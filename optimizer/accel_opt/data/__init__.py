@@ -36,7 +36,8 @@ log = logging.getLogger(__name__)
 
 
 def load_samples(
-    data_dir: str | Path, inputs: list[TensorSpec], preprocessing: Preprocessing | None, text: TextEncoder | None = None,
+    data_dir: str | Path, inputs: list[TensorSpec], preprocessing: Preprocessing | None,
+    text: TextEncoder | None = None,
     flag: str = "--data", by_class: bool = False,
 ) -> tuple[list[Sample], DataSummary]:
     """Read every sample in `data_dir`, checked against the model inputs; sorted by file name. With `text` (a text
@@ -82,7 +83,8 @@ def _load_texts(root: Path, encoder: TextEncoder, flag: str) -> tuple[list[Sampl
     would reject are left out, with a warning."""
     from accel_opt.preprocess.text import TEXT_SUFFIXES, read_texts
 
-    files = [root] if root.is_file() else sorted(p for p in root.iterdir() if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES) \
+    files = [root] if root.is_file() else sorted(p for p in root.iterdir() if p.is_file()
+                                                 and p.suffix.lower() in TEXT_SUFFIXES) \
         if root.is_dir() else []
     if not files:
         images = root.is_dir() and any(p.suffix.lower() in IMAGE_SUFFIXES for p in root.iterdir())
@@ -96,14 +98,16 @@ def _load_texts(root: Path, encoder: TextEncoder, flag: str) -> tuple[list[Sampl
     if len(samples) < len(items):
         first = next((f"{i.id}: {i.error}" for i in items if i.error), None) or next(
             f"{i.id}: {reason}" for i, (_, reason, _) in zip(readable, encoded) if reason)
-        log.warning("%s %s: %d of %d texts left out (first: %s)", flag, root, len(items) - len(samples), len(items), first)
+        log.warning("%s %s: %d of %d texts left out (first: %s)", flag, root, len(items) - len(samples),
+                    len(items), first)
     if not samples:
         raise InputRejected(f"{flag} {root}: no text the text stage can take")
     digest = hashlib.sha256()
     for path in files:
         digest.update(path.name.encode())
         digest.update(bytes.fromhex(sha256_file(path)))
-    return samples, DataSummary(source="text", path=str(root), count=len(samples), sha256=digest.hexdigest(), names=names)
+    return samples, DataSummary(source="text", path=str(root), count=len(samples), sha256=digest.hexdigest(),
+                                names=names)
 
 
 def _read_npz(path: Path, inputs: list[TensorSpec], flag: str) -> Sample:
@@ -167,7 +171,8 @@ class DataSplit(BaseModel):
 
     def names(self, names: list[str]) -> dict[str, list[str] | dict[str, list[str]]]:
         """The manifest's record: each role's sample names, and each role's groups where samples were grouped."""
-        roles = {role: [names[i] for i in getattr(self, role)] for role in ("calibration", "steering", "verdict", "unused")}
+        roles = {role: [names[i] for i in getattr(self,
+                                                  role)] for role in ("calibration", "steering", "verdict", "unused")}
         return {**roles, "groups": self.groups} if self.groups else roles
 
 
@@ -277,7 +282,8 @@ def _fits(sample: Sample, first: Sample, axes: BatchAxes) -> bool:
         if axis is None:
             if not np.array_equal(other, array):
                 return False
-        elif other.ndim != array.ndim or any(a != b for i, (a, b) in enumerate(zip(other.shape, array.shape)) if i != axis):
+        elif other.ndim != array.ndim or any(a != b for i,
+                                             (a, b) in enumerate(zip(other.shape, array.shape)) if i != axis):
             return False
     return True
 
@@ -305,7 +311,8 @@ def batch_of(samples: list[Sample], batch: int, axes: BatchAxes | None = None) -
         take = min(batch - have, rows_of(sample, axes))
         if take == 0:  # a sample without rows would loop forever
             raise ValueError("a sample has 0 rows along its batch axis")
-        parts.append({n: (np.take(a, range(take), axis=axes[n]) if axes.get(n) is not None else a) for n, a in sample.items()})
+        parts.append({n: (np.take(a, range(take), axis=axes[n]) if axes.get(n) is not None else a) for n,
+                      a in sample.items()})
         have += take
         index += 1
     return _concat(parts, axes)

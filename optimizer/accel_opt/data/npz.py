@@ -59,7 +59,8 @@ def spec_problem(name: str, dtype: np.dtype, shape: tuple[int, ...], spec: Tenso
     return None
 
 
-def read_npz(path: str | Path, specs: list[TensorSpec] | None = None, max_bytes: int | None = None) -> dict[str, np.ndarray]:
+def read_npz(path: str | Path, specs: list[TensorSpec] | None = None,
+             max_bytes: int | None = None) -> dict[str, np.ndarray]:
     """The arrays of a .npz feed dict, or InputRejected saying why not (never unpickles anything). Sizes (and with
     `specs`, the model's inputs, whose names must match exactly) are checked from the headers before reading."""
     limit = max_input_bytes() if max_bytes is None else max_bytes
@@ -78,7 +79,8 @@ def read_npz(path: str | Path, specs: list[TensorSpec] | None = None, max_bytes:
             arrays = {}
             for info in archive.infolist():
                 with archive.open(info) as member:
-                    arrays[info.filename.removesuffix(".npy")] = _native(np.lib.format.read_array(member, allow_pickle=False))
+                    array = np.lib.format.read_array(member, allow_pickle=False)
+                    arrays[info.filename.removesuffix(".npy")] = _native(array)
             return arrays
     except (ValueError, OSError, zipfile.BadZipFile, EOFError) as exc:
         raise InputRejected(f"not a readable .npz without pickles ({first_line(exc)})") from None
@@ -88,7 +90,8 @@ def array_names(folder: str | Path) -> set[str]:
     """The array names the first .npz feed dict of `folder` gives (read from the zip's listing, nothing decoded);
     empty for a folder of images or texts, a file, or a folder without .npz files."""
     root = Path(folder)
-    first = min((p for p in root.iterdir() if p.suffix == ".npz" and p.is_file()), default=None) if root.is_dir() else None
+    first = min((p for p in root.iterdir() if p.suffix == ".npz" and p.is_file()),
+                default=None) if root.is_dir() else None
     if first is None:
         return set()
     try:
@@ -112,7 +115,8 @@ def _declared_arrays(archive: zipfile.ZipFile, limit: int) -> dict[str, tuple[tu
             raise InputRejected(f"member {info.filename!r} is not a .npy array")
         name = info.filename.removesuffix(".npy")
         if info.file_size > limit:
-            raise InputRejected(f"{name} is {_mib(info.file_size)} uncompressed, over the {_mib(limit)} limit per input "
+            raise InputRejected(f"{name} is {_mib(info.file_size)} uncompressed, over the {_mib(limit)} limit per "
+                                "input "
                                 f"({MAX_INPUT_MIB_ENV})")
         with archive.open(info) as member:
             version = np.lib.format.read_magic(member)

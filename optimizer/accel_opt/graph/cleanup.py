@@ -41,7 +41,8 @@ def simplify(model_path: Path, total_bytes: int, out_path: Path) -> tuple[Path |
     try:
         with contextlib.redirect_stdout(io.StringIO()):  # onnxslim prints a summary table
             onnxslim.slim(
-                str(model_path), output_model=str(out_path), save_as_external_data=total_bytes > EXTERNAL_DATA_ABOVE_BYTES
+                str(model_path), output_model=str(out_path),
+                save_as_external_data=total_bytes > EXTERNAL_DATA_ABOVE_BYTES
             )
     except Exception as exc:  # onnxslim surfaces many error types; any failure but a full disk keeps the original
         if no_space_error(exc):

@@ -28,7 +28,8 @@ class ResolvedShapes(BaseModel):
     shapes: dict[str, list[int]]
     notes: list[str]  # e.g. "input x: dim 0 (batch) was dynamic and defaulted to 1"
     batch_axes: dict[str, int | None]  # per input; None: not batched (a scalar, a fixed table)
-    batch_dynamic: bool  # some input is batched and every batched input's batch dim is dynamic: batch sizes can be swept
+    # some input is batched and every batched input's batch dim is dynamic: batch sizes can be swept
+    batch_dynamic: bool
 
     @property
     def batch_size(self) -> int:

@@ -105,7 +105,8 @@ def _check_external_data(proto: onnx.ModelProto, model_dir: Path) -> list[Path]:
         location = info.get("location", "")
         name = tensor.name or "(unnamed)"
         if "\0" in location or len(location.encode()) > 4096 or any(len(p.encode()) > 255 for p in location.split("/")):
-            raise InputRejected(f"external data of tensor {name!r}: location {location[:80]!r} is not a usable file name "
+            raise InputRejected(f"external data of tensor {name!r}: location {location[:80]!r} is not a usable file "
+                                "name "
                                 "(a NUL byte, or longer than a file system takes)")
         if not all(info.get(key, "0").isdigit() for key in ("offset", "length")):
             raise InputRejected(f"external data of tensor {name!r}: offset {info.get('offset')!r} and length "
@@ -148,7 +149,8 @@ def _check_ops(proto: onnx.ModelProto) -> None:
                                   "inference runtimes have no kernel for it; export the inference graph")
             if node.domain not in KNOWN_DOMAINS:
                 raise Unsupported(
-                    f"op {node.op_type!r} from unknown domain {node.domain!r} (node {node.name!r}) has no kernel on any backend"
+                    f"op {node.op_type!r} from unknown domain {node.domain!r} (node {node.name!r}) has no kernel on "
+                    "any backend"
                 )
             if node.domain not in imported and not (node.domain == "ai.onnx" and "" in imported):
                 raise InputRejected(f"node {node.name!r} uses domain {node.domain!r} without an opset import")
@@ -158,13 +160,15 @@ def _check_io(proto: onnx.ModelProto) -> None:
     """Graph inputs and outputs must be tensors of numbers or booleans: the gate measures numeric
     distance and agreement, and the backends take array feeds."""
     initializers = {init.name for init in proto.graph.initializer}
-    for kind, values in (("input", [v for v in proto.graph.input if v.name not in initializers]), ("output", proto.graph.output)):
+    for kind, values in (("input", [v for v in proto.graph.input if v.name not in initializers]),
+                         ("output", proto.graph.output)):
         for value in values:
             which = value.type.WhichOneof("value")
             if which != "tensor_type":
                 hint = " (sklearn-onnx classifiers: convert with options={id(model): {'zipmap': False}})" if which in (
                     "sequence_type", "map_type") else ""
-                raise Unsupported(f"{kind} {value.name!r} is a {(which or 'untyped value').replace('_type', '')}, not a "
+                raise Unsupported(f"{kind} {value.name!r} is a {(which or 'untyped value').replace('_type', '')}, not "
+                                  "a "
                                   f"tensor: accel-opt builds models whose inputs and outputs are tensors{hint}")
             if value.type.tensor_type.elem_type == onnx.TensorProto.STRING:
                 raise Unsupported(f"{kind} {value.name!r} is a string tensor: accel-opt builds models whose inputs and "

@@ -50,6 +50,7 @@ def upgrade_opset(source: Path, target: int, dest: Path, why: str) -> Path:
     except Exception as exc:  # the converter raises assorted C++ errors
         raise Unsupported(f"{why} needs opset {target}; onnx's version converter failed: {first_line(exc)}") from None
     # Custom-domain imports (kept for the nodes that use them) have no IR version of ONNX's: ignore them.
-    model.ir_version = max(model.ir_version, onnx.helper.find_min_ir_version_for(list(model.opset_import), ignore_unknown=True))
+    model.ir_version = max(model.ir_version,
+                           onnx.helper.find_min_ir_version_for(list(model.opset_import), ignore_unknown=True))
     save_model(model, dest)
     return dest

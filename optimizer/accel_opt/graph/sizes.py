@@ -55,7 +55,8 @@ def largest_tensor(proto: onnx.ModelProto, shapes: dict[str, list[int]]) -> Decl
 
 def _constants(proto: onnx.ModelProto) -> dict[str, np.ndarray]:
     """Small integer tensors known before running: initializers and Constant nodes (the shapes nodes are given)."""
-    found = {t.name: t for t in proto.graph.initializer if t.data_type == onnx.TensorProto.INT64 and math.prod(t.dims) <= 16}
+    found = {t.name: t for t in proto.graph.initializer if t.data_type == onnx.TensorProto.INT64
+             and math.prod(t.dims) <= 16}
     for node in proto.graph.node:
         if node.op_type == "Constant" and node.domain in ("", "ai.onnx"):
             for attr in node.attribute:
@@ -77,7 +78,8 @@ def _constant_shape_nodes(proto: onnx.ModelProto) -> list[Declared]:
     for node in proto.graph.node:
         if node.domain not in ("", "ai.onnx") or node.op_type not in ("ConstantOfShape", "Expand", "Tile"):
             continue
-        shape_input = node.input[0] if node.op_type == "ConstantOfShape" else node.input[1] if len(node.input) > 1 else ""
+        shape_input = (node.input[0] if node.op_type == "ConstantOfShape"
+                       else node.input[1] if len(node.input) > 1 else "")
         dims = constants.get(shape_input)
         if dims is None or (dims < 0).any():
             continue

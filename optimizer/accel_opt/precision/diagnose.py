@@ -108,7 +108,8 @@ class TensorMap:
 
     pairs: dict[str, str] = field(default_factory=dict)  # ref name -> cand name
     node_of: dict[str, onnx.NodeProto] = field(default_factory=dict)  # ref name -> the cand node computing it
-    inputs_of: dict[str, list[str | None]] = field(default_factory=dict)  # that node's inputs (ref names; None: graph input)
+    # that node's inputs (ref names; None: graph input)
+    inputs_of: dict[str, list[str | None]] = field(default_factory=dict)
     depth: dict[str, int] = field(default_factory=dict)
     reduced: dict[str, bool] = field(default_factory=dict)
     unmatched: int = 0
@@ -139,7 +140,8 @@ def map_tensors(reference: onnx.ModelProto, candidate: onnx.ModelProto) -> Tenso
         if any(name in producers and producers[name].op_type == "DequantizeLinear" for name in node.input):
             return True
         return cand_types.get(origin(cand)) in LOW_FLOAT_TYPES or any(
-            n.op_type == "Cast" and any(a.name == "to" and a.i in LOW_FLOAT_TYPES for a in n.attribute) for n in chain(cand))
+            n.op_type == "Cast" and any(a.name == "to" and a.i in LOW_FLOAT_TYPES for a in n.attribute)
+            for n in chain(cand))
 
     mapping = TensorMap()
     cand_to_ref: dict[str, str] = {}
@@ -147,7 +149,8 @@ def map_tensors(reference: onnx.ModelProto, candidate: onnx.ModelProto) -> Tenso
         for name in node.output:
             if name not in ref_types or node.op_type == "Constant":  # weights, not activations
                 continue
-            cand = name if name in producers else name + QUANT_INPUT_SUFFIX if name + QUANT_INPUT_SUFFIX in producers else None
+            cand = (name if name in producers
+                    else name + QUANT_INPUT_SUFFIX if name + QUANT_INPUT_SUFFIX in producers else None)
             computing = producers.get(origin(cand)) if cand else None
             if computing is not None and computing.op_type != node.op_type:
                 # An activation folded into its producer's Q range: the producer's float output is the value
@@ -194,7 +197,8 @@ def diagnose(reference: Path, candidate: Path, samples: list[Sample], threads: i
     layers = []
     for name in sorted(mapping.pairs, key=mapping.depth.get):
         node = mapping.node_of[name]
-        input_error = max((0.0 if source is None else errors[source] for source in mapping.inputs_of[name]), default=0.0)
+        input_error = max((0.0 if source is None else errors[source] for source in mapping.inputs_of[name]),
+                          default=0.0)
         if math.isinf(errors[name]):
             added = 0.0 if math.isinf(input_error) else math.inf  # non-finite already upstream: not this node's doing
         else:
@@ -204,7 +208,8 @@ def diagnose(reference: Path, candidate: Path, samples: list[Sample], threads: i
             input_error=input_error, added_error=added, max_abs_reference=stats[name].peak,
             nonfinite=stats[name].nonfinite, reduced=mapping.reduced[name],
         ))
-    return Diagnosis(samples=len(samples), tensors_compared=len(layers), tensors_unmatched=mapping.unmatched, layers=layers)
+    return Diagnosis(samples=len(samples), tensors_compared=len(layers), tensors_unmatched=mapping.unmatched,
+                     layers=layers)
 
 
 def emulate_bfloat16(path: Path, out: Path) -> Path:
@@ -227,7 +232,8 @@ def emulate_bfloat16(path: Path, out: Path) -> Path:
                 node.output[index] = f"{name}__unrounded"
                 nodes += [helper.make_node("Cast", [f"{name}__unrounded"], [f"{name}__bf16"], to=TensorProto.BFLOAT16,
                                            name=f"{name}__round"),
-                          helper.make_node("Cast", [f"{name}__bf16"], [name], to=TensorProto.FLOAT, name=f"{name}__widen")]
+                          helper.make_node("Cast", [f"{name}__bf16"], [name], to=TensorProto.FLOAT,
+                                           name=f"{name}__widen")]
     del model.graph.node[:]
     model.graph.node.extend(nodes)
     del model.graph.value_info[:]

@@ -95,8 +95,10 @@ def run(precision: Precision, config: FallbackConfig, actions: Actions, out_path
         ) -> tuple[PrecisionReport, FallbackReport, Path]:
     """Build `precision` (keeping `fixed` in fp32), rescued by the fallback when the probes fail; returns the
     chosen build's report, the fallback's and its path (beside `out_path`; `out_path` itself when disabled).
-    `limits` (SearchLimits: builder.context.CandidateLimits): a candidate of --precision auto: its share of the time budget replaces
-    the recipe's, and a build that no rescue can make sign off or win is dropped (CandidateDropped) before its search."""
+    `limits` (SearchLimits: builder.context.CandidateLimits): a candidate of --precision auto: its share of the time
+    budget replaces
+    the recipe's, and a build that no rescue can make sign off or win is dropped (CandidateDropped) before its
+    search."""
     if limits is not None:
         config = config.model_copy(update={"time_budget_s": max(limits.search_budget_s, 0.0)})
     report = FallbackReport(status="disabled", reason="", precision=precision.value, probe_samples=probe_samples,
@@ -200,7 +202,8 @@ def _search(precision: Precision, config: FallbackConfig, actions: Actions, repo
     if found.status == "cannot win":
         raise CandidateDropped(found.reason)
     report.search_seconds = round(time.monotonic() - started, 1)
-    report.status, report.reason, report.steps, report.remedies = found.status, found.reason, found.steps, list(found.remedies)
+    report.status, report.reason = found.status, found.reason
+    report.steps, report.remedies = found.steps, list(found.remedies)
     for unit in reversed(found.kept_units):  # a node in two kept units: the reason of the first kept
         gain = found.gains.get(unit.label)
         for node in unit.nodes:
@@ -215,7 +218,8 @@ def _build(path: Path, judged: ProbeVerdict) -> Build:
     """A build as the search sees it: its path and its verdict on the probes."""
     return Build(path=path, loss=judged.loss if judged.loss is not None else (0.0 if judged.passed else math.inf),
                  passed=judged.passed, failures=judged.failures, worst_cosine=judged.worst_cosine,
-                 output_loss=judged.output_loss, changed=frozenset(judged.changed) if judged.changed is not None else None)
+                 output_loss=judged.output_loss,
+                 changed=frozenset(judged.changed) if judged.changed is not None else None)
 
 
 # A build is hopeless when, even if restoring the `max_rounds` groups of layers the per-layer diagnosis blames most
@@ -248,8 +252,10 @@ def stricter(tolerance: Tolerance, factor: float = PROBE_MARGIN) -> Tolerance:
     judged in-sample: probes passed, the gate's recall was 0.87). Rates are aimed by accuracy.metrics.aimed_gate."""
     return tolerance.model_copy(update={
         "max_error": tolerance.max_error * factor, "max_sample_error": tolerance.max_sample_error * factor,
-        "min_cosine": 1 - (1 - tolerance.min_cosine) * factor, "min_sample_cosine": 1 - (1 - tolerance.min_sample_cosine) * factor,
-        "max_gain_error": tolerance.max_gain_error * factor, "min_agreement": 1 - (1 - tolerance.min_agreement) * factor})
+        "min_cosine": 1 - (1 - tolerance.min_cosine) * factor,
+        "min_sample_cosine": 1 - (1 - tolerance.min_sample_cosine) * factor,
+        "max_gain_error": tolerance.max_gain_error * factor,
+        "min_agreement": 1 - (1 - tolerance.min_agreement) * factor})
 
 
 def _build_with_companions(actions: Actions, kept: dict[str, KeptNode], primaries: set[str], path: Path,
@@ -265,7 +271,8 @@ def _build_with_companions(actions: Actions, kept: dict[str, KeptNode], primarie
     extra = []
     for name in requantized_sources(path, primaries):  # within the FLOPs budget, like the picks
         used = sum(actions.flops.get(n, 0) for n in [*kept, *extra])
-        if name not in kept and name not in extra and (not actions.flops.get(name) or used + actions.flops[name] <= budget):
+        if name not in kept and name not in extra and (not actions.flops.get(name) or used
+                                                       + actions.flops[name] <= budget):
             extra.append(name)
     op_types = {n.name: n.op_type for n in onnx.load(str(path), load_external_data=False).graph.node}
     if extra:  # one level only: the node computing a damaging input; its own inputs may stay quantized
@@ -275,7 +282,8 @@ def _build_with_companions(actions: Actions, kept: dict[str, KeptNode], primarie
         report = actions.build(list(kept), path, overrides)
     floating = [n for n in (actions.companions(path) if actions.companions else []) if n not in kept]
     why = ("the backend has no integer kernel for it in this graph: it runs in float on dequantized inputs"
-           if not number else f"fallback round {number}: runs in float on the backend once its neighbours are kept in fp32")
+           if not number
+           else f"fallback round {number}: runs in float on the backend once its neighbours are kept in fp32")
     report.kept_in_higher_precision += [KeptNode(node=n, op_type=op_types.get(n, ""), reason=why) for n in floating]
     if kept or floating:  # read by ONNX Runtime's int8-kernel check; nothing to record otherwise
         mark_float_by_design(path, [*kept, *floating])
@@ -349,7 +357,8 @@ def _rows(naive: Diagnosis, final: Diagnosis | None, kept: dict[str, KeptNode]) 
         if layer.node in seen:
             continue
         seen.add(layer.node)
-        rows.append(LayerRow(node=layer.node, op_type=layer.op_type, depth=layer.depth, added_error_naive=layer.added_error,
+        rows.append(LayerRow(node=layer.node, op_type=layer.op_type, depth=layer.depth,
+                             added_error_naive=layer.added_error,
                              added_error_final=after.get(layer.node), kept=layer.node in kept))
         if len(rows) == TABLE_ROWS:
             break
@@ -367,6 +376,7 @@ def wide_weight_consumers(model_path: Path) -> list[KeptNode]:
     """Nodes reading a weight beyond float16's range: converting it would clamp it to 65504."""
     model = onnx.load(str(model_path))
     wide = {t.name for t in model.graph.initializer
-            if t.data_type == onnx.TensorProto.FLOAT and float(np.abs(numpy_helper.to_array(t)).max(initial=0)) > FP16_MAX}
+            if t.data_type == onnx.TensorProto.FLOAT
+            and float(np.abs(numpy_helper.to_array(t)).max(initial=0)) > FP16_MAX}
     return [KeptNode(node=n.name, op_type=n.op_type, reason="reads a weight beyond float16's range (65504)")
             for n in model.graph.node if n.name and any(i in wide for i in n.input)]

@@ -17,7 +17,8 @@ def refuse_nonfinite_weights(model: Path, op_types: set[str], exclude: set[str])
     """InputRejected (exit 3) naming a NaN/Inf weight of a node that would be quantized: it has no int8 scale (ONNX
     Runtime stops on an assertion, "scale issue"). Weights of nodes left in float (a -inf mask constant) are fine."""
     proto = onnx.load(str(model))
-    weights = {t.name: t for t in proto.graph.initializer if t.data_type in (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16)}
+    weights = {t.name: t for t in proto.graph.initializer
+               if t.data_type in (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16)}
     for node in proto.graph.node:
         if node.op_type not in op_types or node.name in exclude:
             continue
@@ -25,7 +26,8 @@ def refuse_nonfinite_weights(model: Path, op_types: set[str], exclude: set[str])
             values = numpy_helper.to_array(weights[name])
             if not np.isfinite(values).all():
                 raise InputRejected(f"int8: weight {name!r} of node {node.name!r} ({node.op_type}) holds "
-                                    f"{int((~np.isfinite(values)).sum())} NaN/Inf value(s): no int8 scale can represent "
+                                    f"{int((~np.isfinite(values)).sum())} NaN/Inf value(s): no int8 scale can "
+                                    "represent "
                                     "it; fix the weights, or build fp32/fp16")
 
 

@@ -75,10 +75,12 @@ def convert_float(model_path: Path, precision: Precision, options: PrecisionConf
             target = _bf16_opset(skeleton, block_ops, set(options.block_nodes))
             if target > opset_before:
                 source = upgrade_opset(model_path, target, tmp / "upgraded.onnx", "bf16")
-                notes.append(f"opset {opset_before} -> {target}: ONNX admits bfloat16 on Conv/pooling only from opset 22")
+                notes.append(f"opset {opset_before} -> {target}: ONNX admits bfloat16 on Conv/pooling only from opset "
+                             "22")
         model = _load_with_shapes(source, tmp)
         original = {t.name: t for t in model.graph.initializer} if precision is Precision.bf16 else {}
-        original_floats = {name: numpy_helper.to_array(t) for name, t in original.items() if t.data_type == TensorProto.FLOAT}
+        original_floats = {name: numpy_helper.to_array(t) for name,
+                           t in original.items() if t.data_type == TensorProto.FLOAT}
         echoed = _detach_echoed_outputs(model)
         converted = convert_float_to_float16(
             model,
@@ -114,7 +116,8 @@ def validate(path: Path, run_session: bool, tmp: Path) -> None:
     """onnx.checker by path, strict shape inference, and (when ORT CPU can run it) a session load."""
     try:
         onnx.checker.check_model(str(path))
-        onnx.shape_inference.infer_shapes_path(str(path), str(tmp / "validated.onnx"), check_type=True, strict_mode=True)
+        onnx.shape_inference.infer_shapes_path(str(path), str(tmp / "validated.onnx"), check_type=True,
+                                               strict_mode=True)
     except Exception as exc:  # ValidationError, InferenceError, or C++ errors as RuntimeError
         raise Unsupported(f"the transformed model is not valid ONNX ({path.name}): {first_line(exc)}") from None
     finally:
@@ -182,7 +185,8 @@ def _allows_bf16(op_type: str, opset: int) -> bool | None:
 
 def _ops_without_bf16(model: onnx.ModelProto) -> set[str]:
     latest = onnx.defs.onnx_opset_version()
-    return {n.op_type for n in model.graph.node if n.domain in ("", "ai.onnx") and _allows_bf16(n.op_type, latest) is False}
+    return {n.op_type for n in model.graph.node if n.domain in ("",
+                                                                "ai.onnx") and _allows_bf16(n.op_type, latest) is False}
 
 
 def _bf16_opset(model: onnx.ModelProto, block_ops: set[str], block_nodes: set[str]) -> int:
@@ -230,7 +234,8 @@ def _retype_bf16(model: onnx.ModelProto, original_floats: dict[str, np.ndarray])
             retype_type(value.type)
         for node in graph.node:
             for attr in node.attribute:
-                if attr.type == onnx.AttributeProto.INT and attr.name in ("to", "dtype") and attr.i == TensorProto.FLOAT16:
+                if (attr.type == onnx.AttributeProto.INT and attr.name in ("to", "dtype")
+                        and attr.i == TensorProto.FLOAT16):
                     attr.i = TensorProto.BFLOAT16
                 elif attr.type == onnx.AttributeProto.TENSOR and attr.t.data_type == TensorProto.FLOAT16:
                     to_bf16(attr.t, None)

@@ -57,7 +57,8 @@ class QuantSettings:
     num_bins: int
     op_types: tuple[str, ...] | None = None  # None: every op with a Q/DQ kernel in ORT
     reduce_range: bool = False  # 7-bit weights (see weight_range)
-    num_quantized_bins: int = 128  # entropy: bins of the quantized distribution in the KL search (ORT and TensorRT use 128)
+    # entropy: bins of the quantized distribution in the KL search (ORT and TensorRT use 128)
+    num_quantized_bins: int = 128
     moving_average: bool = False  # minmax: ranges as a moving average of each sample's (ORT's CalibMovingAverage)
     bias_correction: bool = False  # biases absorb the mean shift of their rounded weights (bias_correction.py)
     weight_rounding: str = "nearest"  # or "adaround" (adaround.py)
@@ -94,8 +95,10 @@ def quantize(model_path: Path, samples: list[Sample], config: CalibrationConfig,
     target_cpu, reduce_range, reduce_range_reason = weight_range(preset, config, cpu)
     settings = QuantSettings(preset, config.method, config.per_channel, config.percentile, config.num_bins,
                              tuple(config.op_types) if config.op_types else None, reduce_range,
-                             moving_average=config.moving_average, **{name: getattr(config, name) for name in _REFINEMENTS})
-    key, ranges_key, rounding_key = calibration_keys(model_path, samples, settings)  # auto's int8 candidates share ranges
+                             moving_average=config.moving_average,
+                             **{name: getattr(config, name) for name in _REFINEMENTS})
+    # auto's int8 candidates share ranges
+    key, ranges_key, rounding_key = calibration_keys(model_path, samples, settings)
     fit_key = key  # what the bias fit learns on the whole graph serves the builds with layers excluded
     key = key if not exclude else hashlib.sha256(f"{key}|{sorted(exclude)}".encode()).hexdigest()
     opset_before = opset_of(onnx.load(str(model_path), load_external_data=False))
@@ -115,7 +118,8 @@ def quantize(model_path: Path, samples: list[Sample], config: CalibrationConfig,
             except Exception as exc:  # a damaged entry: recalibrate, and overwrite it below
                 notes.append(f"calibration cache entry {cached.name} is invalid ({exc}); recalibrated")
         if not cache_hit:
-            prepared, ranges, large = _prepared_and_ranges(model_path, samples, settings, tmp, cache_dir, ranges_key, notes)
+            prepared, ranges, large = _prepared_and_ranges(model_path, samples, settings, tmp, cache_dir,
+                                                           ranges_key, notes)
             movers = [name for name, _ in output_movers(prepared)]
             refuse_nonfinite_weights(prepared, set(_op_types(settings)), {*exclude, *movers})  # names the cause first
             refuse_nonfinite_ranges(ranges)
@@ -192,7 +196,8 @@ def calibration_keys(model_path: Path, samples: list[Sample], settings: QuantSet
     graph = {**dataclasses.asdict(settings), "method": settings.method.value}
     calibrator = {"method": settings.method.value, "symmetric": settings.preset.symmetric_activations,
                   "num_bins": settings.num_bins, "num_quantized_bins": settings.num_quantized_bins,
-                  "percentile": settings.percentile, "op_types": _op_types(settings), "moving_average": settings.moving_average}
+                  "percentile": settings.percentile, "op_types": _op_types(settings),
+                  "moving_average": settings.moving_average}
 
     def key(fields: dict) -> str:
         digest = content.copy()
@@ -204,10 +209,12 @@ def calibration_keys(model_path: Path, samples: list[Sample], settings: QuantSet
 
 
 # Ops that move, squash or combine values elementwise: at a graph output their Q/DQ pair rounds what the
-# user reads and speeds nothing up (no Conv/MatMul integer kernel gains from it). A YOLO head concatenates box pixels (0-1024) and class scores (0-1) into one output:
+# user reads and speeds nothing up (no Conv/MatMul integer kernel gains from it). A YOLO head concatenates box pixels
+# (0-1024) and class scores (0-1) into one output:
 # one uint8 scale of 1024/255 rounds every score to 0 (measured: recall 0 with cosine 0.998).
 OUTPUT_MOVERS = ("Concat", "Reshape", "Transpose", "Flatten", "Squeeze", "Unsqueeze", "Split", "Slice", "Gather",
-                 "Sigmoid", "Softmax", "Resize", "MaxPool", "AveragePool", "GlobalAveragePool", "Add", "Mul", "Sub", "Div")
+                 "Sigmoid", "Softmax", "Resize", "MaxPool", "AveragePool", "GlobalAveragePool", "Add", "Mul",
+                 "Sub", "Div")
 
 
 def output_movers(model_path: Path) -> list[tuple[str, str]]:
@@ -226,8 +233,10 @@ def _prepared_and_ranges(model_path: Path, samples: list[Sample], settings: Quan
     # Read from copies this user's build is proved to have made (files.made_copy), never from the entry in place.
     if entry is not None and made_copy(entry / "ranges.json", tmp / "ranges.json") and \
             made_copy(entry / "prepared.onnx", tmp / "prepared.onnx"):
-        notes.append(f"activation ranges from the cache (calibrated once for this model, samples and method): {entry.name}")
-        return tmp / "prepared.onnx", tmp / "ranges.json", tensor_bytes(tmp / "prepared.onnx") > EXTERNAL_DATA_ABOVE_BYTES
+        notes.append("activation ranges from the cache (calibrated once for this model, samples and method): "
+                     f"{entry.name}")
+        return tmp / "prepared.onnx", tmp / "ranges.json", tensor_bytes(tmp
+                                                                        / "prepared.onnx") > EXTERNAL_DATA_ABOVE_BYTES
     prepared = _prepare(model_path, tmp, notes)
     large = tensor_bytes(prepared) > EXTERNAL_DATA_ABOVE_BYTES
     ranges = _calibrate(prepared, samples, settings, tmp, large)
@@ -259,7 +268,8 @@ def _prepare(model_path: Path, tmp: Path, notes: list[str]) -> Path:
     skeleton = onnx.load(str(model_path), load_external_data=False)
     opset = opset_of(skeleton)
     if opset < MIN_OPSET:
-        source = upgrade_opset(model_path, MIN_OPSET, tmp / "upgraded.onnx", f"per-channel int8 (model at opset {opset})")
+        source = upgrade_opset(model_path, MIN_OPSET, tmp / "upgraded.onnx",
+                               f"per-channel int8 (model at opset {opset})")
         notes.append(f"opset {opset} -> {MIN_OPSET}: per-channel DequantizeLinear needs opset 13")
     prepared = tmp / "prepared.onnx"
     large = tensor_bytes(source) > EXTERNAL_DATA_ABOVE_BYTES
@@ -304,7 +314,8 @@ def _calibrate(model: Path, samples: list[Sample], settings: QuantSettings, tmp:
         "num_quantized_bins": settings.num_quantized_bins,
         "percentile": settings.percentile,
     }
-    with contextlib.redirect_stdout(io.StringIO()), calibration_errors(settings.method):  # the collector prints progress
+    # the collector prints progress
+    with contextlib.redirect_stdout(io.StringIO()), calibration_errors(settings.method):
         calibrator = create_calibrator(
             model,
             _op_types(settings),

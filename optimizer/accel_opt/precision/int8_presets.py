@@ -95,11 +95,13 @@ def weight_range(preset: QuantPreset, config: CalibrationConfig, cpu: CpuProfile
     if preset.name == TENSORRT.name:
         return target, bool(config.reduce_range), "TensorRT runs int8 on the GPU: the host CPU's kernels do not apply"
     if config.reduce_range is not None:
-        return target, config.reduce_range, f"set by the recipe (precision_options.calibration.reduce_range: {config.reduce_range})"
+        return (target, config.reduce_range,
+                f"set by the recipe (precision_options.calibration.reduce_range: {config.reduce_range})")
     if saturating_int8(target):
         return target, True, (f"{target} CPU: its u8 x s8 kernels sum pairs in int16 (VPMADDUBSW) and saturate with "
                               "8-bit weights; 7-bit weights keep the pair sums in range")
-    return target, False, f"{target} CPU: its int8 kernels accumulate in int32 (VNNI/AMX or non-x86): full 8-bit weights"
+    return (target, False,
+            f"{target} CPU: its int8 kernels accumulate in int32 (VNNI/AMX or non-x86): full 8-bit weights")
 
 
 def resolve_preset(target: QuantTarget, backend_name: str) -> QuantPreset:

@@ -229,4 +229,5 @@ def fit_file(float_path: Path, quantized_path: Path, samples: list[Sample], step
         quantized_path, cache,
         lambda quantized: fit_outputs(onnx.load(str(float_path)), quantized, samples, steps=steps, weights=weights,
                                       weight_range=weight_range, time_budget_s=time_budget_s),
-        lambda applied, fitted: f"{label}: the {what} fitted on the whole graph reused for {applied} of its {fitted} {unit}")
+        lambda applied,
+        fitted: f"{label}: the {what} fitted on the whole graph reused for {applied} of its {fitted} {unit}")

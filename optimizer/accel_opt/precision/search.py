@@ -9,7 +9,8 @@ probes' cosine went from 0.9859 to 0.9855). So every decision here is measured, 
 2. Remedies that keep every layer reduced, one build each: bias correction (each bias absorbs the mean shift of its
    rounded weights), percentile, entropy or moving-average calibration of the activations, ONNX Runtime's other
    quantizer options (the weights' granularity flipped, Relu/Clip kept explicit), then AdaRound (each layer's
-   weights rounded to fit the float model's output; minutes). A remedy that makes the build better (`better`: passing, else
+   weights rounded to fit the float model's output; minutes). A remedy that makes the build better (`better`: passing,
+   else
    fewer changed predictions where a paired sign test separates the two builds, else a lower numeric error on every
    probe) is adopted and the next is tried on top of it; what is adopted is the base of what follows. On the OpenVINO
    backend NNCF's quantizer of the OpenVINO model comes last (alone, with SmoothQuant, with ChannelAlignment): another
@@ -24,7 +25,8 @@ probes' cosine went from 0.9859 to 0.9855). So every decision here is measured, 
    search stops there.
 5. Once units are restored, every adopted remedy is tried without: one that helped the all-reduced build may stand in
    the way once a layer is restored, and is dropped where the build is better without it (`better` again; remedies
-   cost no speed, so one that still helps stays). Once the probes pass, every kept unit is tried without (least gain first):
+   cost no speed, so one that still helps stays). Once the probes pass, every kept unit is tried without (least gain
+   first):
    what the probes pass without is dropped.
 
 The loss is how far the probes are from passing, in units of each threshold: the largest of each output's error,
@@ -104,7 +106,8 @@ def nncf_remedies(calibration: CalibrationConfig, fused_preprocessing: bool = Fa
                    "OpenVINO IR is not one") if fused_preprocessing else missing()
     return tuple(Remedy(name, {calibration_key + "quantizer": "nncf", **resets,
                                **{calibration_key + key: True for key in algorithms}}, unavailable)
-                 for name, algorithms in (("NNCF on OpenVINO", ()), ("NNCF on OpenVINO + SmoothQuant", ("smooth_quant",)),
+                 for name, algorithms in (("NNCF on OpenVINO", ()), ("NNCF on OpenVINO + SmoothQuant",
+                                                                     ("smooth_quant",)),
                                           ("NNCF on OpenVINO + ChannelAlignment", ("channel_alignment",))))
 
 
@@ -234,7 +237,8 @@ def search(naive: Build, units: Sequence[Unit], actions: SearchActions, work: Pa
     deadline = time.monotonic() + time_budget_s
     steps: list[SearchStep] = []
 
-    def record(kind, what, build: Build | None = None, gain=None, speedup=None, started=None, decision="") -> SearchStep:
+    def record(kind, what, build: Build | None = None, gain=None, speedup=None, started=None,
+               decision="") -> SearchStep:
         step = SearchStep(step=len(steps) + 1, kind=kind, what=what, loss=build.loss if build else None, gain=gain,
                           passed=build.passed if build else None, speedup=speedup, decision=decision,
                           seconds=round(time.monotonic() - started, 2) if started else 0.0)
@@ -276,7 +280,8 @@ def search(naive: Build, units: Sequence[Unit], actions: SearchActions, work: Pa
             continue
         started = time.monotonic()
         # A remedy that sets the keys of one adopted before (another calibration method) replaces it.
-        trial = {n: o for n, o in adopted.items() if not o.keys() & remedy.overrides.keys()} | {remedy.name: remedy.overrides}
+        trial = {n: o for n,
+                 o in adopted.items() if not o.keys() & remedy.overrides.keys()} | {remedy.name: remedy.overrides}
         tried = actions.build_and_judge([], work / f"remedy-{len(steps)}.onnx", _merged(trial))
         adopt, why = better(tried, base)
         if tried.loss == math.inf and tried.failures:  # not built (NNCF's own error): say why
@@ -338,7 +343,8 @@ def search(naive: Build, units: Sequence[Unit], actions: SearchActions, work: Pa
         tried = actions.build_and_judge(_nodes([*kept, unit]), work / f"add-{len(steps)}.onnx", overrides)
         gain = current.loss - tried.loss
         if gain <= 0 and not tried.passed:
-            record("add", f"restore {unit.label}", tried, gain=gain, started=started, decision="dropped: no gain together")
+            record("add", f"restore {unit.label}", tried, gain=gain, started=started,
+                   decision="dropped: no gain together")
             continue
         speed = actions.speedup(tried.path)
         if speed is not None and speed < min_speedup:
@@ -391,7 +397,8 @@ def search(naive: Build, units: Sequence[Unit], actions: SearchActions, work: Pa
 
 
 def _alongside(trial: dict[str, dict], adopted: dict[str, dict], name: str) -> str:
-    """What a remedy's build holds besides it: the adopted remedies it kept (with) and those it replaced (instead of)."""
+    """What a remedy's build holds besides it: the adopted remedies it kept (with) and those it replaced (instead
+    of)."""
     kept = [n for n in trial if n != name]
     replaced = [n for n in adopted if n not in trial]
     parts = ([f"with {', '.join(kept)}"] if kept else []) + ([f"instead of {', '.join(replaced)}"] if replaced else [])

@@ -37,7 +37,8 @@ def conv_or_gemm(node: onnx.NodeProto, weight_ndim: int, functional) -> Callable
     torch_pads = [p for axis in reversed(range(spatial)) for p in (pads[axis], pads[axis + spatial])]  # last axis first
     conv = getattr(functional, f"conv{spatial}d")
     stride, dilation, groups = attrs.get("strides", 1), attrs.get("dilations", 1), attrs.get("group", 1)
-    return lambda x, w, b: conv(functional.pad(x, torch_pads) if any(torch_pads) else x, w, b, stride, 0, dilation, groups)
+    return lambda x, w, b: conv(functional.pad(x, torch_pads) if any(torch_pads) else x, w, b, stride, 0,
+                                dilation, groups)
 
 
 def round_straight_through(x, low: int, high: int):
@@ -116,7 +117,8 @@ class TorchGraph:
 
     def _DequantizeLinear(self, node, attrs, q, scale, zero_point=None):
         if isinstance(q, _Quantized):
-            if scale.numel() == 1 and float(scale) == q.scale and (zero_point is None or int(zero_point) == q.zero_point):
+            if scale.numel() == 1 and float(scale) == q.scale and (zero_point is None
+                                                                   or int(zero_point) == q.zero_point):
                 return self.torch.fake_quantize_per_tensor_affine(q.x, q.scale, q.zero_point, q.low, q.high)
             q = q.integers(self.torch)
         zero = 0 if zero_point is None else self._along(zero_point.float(), attrs, q.ndim)
@@ -217,7 +219,8 @@ class TorchGraph:
         return x.reshape(int(np.prod(x.shape[:axis])), -1)
 
     def _Reshape(self, node, attrs, x, shape):
-        target = [x.shape[i] if d == 0 and not attrs.get("allowzero", 0) else int(d) for i, d in enumerate(shape.tolist())]
+        target = [x.shape[i] if d == 0 and not attrs.get("allowzero", 0) else int(d) for i,
+                  d in enumerate(shape.tolist())]
         return x.reshape(target)
 
     def _Transpose(self, node, attrs, x):

@@ -38,7 +38,8 @@ def image_input(pre: Preprocessing, inputs: list[TensorSpec]) -> TensorSpec:
             raise UsageError(f"preprocessing.input {pre.input!r} is not a model input (inputs: {', '.join(names)})")
         return next(spec for spec in inputs if spec.name == pre.input)
     if len(inputs) != 1:
-        raise UsageError(f"preprocessing.input must name the image input of a model with several inputs ({', '.join(names)})")
+        raise UsageError("preprocessing.input must name the image input of a model with several inputs "
+                         f"({', '.join(names)})")
     return inputs[0]
 
 

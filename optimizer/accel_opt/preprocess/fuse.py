@@ -53,7 +53,8 @@ def fuse_normalize(model_path: Path, input_name: str, pre: Preprocessing, out_pa
              helper.make_node("Sub", [f"{inner}_scaled", offset.name], [f"{inner}_hwc"], name=f"{inner}_sub")]
     last = f"{inner}_hwc"
     if pre.layout == "NCHW":
-        nodes.append(helper.make_node("Transpose", [last], [f"{inner}_chw"], perm=[0, 3, 1, 2], name=f"{inner}_transpose"))
+        nodes.append(helper.make_node("Transpose", [last], [f"{inner}_chw"], perm=[0, 3, 1, 2],
+                                      name=f"{inner}_transpose"))
         last = f"{inner}_chw"
     if elem == TensorProto.FLOAT16:
         nodes.append(helper.make_node("Cast", [last], [f"{inner}_f16"], to=TensorProto.FLOAT16, name=f"{inner}_cast16"))

@@ -28,7 +28,8 @@ def labeled(post: Postprocess, record: dict[str, Any]) -> dict[str, Any]:
     return {**record, "label": name(record["top1"]), "topk_labels": [name(i) for i, _ in record["topk"]]}
 
 
-EMBEDDING_DECIMALS = 7  # a normalized vector's values are in [-1, 1]: 5e-8 of rounding, far below float32 kernels' noise
+# a normalized vector's values are in [-1, 1]: 5e-8 of rounding, far below float32 kernels' noise
+EMBEDDING_DECIMALS = 7
 
 
 def embedding_record(vector: np.ndarray) -> dict[str, Any]:

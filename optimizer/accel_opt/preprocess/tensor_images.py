@@ -74,7 +74,8 @@ class TensorImagePath:
     def decode(self, files: list[bytes], names: list[str]) -> DecodedBatch:
         """Each file's RGB pixels: JPEGs in one batch on the device where it decodes them, the rest on the host."""
         batch = DecodedBatch(images=[None] * len(files))  # type: ignore[list-item]
-        on_device = [i for i, name in enumerate(names) if self.on_device_decoder and name.lower().endswith(JPEG_SUFFIXES)]
+        on_device = [i for i,
+                     name in enumerate(names) if self.on_device_decoder and name.lower().endswith(JPEG_SUFFIXES)]
         if on_device:
             from torchvision.io import ImageReadMode, decode_jpeg
 
@@ -137,7 +138,8 @@ class TensorImagePath:
 
     def batch(self, images: list[torch.Tensor], cropped: bool = False) -> torch.Tensor:
         """Decoded images (or, `cropped`, their crops already) -> one model input batch on the device."""
-        crops = [image.to(self.device, non_blocking=True) for image in images] if cropped else [self.crop(i) for i in images]
+        crops = [image.to(self.device,
+                          non_blocking=True) for image in images] if cropped else [self.crop(i) for i in images]
         return self.to_model_input(torch.stack(crops))
 
 

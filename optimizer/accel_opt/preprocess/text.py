@@ -95,7 +95,8 @@ def _read_table(path: str, file: Path, column: str) -> list[TextItem]:
         return [TextItem(path, None, f"no column {column!r} (columns: {', '.join(names)})")]
     values = table.column(column).to_pylist()
     return [_checked(f"{path}#{row}", value) if isinstance(value, str) else
-            TextItem(f"{path}#{row}", None, "no text (null)" if value is None else f"not a string ({type(value).__name__})")
+            TextItem(f"{path}#{row}", None,
+                     "no text (null)" if value is None else f"not a string ({type(value).__name__})")
             for row, value in enumerate(values)]
 
 
@@ -184,7 +185,8 @@ class TextEncoder:
             raise UsageError(f"model input {unknown[0]!r} is not a tokenizer output: map it in text.inputs "
                              f"(model input: ids, attention_mask or type_ids)")
         self.inputs = {name: (stage.inputs[name], np.dtype(dtype)) for name, dtype in input_dtypes.items()}
-        self.padding = Padding({name: self.pad_id if field == "ids" else PAD_MASK for name, (field, _) in self.inputs.items()},
+        self.padding = Padding({name: self.pad_id if field == "ids" else PAD_MASK for name,
+                                (field, _) in self.inputs.items()},
                                tuple(stage.length_buckets), stage.max_length, stage.batch_tokens)
 
     def describe(self) -> str:
@@ -205,7 +207,8 @@ class TextEncoder:
                 out.append((None, f"{len(enc.ids)} tokens, more than max_length {self.stage.max_length} "
                                   "(truncation is off)", False))
                 continue
-            feed = {name: np.asarray([getattr(enc, field)], dtype=dtype) for name, (field, dtype) in self.inputs.items()}
+            feed = {name: np.asarray([getattr(enc, field)], dtype=dtype) for name,
+                    (field, dtype) in self.inputs.items()}
             out.append((feed, None, bool(enc.overflowing)))
         return out
 
@@ -219,7 +222,8 @@ def padded_length(longest: int, buckets: list[int]) -> int:
     return next((b for b in sorted(buckets) if b >= longest), longest)
 
 
-def pad_batch(samples: list[dict[str, np.ndarray]], pad_values: dict[str, int], buckets: tuple[int, ...] = ()) -> dict[str, np.ndarray]:
+def pad_batch(samples: list[dict[str, np.ndarray]], pad_values: dict[str, int],
+              buckets: tuple[int, ...] = ()) -> dict[str, np.ndarray]:
     """One feed of `samples` (each [1, length]) padded at the end to the batch's length, stacked on axis 0."""
     length = padded_length(max(token_count(s) for s in samples), list(buckets))
     return {name: np.concatenate([np.pad(s[name], ((0, 0), (0, length - s[name].shape[1])), constant_values=pad)

@@ -79,7 +79,8 @@ class Postprocess(_Strict):
     topk: int | None = Field(default=None, ge=1)
     output: str | None = None
     softmax: bool = True
-    labels: list[str] | None = None  # class names by index (a Hugging Face folder's id2label): written beside the indexes
+    # class names by index (a Hugging Face folder's id2label): written beside the indexes
+    labels: list[str] | None = None
     embedding: EmbeddingOutput | None = None
 
     @model_validator(mode="after")

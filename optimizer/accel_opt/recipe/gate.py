@@ -159,7 +159,8 @@ class SplitConfig(_Strict):
     @model_validator(mode="after")
     def _leaves_a_verdict_share(self) -> SplitConfig:
         if self.calibration_fraction + self.steering_fraction > 0.9:
-            raise ValueError(f"calibration_fraction + steering_fraction is {self.calibration_fraction + self.steering_fraction:g}: "
+            raise ValueError("calibration_fraction + steering_fraction is "
+                             f"{self.calibration_fraction + self.steering_fraction:g}: "
                              "keep them at most 0.9 together, so that at least a tenth of --data is held out to judge "
                              "the build")
         return self

@@ -60,7 +60,8 @@ def _read_extended(path: Path, chain: list[Path]) -> dict:
 def _laid_over(base: dict, data: dict) -> dict:
     merged = dict(base)
     for key, value in data.items():
-        merged[key] = _laid_over(base[key], value) if isinstance(value, dict) and isinstance(base.get(key), dict) else value
+        merged[key] = _laid_over(base[key], value) if isinstance(value,
+                                                                 dict) and isinstance(base.get(key), dict) else value
     return merged
 
 

@@ -24,7 +24,8 @@ def describe(exc: ValidationError, model: type[BaseModel], source: str, lines: d
         if error["type"] == "extra_forbidden":
             known = _fields_at(model, loc[:-1])
             close = difflib.get_close_matches(str(loc[-1]), known, n=1, cutoff=0.6)
-            text += "unknown key" + (f" (did you mean {close[0]}?)" if close else f" (known here: {', '.join(sorted(known))})"
+            text += "unknown key" + (f" (did you mean {close[0]}?)" if close
+                                     else f" (known here: {', '.join(sorted(known))})"
                                      if known and len(known) <= 12 else "")
         else:
             text += error["msg"]
@@ -98,5 +99,6 @@ def _unwrapped(annotation: Any) -> Any:
     """Optional[X] and Annotated[X, ...] as X (the first member that is not None)."""
     while typing.get_origin(annotation) in (typing.Union, types.UnionType, typing.Annotated):
         members = [a for a in typing.get_args(annotation) if a is not type(None)]
-        annotation = members[0] if typing.get_origin(annotation) is not typing.Annotated else typing.get_args(annotation)[0]
+        annotated = typing.get_origin(annotation) is typing.Annotated
+        annotation = typing.get_args(annotation)[0] if annotated else members[0]
     return annotation

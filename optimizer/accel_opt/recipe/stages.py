@@ -20,7 +20,8 @@ class BenchmarkConfig(_Strict):
     # The sweep: every batch size x concurrency (workers with a session each, requests back to back),
     # each point measured in windows until the last 3 windows' throughput is within stability_pct of
     # their mean (perf_analyzer's criterion), at most max_windows.
-    concurrency: list[Annotated[int, Field(ge=1)]] = Field(default_factory=lambda: [1, 2], min_length=1)  # nothing swept: no point
+    # nothing swept: no point
+    concurrency: list[Annotated[int, Field(ge=1)]] = Field(default_factory=lambda: [1, 2], min_length=1)
     window_seconds: float = Field(default=0.5, gt=0)
     stability_pct: float = Field(default=10.0, gt=0)
     max_windows: int = Field(default=8, ge=4)

@@ -34,9 +34,11 @@ body{font:14px/1.45 -apple-system,"Segoe UI",Helvetica,Arial,sans-serif;color:#1
 main{max-width:1100px;margin:0 auto;padding:24px 32px 48px;background:#fff;min-height:100vh}
 h1{font-size:24px;margin:0 0 4px}h2{font-size:18px;margin:28px 0 8px;border-bottom:1px solid #d0d7de;padding-bottom:4px}
 .verdict{font-size:20px;font-weight:600;padding:12px 16px;border-radius:6px;margin:12px 0 16px}
-.pass{background:#dafbe1;color:#116329;border:1px solid #4ac26b}.fail{background:#ffebe9;color:#a40e26;border:1px solid #ff8182}
+.pass{background:#dafbe1;color:#116329;border:1px solid #4ac26b}
+.fail{background:#ffebe9;color:#a40e26;border:1px solid #ff8182}
 .warn{background:#fff8c5;border:1px solid #d4a72c;padding:8px 12px;border-radius:6px}
-table{border-collapse:collapse;margin:6px 0 10px;font-size:13px}th,td{border:1px solid #d0d7de;padding:4px 8px;text-align:left;vertical-align:top}
+table{border-collapse:collapse;margin:6px 0 10px;font-size:13px}
+th,td{border:1px solid #d0d7de;padding:4px 8px;text-align:left;vertical-align:top}
 th{background:#f6f8fa}td.num{text-align:right;font-variant-numeric:tabular-nums}
 .ok{color:#116329;font-weight:600}.bad{color:#a40e26;font-weight:600}.muted{color:#656d76}
 code{font:12px ui-monospace,SFMono-Regular,Menlo,monospace;background:#f6f8fa;padding:1px 4px;border-radius:4px}
@@ -58,7 +60,8 @@ def render(folder: str | Path, verdict: Verdict | None = None, title: str | None
     parts = [f"<h1>Accuracy sign-off: {escape(name)}</h1>",
              f'<div class="muted">{escape(config["backend"])} {escape(config["precision"])} &middot; '
              f"{escape(build.get('created_utc', ''))}</div>",
-             f'<div class="verdict {"pass" if passed else "fail"}">{escape(verdict.headline(acc.get("trial_unit", "samples")))}'
+             '<div class="verdict '
+             f'{"pass" if passed else "fail"}">{escape(verdict.headline(acc.get("trial_unit", "samples")))}'
              f" &mdash; {sum(c['passed'] for c in checks)} of {len(checks)} checks passed</div>"]
     if not passed:
         parts.append("<h2>Failed checks</h2>" + _list(failures))
@@ -98,17 +101,21 @@ def _rests_on(acc: dict, build: dict) -> str:
         f"Candidate <code>{escape(acc['candidate'])}</code>, loaded from the artifact as deployed: "
         f"{escape(ev.get('deployment') or '')}; run {escape(how)}",
         f"Reference <code>{escape(acc['reference'])}</code>, one sample per call",
-        *map(escape, evidence_lines(acc, f"{data.get('source')} from {data.get('path') or ''}, {data.get('count', '?')} "
+        *map(escape, evidence_lines(acc,
+                                    f"{data.get('source')} from {data.get('path') or ''}, {data.get('count', '?')} "
                                             "read; every sample and every output is judged")),
         f"Errors are |candidate &minus; reference| in units of each output's scale (its reference standard deviation): "
-        f"{escape(tol['error_stat'])} error &le; {tol['max_error']:g} over all samples, &le; {tol['max_sample_error']:g} "
-        f"within each; cosine &ge; {tol['min_cosine']} overall and &ge; {tol['min_sample_cosine']} per sample; gain within "
+        f"{escape(tol['error_stat'])} error &le; {tol['max_error']:g} over all samples, &le; "
+        f"{tol['max_sample_error']:g} "
+        f"within each; cosine &ge; {tol['min_cosine']} overall and &ge; {tol['min_sample_cosine']} per sample; gain "
+        "within "
         f"1 &plusmn; {tol['max_gain_error']:g}; no NaN/Inf"
         + (f"; absolute atol {tol['atol'] or 0:g} / rtol {tol['rtol'] or 0:g}" if tol.get("atol") is not None
            or tol.get("rtol") is not None else ""),
     ]
     warning = ('<p class="warn"><b>Synthetic data was used:</b> the inputs were random: a numeric check only, judged '
-               "on the observed counts; no task rate was certified on real inputs.</p>") if data.get("source") == "synthetic" else ""
+               "on the observed counts; no task rate was certified on real inputs.</p>"
+               ) if data.get("source") == "synthetic" else ""
     return "<h2>What the verdict rests on</h2>" + warning + "<ul>" + "".join(f"<li>{i}</li>" for i in items) + "</ul>"
 
 
@@ -152,9 +159,12 @@ def _fallback(build: dict) -> str:
     remedies = fb.get("remedies") or ([f"{fb['calibration']} calibration"] if fb.get("calibration") else [])  # older
     calibration = f"; remedies adopted: {escape(', '.join(remedies))}" if remedies else ""
     out = [f"<h2>Fallback (measured search): {escape(fb['status'])}</h2>",
-           f"<p>{escape(fb['reason'])}. Judged with the gate's tolerance and task metrics{slack} on {fb['probe_samples']} "
-           f"{escape(fb['probe_source'])}; searched {fb.get('search_seconds', 0):.0f} s of a {fb.get('time_budget_s', 0):.0f} s "
-           f"budget, at least {fb.get('min_speedup', 0):.2f}x the fp32 build's speed; {fb['fp32_flops_fraction']:.1%} of "
+           f"<p>{escape(fb['reason'])}. Judged with the gate's tolerance and task metrics{slack} on "
+           f"{fb['probe_samples']} "
+           f"{escape(fb['probe_source'])}; searched {fb.get('search_seconds', 0):.0f} s of a "
+           f"{fb.get('time_budget_s', 0):.0f} s "
+           f"budget, at least {fb.get('min_speedup', 0):.2f}x the fp32 build's speed; {fb['fp32_flops_fraction']:.1%} "
+           "of "
            f"the FLOPs in float{calibration}.</p>"]
     naive = fb["naive"]
     steps = [{"step": 0, "kind": "naive", "what": "the naive build", "loss": naive.get("loss"), "gain": None,
@@ -166,7 +176,8 @@ def _fallback(build: dict) -> str:
                         "-" if s.get("speedup") is None else f"{s['speedup']:.2f}x", f"{s['seconds']:.1f}",
                         escape(s.get("decision") or "-")] for s in steps], {3, 4, 5, 6}))
     if fb["layers"]:
-        out.append("<h3>Top offenders of the naive build</h3><p class=muted>Error the node adds (its output's error minus "
+        out.append("<h3>Top offenders of the naive build</h3><p class=muted>Error the node adds (its output's error "
+                   "minus "
                    "its inputs' worst), in units of the output's standard deviation.</p>")
         out.append(_table(["node", "op", "depth", "added error, naive", "added error, chosen", "kept in fp32"],
                           [[f"<code>{escape(r['node'])}</code>", escape(r["op_type"]), r["depth"],
@@ -232,34 +243,42 @@ def _benchmark(bench: dict) -> str:
     out.append(f'<img alt="latency and throughput by batch size" src="data:image/png;base64,{_plot(bench)}">')
     if bench.get("stages_ms"):
         out.append("<h3>Where a batch's time goes</h3>" + f'<img alt="stage times per batch" '
-                   f'src="data:image/png;base64,{_stage_plot(bench)}"><p class=muted>{escape(bench.get("stage_note", ""))}</p>')
+                   f'src="data:image/png;base64,{_stage_plot(bench)}"><p '
+                   f'class=muted>{escape(bench.get("stage_note", ""))}</p>')
     if bench.get("jobs"):
         out.append("<h3>The whole job</h3>" + _table(
             ["pipeline", "inputs", "seconds", "ms per input", "inputs/s", "bottleneck", "how"],
-            [[escape(j["pipeline"]), j["inputs"], f"{j['seconds']:.2f}", f"{j['per_input_ms']:.2f}", f"{j['inputs_per_s']:.1f}",
+            [[escape(j["pipeline"]), j["inputs"], f"{j['seconds']:.2f}", f"{j['per_input_ms']:.2f}",
+              f"{j['inputs_per_s']:.1f}",
               escape(j["bottleneck"]), escape(j["description"])] for j in bench["jobs"]], {1, 2, 3, 4}))
     eff = bench.get("efficiency")
     if eff:
-        out.append("<h3>Efficiency</h3>" + f"<p>{eff['gflop_per_sample']:.3g} GFLOP per sample, {eff['weight_mib']:.3g} MiB of "
+        out.append("<h3>Efficiency</h3>"
+                   + f"<p>{eff['gflop_per_sample']:.3g} GFLOP per sample, {eff['weight_mib']:.3g} MiB of "
                    f"weights; in this run the fp32 GEMM probe ran {eff['fp32_ceiling_gflops']:.0f} GFLOP/s and memory "
                    f"{eff['memory_gib_per_s']:.1f} GiB/s; {escape(eff['precision_note'])}.</p>" + _table(
                        ["batch", "achieved GFLOP/s", "of the fp32 ceiling", "FLOP/byte", "bound"],
                        [[b["batch_size"], f"{b['achieved_gflops']:.1f}", f"{b['fraction_of_fp32_ceiling']:.0%}",
-                         f"{b['arithmetic_intensity']:.1f}", escape(b["bound"])] for b in eff["batches"]], {0, 1, 2, 3}))
+                         f"{b['arithmetic_intensity']:.1f}", escape(b["bound"])] for b in eff["batches"]],
+                       {0, 1, 2, 3}))
     if bench.get("sweep"):
         rec = bench.get("recommended") or {}
         out.append("<h3>Batch size x concurrency</h3>" + _table(
-            ["batch", "concurrency", "p50 ms", "p90 ms", "p99 ms", "samples/s", "peak memory MiB", "windows", "stable", ""],
+            ["batch", "concurrency", "p50 ms", "p90 ms", "p99 ms", "samples/s", "peak memory MiB", "windows",
+             "stable", ""],
             [[p["batch_size"], p["concurrency"], f"{p['p50_ms']:.2f}", f"{p['p90_ms']:.2f}", f"{p['p99_ms']:.2f}",
-              f"{p['throughput_per_s']:.1f}", f"{p['peak_memory_mib']:.0f}", p["windows"], "yes" if p["stable"] else "no",
-              "<b>recommended</b>" if (p["batch_size"], p["concurrency"]) == (rec.get("batch_size"), rec.get("concurrency"))
+              f"{p['throughput_per_s']:.1f}", f"{p['peak_memory_mib']:.0f}", p["windows"],
+              "yes" if p["stable"] else "no",
+              "<b>recommended</b>" if (p["batch_size"],
+                                       p["concurrency"]) == (rec.get("batch_size"), rec.get("concurrency"))
               else escape(f"out of memory: {p['out_of_memory']}") if p.get("out_of_memory") else ""]
              for p in bench["sweep"]], set(range(0, 8))))
         out.append(f"<p>{escape(bench.get('recommendation', ''))}</p>")
     if bench.get("concurrency"):
         out.append(_table(["hint", "threads", "streams", "batch", "samples/s", "p50 ms", "p99 ms"],
                           [[escape(r["hint"]), r["threads"], r["streams"], r["batch_size"], f"{r['samples_per_s']:.1f}",
-                            f"{r['p50_ms']:.2f}", f"{r['p99_ms']:.2f}"] for r in bench["concurrency"]], set(range(1, 7))))
+                            f"{r['p50_ms']:.2f}", f"{r['p99_ms']:.2f}"] for r in bench["concurrency"]],
+                          set(range(1, 7))))
     return "\n".join(out)
 
 
@@ -273,7 +292,8 @@ def _plot(bench: dict) -> str:
     fig, (lat, thr) = plt.subplots(1, 2, figsize=(10, 3.4), dpi=100)
     for model in bench["models"]:
         sizes = [b["batch_size"] for b in model["batches"]]
-        line, = lat.plot(sizes, [b["latency"]["p50_ms"] for b in model["batches"]], marker="o", label=f"{model['label']} p50")
+        line, = lat.plot(sizes, [b["latency"]["p50_ms"] for b in model["batches"]], marker="o",
+                         label=f"{model['label']} p50")
         lat.plot(sizes, [b["latency"]["p99_ms"] for b in model["batches"]], linestyle="--", color=line.get_color(),
                  label=f"{model['label']} p99")
         thr.plot(sizes, [b["throughput_per_s"] for b in model["batches"]], marker="o", color=line.get_color(),
@@ -313,7 +333,8 @@ def _stage_plot(bench: dict) -> str:
 
 def _resources(config: dict) -> str:
     rec = config.get("recommended") or {}
-    rows = [["backend / device", f"{escape(config['backend'])} on {escape(config['device'])} via {escape(', '.join(config['providers']))}"],
+    rows = [["backend / device",
+             f"{escape(config['backend'])} on {escape(config['device'])} via {escape(', '.join(config['providers']))}"],
             ["precision", escape(config["precision"])], ["threads", config["threads"]],
             ["batch size (deployed, as the gate ran it)", config["batch_size"]],
             ["inputs", "<br>".join(f"<code>{escape(i['name'])}</code> {escape(i['dtype'])} {i['shape_used']} "
@@ -361,6 +382,7 @@ def _environment(build: dict, config: dict) -> str:
     rows = [["CPU", escape(f"{cpu.get('model')} ({cpu.get('machine')}), {cpu.get('available_cpus')} CPUs; "
                            f"{' '.join(cpu.get('flags', []))}")],
             ["tools", escape(", ".join(f"{k} {v}" for k, v in (env.get("tools") or {}).items()))]]
-    rows += [[f"<code>{escape(name)}</code>", f"<code>{digest}</code>"] for name, digest in (build.get("files_sha256") or {}).items()]
+    rows += [[f"<code>{escape(name)}</code>", f"<code>{digest}</code>"] for name,
+             digest in (build.get("files_sha256") or {}).items()]
     return ("<h2>Environment and files</h2>" + _table(None, rows)
             + "<p class=muted>Every file's sha256 is in manifest.json; <code>accel-opt verify</code> checks them.</p>")

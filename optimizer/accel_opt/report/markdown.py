@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from accel_opt.accuracy import AccuracyReport, Check
-from accel_opt.accuracy.evidence import METHOD, RateEvidence
+from accel_opt.accuracy import AccuracyReport
+from accel_opt.accuracy.evidence import RateEvidence
 from accel_opt.accuracy.labeled import labeled_markdown
 from accel_opt.bench import BenchmarkReport
 from accel_opt.data import DataSummary
@@ -43,24 +43,30 @@ def output_cells(o: dict, sample_count: int) -> list[str]:
     """The outputs-table cells of one OutputAccuracy (as JSON), all but the verdict: sign-off markdown and
     HTML alike. An exact (integer/bool) output shows its agreement, with no distance statistics."""
     if o.get("agreement") is not None:
-        return [o["name"], "exact", f"{o['error']:.3g} differ", f"{o['worst_sample_error']:.3g} differ", "-", "-", "-", "-",
+        return [o["name"], "exact", f"{o['error']:.3g} differ", f"{o['worst_sample_error']:.3g} differ", "-",
+                "-", "-", "-",
                 "0", f"agreement {o['agreement']:.2%}"]
     return [o["name"], f"{o['scale_basis']} {number_cell(o['scale'], '.4g')}", number_cell(o["error"], ".3g"),
             number_cell(o["worst_sample_error"], ".3g"), number_cell(o["cosine"], ".6f"),
-            "-" if o["worst_sample_cosine"] is None else f"{o['worst_sample_cosine']:.6f}", number_cell(o["gain"], ".5f"),
-            number_cell(o["max_abs_error"], ".3g"), str(o["non_finite_count"]), f"{o['failed_samples']} of {sample_count}"]
+            "-" if o["worst_sample_cosine"] is None else f"{o['worst_sample_cosine']:.6f}",
+            number_cell(o["gain"], ".5f"),
+            number_cell(o["max_abs_error"], ".3g"), str(o["non_finite_count"]),
+            f"{o['failed_samples']} of {sample_count}"]
 
 
 def evidence_lines(accuracy: dict, data_line: str) -> list[str]:
     """What the verdict rests on, statistically: the split into roles, how rates are judged, the steering check."""
-    roles, confidence, method = accuracy.get("roles") or {}, accuracy.get("confidence", 0.95), accuracy.get("method", "")
+    roles, confidence = accuracy.get("roles") or {}, accuracy.get("confidence", 0.95)
+    method = accuracy.get("method", "")
     lines = [f"Samples: {accuracy['sample_count']} held out ({data_line}): they judged this verdict and nothing else; "
              f"{roles.get('calibration', 0)} calibrated the build and {roles.get('steering', 0)} steered its choices "
              "(the fallback's search, the cleanup check, auto's shortlist); no sample in two roles (each role's "
              "samples are listed in manifest.json)"]
     if accuracy.get("bounded"):
-        lines.append(f"Rates (the share of samples within tolerance, task metrics' agreement) are judged by their one-sided "
-                     f"lower bound at {confidence:.0%} confidence ({method}) over {accuracy.get('trial_count')} held-out "
+        lines.append("Rates (the share of samples within tolerance, task metrics' agreement) are judged by their "
+                     "one-sided "
+                     f"lower bound at {confidence:.0%} confidence ({method}) over {accuracy.get('trial_count')} "
+                     "held-out "
                      f"{accuracy.get('trial_unit', 'samples')}, each one trial whatever rows it holds: the build signs "
                      "off only where every bound clears its minimum, and too few is its own verdict")
     else:
@@ -115,7 +121,8 @@ def signoff_markdown(
         "",
         "## What the verdict rests on",
         "",
-        f"- Candidate: `{accuracy.candidate}`{f', loaded from the artifact as deployed: {ev.deployment}' if ev.deployment else ''}; "
+        "- Candidate: "
+        f"`{accuracy.candidate}`{f', loaded from the artifact as deployed: {ev.deployment}' if ev.deployment else ''}; "
         f"run {how}",
         f"- Reference: `{accuracy.reference}` ({REFERENCES.get(accuracy.reference, 'fp32')}), one sample per call",
         *(f"- {line}" for line in evidence_lines(as_json, _data_line(eval_data))),
@@ -128,9 +135,12 @@ def signoff_markdown(
         if precision.calibration:
             cal = precision.calibration
             out.append(
-                f"- Calibration: {cal.method}, preset {cal.preset} ({cal.preset_reason}); activations {cal.activation_type}, "
-                f"weights {cal.weight_type}{' per-channel' if cal.per_channel else ''}; {cal.sample_count} calibration samples, "
-                f"disjoint from the {accuracy.sample_count} held-out samples (calibration cache {'hit' if cal.cache_hit else 'miss'})"
+                f"- Calibration: {cal.method}, preset {cal.preset} ({cal.preset_reason}); activations "
+                f"{cal.activation_type}, "
+                f"weights {cal.weight_type}{' per-channel' if cal.per_channel else ''}; {cal.sample_count} calibration "
+                "samples, "
+                f"disjoint from the {accuracy.sample_count} held-out samples (calibration cache "
+                f"{'hit' if cal.cache_hit else 'miss'})"
             )
     elif calibration_count:
         out.append(f"- Calibration samples: {calibration_count}")
@@ -172,7 +182,8 @@ def signoff_markdown(
         out += [""] + metric_notes if metric_notes else []
     if precision is not None and precision.kept_in_higher_precision:
         out += ["", "## Kept in higher precision", ""]
-        out.append(_table(["node", "op", "why"], [[k.node, k.op_type, k.reason] for k in precision.kept_in_higher_precision]))
+        out.append(_table(["node", "op", "why"], [[k.node, k.op_type,
+                                                   k.reason] for k in precision.kept_in_higher_precision]))
     out += ["", *fallback_markdown(fallback, bench)] if fallback is not None and fallback.status != "disabled" else []
     out += labeled_markdown(accuracy.checks)
     out += (["", "## Failed checks", ""] + [f"- {f}" for f in accuracy.failures]) if accuracy.failures else []
@@ -203,13 +214,15 @@ def fallback_markdown(fallback: FallbackReport, bench: BenchmarkReport | None) -
                 "gain: the loss it took away; speed-up: against the fp32 build on the deployed kernels):", ""]
         out.append(_table(["step", "kind", "what", "loss", "gain", "speed-up", "seconds", "decision"],
                           [[str(s.step), s.kind, s.what, "-" if s.loss is None else _error(s.loss),
-                            "-" if s.gain is None else f"{s.gain:+.3g}", "-" if s.speedup is None else f"{s.speedup:.2f}x",
+                            "-" if s.gain is None else f"{s.gain:+.3g}",
+                            "-" if s.speedup is None else f"{s.speedup:.2f}x",
                             f"{s.seconds:.1f}", s.decision or "-"] for s in fallback.steps]))
     if fallback.layers:
         out += ["", "Top offenders of the naive build (error added by the node, in units of its output's scale):", ""]
         out.append(_table(["node", "op", "depth", "added error, naive", "added error, chosen", "kept in fp32"],
                           [[r.node, r.op_type, str(r.depth), _error(r.added_error_naive),
-                            "-" if r.added_error_final is None else _error(r.added_error_final), "yes" if r.kept else "no"]
+                            "-" if r.added_error_final is None else _error(r.added_error_final),
+                            "yes" if r.kept else "no"]
                            for r in fallback.layers]))
     speed = _fallback_speed(fallback, bench)
     if speed:
@@ -228,7 +241,8 @@ def _fallback_speed(fallback: FallbackReport, bench: BenchmarkReport | None) -> 
     chosen = bench.models[0]
     pairs = [(b.batch_size, chosen.at(b.batch_size).latency.p50_ms, b.latency.p50_ms) for b in naive.batches]
     return "Speed cost of the fallback (p50, same interleaved run): " + "; ".join(
-        f"batch {size}: {mine:.2f} ms vs naive {theirs:.2f} ms ({mine / theirs:.2f}x the naive time)" for size, mine, theirs in pairs)
+        f"batch {size}: {mine:.2f} ms vs naive {theirs:.2f} ms ({mine / theirs:.2f}x the naive time)" for size, mine,
+        theirs in pairs)
 
 
 def _data_line(data: DataSummary) -> str:
@@ -243,7 +257,8 @@ def benchmark_markdown(model_name: str, bench: BenchmarkReport) -> str:
         f"# Benchmark: {model_name}",
         "",
         f"Threads: {bench.threads}. Each latency is wall time around the whole inference call"
-        f"{' followed by device synchronization' if bench.synchronized else ''}; models measured in interleaved rounds in one run.",
+        f"{' followed by device synchronization' if bench.synchronized else ''}; models measured in interleaved rounds "
+        "in one run.",
         "",
     ]
     rows = []
@@ -251,32 +266,40 @@ def benchmark_markdown(model_name: str, bench: BenchmarkReport) -> str:
         for b in m.batches:
             lat = b.latency
             rows.append([m.label, str(b.batch_size), f"{lat.p50_ms:.2f}", f"{lat.p90_ms:.2f}", f"{lat.p99_ms:.2f}",
-                         f"{lat.mean_ms:.2f}", f"{b.throughput_per_s:.1f}", f"{b.input_prep_ms:.2f}", str(lat.iterations)])
-    out.append(_table(["model", "batch", "p50 ms", "p90 ms", "p99 ms", "mean ms", "samples/s", "input prep ms", "iterations"], rows))
+                         f"{lat.mean_ms:.2f}", f"{b.throughput_per_s:.1f}", f"{b.input_prep_ms:.2f}",
+                         str(lat.iterations)])
+    out.append(_table(["model", "batch", "p50 ms", "p90 ms", "p99 ms", "mean ms", "samples/s", "input prep ms",
+                       "iterations"], rows))
     out += ["", _table(
         ["model", "session load ms", "peak RSS MiB", "model memory MiB"],
-        [[m.label, f"{m.session_load_ms:.1f}", f"{m.peak_rss_mib:.0f}", f"{m.model_memory_mib:.0f}"] for m in bench.models],
+        [[m.label, f"{m.session_load_ms:.1f}", f"{m.peak_rss_mib:.0f}",
+          f"{m.model_memory_mib:.0f}"] for m in bench.models],
     )]
     if bench.concurrency:
         out += ["", "Concurrency sweep (one async request in flight per stream):", ""]
         out.append(_table(["hint", "threads", "streams", "batch", "samples/s", "p50 ms", "p99 ms"],
-                          [[r["hint"], str(r["threads"]), str(r["streams"]), str(r["batch_size"]), f"{r['samples_per_s']:.1f}",
+                          [[r["hint"], str(r["threads"]), str(r["streams"]), str(r["batch_size"]),
+                            f"{r['samples_per_s']:.1f}",
                             f"{r['p50_ms']:.2f}", f"{r['p99_ms']:.2f}"] for r in bench.concurrency]))
     if bench.sweep:
         rec = bench.recommended
         out += ["", "Batch size x concurrency sweep (a session per worker, requests back to back; throughput measured "
                 "until the last 3 windows agree):", ""]
-        out.append(_table(["batch", "concurrency", "p50 ms", "p90 ms", "p99 ms", "samples/s", "peak memory MiB", "stable", ""],
-                          [[str(p.batch_size), str(p.concurrency), f"{p.p50_ms:.2f}", f"{p.p90_ms:.2f}", f"{p.p99_ms:.2f}",
+        out.append(_table(["batch", "concurrency", "p50 ms", "p90 ms", "p99 ms", "samples/s", "peak memory MiB",
+                           "stable", ""],
+                          [[str(p.batch_size), str(p.concurrency), f"{p.p50_ms:.2f}", f"{p.p90_ms:.2f}",
+                            f"{p.p99_ms:.2f}",
                             f"{p.throughput_per_s:.1f}", f"{p.peak_memory_mib:.0f}", "yes" if p.stable else "no",
-                            "recommended" if rec and (p.batch_size, p.concurrency) == (rec.batch_size, rec.concurrency) else
+                            "recommended" if rec and (p.batch_size,
+                                                      p.concurrency) == (rec.batch_size, rec.concurrency) else
                             f"out of memory: {p.out_of_memory}" if p.out_of_memory else ""]
                            for p in bench.sweep]))
         out += ["", f"Recommendation: {bench.recommendation}."]
         out += [f"- {'pass' if c.passed else 'FAIL'}: {c.name}: {c.line}" for c in bench.checks]
     if bench.stages_ms:
         out += ["", f"Where a batch's time goes, ms ({bench.stage_note}):", ""]
-        out.append(_table(["batch", "read", "decode", "preprocess", "h2d", "compute", "d2h", "postprocess", "bottleneck"],
+        out.append(_table(["batch", "read", "decode", "preprocess", "h2d", "compute", "d2h", "postprocess",
+                           "bottleneck"],
                           [[str(t.batch_size), f"{t.read_ms:.2f}", f"{t.decode_ms:.2f}", f"{t.preprocess_ms:.2f}",
                             f"{t.h2d_ms:.2f}", f"{t.compute_ms:.2f}", f"{t.d2h_ms:.2f}", f"{t.postprocess_ms:.2f}",
                             t.bottleneck] for t in bench.stages_ms]))
@@ -285,21 +308,25 @@ def benchmark_markdown(model_name: str, bench: BenchmarkReport) -> str:
     if bench.jobs:
         out += ["", "The whole job on the same files, measured end to end in this process:", ""]
         out.append(_table(["pipeline", "inputs", "seconds", "ms per input", "inputs/s", "bottleneck", "how"],
-                          [[j.pipeline, str(j.inputs), f"{j.seconds:.2f}", f"{j.per_input_ms:.2f}", f"{j.inputs_per_s:.1f}",
+                          [[j.pipeline, str(j.inputs), f"{j.seconds:.2f}", f"{j.per_input_ms:.2f}",
+                            f"{j.inputs_per_s:.1f}",
                             j.bottleneck, j.description] for j in bench.jobs]))
         if len(bench.jobs) == 2:
             out += ["", f"accel-opt run: {bench.jobs[0].seconds / bench.jobs[1].seconds:.2f}x the naive job's speed."]
     if bench.efficiency:
         eff = bench.efficiency
-        out += ["", f"Efficiency: {eff.gflop_per_sample:.3g} GFLOP and {eff.io_mib_per_sample:.3g} MiB of inputs/outputs per "
-                f"sample, {eff.weight_mib:.3g} MiB of weights; host probes in this run: fp32 GEMM {eff.fp32_ceiling_gflops:.0f} "
+        out += ["", f"Efficiency: {eff.gflop_per_sample:.3g} GFLOP and {eff.io_mib_per_sample:.3g} MiB of "
+                    "inputs/outputs per "
+                f"sample, {eff.weight_mib:.3g} MiB of weights; host probes in this run: fp32 GEMM "
+                f"{eff.fp32_ceiling_gflops:.0f} "
                 f"GFLOP/s, memory copy {eff.memory_gib_per_s:.1f} GiB/s (balance {eff.machine_balance:.0f} FLOP/byte); "
                 f"{eff.precision_note}.", ""]
         out.append(_table(["batch", "achieved GFLOP/s", "of the fp32 ceiling", "FLOP/byte", "bound"],
                           [[str(b.batch_size), f"{b.achieved_gflops:.1f}", f"{b.fraction_of_fp32_ceiling:.0%}",
                             f"{b.arithmetic_intensity:.1f}", b.bound] for b in eff.batches]))
     for base, ratios in bench.speedup_vs_baseline.items():
-        out += ["", f"Speedup of {bench.models[0].label} over {base} (p50 ratio, >1 is faster; measured, not claimed):", ""]
+        out += ["",
+                f"Speedup of {bench.models[0].label} over {base} (p50 ratio, >1 is faster; measured, not claimed):", ""]
         out.append(_table(["batch", "speedup"], [[str(b), f"{r:.2f}x"] for b, r in ratios.items()]))
     return "\n".join(out) + "\n"
 
@@ -338,7 +365,8 @@ def selection_markdown(name: str, selection: AutoSelection) -> str:
     def steering(c) -> str:
         if c.steering_passed is None:
             return "-"
-        return ("pass" if c.steering_passed else "FAIL") + (f" (loss {_error(c.steering_loss)})" if c.steering_loss is not None else "")
+        return ("pass" if c.steering_passed else "FAIL") + (f" (loss {_error(c.steering_loss)})"
+                                                            if c.steering_loss is not None else "")
 
     def held_out(c) -> str:
         if c.held_out is None:
@@ -351,19 +379,23 @@ def selection_markdown(name: str, selection: AutoSelection) -> str:
     out.append(_table(
         ["backend", "precision", "steering", "held-out verdict", "p50 ms", "p50 ms in its build", "samples/s",
          "worst cosine", "build s", "search budget s", "verdict"],
-        [[c.backend, c.precision, steering(c), held_out(c), fmt(c.latency_p50_ms, ".2f"), fmt(c.build_latency_p50_ms, ".2f"),
-          fmt(c.throughput_per_s, ".1f"), fmt(c.cosine, ".5f"), f"{c.seconds:.0f}", fmt(c.search_budget_s, ".0f"), c.verdict]
+        [[c.backend, c.precision, steering(c), held_out(c), fmt(c.latency_p50_ms, ".2f"),
+          fmt(c.build_latency_p50_ms, ".2f"),
+          fmt(c.throughput_per_s, ".1f"), fmt(c.cosine, ".5f"), f"{c.seconds:.0f}",
+          fmt(c.search_budget_s, ".0f"), c.verdict]
          for c in selection.candidates],
     ))
     shown = selection.winner or next((c for c in selection.candidates if c.samples), None)
     if shown is not None and shown.samples:
-        out += ["", f"Samples of the {shown.label} build: " + ", ".join(f"{count} {role}" for role, count in shown.samples.items())
+        out += ["", f"Samples of the {shown.label} build: " + ", ".join(f"{count} {role}" for role,
+                                                                        count in shown.samples.items())
                 + "; every candidate is steered by the same steering samples, and only int8 builds calibrate."]
     spent = [c for c in selection.candidates if c.stage_seconds]
     if spent:
         stages = list(dict.fromkeys(name for c in spent for name in c.stage_seconds))
         out += ["", "Where the minutes went (seconds per stage of each build):", ""]
-        out.append(_table(["candidate", *stages, "total"], [[c.label, *(fmt(c.stage_seconds.get(n), ".0f") for n in stages),
+        out.append(_table(["candidate", *stages, "total"], [[c.label,
+                                                             *(fmt(c.stage_seconds.get(n), ".0f") for n in stages),
                                                               f"{c.seconds:.0f}"] for c in spent]))
     if selection.untried:
         out += ["", "Left untried for lack of time:", ""] + [f"- {line}" for line in selection.untried]
@@ -371,42 +403,3 @@ def selection_markdown(name: str, selection: AutoSelection) -> str:
     out += ["", f"Winner: {winner.backend} {winner.precision} -> {winner.artifact_dir}" if winner
             else f"No winner: {selection.no_winner_reason()} (see the verdicts)."]
     return "\n".join(out) + "\n"
-
-
-def junit_xml(suites: list[tuple[str, list[Check], str | None]]) -> str:
-    """JUnit XML (the testsuites/testsuite/testcase/failure subset CI systems read): one suite per
-    (name, checks, error), one test case per check, the failure carrying the check's one-line reason; a
-    suite whose build could not run holds one errored case with that `error`."""
-    from xml.etree import ElementTree as ET
-
-    root = ET.Element("testsuites", name="accel-opt")
-    for name, checks, error in suites:
-        failures = sum(c.gated and not c.passed for c in checks)
-        suite = ET.SubElement(root, "testsuite", name=name, tests=str(len(checks) or 1), failures=str(failures),
-                              errors=str(int(error is not None)), skipped="0")
-        if error is not None:
-            case = ET.SubElement(suite, "testcase", classname=name, name="build")
-            ET.SubElement(case, "error", message=error, type="BuildError").text = error
-        for check in checks:
-            case = ET.SubElement(suite, "testcase", classname=name, name=check.name)
-            if check.evidence is not None:  # a rate: its counts, bound and method, for CI to read without parsing
-                _junit_rate_properties(ET.SubElement(case, "properties"), check.evidence)
-            if check.passed or not check.gated:  # reported, not gated (accuracy.labels.gate: labels): no failure
-                ET.SubElement(case, "system-out").text = check.line if check.passed else f"not gated: {check.line}"
-            else:
-                kind = "InsufficientEvidence" if check.insufficient else "GateFailed"  # too few held-out samples, or failed
-                ET.SubElement(case, "failure", message=check.line, type=kind).text = check.line
-    ET.indent(root)
-    return '<?xml version="1.0" encoding="UTF-8"?>\n' + ET.tostring(root, encoding="unicode") + "\n"
-
-
-def _junit_rate_properties(properties, evidence: RateEvidence) -> None:
-    from xml.etree import ElementTree as ET
-
-    values = {"rate": f"{evidence.rate:.6g}", "lower_bound": f"{evidence.lower:.6g}", "minimum": f"{evidence.minimum:g}",
-              "failures": evidence.failures, "trials": evidence.trials, "unit": evidence.unit,
-              **{key: getattr(evidence, key) for key in ("rows", "rows_failed", "row_unit") if evidence.rows is not None},
-              "confidence": f"{evidence.confidence:g}", "method": METHOD if evidence.bounded else "observed rate",
-              "status": evidence.status}
-    for key, value in values.items():
-        ET.SubElement(properties, "property", name=key, value=str(value))

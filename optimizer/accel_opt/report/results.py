@@ -92,11 +92,13 @@ class BuildResult(BaseModel):
         needed, unit = self.samples_needed, self.trial_unit
         line = f"not enough held-out {unit} to certify it ({needed} needed with none failing): give "
         if self.data_samples_needed is not None:
-            line += f"--data with at least {self.data_samples_needed} distinct {unit} (this recipe's split holds {needed} out) or "
+            line += (f"--data with at least {self.data_samples_needed} distinct {unit} (this recipe's split holds "
+                     f"{needed} out) or ")
         line += f"{needed} held-out ones with --eval-data"
         cap = self.data.held_out_max if self.data is not None else None
         if cap is not None and cap < needed:
-            line += (f"; this build judges at most {cap} held-out samples: raise accuracy.max_samples to {needed} (its notes "
+            line += (f"; this build judges at most {cap} held-out samples: raise accuracy.max_samples to {needed} (its "
+                     "notes "
                      "say where the memory its outputs take to judge lowers it)")
         return line
 

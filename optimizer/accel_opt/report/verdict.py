@@ -131,7 +131,8 @@ def decide(accuracy, bench_failures: list[str], benefit: Benefit | None) -> Verd
     reasons = list(accuracy.failures) + list(bench_failures)
     bounds = [c.evidence.line() for c in accuracy.checks if c.gated and c.evidence is not None]
     if reasons:
-        outcome: Outcome = "too few samples" if accuracy.verdict == "insufficient" and not bench_failures else "gate failed"
+        too_few = accuracy.verdict == "insufficient" and not bench_failures
+        outcome: Outcome = "too few samples" if too_few else "gate failed"
     elif benefit is not None and not benefit.passed:
         outcome, reasons = "no measured benefit", [f"no measured benefit: {benefit.line()}"]
     else:

@@ -46,7 +46,8 @@ def verify_files(folder: Path, expected: dict[str, str]) -> list[str]:
     that is not a plain file name, a file missing, changed (sha256) or not part of the artifact. A signature
     (`model.sig`, added after the build and covering the manifest) is the one file no manifest lists."""
     problems = entry_problems(folder)
-    problems += [f"{name!r}: listed in the manifest, not a plain file name" for name in sorted(expected) if not plain_name(name)]
+    problems += [f"{name!r}: listed in the manifest, not a plain file name" for name in sorted(expected)
+                 if not plain_name(name)]
     for name, digest in sorted(expected.items()):
         path = folder / name
         if not plain_name(name) or path.is_symlink():
@@ -55,7 +56,8 @@ def verify_files(folder: Path, expected: dict[str, str]) -> list[str]:
             problems.append(f"{name}: missing")
         elif sha256_file(path) != digest:
             problems.append(f"{name}: sha256 does not match the manifest (changed after the build)")
-    present = {p.name for p in folder.iterdir() if p.is_file() and not p.is_symlink() and p.name not in (MANIFEST, SIGNATURE)}
+    present = {p.name for p in folder.iterdir() if p.is_file() and not p.is_symlink()
+               and p.name not in (MANIFEST, SIGNATURE)}
     problems += [f"{name}: not part of the artifact (not in the manifest)" for name in sorted(present - set(expected))]
     return problems
 
@@ -69,7 +71,8 @@ def artifact_identity(folder: str | Path) -> str:
 def read_manifest(folder: Path) -> Manifest:
     path = folder / MANIFEST
     if not path.is_file():
-        raise InputRejected(f"{folder}: incomplete artifact: no {MANIFEST} (the build did not finish, or this is not an artifact)")
+        raise InputRejected(f"{folder}: incomplete artifact: no {MANIFEST} (the build did not finish, or this is not "
+                            "an artifact)")
     if path.stat().st_size > MAX_MANIFEST_BYTES:
         raise InputRejected(f"{folder}: {MANIFEST} is unreadable: over {MAX_MANIFEST_BYTES >> 20} MiB")
     try:
@@ -88,7 +91,8 @@ class Deployment:
     compiled: CompiledModel
     cpu: CpuProfile  # the CPU it runs on: the class its sign-off is seen from
     staged_files: dict[str, str] | None = None  # name -> sha256 while the build is still staging (no manifest yet)
-    # The private copy that was verified, which its bytes are read from (None: read in place, while the build stages it).
+    # The private copy that was verified, which its bytes are read from (None: read in place, while the build stages
+    # it).
     copy: PrivateCopy | None = None
     signature: str = "unsigned"  # its signature state as summaries say it (TrustPolicy.describe)
     trust: TrustPolicy = dataclasses.field(default_factory=TrustPolicy)  # the policy it loaded under
@@ -163,7 +167,8 @@ class Deployment:
                 samples = self.padding.same_length(samples)
             return samples, summary
         if config.preprocessing is not None and config.preprocessing.fused:
-            raise UsageError(f"{self.folder.name} takes decoded image crops (fused preprocessing): give --data with images")
+            raise UsageError(f"{self.folder.name} takes decoded image crops (fused preprocessing): give --data with "
+                             "images")
         shapes = with_batch(config.shapes, 1, config.batch_axes) if config.batch_dynamic else config.shapes
         bounds = {}
         if _reads_onnx(config):
@@ -187,7 +192,8 @@ class Deployment:
 
 
 
-def load(folder: str | Path, trust: TrustPolicy | None = None, threads: int | None = None, cpu: CpuProfile | None = None,
+def load(folder: str | Path, trust: TrustPolicy | None = None, threads: int | None = None,
+         cpu: CpuProfile | None = None,
          *, public_key: str | Path | None = None, certificate_chain: tuple[str | Path, ...] = (),
          trust_unsigned: bool = False, allow_not_signed_off: bool = False) -> Deployment:
     """Verify `folder` and return its Deployment. Refuses (one line) an incomplete, changed or untrusted folder
@@ -232,7 +238,8 @@ def _load(folder: Path, copy: PrivateCopy | None, expected_files: dict[str, str]
         verdict = None if expected_files is not None else read_manifest(files).verdict
         if verdict is not None and not verdict.signed_off and not allow_not_signed_off:
             raise NotSignedOff(f"{folder} is {verdict.line()}; to run it anyway, allow it explicitly "
-                               "(--allow-not-signed-off; runtime.load(..., allow_not_signed_off=True))", verdict.exit_code)
+                               "(--allow-not-signed-off; runtime.load(..., allow_not_signed_off=True))",
+                               verdict.exit_code)
         config = ResourceConfig.model_validate_json((files / RESOURCE_CONFIG).read_text())
     except BaseException:
         if copy is not None:
@@ -306,7 +313,8 @@ def check(folder: Path, expected_files: dict[str, str] | None = None, trust: Tru
         expected = read_manifest(folder).artifacts if expected_files is None else expected_files
     except InputRejected as exc:
         return [Problem(line=str(exc).removeprefix(f"{folder}: "), exit_code=3)]
-    problems = [Problem(line=f"artifact altered or incomplete: {p}", exit_code=3) for p in verify_files(folder, expected)]
+    problems = [Problem(line=f"artifact altered or incomplete: {p}",
+                        exit_code=3) for p in verify_files(folder, expected)]
     if problems:
         return problems
     try:
@@ -333,7 +341,8 @@ def check(folder: Path, expected_files: dict[str, str] | None = None, trust: Tru
 def _reads_onnx(config: ResourceConfig) -> bool:
     """Whether the folder's backend parses its model file as ONNX: by the backend, never by the file's suffix (an
     engine node in `model.ONNX` passed a check keyed on ".onnx"). OpenVINO reads its IR (.xml) otherwise."""
-    return config.backend == "onnxruntime" or (config.backend == "openvino" and not config.model_file.lower().endswith(".xml"))
+    return config.backend == "onnxruntime" or (config.backend == "openvino"
+                                               and not config.model_file.lower().endswith(".xml"))
 
 
 def _config_problem(config: ResourceConfig, listed: dict[str, str], policy: TrustPolicy) -> str | None:
@@ -358,7 +367,8 @@ def _config_problem(config: ResourceConfig, listed: dict[str, str], policy: Trus
 
 
 def _backend_of(config: ResourceConfig, cpu: CpuProfile):
-    """The backend as the build ran it (a GPU EP recorded there, or the torch package's device, is required here too)."""
+    """The backend as the build ran it (a GPU EP recorded there, or the torch package's device, is required here
+    too)."""
     return get_backend(config.backend, providers=config.settings.get("providers_requested"),
                        allow_cpu_nodes=config.settings.get("cpu_ep_fallback") == "allowed", device=config.device,
                        cpu=cpu)
@@ -376,7 +386,8 @@ def _environment_problems(folder: Path, config: ResourceConfig, cpu: CpuProfile)
         import openvino
 
         recorded, here = config.settings.get("openvino_version"), openvino.get_version()
-    elif config.backend == "torch":  # a package runs only on the torch release, CPU ISA and GPU capability it was built for
+    # a package runs only on the torch release, CPU ISA and GPU capability it was built for
+    elif config.backend == "torch":
         from accel_opt.backends.torch.package import environment_problems
 
         return environment_problems(config.settings, cpu)
@@ -391,7 +402,8 @@ def _environment_problems(folder: Path, config: ResourceConfig, cpu: CpuProfile)
     problems = []
     if recorded and _major_minor(recorded) != _major_minor(here):
         problems.append(f"built and checked with {config.backend} {recorded}, this machine has {here}: rebuild here")
-    return problems  # an OpenVINO blob of another CPU: its model.onnx is compiled here (backends.openvino.load_compiled)
+    # an OpenVINO blob of another CPU: its model.onnx is compiled here (backends.openvino.load_compiled)
+    return problems
 
 
 def _major_minor(version: str) -> tuple[str, ...]:

@@ -42,7 +42,8 @@ class Reader:
         if not file.is_file():
             raise InputRejected("not found" if not file.exists() else "not a regular file")
         if file.suffix != NPZ and self.config.preprocessing is None:
-            raise InputRejected(f"not a .npz feed dict ({file.suffix or 'no suffix'}): the artifact takes .npz feed dicts")
+            raise InputRejected(f"not a .npz feed dict ({file.suffix or 'no suffix'}): the artifact takes .npz feed "
+                                "dicts")
         sample = self._npz(file) if file.suffix == NPZ else self._image(file)
         for spec in self.specs:
             want = list(spec.shape_used)
@@ -67,7 +68,8 @@ class Reader:
         return {spec.name: preprocess_image(read_image(file, pre), pre.host_part())}
 
 
-def infer_batch(runner, deployment: Deployment, batch: list[tuple[str, Sample]], batch_size: int) -> list[dict[str, np.ndarray]]:
+def infer_batch(runner, deployment: Deployment, batch: list[tuple[str, Sample]],
+                batch_size: int) -> list[dict[str, np.ndarray]]:
     """Per-input outputs of one batch: padded to the deployed batch (static compiles take exactly that
     many rows), run once, cut back along the output axes the build's gate found."""
     config = deployment.config

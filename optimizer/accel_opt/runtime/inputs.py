@@ -20,7 +20,8 @@ FILE_SCHEME = "file://"
 def list_inputs(items: Iterable[str | os.PathLike], exclude: Path | None = None, remote: bool = True,
                 texts: bool = False) -> list[str]:
     """The one input-listing rule of both engines (`accel-opt run` and `--engine ray`): files as given; folders
-    recursively, as their image and .npz files (`texts`: their text files), sorted by path; globs (`**` too) expanded; URIs (file://, s3://,
+    recursively, as their image and .npz files (`texts`: their text files), sorted by path; globs (`**` too) expanded;
+    URIs (file://, s3://,
     gs://: any file system pyarrow reads) listed through pyarrow. A path that matches nothing stays in the list,
     to be rejected as not found. Files under `exclude` (an output folder) are left out. Without `remote`, a URI
     of another file system than file:// is a usage error (the local engine reads files on this machine only)."""
@@ -105,7 +106,8 @@ def _list_uri(uri: str, texts: bool = False) -> list[str]:
     if fs.get_file_info(root).type != pyarrow.fs.FileType.Directory:
         return [uri]
     found = fs.get_file_info(pyarrow.fs.FileSelector(root, recursive=True))
-    return sorted(scheme + f.path for f in found if f.type == pyarrow.fs.FileType.File and _is_input(f.base_name, texts))
+    return sorted(scheme + f.path for f in found if f.type == pyarrow.fs.FileType.File
+                  and _is_input(f.base_name, texts))
 
 
 def local_path(uri: str) -> str | None:

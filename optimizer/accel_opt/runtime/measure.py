@@ -33,7 +33,8 @@ def benchmark_artifact(
     if batch_sizes is None:
         batch_sizes = config.batch_sizes if resource.batch_dynamic else [resource.batch_size]
     elif not resource.batch_dynamic and batch_sizes != [resource.batch_size]:
-        raise UsageError(f"{deployment.folder.name} runs at batch {resource.batch_size} only (its model fixes the batch)")
+        raise UsageError(f"{deployment.folder.name} runs at batch {resource.batch_size} only (its model fixes the "
+                         "batch)")
     threads = resource.threads or available_cpus()
     target = deployment_target(deployment, {name: array.dtype for name, array in samples[0].items()})
     return run_benchmark([target], samples, batch_sizes, config, threads, resource.batch_axes), data
@@ -43,7 +44,8 @@ def verified_check(deployment: Deployment) -> Check:
     """The folder was verified when it loaded (runtime.load refuses otherwise): say what that covered."""
     manifest = read_manifest(deployment.files)
     return Check(name="verified", passed=True,
-                 line=f"{deployment.signature}; {len(manifest.artifacts)} files match manifest.json; {manifest.backend} "
+                 line=f"{deployment.signature}; {len(manifest.artifacts)} files match manifest.json; "
+                      f"{manifest.backend} "
                       f"{manifest.precision} runs here as built")
 
 
@@ -65,7 +67,8 @@ def limit_checks(report: BenchmarkReport, max_p99_ms: float | None, min_throughp
     """The limits a caller gave, on what was just measured: p99 at every batch size, the best throughput."""
     batches = report.models[0].batches
     checks = [Check(name=f"p99 at batch {b.batch_size}", passed=b.latency.p99_ms <= max_p99_ms,
-                    line=f"p99 {b.latency.p99_ms:.2f} ms {'<=' if b.latency.p99_ms <= max_p99_ms else '>'} {max_p99_ms:g} ms")
+                    line=f"p99 {b.latency.p99_ms:.2f} ms {'<=' if b.latency.p99_ms <= max_p99_ms else '>'} "
+                         f"{max_p99_ms:g} ms")
               for b in batches] if max_p99_ms is not None else []
     if min_throughput is not None:
         best = max(batches, key=lambda b: b.throughput_per_s)

@@ -114,12 +114,15 @@ class Outputs:
             for path, target in resolved.items():
                 if given.is_dir() and target.is_relative_to(source):  # folders are read recursively
                     where = f"inside the input folder {item}" if target != source else f"the input folder {item}"
-                    raise UsageError(f"--out {self.predictions}: the job would write {path} {where}: put the predictions outside the inputs")
+                    raise UsageError(f"--out {self.predictions}: the job would write {path} {where}: put the "
+                                     "predictions outside the inputs")
                 if target == source or (given.exists() and path.exists() and os.path.samefile(given, path)):
-                    raise UsageError(f"--out {self.predictions}: the job would write {path}, which is the input {item}: "
+                    raise UsageError(f"--out {self.predictions}: the job would write {path}, which is the input "
+                                     f"{item}: "
                                      "put the predictions outside the inputs")
             if source.is_relative_to(outputs_dir):
-                raise UsageError(f"--out {self.predictions}: the input {item} is in the job's outputs folder {self.outputs_dir}: "
+                raise UsageError(f"--out {self.predictions}: the input {item} is in the job's outputs folder "
+                                 f"{self.outputs_dir}: "
                                  "put the predictions elsewhere")
 
     @contextlib.contextmanager
@@ -185,7 +188,8 @@ class Outputs:
             if not answered:
                 os.close(folder.open(predictions.name, truncate))  # emptied before the sidecar names the new artifact
                 folder.remove_tree(self.outputs_dir.name)  # an earlier job's .npz files go with its lines
-            os.close(folder.open(self.errors.name, truncate))  # this job's rejections; answered inputs are not read again
+            # this job's rejections; answered inputs are not read again
+            os.close(folder.open(self.errors.name, truncate))
             meta = PredictionsMeta(artifact_identity=identity, artifact=str(artifact.resolve()), started_utc=now_utc())
             folder.write_whole(self.meta.name, lambda f: f.write(meta.model_dump_json(indent=2).encode() + b"\n"))
         except OSError as exc:
@@ -198,7 +202,8 @@ class Outputs:
         whole = data[: data.rfind(b"\n") + 1]
         answered = _answered_inputs(self.predictions, whole)
         if answered:
-            refuse_other_artifact(self.predictions, self.meta, read_record(self.meta, PredictionsMeta), identity, artifact)
+            refuse_other_artifact(self.predictions, self.meta, read_record(self.meta, PredictionsMeta),
+                                  identity, artifact)
         if len(whole) != len(data):  # only once the file is known to be ours and this artifact's
             fd = self.pinned.open(self.predictions.name, os.O_WRONLY)
             try:
@@ -241,7 +246,8 @@ def _answered_inputs(predictions: Path, whole: bytes) -> set[str]:
         try:
             answered.add(input_key(json.loads(line)["input"]))
         except (ValueError, KeyError, TypeError):
-            raise InputRejected(f"{predictions}: not a predictions file of accel-opt run (line {line[:60]!r})") from None
+            raise InputRejected(f"{predictions}: not a predictions file of accel-opt run "
+                                f"(line {line[:60]!r})") from None
     return answered
 
 
@@ -255,7 +261,8 @@ def _holder(fd: int) -> str:
 
 
 def _cannot_write(predictions: Path, exc: OSError) -> Exception:
-    return no_space_error(exc, predictions.parent) or UsageError(f"--out {predictions}: cannot write there ({exc.strerror or exc})")
+    return no_space_error(exc, predictions.parent) or UsageError(f"--out {predictions}: cannot write there "
+                                                                 f"({exc.strerror or exc})")
 
 
 class LineFile:
@@ -335,7 +342,8 @@ class Writer:
         """(the answer's JSON fields, None) for a postprocess; else ({"outputs": the .npz file's path}, its bytes):
         every output saved beside the predictions, one .npz per input, named after the input. Nothing is written
         here, so a Ray actor can hand the bytes to the driver, which writes them where the record says."""
-        if self.post is not None and self.post.embedding is not None:  # one input's output rows: pooled as the recipe says
+        # one input's output rows: pooled as the recipe says
+        if self.post is not None and self.post.embedding is not None:
             from accel_opt.preprocess.text import embeddings
 
             output = np.asarray(outputs[self.post.embedding.output or self.first_output])

@@ -63,7 +63,8 @@ class PinnedFolder:
                 except OSError as exc:
                     if exc.errno in (errno.ELOOP, errno.ENOTDIR):  # a link (or a file) where a folder was resolved
                         raise UsageError(f"{path}: the folder {part!r} on the way changed into a symbolic link or a "
-                                         "file: accel-opt run never writes through one (choose another --out)") from None
+                                         "file: accel-opt run never writes through one (choose another "
+                                         "--out)") from None
                     raise
                 os.close(fd)
                 fd = inner

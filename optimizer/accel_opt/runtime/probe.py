@@ -151,7 +151,8 @@ def read_probe(folder: Path) -> tuple[ProbeSet, list[dict[str, np.ndarray]], lis
     try:
         with np.load(folder / PROBE_NPZ, allow_pickle=False) as npz:
             count = len(probe.samples)
-            inputs = [{n: _decoded(probe, n, npz[f"in_{i}_{j}"]) for j, n in enumerate(probe.inputs)} for i in range(count)]
+            inputs = [{n: _decoded(probe, n, npz[f"in_{i}_{j}"]) for j,
+                       n in enumerate(probe.inputs)} for i in range(count)]
             refs = [{n: npz[f"ref_{i}_{j}"] for j, n in enumerate(probe.outputs)} for i in range(count)]
     except (OSError, KeyError, ValueError) as exc:
         raise InputRejected(f"{folder}: {PROBE_NPZ} is unreadable: {first_line(exc)}") from None

@@ -86,7 +86,8 @@ def test_asking_for_a_gpu_ep_here_is_one_line_exit_4_not_a_cpu_session(mlp, prov
 def test_the_session_checks_hold_where_availability_is_fooled(mlp, allow_cpu_nodes):
     """open_session is what runs after the availability check; onnxruntime-gpu without working CUDA gets
     this far. Strict (disable_cpu_ep_fallback) or not, the outcome is a refusal, not a CPU session."""
-    with pytest.raises(Unsupported, match=f"fell back to {CPU_PROVIDER} although {CUDA_PROVIDER} was requested") as caught:
+    with pytest.raises(Unsupported,
+                       match=f"fell back to {CPU_PROVIDER} although {CUDA_PROVIDER} was requested") as caught:
         open_session(mlp, CUDA_PROVIDER, threads=1, allow_cpu_nodes=allow_cpu_nodes)
     assert caught.value.exit_code == 4 and "\n" not in str(caught.value)
 
@@ -179,9 +180,11 @@ def test_trt_ep_options_put_both_caches_where_the_build_says(tmp_path):
     profile = {"x": ShapeRange([1, 4], [8, 4], [16, 4]), "mask": ShapeRange([1, 7], [8, 7], [16, 7])}
     options = trt_ep_options(tmp_path / "e", tmp_path / "t", profile, workspace_mib=2048, optimization_level=4)
     assert options["trt_engine_cache_enable"] == options["trt_timing_cache_enable"] == "True"
-    assert options["trt_engine_cache_path"] == str(tmp_path / "e") and options["trt_timing_cache_path"] == str(tmp_path / "t")
+    assert options["trt_engine_cache_path"] == str(tmp_path
+                                                   / "e") and options["trt_timing_cache_path"] == str(tmp_path / "t")
     assert options["trt_profile_min_shapes"] == "x:1x4,mask:1x7"
-    assert options["trt_profile_opt_shapes"] == "x:8x4,mask:8x7" and options["trt_profile_max_shapes"] == "x:16x4,mask:16x7"
+    assert options["trt_profile_opt_shapes"] == "x:8x4,mask:8x7"
+    assert options["trt_profile_max_shapes"] == "x:16x4,mask:16x7"
     assert options["trt_max_workspace_size"] == str(2048 * 2**20) and options["trt_builder_optimization_level"] == "4"
     assert not set(options) & {"trt_fp16_enable", "trt_int8_enable", "trt_bf16_enable"}
 
@@ -214,7 +217,8 @@ def test_the_ep_writes_into_a_private_copy_never_into_the_artifact(tmp_path):
 
     def create(dirs):
         engine_dir, timing_dir = dirs
-        seen.update(engine=sorted(p.name for p in engine_dir.iterdir()), timing=sorted(p.name for p in timing_dir.iterdir()),
+        seen.update(engine=sorted(p.name for p in engine_dir.iterdir()),
+                    timing=sorted(p.name for p in timing_dir.iterdir()),
                     root=engine_dir.parent)
         (engine_dir / engine.name).write_bytes(b"rebuilt for a larger batch")  # what the EP may do
         return "session"

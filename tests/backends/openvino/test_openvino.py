@@ -138,14 +138,16 @@ def test_auto_backend_from_flags():
 def test_candidate_precisions_from_flags():
     ort = [p for p, _ in candidate_precisions("onnxruntime", CpuProfile(AMX))]
     assert ort == [Precision.fp32, Precision.int8]
-    amx = [p for p, _ in candidate_precisions("openvino", CpuProfile(AMX, openvino_capabilities=("BF16", "FP32", "INT8")))]
+    amx = [p for p, _ in candidate_precisions("openvino", CpuProfile(AMX,
+                                                                     openvino_capabilities=("BF16", "FP32", "INT8")))]
     assert amx == [Precision.fp32, Precision.bf16, Precision.int8]
     skylake = CpuProfile(SKYLAKE, openvino_capabilities=("FP32", "INT8"))
     assert [p for p, _ in candidate_precisions("openvino", skylake)] == [Precision.fp32, Precision.int8]
     # Flags that say bf16 but a runtime that does not offer it: not a candidate.
     no_runtime = CpuProfile(AMX, openvino_capabilities=("FP32", "INT8"))
     assert Precision.bf16 not in [p for p, _ in candidate_precisions("openvino", no_runtime)]
-    assert all(reason for _, reason in candidate_precisions("openvino", CpuProfile(AVX2, openvino_capabilities=("FP32",))))
+    assert all(reason for _, reason in candidate_precisions("openvino",
+                                                            CpuProfile(AVX2, openvino_capabilities=("FP32",))))
 
 
 # --- real builds ----------------------------------------------------------------------------------
@@ -240,7 +242,8 @@ def test_static_runner_compiles_one_model_per_batch_and_matches_ort(fp32_model, 
         assert runner.get_input_metadata(use_numpy_dtypes=False)["image"].shape == [None, 3, 32, 32]
         for batch in (1, 2, 3, 1, 2, 3):
             feed = _sample(batch, batch)
-            np.testing.assert_allclose(runner.infer(feed)["logits"], _ort_logits(fp32_model, feed), atol=1e-4, rtol=1e-3)
+            np.testing.assert_allclose(runner.infer(feed)["logits"], _ort_logits(fp32_model, feed),
+                                       atol=1e-4, rtol=1e-3)
         # Batch 2 runs on the saved blob; batches 1 and 3 get one static compile each, reused after.
         assert runner.compiled_shapes == [{"image": [1, 3, 32, 32]}, {"image": [3, 3, 32, 32]}]
 
@@ -249,7 +252,8 @@ def test_static_runner_compiles_one_model_per_batch_and_matches_ort(fp32_model, 
 def test_every_static_compile_is_verified(fp32_model):
     """A later shape's compile is checked like the saved one: an fp32 graph is refused as int8."""
     config = {"INFERENCE_PRECISION_HINT": HINTS[Precision.int8], "INFERENCE_NUM_THREADS": "1"}
-    runner = OpenVinoRunner(lambda: None, ["image"], ["logits"], static=StaticCompiler(fp32_model, config, Precision.int8))
+    runner = OpenVinoRunner(lambda: None, ["image"], ["logits"],
+                            static=StaticCompiler(fp32_model, config, Precision.int8))
     with runner, pytest.raises(Unsupported, match="no compute layer in int8"):
         runner.infer(_sample(1, 0))
 
@@ -264,7 +268,8 @@ def test_dynamic_shapes_keep_one_dynamic_compile(fp32_model, tmp_path):
         assert runner.get_input_metadata(use_numpy_dtypes=False)["image"].shape[0] is None
         for batch in (1, 3):
             feed = _sample(batch, batch)
-            np.testing.assert_allclose(runner.infer(feed)["logits"], _ort_logits(fp32_model, feed), atol=1e-4, rtol=1e-3)
+            np.testing.assert_allclose(runner.infer(feed)["logits"], _ort_logits(fp32_model, feed),
+                                       atol=1e-4, rtol=1e-3)
         assert runner.compiled_shapes == []
 
 
@@ -287,10 +292,12 @@ def test_pipeline_build_on_openvino_records_static_shapes(tiny_cnn_path, fast_re
     sweep = json.loads((folder / "benchmark.json").read_text())["concurrency"]
     cores = config["settings"]["compile_config"]["INFERENCE_NUM_THREADS"]
     assert {(row["hint"], row["threads"], row["requests"]) for row in sweep} == (
-        {("LATENCY", t, 1) for t in range(1, int(cores) + 1)} | {("THROUGHPUT", int(cores), s) for s in range(1, int(cores) + 1)}
+        {("LATENCY", t, 1) for t in range(1, int(cores) + 1)} | {("THROUGHPUT", int(cores),
+                                                                  s) for s in range(1, int(cores) + 1)}
     )
     best = max(sweep, key=lambda row: row["samples_per_s"])
-    assert (config["recommended"]["performance_hint"], config["recommended"]["streams"]) == (best["hint"], best["streams"])
+    assert (config["recommended"]["performance_hint"],
+            config["recommended"]["streams"]) == (best["hint"], best["streams"])
     assert "Concurrency sweep" in (folder / "benchmark.md").read_text()
 
 
@@ -332,7 +339,8 @@ def test_throughput_with_concurrent_requests(fp32_model, tmp_path):
 
 # --- NNCF's quantizer of the OpenVINO model: its IR ships ------------------------------------------
 
-needs_nncf = pytest.mark.skipif(importlib.util.find_spec("nncf") is None or importlib.util.find_spec("openvino") is None,
+needs_nncf = pytest.mark.skipif(importlib.util.find_spec("nncf") is None
+                                or importlib.util.find_spec("openvino") is None,
                                 reason="nncf and openvino are not installed (pip install '.[openvino]')")
 
 

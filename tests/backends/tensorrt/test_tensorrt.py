@@ -162,7 +162,8 @@ def test_graph_dtypes_come_from_the_onnx_graph(tmp_path):
         helper.make_node("DequantizeLinear", ["w", "s", "z"], ["wdq"]),
         helper.make_node("MatMul", ["xdq", "wdq"], ["y"]),
     ]
-    inits = [weight, helper.make_tensor("s", TensorProto.FLOAT, [], [0.1]), helper.make_tensor("z", TensorProto.INT8, [], [0])]
+    inits = [weight, helper.make_tensor("s", TensorProto.FLOAT, [], [0.1]),
+             helper.make_tensor("z", TensorProto.INT8, [], [0])]
     graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3])], inits)
     path = tmp_path / "qdq.onnx"
@@ -184,7 +185,8 @@ def test_plan_header_reads_the_tag_and_the_version():
     assert int.from_bytes(b"ftrt", "little") == PLAN_MAGIC
     assert read_plan_header(plan()).tensorrt_version == (10, 16, 1)
     assert plan_mismatch(read_plan_header(plan()), {"tensorrt_version": "10.16.1.11"}) is None
-    assert "header says TensorRT 11.4.0" in plan_mismatch(read_plan_header(plan(11, 4, 0)), {"tensorrt_version": "10.16.1.11"})
+    assert "header says TensorRT 11.4.0" in plan_mismatch(read_plan_header(plan(11, 4, 0)),
+                                                          {"tensorrt_version": "10.16.1.11"})
 
 
 @pytest.mark.parametrize("data", [plan(magic=b"\x08\x01\x12\x00"), b"ftrt"], ids=["onnx-bytes", "short"])
@@ -200,7 +202,8 @@ H200 = {"tensorrt_version": "10.16.1.11", "gpu_name": "NVIDIA H200", "compute_ca
 @pytest.mark.parametrize("here, reason", [
     (H200, None),
     ({**H200, "driver_version": "575.1", "cuda_driver_version": "12.9"}, None),  # drivers are recorded, not compared
-    ({**H200, "tensorrt_version": "11.4.0.106"}, "built with TensorRT 10.16.1.11, this machine has TensorRT 11.4.0.106"),
+    ({**H200, "tensorrt_version": "11.4.0.106"},
+     "built with TensorRT 10.16.1.11, this machine has TensorRT 11.4.0.106"),
     ({**H200, "tensorrt_version": None}, "TensorRT is not installed here"),
     ({**H200, "gpu_name": "NVIDIA L4", "compute_capability": "8.9"}, "built for compute capability 9.0"),
     ({**H200, "gpu_name": "NVIDIA H100 80GB HBM3"}, "signed off on NVIDIA H200, this GPU is NVIDIA H100"),
@@ -214,7 +217,8 @@ def test_engine_compatibility(here, reason):
 def test_hardware_compatible_engines_run_on_any_ampere_or_newer():
     built = {**H200, "hardware_compatibility_level": "AMPERE_PLUS"}
     assert check_engine_compatible(built, {**H200, "gpu_name": "NVIDIA A10", "compute_capability": "8.6"}) is None
-    assert "AMPERE_PLUS" in check_engine_compatible(built, {**H200, "gpu_name": "Tesla T4", "compute_capability": "7.5"})
+    assert "AMPERE_PLUS" in check_engine_compatible(built, {**H200, "gpu_name": "Tesla T4",
+                                                            "compute_capability": "7.5"})
 
 
 def test_timing_cache_only_for_the_same_gpu_and_tensorrt():
@@ -292,10 +296,12 @@ def test_out_of_memory_names_the_shapes(tmp_path, monkeypatch):
     paths = _stand_in_child(tmp_path, monkeypatch, """
         import json, sys
         request = json.load(open(sys.argv[1]))
-        json.dump({"message": "Error Code 2: OutOfMemory (Requested size was 8589934592 bytes.)"}, open(request["result"], "w"))
+        message = "Error Code 2: OutOfMemory (Requested size was 8589934592 bytes.)"
+        json.dump({"message": message}, open(request["result"], "w"))
         sys.exit(5)
     """)
-    with pytest.raises(ResourceExhausted, match=r"image max 16x3x224x224 with a 4096 MiB workspace on NVIDIA L4") as info:
+    with pytest.raises(ResourceExhausted,
+                       match=r"image max 16x3x224x224 with a 4096 MiB workspace on NVIDIA L4") as info:
         trt_backend._run_build({"result": paths["result"]}, paths["out"], trt_backend.TensorRtOptions(), PROFILE,
                                {"gpu_name": "NVIDIA L4", "gpu_memory_mib": 23034})
     assert info.value.exit_code == 5
@@ -340,7 +346,8 @@ def test_auto_prefers_tensorrt_then_ort_cuda_then_the_cpu():
 
 def test_auto_ignores_a_cuda_ep_without_a_gpu():
     """onnxruntime-gpu lists CUDAExecutionProvider without CUDA and then silently runs on the CPU."""
-    choice = auto_backend_choice(facts=AcceleratorFacts(None, False, "no GPU", ("CUDAExecutionProvider", "CPUExecutionProvider")),
+    choice = auto_backend_choice(facts=AcceleratorFacts(None, False, "no GPU",
+                                                        ("CUDAExecutionProvider", "CPUExecutionProvider")),
                                  **CPU)
     assert choice.backend is BackendName.onnxruntime and choice.providers == ("CPUExecutionProvider",)
 
@@ -352,7 +359,8 @@ gpu = pytest.mark.skipif(not TRT_READY, reason=f"needs an NVIDIA GPU with Tensor
 
 def _mlp(path: Path) -> Path:
     rng = np.random.default_rng(0)
-    w1, w2 = rng.standard_normal((64, 128)).astype(np.float32) / 8, rng.standard_normal((128, 10)).astype(np.float32) / 8
+    w1, w2 = rng.standard_normal((64,
+                                  128)).astype(np.float32) / 8, rng.standard_normal((128, 10)).astype(np.float32) / 8
     graph = helper.make_graph(
         [helper.make_node("MatMul", ["x", "w1"], ["h"]), helper.make_node("Relu", ["h"], ["r"]),
          helper.make_node("MatMul", ["r", "w2"], ["y"])], "mlp",
@@ -375,7 +383,8 @@ def test_build_and_run_an_engine(tmp_path):
     settings = compiled.settings
     assert settings["profile"]["x"] == {"min": [1, 64], "opt": [4, 64], "max": [4, 64]}
     assert settings["tf32"] is False and settings["plan_header_check"] in ("version", "magic", "none")
-    assert {p.name for p in compiled.extra_files} == {"model.engine", "engine-layers.json", "trtexec.txt", "timing.cache"}
+    assert {p.name for p in compiled.extra_files} == {"model.engine", "engine-layers.json", "trtexec.txt",
+                                                      "timing.cache"}
     feed = {"x": np.random.default_rng(1).standard_normal((4, 64)).astype(np.float32)}
     with backend.runner(compiled) as runner:
         got = runner.infer(feed)["y"]

@@ -130,7 +130,8 @@ def trt_uses(source: str) -> list[Use]:
     guarded_nodes: set[int] = set()
     for node in ast.walk(tree):
         if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr")
-                and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str)):
+                and len(node.args) >= 2 and isinstance(node.args[1],
+                                                       ast.Constant) and isinstance(node.args[1].value, str)):
             name = use_of(resolve(node.args[0]), node.args[1].value)
             guarded = node.func.id == "hasattr" or len(node.args) == 3
             if name:
@@ -147,7 +148,8 @@ def trt_uses(source: str) -> list[Use]:
 def optional_names(source: str) -> dict[str, str]:
     """The module's OPTIONAL_TRT_NAMES literal ({} without one)."""
     for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "OPTIONAL_TRT_NAMES" for t in node.targets):
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "OPTIONAL_TRT_NAMES"
+                                                for t in node.targets):
             return ast.literal_eval(node.value)
     return {}
 
@@ -179,8 +181,10 @@ def test_lists_hold_what_the_release_notes_say():
     for flag in PRECISION_FLAGS:  # TensorRT 11 removed the precision builder flags
         assert f"BuilderFlag.{flag}" in ten and f"BuilderFlag.{flag}" not in eleven
     assert "BuilderFlag.TF32" in ten and "BuilderFlag.TF32" in eleven
-    assert "NetworkDefinitionCreationFlag.STRONGLY_TYPED" in ten and "NetworkDefinitionCreationFlag.STRONGLY_TYPED" in eleven
-    assert "NetworkDefinitionCreationFlag.EXPLICIT_BATCH" in ten and "NetworkDefinitionCreationFlag.EXPLICIT_BATCH" not in eleven
+    strongly_typed, explicit_batch = ("NetworkDefinitionCreationFlag.STRONGLY_TYPED",
+                                      "NetworkDefinitionCreationFlag.EXPLICIT_BATCH")
+    assert strongly_typed in ten and strongly_typed in eleven
+    assert explicit_batch in ten and explicit_batch not in eleven
     assert "IInt8EntropyCalibrator2" in ten and "IInt8EntropyCalibrator2" not in eleven  # implicit calibrators removed
     assert "IBuilder::platform_has_fast_fp16" in ten and "IBuilder::platform_has_fast_fp16" not in eleven
     # "FP16" survives in 11 only as other enums' members (DataType uses HALF), not as a builder flag:
@@ -247,11 +251,13 @@ def test_extractor_reads_pybind11_symbols():
     assert script._binding("pybind11::enum_<nvinfer1::BuilderFlag>::value(char const*, nvinfer1::BuilderFlag, "
                            "char const*)") == ("enum", "BuilderFlag")
     assert script._binding("pybind11::class_<nvinfer1::IBuilder>& pybind11::class_<nvinfer1::IBuilder>::def<"
-                           "nvinfer1::INetworkDefinition* (nvinfer1::IBuilder::*)(unsigned int) noexcept, pybind11::arg_v, "
+                           "nvinfer1::INetworkDefinition* (nvinfer1::IBuilder::*)(unsigned int) noexcept, "
+                           "pybind11::arg_v, "
                            "char const*>(char const*, ...) [clone .constprop.0]") == ("class", "IBuilder")
-    assert script._binding("pybind11::class_<nvinfer1::IIfConditional, std::unique_ptr<nvinfer1::IIfConditional, "
-                           "pybind11::nodelete> >& pybind11::class_<nvinfer1::IIfConditional, std::unique_ptr<"
-                           "nvinfer1::IIfConditional, pybind11::nodelete> >::def<...>(char const*)") == ("class", "IIfConditional")
+    conditional = ("pybind11::class_<nvinfer1::IIfConditional, std::unique_ptr<nvinfer1::IIfConditional, "
+                   "pybind11::nodelete> >& pybind11::class_<nvinfer1::IIfConditional, std::unique_ptr<"
+                   "nvinfer1::IIfConditional, pybind11::nodelete> >::def<...>(char const*)")
+    assert script._binding(conditional) == ("class", "IIfConditional")
     assert script._binding("pybind11::class_<nvinfer1::IBuilder>::dealloc(pybind11::detail::value_and_holder&)") is None
     assert script._owners_in("nvinfer1::ICudaEngine::getNbOptimizationProfiles() const") == {"ICudaEngine"}
     assert script._owners_in("pybind11::cpp_function::initialize<pybind11::cpp_function::initialize<long, "

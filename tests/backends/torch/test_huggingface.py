@@ -39,7 +39,8 @@ def _tokenizer(max_length: int):
     tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
     tok.train_from_iterator(_texts(3000), trainers.WordPieceTrainer(
         vocab_size=400, special_tokens=["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"], show_progress=False))
-    tok.post_processor = processors.TemplateProcessing(single="[CLS] $A [SEP]", special_tokens=[("[CLS]", 2), ("[SEP]", 3)])
+    tok.post_processor = processors.TemplateProcessing(single="[CLS] $A [SEP]",
+                                                       special_tokens=[("[CLS]", 2), ("[SEP]", 3)])
     return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]",
                                                 cls_token="[CLS]", sep_token="[SEP]", mask_token="[MASK]",
                                                 model_max_length=max_length)
@@ -58,8 +59,9 @@ def folders(tmp_path_factory) -> dict[str, Path]:
     torch.manual_seed(0)
     tokenizer = _tokenizer(512)
     made = {"text": root / "text-classifier", "sentences": root / "sentence-encoder", "vit": root / "vit"}
-    transformers.BertForSequenceClassification(_bert_config(max_position_embeddings=64, num_labels=3, id2label=LABELS,
-                                                            label2id={v: k for k, v in LABELS.items()})).save_pretrained(made["text"])
+    config = _bert_config(max_position_embeddings=64, num_labels=3, id2label=LABELS,
+                          label2id={v: k for k, v in LABELS.items()})
+    transformers.BertForSequenceClassification(config).save_pretrained(made["text"])
     tokenizer.save_pretrained(made["text"])
     transformers.BertModel(_bert_config(max_position_embeddings=128)).save_pretrained(made["sentences"])
     tokenizer.save_pretrained(made["sentences"])
@@ -71,8 +73,10 @@ def folders(tmp_path_factory) -> dict[str, Path]:
     (made["sentences"] / "1_Pooling" / "config.json").write_text(json.dumps(
         {"word_embedding_dimension": 32, "pooling_mode_cls_token": False, "pooling_mode_mean_tokens": True}))
     (made["sentences"] / "2_Normalize").mkdir()
-    (made["sentences"] / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 48, "do_lower_case": False}))
-    vit = transformers.ViTConfig(image_size=32, patch_size=8, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+    (made["sentences"]
+     / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 48, "do_lower_case": False}))
+    vit = transformers.ViTConfig(image_size=32, patch_size=8, hidden_size=32, num_hidden_layers=2,
+                                 num_attention_heads=2,
                                  intermediate_size=64, num_labels=4, id2label={i: f"kind-{i}" for i in range(4)})
     transformers.ViTForImageClassification(vit).save_pretrained(made["vit"])
     (made["vit"] / "preprocessor_config.json").write_text(json.dumps({
@@ -191,12 +195,14 @@ def test_what_is_not_a_model_says_the_route_in_one_line(folders, tmp_path):
 
 def test_an_architecture_or_task_that_cannot_be_built_is_exit_4_naming_it(folders, tiny_cnn_path, tmp_path):
     generator = tmp_path / "gpt"
-    transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=50)).save_pretrained(generator)
+    transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_head=2, n_embd=16,
+                                                         vocab_size=50)).save_pretrained(generator)
     done = _cli("build", generator, "--precision", "fp32", "--out", tmp_path / "out")
     assert done.exit_code == 4 and "GPT2LMHeadModel" in done.stderr and done.stderr.count("\n") == 1, done.stderr
     remote = tmp_path / "remote"
     remote.mkdir()
-    (remote / "config.json").write_text(json.dumps({"architectures": ["MyModel"], "auto_map": {"AutoModel": "m.MyModel"}}))
+    (remote / "config.json").write_text(json.dumps({"architectures": ["MyModel"],
+                                                    "auto_map": {"AutoModel": "m.MyModel"}}))
     (remote / "model.safetensors").write_bytes(b"")
     done = _cli("build", remote, "--precision", "fp32", "--out", tmp_path / "out")
     assert done.exit_code == 4 and "never runs a folder's own Python" in done.stderr, done.stderr
@@ -244,6 +250,7 @@ def test_a_pooling_accel_opt_does_not_do_is_exit_4_naming_it(folders, tmp_path):
     folder = Path(shutil.copytree(folders["sentences"], tmp_path / "last-token"))
     (folder / "1_Pooling" / "config.json").write_text(json.dumps(
         {"word_embedding_dimension": 32, "pooling_mode_mean_tokens": False, "pooling_mode_lasttoken": True}))
-    with pytest.raises(Unsupported, match="pooling pooling_mode_lasttoken: accel-opt pools by mean, cls or max") as caught:
+    with pytest.raises(Unsupported,
+                       match="pooling pooling_mode_lasttoken: accel-opt pools by mean, cls or max") as caught:
         _ = read_hf_folder(folder).pooling
     assert caught.value.exit_code == 4

@@ -17,8 +17,8 @@ from accel_opt.errors import Unsupported, UsageError  # noqa: E402
 from accel_opt.graph.inspect import TensorSpec  # noqa: E402
 
 CUDA = torch.cuda.is_available()
-needs_cuda = pytest.mark.skipif(not CUDA, reason=f"needs a CUDA GPU visible to torch {torch.__version__} "
-                                                 f"({'a CPU-only build' if torch.version.cuda is None else 'no device'})")
+WHY_NOT = "a CPU-only build" if torch.version.cuda is None else "no device"
+needs_cuda = pytest.mark.skipif(not CUDA, reason=f"needs a CUDA GPU visible to torch {torch.__version__} ({WHY_NOT})")
 INPUTS = [TensorSpec(name="x", dtype="float32", shape=["batch", 64])]
 
 

@@ -168,7 +168,8 @@ def test_large_models_keep_external_data_beside_the_model(tmp_path: Path, monkey
     model = load_factory(f"{TINY}:cnn")()
     out = tmp_path / "big" / "cnn.onnx"
     report = exp.export(model, SHAPES["cnn"], out)
-    assert report.external_data and all(Path(p).parent == out.parent and Path(p).is_file() for p in report.external_data)
+    assert report.external_data and all(Path(p).parent == out.parent and Path(p).is_file()
+                                        for p in report.external_data)
     assert report.size_bytes > out.stat().st_size
     assert verify(model, out, SHAPES["cnn"], threads=1).passed
 
@@ -353,13 +354,15 @@ def test_token_ids_given_as_floats_are_named_as_a_dtype_and_the_flags_fix_it(tmp
     done = CliRunner().invoke(main, ["export", spec, "--shapes", "ids:2x5,mask:2x5", "-o", str(tmp_path / "a.onnx")])
     assert done.exit_code == 2 and done.stderr.count("\n") == 1, done.stderr
     assert "input(s) ids, mask take integers" in done.stderr and "--input-dtypes ids:int64,mask:int64" in done.stderr
-    done = CliRunner().invoke(main, ["export", spec, "--shapes", "ids:2x5,mask:2x5", "--input-dtypes", "ids:int64,mask:int64",
+    done = CliRunner().invoke(main, ["export", spec, "--shapes", "ids:2x5,mask:2x5", "--input-dtypes",
+                                     "ids:int64,mask:int64",
                                      "--dynamic", "ids:1,mask:1", "-o", str(tmp_path / "b.onnx")])
     assert done.exit_code == 0, done.output
     inputs = onnx.load(str(tmp_path / "b.onnx")).graph.input
     assert [i.type.tensor_type.elem_type for i in inputs] == [onnx.TensorProto.INT64] * 2
     assert all(not d.HasField("dim_value") for i in inputs for d in i.type.tensor_type.shape.dim)  # batch and sequence
-    done = CliRunner().invoke(main, ["build", spec, "--shapes", "ids:1x5,mask:1x5", "--input-dtypes", "ids:int64,mask:int64",
+    done = CliRunner().invoke(main, ["build", spec, "--shapes", "ids:1x5,mask:1x5", "--input-dtypes",
+                                     "ids:int64,mask:int64",
                                      "--out", str(tmp_path / "out"), "--json"])
     assert done.exit_code == 0, done.output
     done = CliRunner().invoke(main, ["build", spec, "--shapes", "ids:1x5", "--input-dtypes", "ids:int65"])

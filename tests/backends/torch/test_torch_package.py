@@ -158,7 +158,8 @@ def test_a_cuda_folder_on_a_machine_without_one_is_exit_4(torch_builds, photos, 
     manifest = json.loads((folder / MANIFEST).read_text())
     manifest["artifacts"] = file_hashes(folder)
     (folder / MANIFEST).write_text(json.dumps(manifest))
-    done = CliRunner().invoke(main, ["run", str(folder), str(photos), "--out", str(tmp_path / "p.jsonl"), "--trust-unsigned"])
+    done = CliRunner().invoke(main, ["run", str(folder), str(photos), "--out", str(tmp_path / "p.jsonl"),
+                                     "--trust-unsigned"])
     assert done.exit_code == 4 and done.stderr.count("\n") == 1 and "cuda" in done.stderr, done.stderr
     built = CliRunner().invoke(main, ["build", CNN, "--backend", "torch", "--device", "cuda", "--shapes",
                                       "image:1x3x32x32", "--out", str(tmp_path / "out")])

@@ -67,10 +67,13 @@ def test_folders_are_read_recursively_and_globs_and_file_uris_listed(classifier,
     summary = run_job(runtime.load(classifier), [tmp_path / "in", f"{photos}/0[45]_0.jpg", f"file://{files[2]}"], out)
     assert summary.exit_code == 0
     assert [line["input"] for line in _lines(out)] == [str(deep / "deep.jpg"), str(tmp_path / "in" / "top.jpg"),
-                                                       str(photos / "04_0.jpg"), str(photos / "05_0.jpg"), f"file://{files[2]}"]
-    remote = CliRunner().invoke(main, ["run", str(classifier), "s3://bucket/photos", "--out", str(tmp_path / "s3.jsonl")])
+                                                       str(photos / "04_0.jpg"), str(photos / "05_0.jpg"),
+                                                       f"file://{files[2]}"]
+    remote = CliRunner().invoke(main, ["run", str(classifier), "s3://bucket/photos", "--out",
+                                       str(tmp_path / "s3.jsonl")])
     assert remote.exit_code == 2 and "--engine ray reads other file systems" in remote.stderr
-    nested_out = CliRunner().invoke(main, ["run", str(classifier), str(tmp_path / "in"), "--out", str(deep / "p.jsonl")])
+    nested_out = CliRunner().invoke(main, ["run", str(classifier), str(tmp_path / "in"), "--out",
+                                           str(deep / "p.jsonl")])
     assert nested_out.exit_code == 2 and "inside the input folder" in nested_out.stderr  # it would read its own output
 
 
@@ -184,12 +187,14 @@ def test_bench_times_the_artifact_again_as_deployed(classifier, photos, tmp_path
     import shutil
 
     junit = tmp_path / "bench.xml"
-    result = CliRunner().invoke(main, ["bench", str(classifier), "--batch-sizes", "1,4", "--json", "--out", str(tmp_path / "b.json"),
+    result = CliRunner().invoke(main, ["bench", str(classifier), "--batch-sizes", "1,4", "--json", "--out",
+                                       str(tmp_path / "b.json"),
                                        "--junit", str(junit)])
     assert result.exit_code == 0, result.stderr
     payload = json.loads(result.stdout)
     # The JUnit file carries the real checks: the folder verified, its sign-off holding on this machine class.
-    assert [c["name"] for c in payload["checks"]] == ["verified", "signed off here"] and all(c["passed"] for c in payload["checks"])
+    assert [c["name"] for c in payload["checks"]] == ["verified",
+                                                      "signed off here"] and all(c["passed"] for c in payload["checks"])
     assert junit.read_text().count("<testcase") == 2 and "<failure" not in junit.read_text()
     # A limit it misses fails the bench (exit 1) and its JUnit case, with the numbers.
     limited = CliRunner().invoke(main, ["bench", str(classifier), "--batch-sizes", "1", "--max-p99-ms", "0.0001",
@@ -230,7 +235,8 @@ def test_build_from_images_measures_the_application_not_only_the_model(classifie
     assert page.count("data:image/png;base64,") == 2 and "The whole job" in page
 
 
-def test_fused_preprocessing_takes_uint8_crops_and_is_checked_against_the_host_pipeline(tiny_cnn_path, photos, tmp_path):
+def test_fused_preprocessing_takes_uint8_crops_and_is_checked_against_the_host_pipeline(tiny_cnn_path, photos,
+                                                                                       tmp_path):
     import onnx
 
     from accel_opt.recipe.load import load_recipe
@@ -271,7 +277,8 @@ def test_fused_preprocessing_on_openvino_int8_keeps_its_fp32_baseline_unfused(ti
     from tests.conftest import FAST_BENCH
 
     # What is checked here is the baseline's shape, not the quantizer: a wide int8 tolerance keeps the build signed off.
-    recipe = load_recipe().with_overrides(benchmark=FAST_BENCH, preprocessing={**PRE, "fused": True}, backend="openvino",
+    recipe = load_recipe().with_overrides(benchmark=FAST_BENCH, preprocessing={**PRE, "fused": True},
+                                          backend="openvino",
                                           precision="int8", **{"selection.target_batch_size": 4,
                                                                "accuracy.tolerances": {"int8": WIDE_TOLERANCE}})
     result = build(tiny_cnn_path, recipe, data_dir=photos, out_dir=tmp_path / "out")

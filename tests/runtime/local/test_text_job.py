@@ -71,7 +71,8 @@ def test_text_job_writes_normalized_embeddings_in_input_order_equal_to_each_text
     np.testing.assert_allclose(got, alone(text_artifact, texts), atol=2e-6)
     matrix = np.load(tmp_path / "p.embeddings.npy")
     np.testing.assert_allclose(matrix, got, atol=1e-6)  # row i is line i
-    assert summary.text.padded_tokens < summary.text.max_length_tokens and summary.text.tokens <= summary.text.padded_tokens
+    assert summary.text.padded_tokens < summary.text.max_length_tokens
+    assert summary.text.tokens <= summary.text.padded_tokens
 
 
 def test_a_texts_answer_does_not_depend_on_its_batch_mates(text_artifact, tmp_path):
@@ -97,7 +98,8 @@ def test_bad_texts_are_rejected_per_input_with_their_reason(text_artifact, tmp_p
     (tmp_path / "d.csv").write_text("text,label\nfine csv text,1\n,0\n")
     runner = CliRunner()
     result = runner.invoke(main, ["run", str(text_artifact), str(tmp_path / "a.txt"), str(tmp_path / "b.jsonl"),
-                                  str(tmp_path / "c.parquet"), str(tmp_path / "d.csv"), "--out", str(tmp_path / "p.jsonl")])
+                                  str(tmp_path / "c.parquet"), str(tmp_path / "d.csv"), "--out",
+                                  str(tmp_path / "p.jsonl")])
     assert result.exit_code == 3, result.output
     errors = {e["input"].replace(str(tmp_path) + "/", ""): e["error"] for e in lines(tmp_path / "p.errors.jsonl")}
     assert errors == {
@@ -122,17 +124,19 @@ def test_a_text_past_max_length_is_rejected_when_truncation_is_off_and_cut_when_
     summary = run_job(off, [tmp_path / "t.txt"], tmp_path / "off.jsonl")
     assert (summary.predicted, summary.rejected, summary.exit_code) == (1, 1, 3)
     error = lines(tmp_path / "off.errors.jsonl")[0]
-    assert error["input"].endswith("t.txt:2") and error["error"].endswith("tokens, more than max_length 64 (truncation is off)")
+    assert error["input"].endswith("t.txt:2") and error["error"].endswith("tokens, more than max_length 64 (truncation "
+                                                                          "is off)")
 
 
-def test_run_refuses_inputs_of_another_kind_with_exit_2_naming_what_the_artifact_takes(text_artifact, classifier, photos,
-                                                                                       tmp_path):
+def test_run_refuses_inputs_of_another_kind_with_exit_2_naming_what_the_artifact_takes(text_artifact, classifier,
+                                                                                       photos, tmp_path):
     runner = CliRunner()
     image = next(photos.glob("*.jpg"))
     result = runner.invoke(main, ["run", str(text_artifact), str(image), "--out", str(tmp_path / "a.jsonl")])
     assert result.exit_code == 2 and "takes text files (.txt, .jsonl, .parquet, .csv), not .jpg" in result.output
     result = runner.invoke(main, ["run", str(classifier), str(SENTENCES), "--out", str(tmp_path / "b.jsonl")])
-    assert result.exit_code == 2 and "takes images or .npz feed dicts, not .txt (it was built without a `text` stage)" in result.output
+    assert result.exit_code == 2
+    assert "takes images or .npz feed dicts, not .txt (it was built without a `text` stage)" in result.output
 
 
 def test_an_artifact_without_preprocessing_refuses_text_and_images_with_exit_2(tmp_path, photos):
@@ -189,13 +193,16 @@ def test_the_ray_engine_gives_the_local_engines_answers_for_texts(text_artifact,
 
     (tmp_path / "bad.txt").write_bytes(b"fine\n\n")
     local = run_job(runtime.load(text_artifact), [SENTENCES, tmp_path / "bad.txt"], tmp_path / "local.jsonl")
-    summary = run_ray_job(runtime.load(text_artifact), [SENTENCES, tmp_path / "bad.txt"], tmp_path / "ray", actors=(1, 1),
+    summary = run_ray_job(runtime.load(text_artifact), [SENTENCES, tmp_path / "bad.txt"], tmp_path / "ray",
+                          actors=(1, 1),
                           sort=True)
-    assert (summary.predicted, summary.rejected, summary.exit_code) == (local.predicted, local.rejected, 3) == (41, 1, 3)
+    assert (summary.predicted, summary.rejected, summary.exit_code) == (local.predicted, local.rejected,
+                                                                        3) == (41, 1, 3)
     ray_answers, local_answers = lines(Path(summary.sorted)), lines(tmp_path / "local.jsonl")
     assert [a["input"] for a in ray_answers] == [a["input"] for a in local_answers]
     assert [a["tokens"] for a in ray_answers] == [a["tokens"] for a in local_answers]
-    np.testing.assert_allclose([a["embedding"] for a in ray_answers], [a["embedding"] for a in local_answers], atol=2e-6)
+    np.testing.assert_allclose([a["embedding"] for a in ray_answers],
+                               [a["embedding"] for a in local_answers], atol=2e-6)
 
 
 def test_length_batching_and_padding():
@@ -204,14 +211,17 @@ def test_length_batching_and_padding():
     assert padding.plan([16, 16, 16], 2) == [[0, 1], [2]]  # long texts: the deployed batch
     assert Padding({"ids": 0}, dynamic=False).plan([5, 2, 9], 2) == [[1, 0], [2, 2]]  # static: full batches
     assert padded_length(9, []) == 9 and padded_length(9, [16, 8, 32]) == 16 and padded_length(40, [16, 32]) == 40
-    batch = pad_batch([{"ids": np.array([[1, 2]]), "mask": np.array([[1, 1]])}, {"ids": np.array([[3]]), "mask": np.array([[1]])}],
+    batch = pad_batch([{"ids": np.array([[1, 2]]), "mask": np.array([[1, 1]])},
+                       {"ids": np.array([[3]]), "mask": np.array([[1]])}],
                       {"ids": 0, "mask": 0}, (4,))
-    assert batch["ids"].tolist() == [[1, 2, 0, 0], [3, 0, 0, 0]] and batch["mask"].tolist() == [[1, 1, 0, 0], [1, 0, 0, 0]]
+    assert batch["ids"].tolist() == [[1, 2, 0, 0], [3, 0, 0,
+                                                    0]] and batch["mask"].tolist() == [[1, 1, 0, 0], [1, 0, 0, 0]]
 
 
 def test_read_texts_names_each_text_by_line_or_row(tmp_path):
     (tmp_path / "a.txt").write_text("one\r\ntwo\n")
-    assert [(i.id.rsplit("/", 1)[1], i.text) for i in read_texts(str(tmp_path / "a.txt"), "text")] == [("a.txt:1", "one"), ("a.txt:2", "two")]
+    assert [(i.id.rsplit("/", 1)[1], i.text) for i in read_texts(str(tmp_path / "a.txt"),
+                                                                 "text")] == [("a.txt:1", "one"), ("a.txt:2", "two")]
     assert read_texts(str(tmp_path / "missing.txt"), "text")[0].error == "not found"
 
 
@@ -245,7 +255,8 @@ def test_minilm_text_build_and_run_match_sentence_transformers(tmp_path):
     summary = run_job(runtime.load(result.artifact_dir), [SENTENCES], tmp_path / "p.jsonl")
     assert summary.exit_code == 0
     got = np.load(tmp_path / "p.embeddings.npy")
-    reference = st.SentenceTransformer(str(model_dir()), device="cpu").encode(read_sentences(), normalize_embeddings=True)
+    reference = st.SentenceTransformer(str(model_dir()),
+                                       device="cpu").encode(read_sentences(), normalize_embeddings=True)
     assert (got * reference).sum(axis=1).min() >= 0.999
 
 

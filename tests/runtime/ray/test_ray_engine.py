@@ -34,7 +34,8 @@ from accel_opt.runtime.ray.job import SUMMARY, OutFolder  # noqa: E402
 
 NODE = {"node_ip_address": "127.0.0.1", "object_store_memory": 100 << 20}
 # A killed node is marked dead after 3 missed health checks 0.5 s apart (Ray's default: 5 x 3 s).
-FAST_NODE_DEATH = {"health_check_initial_delay_ms": 0, "health_check_period_ms": 500, "health_check_failure_threshold": 3}
+FAST_NODE_DEATH = {"health_check_initial_delay_ms": 0, "health_check_period_ms": 500,
+                   "health_check_failure_threshold": 3}
 JOB_TIMEOUT_S = 150  # the job's own --timeout-s: a stall ends as exit 5, never a hung test
 
 
@@ -59,7 +60,8 @@ def _answers(folder: Path) -> tuple[list[dict], list[dict]]:
 
     records, rejections = [], []
     for part in sorted(folder.glob("part-*")):
-        records += pq.read_table(part).to_pylist() if part.suffix == ".parquet" else [json.loads(x) for x in part.read_text().splitlines()]
+        records += (pq.read_table(part).to_pylist() if part.suffix == ".parquet"
+                    else [json.loads(x) for x in part.read_text().splitlines()])
     for part in sorted(folder.glob("rejected-*")):
         rejections += [json.loads(x) for x in part.read_text().splitlines()]
     return records, rejections
@@ -118,7 +120,8 @@ def test_local_ray_gives_the_local_engines_answers_and_rejects_bad_inputs(classi
     assert all(line.startswith("accel-opt") for line in done.stderr.splitlines()), done.stderr  # no Ray C++ chatter
     summary = json.loads(done.stdout)
     assert summary == json.loads((out / SUMMARY).read_text())
-    listed = [*map(str, sorted(nested.iterdir())), *sorted(str(p) for p in photos.glob("0[1-3]_*.jpg")), uri, str(broken),
+    listed = [*map(str, sorted(nested.iterdir())), *sorted(str(p) for p in photos.glob("0[1-3]_*.jpg")), uri,
+              str(broken),
               str(tmp_path / "missing.png")]
     assert summary["status"] == "complete" and summary["inputs"] == len(listed) == 13
     assert summary["ray_authentication"] == "token"  # the local cluster accel-opt started took tokens only
@@ -131,10 +134,12 @@ def test_local_ray_gives_the_local_engines_answers_and_rejects_bad_inputs(classi
     # file:// URI), answers them with the same top-1, rejects the same two, under the same artifact identity.
     local = run_job(runtime.load(classifier), inputs, tmp_path / "local.jsonl", workers=2)
     assert (local.inputs, local.predicted, local.rejected) == (13, 11, 2)
-    reference = {line["input"]: line["top1"] for line in map(json.loads, (tmp_path / "local.jsonl").read_text().splitlines())}
+    reference = {line["input"]: line["top1"] for line in map(json.loads,
+                                                             (tmp_path / "local.jsonl").read_text().splitlines())}
     local_rejected = {json.loads(line)["input"] for line in (tmp_path / "local.errors.jsonl").read_text().splitlines()}
     assert set(reference) == {r["input"] for r in records} and local_rejected == set(reasons)
-    assert summary["artifact_identity"] == json.loads(Outputs(tmp_path / "local.jsonl").meta.read_text())["artifact_identity"]
+    assert summary["artifact_identity"] == json.loads(Outputs(tmp_path
+                                                              / "local.jsonl").meta.read_text())["artifact_identity"]
     for record in records:
         assert record["top1"] == reference[record["input"]], record
         assert len(record["topk"]) == 3 and set(record) == {"input", "top1", "topk"}
@@ -222,7 +227,8 @@ def test_a_node_removed_mid_job_leaves_every_input_answered_once(classifier, raw
         out = tmp_path / "preds"
         job = subprocess.Popen(_cli(raw_outputs, big_inputs / "inputs", "--engine", "ray", "--address", cluster.address,
                                     "--actors", "1-2", "--format", "parquet", "--out", out, "--json", "--timeout-s",
-                                    JOB_TIMEOUT_S), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+                                    JOB_TIMEOUT_S), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True, env=_env())
         _wait_for_part(out, job)
         cluster.remove_node(doomed, allow_graceful=False)
         stdout, stderr = job.communicate(timeout=JOB_TIMEOUT_S + 30)
@@ -247,7 +253,8 @@ def test_a_node_removed_mid_job_leaves_every_input_answered_once(classifier, raw
 @pytest.mark.slow
 def test_driver_killed_then_resume_answers_each_input_once(classifier, big_inputs, tmp_path):
     out = tmp_path / "preds"
-    args = [classifier, big_inputs / "inputs", "--engine", "ray", "--actors", "2", "--out", out, "--timeout-s", JOB_TIMEOUT_S]
+    args = [classifier, big_inputs / "inputs", "--engine", "ray", "--actors", "2", "--out", out, "--timeout-s",
+            JOB_TIMEOUT_S]
     ray_folders_before = set(Path("/tmp").glob("aoray-*"))
     job = subprocess.Popen(_cli(*args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(),
                            start_new_session=True)
@@ -292,13 +299,16 @@ def test_bad_cluster_address_output_and_missing_ray_are_one_line_each(classifier
     assert run("--out", a_file).exit_code == 2
     assert "is a file" in run("--out", a_file).stderr
     assert run("--out", tmp_path / "b", "--actors", "3-1").exit_code == 2
-    local = runner.invoke(main, ["run", str(classifier), str(photos), "--out", str(tmp_path / "c.jsonl"), "--address", "x:1"])
+    local = runner.invoke(main, ["run", str(classifier), str(photos), "--out", str(tmp_path / "c.jsonl"),
+                                 "--address", "x:1"])
     assert local.exit_code == 2 and "only with --engine ray" in local.stderr
     code = ("import sys; sys.modules['ray'] = None\nfrom accel_opt.cli import main\nmain()")
-    no_ray = subprocess.run([sys.executable, "-c", code, "run", str(classifier), str(photos), "--engine", "ray", "--out",
+    no_ray = subprocess.run([sys.executable, "-c", code, "run", str(classifier), str(photos), "--engine",
+                             "ray", "--out",
                              str(tmp_path / "d")], capture_output=True, text=True)
     assert no_ray.returncode == 4 and install_line("ray") in no_ray.stderr and no_ray.stderr.count("\n") == 1
-    light = subprocess.run([sys.executable, "-c", "import sys, accel_opt.cli; assert 'ray' not in sys.modules"], capture_output=True)
+    light = subprocess.run([sys.executable, "-c", "import sys, accel_opt.cli; assert 'ray' not in sys.modules"],
+                           capture_output=True)
     assert light.returncode == 0  # `accel-opt --help` never imports Ray
 
 
@@ -307,11 +317,13 @@ def test_read_only_out_folder_is_a_usage_error(classifier, photos, tmp_path):
         pytest.skip("a read-only file system needs root and mount(8) here (root ignores file modes)")
     point = tmp_path / "ro"
     point.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(point)], capture_output=True, text=True)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(point)],
+                             capture_output=True, text=True)
     if mounted.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
     try:
-        done = CliRunner().invoke(main, ["run", str(classifier), str(photos), "--engine", "ray", "--out", str(point / "out")])
+        done = CliRunner().invoke(main, ["run", str(classifier), str(photos), "--engine", "ray", "--out",
+                                         str(point / "out")])
     finally:
         subprocess.run(["umount", "-l", str(point)], check=False)
     assert done.exit_code == 2 and "cannot write there" in done.stderr and done.stderr.count("\n") == 1

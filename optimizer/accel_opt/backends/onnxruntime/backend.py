@@ -41,6 +41,7 @@ from accel_opt.backends.onnxruntime.gpu import (
     trt_ep_setup,
 )
 from accel_opt.backends.onnxruntime.iobinding import OrtIoBindingRunner, SessionFactory
+from accel_opt.backends.onnxruntime.kernels import float_run_quantized, integer_kernels
 from accel_opt.errors import InputRejected, Unsupported, first_line
 from accel_opt.machine.cpu import available_cpus
 from accel_opt.machine.gpu import gpu_precision_support
@@ -95,7 +96,8 @@ def _session_options(ort, threads: int, optimize: bool, optimized_model_path: Pa
     return options
 
 
-def open_session(path: Path, provider: str, threads: int, optimize: bool = True, optimized_model_path: Path | None = None,
+def open_session(path: Path, provider: str, threads: int, optimize: bool = True,
+                 optimized_model_path: Path | None = None,
                  provider_options: dict[str, str] | None = None, allow_cpu_nodes: bool = False):
     """create_session after its availability check: the checks that hold even where that check is fooled
     (an EP listed by the build whose libraries do not load). For a GPU EP: `session.disable_cpu_ep_fallback=1`
@@ -117,7 +119,8 @@ def open_session(path: Path, provider: str, threads: int, optimize: bool = True,
         with warnings.catch_warnings():
             # "Specified provider ... is not in available provider names": the active EP is checked below.
             warnings.simplefilter("ignore", UserWarning)
-            session = ort.InferenceSession(str(path), sess_options=options, disabled_optimizers=list(DISABLED_OPTIMIZERS),
+            session = ort.InferenceSession(str(path), sess_options=options,
+                                           disabled_optimizers=list(DISABLED_OPTIMIZERS),
                                            **kwargs)
     except Exception as exc:  # ORT raises its own exception types from C++
         message = first_line(exc)
@@ -130,7 +133,8 @@ def open_session(path: Path, provider: str, threads: int, optimize: bool = True,
         session.disable_fallback()  # no re-creation on the CPU when a run fails (ORT's Python fallback)
     active = session.get_providers()
     if active[0] != provider:
-        raise Unsupported(f"ONNX Runtime fell back to {active[0]} although {provider} was requested{_load_hint(provider)}")
+        raise Unsupported(f"ONNX Runtime fell back to {active[0]} although {provider} was "
+                          f"requested{_load_hint(provider)}")
     if gpu:
         counts = nodes_by_provider(session)
         if counts is not None and not counts.get(provider):
@@ -146,10 +150,12 @@ def _load_hint(provider: str) -> str:
 
     if provider not in ort.get_available_providers():
         return f" (not in this onnxruntime build: {ORT_GPU_INSTALL})"
-    return " (the EP did not load: its CUDA, cuDNN or TensorRT libraries are missing or do not match this onnxruntime-gpu)"
+    return (" (the EP did not load: its CUDA, cuDNN or TensorRT libraries are missing or do not match this "
+            "onnxruntime-gpu)")
 
 
-def _strict_refusal(path: Path, provider: str, threads: int, optimize: bool, provider_options: dict[str, str] | None) -> str:
+def _strict_refusal(path: Path, provider: str, threads: int, optimize: bool,
+                    provider_options: dict[str, str] | None) -> str:
     """Why ORT refused the strict session, in one line: the EP did not load, or it leaves nodes to the
     CPU EP (which, named by op, a second session with CPU nodes allowed tells)."""
     try:
@@ -163,7 +169,8 @@ def _strict_refusal(path: Path, provider: str, threads: int, optimize: bool, pro
         on_cpu += f" ({', '.join(ops)})"
     return (f"ONNX Runtime's {provider} does not take every node: {on_cpu} "
             f"would run on the CPU EP, which a GPU build refuses (session.disable_cpu_ep_fallback=1); "
-            "allow it explicitly (OnnxRuntimeBackend(allow_cpu_nodes=True)) to run them there, with host copies between")
+            "allow it explicitly (OnnxRuntimeBackend(allow_cpu_nodes=True)) to run them there, with host copies "
+            "between")
 
 
 class _OrtRunner(OnnxrtRunner):
@@ -237,7 +244,8 @@ class OnnxRuntimeBackend:
         threads = recipe.benchmark.threads or available_cpus()
         if is_gpu_provider(self.provider):
             return self._compile_gpu(Path(onnx_path), precision, recipe, Path(workdir), threads, shapes)
-        optimized = Path(workdir) / f"{Path(onnx_path).stem}.ort-optimized.onnx" if precision is Precision.int8 else None
+        optimized = (Path(workdir) / f"{Path(onnx_path).stem}.ort-optimized.onnx" if precision is Precision.int8
+                     else None)
         if optimized is not None:
             optimized.parent.mkdir(parents=True, exist_ok=True)
         start = time.perf_counter()
@@ -299,7 +307,8 @@ class OnnxRuntimeBackend:
             "execution_mode": "ORT_SEQUENTIAL",
             "execution_provider": self.provider,
             "providers_requested": [name for name, _ in entries],
-            "provider_options": {name: {k: v for k, v in opts.items() if k not in PATH_OPTIONS} for name, opts in entries},
+            "provider_options": {name: {k: v for k, v in opts.items() if k not in PATH_OPTIONS} for name,
+                                 opts in entries},
             "cpu_ep_fallback": "allowed" if self.allow_cpu_nodes else "disabled",
             "nodes_by_provider": counts,  # None: this onnxruntime does not report the assignment
             "io_binding": {"device": "cuda", "device_id": 0},
@@ -311,7 +320,8 @@ class OnnxRuntimeBackend:
             settings["trt_engine_cache"] = {"engine_files": [p.name for p in cache.engine_files],
                                             "timing_files": [p.name for p in cache.timing_files]}
             if not cache.engine_files:
-                log.warning("the TensorRT EP wrote no engine cache for %s: each session will build its engine", onnx_path.name)
+                log.warning("the TensorRT EP wrote no engine cache for %s: each session will build its engine",
+                            onnx_path.name)
         return CompiledModel(
             backend=self.name, path=onnx_path, precision=precision, device="cuda:0", providers=list(active),
             threads=threads, build_seconds=build_seconds, settings=settings,
@@ -340,7 +350,8 @@ class OnnxRuntimeBackend:
                 raise Unsupported(f"the TensorRT EP engine cache of {compiled.path.name} cannot run here: {reason}")
             recorded = settings.get("trt_engine_cache", {})
             by_name = {p.name: p for p in compiled.extra_files}
-            missing = [n for n in [*recorded.get("engine_files", []), *recorded.get("timing_files", [])] if n not in by_name]
+            missing = [n for n in [*recorded.get("engine_files", []),
+                                   *recorded.get("timing_files", [])] if n not in by_name]
             if missing:
                 raise InputRejected(f"incomplete artifact: it lists TensorRT EP cache files it does not hold: "
                                     f"{', '.join(missing)}")
@@ -362,38 +373,8 @@ class OnnxRuntimeBackend:
         return None
 
 
-# What ORT's CPU EP runs quantized math with, once it has fused a DequantizeLinear -> op -> QuantizeLinear group.
-INTEGER_KERNELS = {"QGemm", "MatMulInteger", "ConvInteger", "MatMulIntegerToFloat", "DynamicQuantizeMatMul",
-                   "QAttention", "QOrderedMatMul"}
-FLOAT_COMPUTE = {"Conv", "ConvTranspose", "MatMul", "Gemm", "FusedConv", "FusedMatMul", "FusedGemm", "NhwcFusedConv"}
-
-
-def integer_kernels(optimized_path: Path) -> dict[str, int]:
-    """{op: count} of the integer kernels in the graph ORT runs; Unsupported (exit 4) when a quantized
-    compute op still runs in float (its input dequantized first) that the fallback did not leave in float
-    on purpose (the model's metadata lists those), naming them: ORT fuses a Q/DQ group
-    into an integer kernel only when the pattern suits it (a Conv without a QuantizeLinear after it,
-    for one, stays a float Conv fed by DequantizeLinear), and the build would then be int8 in name only."""
-    import onnx
-
-    from accel_opt.precision.fallback import float_by_design
-
-    model = onnx.load(str(optimized_path), load_external_data=False)
-    graph = model.graph
-    in_float = [name for name in _float_run_quantized(graph) if name not in float_by_design(model)]
-    if in_float:
-        listed = ", ".join(in_float[:5]) + (f" (+{len(in_float) - 5} more)" if len(in_float) > 5 else "")
-        raise Unsupported(f"ONNX Runtime runs {len(in_float)} quantized compute ops in float (not fused into integer "
-                          f"kernels): {listed}")
-    counts: dict[str, int] = {}
-    for node in graph.node:
-        if node.op_type.startswith("QLinear") or node.op_type in INTEGER_KERNELS:
-            counts[node.op_type] = counts.get(node.op_type, 0) + 1
-    return dict(sorted(counts.items()))
-
-
 def float_run_quantized_ops(model_path: Path, threads: int) -> list[str]:
-    """Quantized compute nodes of a Q/DQ model that ORT's CPU EP would run in float (see integer_kernels)."""
+    """Quantized compute nodes of a Q/DQ model that ORT's CPU EP would run in float (kernels.integer_kernels)."""
     import tempfile
 
     import onnx
@@ -401,13 +382,7 @@ def float_run_quantized_ops(model_path: Path, threads: int) -> list[str]:
     with tempfile.TemporaryDirectory(prefix="accel-opt-ort-") as tmp:
         optimized = Path(tmp) / "optimized.onnx"
         create_session(model_path, [CPU_PROVIDER], threads, optimized_model_path=optimized)
-        return _float_run_quantized(onnx.load(str(optimized), load_external_data=False).graph)
-
-
-def _float_run_quantized(graph) -> list[str]:
-    dequantized = {out for node in graph.node if node.op_type == "DequantizeLinear" for out in node.output}
-    return [node.name or node.op_type for node in graph.node
-            if node.op_type in FLOAT_COMPUTE and any(i in dequantized for i in node.input)]
+        return float_run_quantized(onnx.load(str(optimized), load_external_data=False).graph)
 
 
 def reference_runner(path: Path, threads: int, optimize: bool = False) -> OnnxrtRunner:

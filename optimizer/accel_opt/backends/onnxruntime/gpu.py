@@ -239,7 +239,8 @@ def trt_cache_mismatch(recorded: dict[str, Any], here: dict[str, Any]) -> str | 
     for key in ("compute_capability", "gpu_name"):
         if recorded.get(key) != here.get(key):
             return f"built on {recorded.get('gpu_name')} (compute capability {recorded.get('compute_capability')}), " \
-                   f"this machine has {here.get('gpu_name') or 'no GPU'} ({here.get('compute_capability')}): rebuild here"
+                   f"this machine has {here.get('gpu_name') or 'no GPU'} ({here.get('compute_capability')}): " \
+                   "rebuild here"
     return None
 
 
@@ -268,7 +269,8 @@ def trt_ep_setup(onnx_path: Path, precision: Precision, recipe: Recipe, workdir:
     facts = {
         "strongly_typed": "expected: ORT's TensorRT EP builds strongly typed networks on TensorRT >= 9 when no "
                           "precision flag is set (not inspectable through the EP)",
-        "layer_precisions": "not inspected (the TensorRT EP exposes no engine inspector; --backend tensorrt checks them)",
+        "layer_precisions": "not inspected (the TensorRT EP exposes no engine inspector; --backend tensorrt checks "
+                            "them)",
         # TensorRT enables TF32 math for fp32 layers by default and the EP has no option to clear it (the
         # native TensorRT backend clears it): fp32 builds on the TensorRT EP rest on the accuracy gate.
         "tf32": "TensorRT's default (on; the TensorRT EP offers no switch)",

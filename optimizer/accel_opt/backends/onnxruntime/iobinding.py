@@ -60,7 +60,8 @@ class SessionFactory:
         self._stack = contextlib.ExitStack()
         dirs = None
         if self._trt_cache is not None:
-            dirs = self._stack.enter_context(private_trt_cache(self._trt_cache.engine_files, self._trt_cache.timing_files))
+            dirs = self._stack.enter_context(private_trt_cache(self._trt_cache.engine_files,
+                                                               self._trt_cache.timing_files))
         try:
             return self._create(dirs)
         except BaseException:

@@ -52,7 +52,8 @@ from accel_opt.machine.support import Availability
 from accel_opt.recipe.schema import Recipe
 from accel_opt.recipe.types import Precision
 
-__all__ = ["HINTS", "OpenVinoBackend", "OpenVinoRunner", "StaticCompiler", "blob_mismatch", "capabilities", "environment",
+__all__ = ["HINTS", "OpenVinoBackend", "OpenVinoRunner", "StaticCompiler", "blob_mismatch", "capabilities",
+           "environment",
            "execution_precisions", "load_cached_blob", "load_compiled", "precision_support", "throughput"]
 
 log = logging.getLogger(__name__)
@@ -114,14 +115,16 @@ class OpenVinoBackend:
         start = time.perf_counter()
         model = _read(onnx_path)
         shape_mode = "dynamic" if recipe.dynamic_shapes else "static"
-        blob_shapes = None if recipe.dynamic_shapes or not shapes else {name: list(dims) for name, dims in shapes.items()}
+        blob_shapes = None if recipe.dynamic_shapes or not shapes else {name: list(dims) for name,
+                                                                        dims in shapes.items()}
         compiled = _compile_model(model, config, blob_shapes)
         build_seconds = time.perf_counter() - start
 
         by_layer = _verify_precision(compiled, precision)
         inputs, outputs = _onnx_io_names(compiled, onnx_path)
         if blob_shapes is None and all(port.get_partial_shape().is_static for port in compiled.inputs):
-            blob_shapes = {name: list(port.get_shape()) for name, port in zip(inputs, compiled.inputs)}  # fixed by the model
+            # fixed by the model
+            blob_shapes = {name: list(port.get_shape()) for name, port in zip(inputs, compiled.inputs)}
         meta = {
             **environment(self.cpu),
             "precision": precision.value,
@@ -130,7 +133,8 @@ class OpenVinoBackend:
             "execution_precision_by_layer_type": by_layer,
             "source_sha256": sha256_file(onnx_path),
         }
-        blob_path, meta_path = _save_blob(compiled, Path(workdir) / f"{onnx_path.stem}.openvino-{precision.value}.blob", meta)
+        blob_path, meta_path = _save_blob(compiled,
+                                          Path(workdir) / f"{onnx_path.stem}.openvino-{precision.value}.blob", meta)
         settings = {
             "compile_config": config,
             "properties": {key: str(compiled.get_property(key)) for key in READ_BACK},
@@ -157,7 +161,8 @@ class OpenVinoBackend:
             build_seconds=build_seconds,
             settings=settings,
             # An IR's weights (NNCF's int8 build): the .bin of the .xml's stem, which OpenVINO reads beside it.
-            extra_files=[*([onnx_path.with_suffix(".bin")] if onnx_path.suffix == ".xml" else []), blob_path, meta_path],
+            extra_files=[*([onnx_path.with_suffix(".bin")] if onnx_path.suffix == ".xml" else []),
+                         blob_path, meta_path],
         )
 
     def runner(self, compiled: CompiledModel) -> OpenVinoRunner:
@@ -178,9 +183,11 @@ class OpenVinoBackend:
     def synchronize(self) -> None:
         return None
 
-    def concurrency_sweep(self, compiled: CompiledModel, feed: dict[str, np.ndarray], seconds: float) -> list[dict[str, Any]]:
+    def concurrency_sweep(self, compiled: CompiledModel, feed: dict[str, np.ndarray],
+                          seconds: float) -> list[dict[str, Any]]:
         """Threads x streams x performance hint: LATENCY with one stream at 1..threads threads, then
         THROUGHPUT with 1..threads streams (one async request in flight per stream)."""
         cores = max(1, compiled.threads)
-        configs = [("LATENCY", 1, t) for t in range(1, cores + 1)] + [("THROUGHPUT", s, cores) for s in range(1, cores + 1)]
+        configs = [("LATENCY", 1, t) for t in range(1, cores + 1)] + [("THROUGHPUT", s,
+                                                                       cores) for s in range(1, cores + 1)]
         return [throughput(compiled, feed, streams, seconds, hint, threads) for hint, streams, threads in configs]

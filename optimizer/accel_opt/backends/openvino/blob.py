@@ -73,7 +73,8 @@ def load_cached_blob(blob_path: Path, cpu: CpuProfile, meta: dict[str, Any] | No
         return None
     ran = execution_precisions(compiled)
     if ran != meta.get("execution_precision_by_layer_type"):
-        log.info("not reusing %s: it runs %s, recorded %s", blob_path, ran, meta.get("execution_precision_by_layer_type"))
+        log.info("not reusing %s: it runs %s, recorded %s", blob_path, ran,
+                 meta.get("execution_precision_by_layer_type"))
         return None
     return compiled
 
@@ -111,7 +112,8 @@ def load_compiled(compiled: CompiledModel, cpu: CpuProfile):
             meta = {**meta, "config": {**(meta.get("config") or {}), "INFERENCE_NUM_THREADS": threads}}
         model = load_cached_blob(blob, cpu, meta) if reason is None else None
         if model is None:
-            log.warning("OpenVINO blob %s was compiled for other kernels (%s): compiling %s here with its recorded config",
+            log.warning("OpenVINO blob %s was compiled for other kernels (%s): compiling %s here with its recorded "
+                        "config",
                         blob.name, reason or "it does not import as recorded", compiled.path.name)
     if model is None:
         model = _compile(compiled.path, compiled.settings["compile_config"], compiled.settings["static_shapes"])

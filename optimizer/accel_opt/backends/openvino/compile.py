@@ -1,5 +1,6 @@
 """OpenVINO's compile layer: precision hints and what the CPU supports, reading and compiling a model (static or
-dynamic shapes), and reading back which precision each layer really runs, so what ran is recorded, not what was asked."""
+dynamic shapes), and reading back which precision each layer really runs, so what ran is recorded, not what was
+asked."""
 
 from __future__ import annotations
 
@@ -50,10 +51,13 @@ def precision_support(precision: Precision, flags: frozenset[str], capabilities:
         return Availability(True)
     what = " or ".join(f.upper().replace("_", "-") for f in sorted(wanted))
     if not has_flag:
-        reason = f"this CPU has no native {precision.value} ({what} missing); OpenVINO would emulate it, slower than fp32"
+        reason = (f"this CPU has no native {precision.value} ({what} missing); OpenVINO would emulate it, slower "
+                  "than fp32")
     else:
-        reason = f"this OpenVINO CPU plugin does not offer {CAPABILITY[precision]} here (capabilities: {', '.join(capabilities)})"
-    hint = "use --precision int8 or fp32" if precision is Precision.bf16 else "fp16 is a GPU precision; use bf16 or int8"
+        reason = (f"this OpenVINO CPU plugin does not offer {CAPABILITY[precision]} here (capabilities: "
+                  f"{', '.join(capabilities)})")
+    hint = ("use --precision int8 or fp32" if precision is Precision.bf16
+            else "fp16 is a GPU precision; use bf16 or int8")
     return Availability(False, f"{reason}; {hint}")
 
 @lru_cache(maxsize=1)

@@ -54,7 +54,8 @@ from accel_opt.recipe.types import Precision
 log = logging.getLogger(__name__)
 
 TENSORRT_INSTALL = INSTALL["tensorrt"]
-ENGINE_FILE, LAYERS_FILE, TRTEXEC_FILE, TIMING_CACHE_FILE = "model.engine", "engine-layers.json", "trtexec.txt", "timing.cache"
+ENGINE_FILE, LAYERS_FILE = "model.engine", "engine-layers.json"
+TRTEXEC_FILE, TIMING_CACHE_FILE = "trtexec.txt", "timing.cache"
 BUILD_MODULE = "accel_opt.backends.tensorrt.build"
 BUILD_EXIT = {"built": 0, "failed": 1, "input": 3, "out_of_memory": 5, "crash": 70}  # tensorrt_build.EXIT_*
 
@@ -70,7 +71,8 @@ class TensorRtOptions:
     opt_shapes: dict[str, list[int]] = field(default_factory=dict)
     max_shapes: dict[str, list[int]] = field(default_factory=dict)
     timing_cache_dir: str | None = None  # default: $XDG_CACHE_HOME/accel-opt/tensorrt
-    allow_host_code: bool = False  # recipe tensorrt.allow_host_code: host code in the plan may run (signed folders only)
+    # recipe tensorrt.allow_host_code: host code in the plan may run (signed folders only)
+    allow_host_code: bool = False
 
 
 def options_from(recipe: Recipe) -> TensorRtOptions:
@@ -168,7 +170,8 @@ class TensorRtBackend:
     def available(self) -> Availability:
         probe = cuda_devices()  # no TensorRT import before a GPU is known to be there
         if not probe:
-            return Availability(False, f"{probe.reason}; TensorRT needs an NVIDIA GPU and driver, then {TENSORRT_INSTALL}")
+            return Availability(False,
+                                f"{probe.reason}; TensorRT needs an NVIDIA GPU and driver, then {TENSORRT_INSTALL}")
         if importlib.util.find_spec("tensorrt") is None:
             return Availability(False, f"tensorrt is not installed: {TENSORRT_INSTALL}")
         try:
@@ -199,7 +202,8 @@ class TensorRtBackend:
         seed, seed_note = _timing_cache_seed(here, options)
         engine, layers, cache = out / ENGINE_FILE, out / LAYERS_FILE, out / TIMING_CACHE_FILE
         request = {
-            "onnx": str(onnx_path), "engine": str(engine), "layers_json": str(layers), "result": str(out / "result.json"),
+            "onnx": str(onnx_path), "engine": str(engine), "layers_json": str(layers),
+            "result": str(out / "result.json"),
             "profile": {name: dataclasses.asdict(r) for name, r in profile.items()},
             "workspace_bytes": options.workspace_mib * 2**20, "optimization_level": options.optimization_level,
             "timing_cache_in": str(seed) if seed else None, "timing_cache_out": str(cache),
@@ -226,7 +230,8 @@ class TensorRtBackend:
         _keep_timing_cache(cache, cache_meta, options)
         device = cuda_devices().devices[0]
         settings = {
-            **{key: here.get(key) for key in ("gpu_name", "compute_capability", "cuda_driver_version", "driver_version")},
+            **{key: here.get(key) for key in ("gpu_name", "compute_capability", "cuda_driver_version",
+                                              "driver_version")},
             "tensorrt_version": version,
             "hardware_compatibility_level": result.get("hardware_compatibility_level", "NONE"),
             "strongly_typed": True, "strongly_typed_flag": result.get("strongly_typed_flag"), "tf32": False,

@@ -50,13 +50,15 @@ def derive_profiles(
         opt = opt_shapes.get(spec.name) or shapes.get(spec.name)
         if opt is None:
             if spec.dynamic_axes:
-                raise UsageError(f"input {spec.name!r} has dynamic dims {spec.dynamic_axes} and no shape: give --shapes "
+                raise UsageError(f"input {spec.name!r} has dynamic dims {spec.dynamic_axes} and no shape: give "
+                                 "--shapes "
                                  f"{spec.name}:{'x'.join(str(d) if isinstance(d, int) else '?' for d in spec.shape)}")
             opt = [int(d) for d in spec.shape]  # type: ignore[arg-type]  # all fixed ints here
         low, high = min_shapes.get(spec.name, opt), max_shapes.get(spec.name, opt)
         for which, dims in (("opt", opt), ("min", low), ("max", high)):
             if len(dims) != len(spec.shape):
-                raise UsageError(f"{which} shape of {spec.name}: rank {len(dims)} ({_fmt(dims)}), the model's input has "
+                raise UsageError(f"{which} shape of {spec.name}: rank {len(dims)} ({_fmt(dims)}), the model's input "
+                                 "has "
                                  f"rank {len(spec.shape)}")
             for axis, (dim, model_dim) in enumerate(zip(dims, spec.shape)):
                 if dim < 1:
@@ -129,7 +131,8 @@ def trtexec_command(
     if profile:
         args += [f"--minShapes={_shape_arg(profile, 'min')}", f"--optShapes={_shape_arg(profile, 'opt')}",
                  f"--maxShapes={_shape_arg(profile, 'max')}", f"--shapes={_shape_arg(profile, 'opt')}"]
-    args += ["--noTF32", f"--memPoolSize=workspace:{workspace_mib}M", f"--builderOptimizationLevel={optimization_level}",
+    args += ["--noTF32", f"--memPoolSize=workspace:{workspace_mib}M",
+             f"--builderOptimizationLevel={optimization_level}",
              f"--timingCacheFile={timing_cache_file}", "--profilingVerbosity=detailed"]
     if tensorrt_major < 11:
         args += ["--useCudaGraph", "--useSpinWait", "--noDataTransfers"]

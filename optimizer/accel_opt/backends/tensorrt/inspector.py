@@ -90,7 +90,8 @@ def wider_layers(info: str | dict[str, Any], graph_dtypes: dict[str, str], quant
                 found.append(f"{tensor.get('Name')} runs {ran}, the graph asks {want}")
         if quantized and COMPUTE_LAYER.search(kind):
             found += [f"{t.get('Name')} is dequantized but the layer runs {tensor_dtype(t)} (Q/DQ not fused)"
-                      for t in inputs if t.get("Name") in dequantized and tensor_dtype(t) in ("float32", "float16", "bfloat16")]
+                      for t in inputs if t.get("Name") in dequantized
+                      and tensor_dtype(t) in ("float32", "float16", "bfloat16")]
         if found:
             problems.append(LayerPrecision(name, kind, "; ".join(found)))
     if quantized and not any_int8:
@@ -125,7 +126,8 @@ def graph_tensor_dtypes(onnx_path) -> tuple[dict[str, str], frozenset[str], bool
             name = str(helper.tensor_dtype_to_np_dtype(elem_type))
         except (KeyError, TypeError, ValueError):
             return None
-        return next((short for short in ("float8", "float4", "int4") if name.startswith(short) or name == f"u{short}"), name)
+        return next((short for short in ("float8", "float4",
+                                         "int4") if name.startswith(short) or name == f"u{short}"), name)
 
     dtypes: dict[str, str] = {}
     for value in [*graph.input, *graph.output, *graph.value_info]:

@@ -82,7 +82,8 @@ def check_engine_compatible(settings: dict[str, Any], here: dict[str, Any]) -> s
                     f"({here.get('gpu_name')}) has {here.get('compute_capability')}")
     elif built_cc != here_cc:
         return (f"engine built for compute capability {settings.get('compute_capability')} "
-                f"({settings.get('gpu_name')}), this GPU ({here.get('gpu_name')}) has {here.get('compute_capability')}: "
+                f"({settings.get('gpu_name')}), this GPU ({here.get('gpu_name')}) has "
+                f"{here.get('compute_capability')}: "
                 "rebuild here")
     if level == "NONE" and settings.get("gpu_name") != here.get("gpu_name"):
         return (f"engine built and signed off on {settings.get('gpu_name')}, this GPU is {here.get('gpu_name')} "

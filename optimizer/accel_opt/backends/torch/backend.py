@@ -143,7 +143,8 @@ class TorchBackend:
         examples = self._examples(torch, shapes)
         from accel_opt.backends.torch.modules import precision_module
 
-        module = precision_module(self._module, plan.precision, plan.keep_fp32) if plan.precision is not Precision.int8 \
+        module = precision_module(self._module, plan.precision,
+                                  plan.keep_fp32) if plan.precision is not Precision.int8 \
             else self._module
         if self.device.startswith("cuda"):
             module = module.to(self.device)
@@ -183,8 +184,10 @@ class TorchBackend:
             providers=[f"aotinductor-{'cuda' if self.device.startswith('cuda') else 'cpu'}"],
             threads=recipe.benchmark.threads or available_cpus(), build_seconds=time.perf_counter() - started,
             settings={"torch_version": torch.__version__, "device": self.device, "keep_fp32": plan.keep_fp32,
-                      "dtype": REDUCED_DTYPES.get(plan.precision, "float32" if plan.precision is Precision.fp32 else "int8"),
-                      "io_dtype": "float32", "dynamic_batch": {n: a for n, a in self._batch_axes.items() if a is not None},
+                      "dtype": REDUCED_DTYPES.get(plan.precision,
+                                                  "float32" if plan.precision is Precision.fp32 else "int8"),
+                      "io_dtype": "float32", "dynamic_batch": {n: a for n,
+                                                               a in self._batch_axes.items() if a is not None},
                       "max_batch": MAX_BATCH, "aoti": metadata, "tf32": False,
                       "package_reused": reused,
                       "inputs": [s.model_dump(mode="json") for s in self._inputs], "output_names": self._output_names,
@@ -207,7 +210,8 @@ class TorchBackend:
 
     def _dynamic_shapes(self, torch: Any) -> tuple:
         batch = torch.export.Dim("batch", min=1, max=MAX_BATCH)
-        return tuple({axis: batch} if (axis := self._batch_axes.get(s.name)) is not None else None for s in self._inputs)
+        return tuple({axis: batch} if (axis := self._batch_axes.get(s.name)) is not None else None
+                     for s in self._inputs)
 
     def _export(self, torch: Any, module: Any, examples: list[Any]) -> Any:
         dynamic = self._dynamic_shapes(torch)

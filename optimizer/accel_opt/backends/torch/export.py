@@ -121,12 +121,14 @@ def export(
     if opset is not None and actual_opset != opset:
         notes.append(
             f"opset {opset} was requested but the model uses opset {actual_opset}"
-            + (f": torch's exporter emits opset >= {DYNAMO_MIN_OPSET} and could not convert down" if opset < DYNAMO_MIN_OPSET else "")
+            + (f": torch's exporter emits opset >= {DYNAMO_MIN_OPSET} and could not convert down"
+               if opset < DYNAMO_MIN_OPSET else "")
         )
     for spec in inputs:
         for axis, name in axes.get(spec.name, {}).items():
             if isinstance(spec.shape[axis], int):
-                notes.append(f"input {spec.name}: axis {axis} ({name}) was requested dynamic but the model fixes it to {spec.shape[axis]}")
+                notes.append(f"input {spec.name}: axis {axis} ({name}) was requested dynamic but the model fixes it to "
+                             f"{spec.shape[axis]}")
     files = [out_path.parent / name for name in side_files]
     return ExportReport(
         path=str(out_path),
@@ -193,7 +195,8 @@ def _output_names(module: Any, args: tuple, shapes: dict[str, list[int]], given:
                 f"{first_line(exc)})") from exc
         shown = ", ".join(f"{k}:{'x'.join(map(str, v))}" for k, v in shapes.items())
         raise UsageError(
-            f"the model does not accept inputs of shapes {shown} (check --shapes): {type(exc).__name__}: {first_line(exc)}"
+            f"the model does not accept inputs of shapes {shown} (check --shapes): {type(exc).__name__}: "
+            f"{first_line(exc)}"
         ) from exc
     count = len(flatten_outputs(result))
     if count == 0:
@@ -332,7 +335,8 @@ def _export_torchscript(module, args, input_names, output_names, axes, opset, pa
             module, args, str(path), dynamo=False, input_names=input_names, output_names=output_names,
             dynamic_axes={name: dict(a) for name, a in axes.items()}, opset_version=opset or DYNAMO_MIN_OPSET,
         )
-    notes.append("exported with the TorchScript (tracing) exporter: data-dependent Python control flow is frozen to the example's path")
+    notes.append("exported with the TorchScript (tracing) exporter: data-dependent Python control flow is frozen to "
+                 "the example's path")
 
 
 @contextlib.contextmanager
@@ -344,7 +348,8 @@ def _quiet(notes: list[str]):
         logger.setLevel(logging.ERROR)
     captured = io.StringIO()
     try:
-        with warnings.catch_warnings(record=True) as caught, contextlib.redirect_stdout(captured), contextlib.redirect_stderr(captured):
+        with (warnings.catch_warnings(record=True) as caught, contextlib.redirect_stdout(captured),
+              contextlib.redirect_stderr(captured)):
             warnings.simplefilter("always")
             yield
     finally:

@@ -71,7 +71,8 @@ class ModuleFactory:
         except Exception as exc:
             raise InputRejected(f"model factory {self.spec} raised {type(exc).__name__}: {first_line(exc)}") from exc
         if not isinstance(model, torch.nn.Module):
-            raise InputRejected(f"model factory {self.spec} returned {type(model).__name__}, expected a torch.nn.Module")
+            raise InputRejected(f"model factory {self.spec} returned {type(model).__name__}, expected a "
+                                "torch.nn.Module")
         return model.eval()
 
     def __repr__(self) -> str:

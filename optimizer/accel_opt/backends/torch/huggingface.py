@@ -41,7 +41,8 @@ TASKS = {  # task -> (transformers' Auto class, the bundled recipe that builds i
     "feature-extraction": ("AutoModel", "text-encoder"),
     "image-classification": ("AutoModelForImageClassification", "image-classifier"),
 }
-WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                "pytorch_model.bin.index.json")
 HEADLESS = re.compile(r"[A-Za-z0-9]+(?<!LMHead)(?<!Head)Model")  # BertModel, not GPT2LMHeadModel: hidden states pooled
 UNBOUNDED_LENGTH = 100_000  # tokenizers without a limit record model_max_length as 1e30
 
@@ -88,10 +89,12 @@ class HfFolder:
         limits = []
         if positions := self.config.get("max_position_embeddings"):
             # RoBERTa-style models number positions from padding_idx + 1: two of their positions are never used
-            offset = 2 if "roberta" in str(self.config.get("model_type", "")) or self.config.get("model_type") == "camembert" else 0
+            offset = 2 if "roberta" in str(self.config.get("model_type",
+                                                           "")) or self.config.get("model_type") == "camembert" else 0
             limits.append(int(positions) - offset)
         tokenizer_config = _json(self.path / "tokenizer_config.json") or {}
-        if isinstance(length := tokenizer_config.get("model_max_length"), int | float) and 0 < length < UNBOUNDED_LENGTH:
+        if isinstance(length := tokenizer_config.get("model_max_length"),
+                      int | float) and 0 < length < UNBOUNDED_LENGTH:
             limits.append(int(length))
         if isinstance(length := (_json(self.path / "sentence_bert_config.json") or {}).get("max_seq_length"), int):
             limits.append(length)
@@ -101,14 +104,16 @@ class HfFolder:
     def text_inputs(self) -> list[str]:
         """The token inputs the exported module takes, in its forward's order. token_type_ids only for models with
         more than one segment type (BERT, ALBERT, ELECTRA); RoBERTa (one type) and DistilBERT (none) leave it out."""
-        return ["input_ids", "attention_mask"] + (["token_type_ids"] if self.config.get("type_vocab_size", 0) > 1 else [])
+        return ["input_ids",
+                "attention_mask"] + (["token_type_ids"] if self.config.get("type_vocab_size", 0) > 1 else [])
 
     @property
     def pooling(self) -> tuple[str, bool]:
         """(mean | cls | max, normalize) of a feature extractor: sentence-transformers' modules, else mean pooling."""
         modules = _json(self.path / "modules.json") or []
         normalize = any(str(m.get("type", "")).endswith("Normalize") for m in modules if isinstance(m, dict))
-        pooling_path = next((m.get("path") for m in modules if isinstance(m, dict) and str(m.get("type", "")).endswith("Pooling")), None)
+        pooling_path = next((m.get("path") for m in modules if isinstance(m, dict)
+                             and str(m.get("type", "")).endswith("Pooling")), None)
         pooling = _json(self.path / pooling_path / "config.json") if isinstance(pooling_path, str) else None
         if not pooling:
             return "mean", normalize
@@ -116,11 +121,13 @@ class HfFolder:
             if pooling.get(f"pooling_mode_{mode}_token" if mode == "cls" else f"pooling_mode_{mode}_tokens"):
                 return mode, normalize
         chosen = sorted(key for key, on in pooling.items() if key.startswith("pooling_mode") and on is True)
-        raise Unsupported(f"{self.path}: sentence-transformers pooling {', '.join(chosen) or 'none'}: accel-opt pools by "
+        raise Unsupported(f"{self.path}: sentence-transformers pooling {', '.join(chosen) or 'none'}: accel-opt pools "
+                          "by "
                           "mean, cls or max tokens")
 
     def image_preprocessing(self) -> dict[str, Any]:
-        """The image processor's settings as the recipe's preprocessing: resize the shorter side, centre-crop, normalize.
+        """The image processor's settings as the recipe's preprocessing: resize the shorter side, centre-crop,
+        normalize.
         A processor that resizes to a fixed height x width (ViT) is taken as a square crop of that size: the fp32
         reference and every candidate see the same pixels, so the gate judges like with like."""
         processor = _json(self.path / "preprocessor_config.json") or {}
@@ -155,7 +162,8 @@ class HfFolder:
                 tokenizer = transformers.AutoTokenizer.from_pretrained(str(self.path), local_files_only=True)
                 backend = tokenizer.backend_tokenizer
             except Exception as exc:  # noqa: BLE001 - no tokenizer files, or one transformers cannot convert
-                raise InputRejected(f"{self.path}: no tokenizer.json, and transformers cannot make one from the folder's "
+                raise InputRejected(f"{self.path}: no tokenizer.json, and transformers cannot make one from the "
+                                    "folder's "
                                     f"tokenizer files ({first_line(exc)}); give --tokenizer FILE") from None
             cached.parent.mkdir(parents=True, exist_ok=True)
             backend.save(str(cached))
@@ -170,9 +178,11 @@ def read_hf_folder(path: str | Path, task: str | None = None, weights: bool = Tr
     if not isinstance(config, dict):
         raise InputRejected(f"{folder}/config.json: not a JSON object (a Hugging Face model folder's config)")
     if weights and not any((folder / name).is_file() for name in WEIGHT_FILES):
-        raise InputRejected(f"{folder}: a Hugging Face folder without weights (expected {' or '.join(WEIGHT_FILES[::2])})")
+        raise InputRejected(f"{folder}: a Hugging Face folder without weights (expected "
+                            f"{' or '.join(WEIGHT_FILES[::2])})")
     if config.get("auto_map") and weights:
-        raise Unsupported(f"{folder}: the model's code is in the folder (auto_map); accel-opt never runs a folder's own "
+        raise Unsupported(f"{folder}: the model's code is in the folder (auto_map); accel-opt never runs a folder's "
+                          "own "
                           "Python: export it to ONNX yourself, or give a factory FILE.py:FACTORY")
     if task is not None and task not in TASKS:
         raise UsageError(f"--task {task}: accel-opt builds {', '.join(TASKS)}")
@@ -227,7 +237,8 @@ def _transformers() -> Any:
         import transformers
         from transformers.utils import logging as transformers_logging
     except ImportError:
-        raise Unsupported(f"a Hugging Face folder needs transformers: {install_line('huggingface', 'torch==2.13.0')}") from None
+        install = install_line("huggingface", "torch==2.13.0")
+        raise Unsupported(f"a Hugging Face folder needs transformers: {install}") from None
     transformers_logging.disable_progress_bar()
     transformers_logging.set_verbosity_error()
     return transformers

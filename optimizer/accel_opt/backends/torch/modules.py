@@ -42,7 +42,8 @@ class KeptFloat32(torch.nn.Module):
         self.inner, self.dtype = inner, dtype
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return cast_floats(self.inner(*cast_floats(args, torch.float32), **cast_floats(kwargs, torch.float32)), self.dtype)
+        return cast_floats(self.inner(*cast_floats(args, torch.float32),
+                                      **cast_floats(kwargs, torch.float32)), self.dtype)
 
 
 def precision_module(module: torch.nn.Module, precision: Precision, keep_fp32: Sequence[str] = ()) -> torch.nn.Module:

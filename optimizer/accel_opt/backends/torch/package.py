@@ -73,7 +73,8 @@ class AotiRunner(TorchRunner):
             raise Unsupported(f"{self.package.name}: AOTInductor cannot load it here: {first_line(exc)}") from exc
         built_for = str(loaded.get_metadata().get("AOTI_DEVICE_KEY", ""))
         if built_for != ("cuda" if self.on_cuda else "cpu"):
-            raise Unsupported(f"{self.package.name} was compiled for {built_for or 'an unknown device'}, the deployment "
+            raise Unsupported(f"{self.package.name} was compiled for {built_for or 'an unknown device'}, the "
+                              "deployment "
                               f"runs it on {self.device}")
         return loaded
 
@@ -102,7 +103,8 @@ def quiet() -> Iterator[None]:
 def fp32_is_fp32(torch: Any) -> Iterator[None]:
     """TF32 off while Inductor lowers the program: its matmul and convolution choices read these flags, and TF32
     rounds fp32 operands to a 10-bit mantissa (restored after)."""
-    saved = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32, torch.get_float32_matmul_precision())
+    saved = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32,
+             torch.get_float32_matmul_precision())
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     torch.set_float32_matmul_precision("highest")
     try:
@@ -123,7 +125,8 @@ def package_metadata(package: Path) -> dict[str, str]:
 
 def environment_problems(settings: dict[str, Any], cpu: CpuProfile) -> list[str]:
     """Why a package recorded with `settings` cannot run here, on the CPU `cpu`: another torch release, a CPU vector
-    ISA this CPU lacks, another GPU compute capability. (Another GPU model of the same capability is re-checked instead.)"""
+    ISA this CPU lacks, another GPU compute capability. (Another GPU model of the same capability is re-checked
+    instead.)"""
     import torch
 
     problems = []

@@ -187,7 +187,8 @@ class TorchRunner(BaseRunner):
         outputs = flatten_outputs(result)
         if len(outputs) != len(self.output_names):
             raise InputRejected(
-                f"the PyTorch model returned {len(outputs)} tensors, the ONNX model has {len(self.output_names)} outputs"
+                f"the PyTorch model returned {len(outputs)} tensors, the ONNX model has {len(self.output_names)} "
+                "outputs"
             )
         return [t.float() if t.dtype in (torch.float16, torch.bfloat16) else t for t in outputs]
 

@@ -189,7 +189,8 @@ def predict_on_device(deployment: Deployment, remaining: list[str], outputs: Out
             host_decoded[why] = host_decoded.get(why, 0) + 1
         host = [i for i, item in enumerate(items) if item.blob is None]
         if host:
-            copied = clock.run("h2d", copy_stream, lambda: [items[i].pixels.to(device, non_blocking=True) for i in host])
+            copied = clock.run("h2d", copy_stream,
+                               lambda: [items[i].pixels.to(device, non_blocking=True) for i in host])
             for i, image in zip(host, copied):
                 staged.images[i] = image
             if cuda:
@@ -229,7 +230,8 @@ def predict_on_device(deployment: Deployment, remaining: list[str], outputs: Out
             scores = outs[[o.name for o in config.outputs].index(post.output or config.outputs[0].name)]
             indices, values = clock.run("d2h", compute_stream, lambda: top_k_on_device(scores, post.topk, post.softmax))
             clock.settle()
-            records = [labeled(post, {"top1": int(ix[0]), "topk": [[int(c), round(float(s), 6)] for c, s in zip(ix, vs)]})
+            records = [labeled(post, {"top1": int(ix[0]), "topk": [[int(c), round(float(s), 6)] for c,
+                                                                   s in zip(ix, vs)]})
                        for ix, vs in zip(indices[: len(good)], values[: len(good)])]
             start = time.perf_counter()
             count = writer.predict_records(paths, records)

@@ -126,7 +126,8 @@ def run_job(
             write_embeddings_file(outputs, config.postprocess)
         elif takes_device_path(deployment):
             done = predict_on_device(deployment, remaining, outputs, workers, on_progress, strict_device)
-            counts, stages, workers, batch_size = (done.predicted, done.rejected), done.stages, done.workers, done.batch_size
+            counts, stages, workers, batch_size = (done.predicted,
+                                                   done.rejected), done.stages, done.workers, done.batch_size
             host_decoded, job_path = done.host_decoded, "device"
         else:
             counts, stages, workers, batch_size = _predict(deployment, remaining, outputs, workers, on_progress)

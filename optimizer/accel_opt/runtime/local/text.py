@@ -3,7 +3,8 @@
 Padding every text to the longest allowed length spends most of a corpus of short texts' compute on padding. The job
 reads `text.sort_window` texts ahead, tokenizes them in one call (the Rust tokenizer runs the batch in parallel),
 sorts them by token count, and runs batches that grow to the token budget (`Padding.plan`), each padded only to its
-own longest text (or the next `text.length_buckets` length where the backend compiles per shape). The answers are written back in input order, one write per window, so memory
+own longest text (or the next `text.length_buckets` length where the backend compiles per shape). The answers are
+written back in input order, one write per window, so memory
 stays bounded by the window and the output reads as if no sorting happened. The gate checked exactly this: the
 candidate on padded batches against the reference on each text alone.
 
@@ -31,7 +32,8 @@ from accel_opt.runtime.output import Outputs, Writer
 
 
 def predict_texts(deployment: Deployment, items: list[TextItem], outputs: Outputs,
-                  on_progress: Callable[[int, int], None] | None) -> tuple[tuple[int, int], dict[str, float], TextStats]:
+                  on_progress: Callable[[int, int],
+                                        None] | None) -> tuple[tuple[int, int], dict[str, float], TextStats]:
     """The local job over `items`: ((predicted, rejected), stage seconds, text stats)."""
     config = deployment.config
     window = max(config.text.sort_window, deployment.batch_size)

@@ -46,7 +46,8 @@ class RaySession:
 def split_address(address: str) -> tuple[str, int]:
     host, _, port = address.removeprefix("ray://").rpartition(":")
     if not host or not port.isdigit():
-        raise UsageError(f"--address {address}: expected HOST:PORT of the cluster's head (the GCS), such as 10.0.0.5:6379")
+        raise UsageError(f"--address {address}: expected HOST:PORT of the cluster's head (the GCS), such as "
+                         "10.0.0.5:6379")
     return host.strip("[]"), int(port)
 
 
@@ -110,7 +111,8 @@ def ray_session(address: str | None, verbose: bool = False, num_cpus: int | None
         # cluster demands one ("Failed to start GCS"). An explicit RAY_AUTH_MODE=disabled is the user's choice; the
         # summary says which mode ran.
         options.update(address="local", num_cpus=num_cpus or available_cpus(), include_dashboard=False,
-                       object_store_memory=LOCAL_OBJECT_STORE_MIB << 20, _temp_dir=options_temp, _node_ip_address="127.0.0.1")
+                       object_store_memory=LOCAL_OBJECT_STORE_MIB << 20, _temp_dir=options_temp,
+                       _node_ip_address="127.0.0.1")
     else:
         options.update(address=address)
     started = time.perf_counter()
@@ -191,7 +193,8 @@ def as_accel_opt_error(exc: BaseException) -> BaseException:
         stack += [current.__cause__, current.__context__, getattr(current, "cause", None),
                   getattr(current, "creation_task_error", None)]
     if wrapped is not None:
-        ours = next(c for c in type(wrapped).__mro__ if issubclass(c, AccelOptError) and c.__module__.startswith("accel_opt"))
+        ours = next(c for c in type(wrapped).__mro__ if issubclass(c, AccelOptError)
+                    and c.__module__.startswith("accel_opt"))
         return ours(first_line(wrapped, limit=600))
     # An actor whose constructor raised keeps only the text of the traceback (ActorDiedError): its last line
     # "accel_opt.errors.InputRejected: on node ...: ..." names our error.
@@ -199,7 +202,8 @@ def as_accel_opt_error(exc: BaseException) -> BaseException:
 
     for line in reversed(str(exc).splitlines()):
         name, _, message = line.strip().partition(": ")
-        error_class = getattr(errors, name.removeprefix("accel_opt.errors."), None) if name.startswith("accel_opt.errors.") else None
+        error_class = getattr(errors, name.removeprefix("accel_opt.errors."),
+                              None) if name.startswith("accel_opt.errors.") else None
         if isinstance(error_class, type) and issubclass(error_class, AccelOptError):
             return error_class(message)
     return exc

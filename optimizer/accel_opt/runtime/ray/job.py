@@ -118,7 +118,8 @@ class OutFolder:
         if resume and overwrite:
             raise UsageError("--resume keeps the answered inputs and --overwrite drops them: give one")
         if (mine or self.summary.exists()) and not (resume or overwrite):
-            raise UsageError(f"{self.folder} holds a job's answers: --resume to skip the inputs it answers, or --overwrite")
+            raise UsageError(f"{self.folder} holds a job's answers: --resume to skip the inputs it answers, or "
+                             "--overwrite")
         identity = deployment.identity
         answered: set[str] = set()
         if resume and (mine or self.summary.exists()):
@@ -253,7 +254,8 @@ def run_ray_job(
         try:
             with ray_session(address, verbose=verbose) as session:
                 pool = actors or (1, max(1, session.cpus // cpus_per_actor))
-                run = _stream(deployment, remaining, folder, pool, cpus_per_actor, timeout_s, started, on_progress, texts)
+                run = _stream(deployment, remaining, folder, pool, cpus_per_actor, timeout_s, started,
+                              on_progress, texts)
         except BaseException:  # the folder says the job did not finish (a SIGKILL leaves "running")
             folder.write_summary(folder._recorded().model_copy(update={"status": "incomplete", "parts": folder.parts,
                                                                        "rejected_parts": folder.rejected_parts}))
@@ -270,7 +272,8 @@ def _stream(deployment, remaining, folder, pool, cpus_per_actor, timeout_s, star
 
     from accel_opt.runtime.ray.predictor import ROWS_PER_CALL, predict
 
-    stats = {"dropped": 0, "answered": 0, "first": None, "first_rows": 0, "last": None, "submitted": time.perf_counter(),
+    stats = {"dropped": 0, "answered": 0, "first": None, "first_rows": 0, "last": None,
+             "submitted": time.perf_counter(),
              "remaining": len(remaining)}
     if not remaining:
         return stats
@@ -279,10 +282,13 @@ def _stream(deployment, remaining, folder, pool, cpus_per_actor, timeout_s, star
     if texts:
         items = [texts[input_key(p)] for p in remaining]
         # "" for none: Ray's numpy batches turn an all-null string column into NaNs
-        table = pa.table({"input": remaining, "text": [i.text or "" for i in items], "read_error": [i.error or "" for i in items]})
+        table = pa.table({"input": remaining, "text": [i.text or "" for i in items],
+                          "read_error": [i.error or "" for i in items]})
     blocks = [table.slice(start, per_block) for start in range(0, len(remaining), per_block)]
-    answers = predict(ray.data.from_arrow(blocks), deployment.folder.resolve(), actors=pool, cpus_per_actor=cpus_per_actor,
-                      outputs_dir=str(folder.folder.resolve()), identity=deployment.identity, allow_not_signed_off=deployment.allow_not_signed_off,
+    answers = predict(ray.data.from_arrow(blocks), deployment.folder.resolve(), actors=pool,
+                      cpus_per_actor=cpus_per_actor,
+                      outputs_dir=str(folder.folder.resolve()), identity=deployment.identity,
+                      allow_not_signed_off=deployment.allow_not_signed_off,
                       **deployment.trust.as_arguments())
     seen: set[str] = set()
     records: list[str] = []
@@ -319,7 +325,8 @@ def _stream(deployment, remaining, folder, pool, cpus_per_actor, timeout_s, star
                         on_progress(len(seen), len(remaining))
     except _TimedOut:
         folder.publish(records, rejections)
-        raise ResourceExhausted(f"--timeout-s {timeout_s:g} reached with {stats['answered']} of {len(remaining)} inputs "
+        raise ResourceExhausted(f"--timeout-s {timeout_s:g} reached with {stats['answered']} of {len(remaining)} "
+                                "inputs "
                                 f"answered (published in {folder.folder}): --resume continues") from None
     except BaseException:
         folder.publish(records, rejections)

@@ -66,7 +66,8 @@ def require_ray():
 def record_schema():
     import pyarrow as pa
 
-    return pa.schema([("input", pa.string()), ("top1", pa.int64()), ("record", pa.string()), ("outputs_npz", pa.binary()),
+    return pa.schema([("input", pa.string()), ("top1", pa.int64()), ("record", pa.string()),
+                      ("outputs_npz", pa.binary()),
                       ("error", pa.string())])
 
 
@@ -102,7 +103,8 @@ class Predictor:
                                            certificate_chain=certificate_chain, trust_unsigned=trust_unsigned,
                                            allow_not_signed_off=allow_not_signed_off)
             if identity is not None and self.deployment.identity != identity:  # another build at the same path
-                raise InputRejected(f"{artifact} is build {self.deployment.identity[:12]} here, the job runs {identity[:12]}")
+                raise InputRejected(f"{artifact} is build {self.deployment.identity[:12]} here, the job runs "
+                                    f"{identity[:12]}")
             line = signed_off_here(self.deployment, recheck_allowed=recheck)
         except AccelOptError as exc:  # the same error, its exit code kept, naming the node
             exc.args = (f"on node {where}: {exc}",)
@@ -149,7 +151,8 @@ class Predictor:
         from accel_opt.runtime.answer import answer_texts
 
         ids = [str(p) for p in batch["input"]]
-        items = [TextItem(i, None if e else str(t), str(e) or None) for i, t, e in zip(ids, batch["text"], batch["read_error"])]
+        items = [TextItem(i, None if e else str(t), str(e) or None) for i, t,
+                 e in zip(ids, batch["text"], batch["read_error"])]
         answers, _ = answer_texts(self.runner, self.deployment, self.writer, items)
         return pa.table(_rows(ids, answers), schema=record_schema())
 
@@ -187,7 +190,8 @@ class Predictor:
         return f.name
 
     def _infer(self, batch: list[tuple[str, dict]]) -> list[tuple[dict[str, Any], bytes | None] | str]:
-        """Each input's (record, .npz bytes or None), or the reason it failed; a failed batch is retried input by input."""
+        """Each input's (record, .npz bytes or None), or the reason it failed; a failed batch is retried input by
+        input."""
         from accel_opt.runtime.answer import infer_batch
 
         try:
@@ -202,7 +206,8 @@ class Predictor:
 
 def _rows(ids: list[str], answers: list) -> dict[str, list[Any]]:
     """`record_schema()` columns from each input's answer: (record fields, .npz bytes or None), or its error."""
-    rows: dict[str, list[Any]] = {"input": ids, **{c: [None] * len(ids) for c in ("top1", "record", "outputs_npz", "error")}}
+    rows: dict[str, list[Any]] = {"input": ids,
+                                  **{c: [None] * len(ids) for c in ("top1", "record", "outputs_npz", "error")}}
     for i, answer in enumerate(answers):
         if isinstance(answer, str):
             rows["error"][i] = answer
