@@ -65,7 +65,7 @@ FLOAT_TAILS = (4, 10, 20)  # the head's layers first: on EfficientNet-Lite0 the 
 # a build that changes 5% of the held-out crops shows no change 44% of the time (0.95^16), on all 32 steering
 # samples (the default since 2026-12-06) 19% of the time: the last build measures what the other 16 buy.
 BUILDS = (("", "onnxruntime", {}), (OPENVINO, "openvino", {}),
-          (", 16 probes" + OPENVINO, "openvino", {"precision_options.fallback.probe_samples": 16}))
+          (", 16 probes" + OPENVINO, "openvino", {"precision_options.fallback.steering_samples": 16}))
 
 
 # EfficientNet-Lite's checkpoints (converted from TensorFlow's) take (pixel - 127) / 128, not ImageNet's mean and std
@@ -166,8 +166,8 @@ def float_tail_variants(model: Path, calibration: list[dict], work: Path,
 
 def activations_unrounded(quantized: Path, work: Path) -> Path:
     """`quantized` with every activation Q/DQ pair replaced by a Clip to the pair's range: saturation kept (a ReLU6
-    folded into its Conv's range stays), rounding gone, so its error is the weights' alone. An emulation, not a
-    build."""
+    folded into its Conv's range stays), rounding gone, so its error is the weights' alone. An emulation, not a build.
+    """
     import onnx
     from onnx import helper, numpy_helper
 
@@ -240,8 +240,7 @@ def nncf_ptq_openvino(model: Path, calibration: list[dict], work: Path) -> tuple
                                                                                   dict[str, str]]:
     """NNCF's post-training quantization of the OpenVINO model, where its other algorithms run: its defaults (fast bias
     correction); full bias correction, alone and with channel alignment; SmoothQuant on the convolutions (NNCF runs it
-    for the
-    transformer model type only; alpha 0.15, NNCF's own for convolutions).
+    for the transformer model type only; alpha 0.15, NNCF's own for convolutions).
 
     The model comes from `ov.convert_model`, not `Core.read_model`: measured here on both models, NNCF's bias
     correction (fast or full, even with no threshold) changed no output of a model read by `read_model` (its Conv

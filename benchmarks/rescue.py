@@ -4,17 +4,15 @@ NNCF's accuracy-controlled quantization, side by side in one run.
 The model is the trained mobile classifier of examples/mobile_classifier.py (depthwise-separable blocks,
 squeeze-excitation, hard-swish/ReLU6, 36 classes, trained here in about three minutes). Builds use the
 image-classifier recipe on --data made of other crops than the ones every variant is finally judged on. For each backend
-(OpenVINO,
-ONNX Runtime) the run builds fp32, int8 with --no-fallback (naive), int8 with the search at the recipe's budget,
-and int8 with the search's speed budget lifted (what it reaches when speed does not stop it); NNCF's
-`quantize_with_accuracy_control` runs on the same fp32 model, calibration images and metric (top-1 agreement with
-fp32, max drop 1%). Then every variant is judged on held-out images: top-1 agreement with the fp32 model, accuracy
-against the true class, and speed against the same backend's fp32 at batch 1 and 8, timed in interleaved rounds in
-one run; and each search's time.
+(OpenVINO, ONNX Runtime) the run builds fp32, int8 with --no-fallback (naive), int8 with the search at the recipe's
+budget, and int8 with the search's speed budget lifted (what it reaches when speed does not stop it); NNCF's
+`quantize_with_accuracy_control` runs on the same fp32 model, calibration images and metric (top-1 agreement with fp32,
+max drop 1%). Then every variant is judged on held-out images: top-1 agreement with the fp32 model, accuracy against the
+true class, and speed against the same backend's fp32 at batch 1 and 8, timed in interleaved rounds in one run; and each
+search's time.
 
     python -m benchmarks.rescue [--backends openvino,onnxruntime] [--held-out N] [--out DIR]
-    python -m benchmarks.rescue --model minilm    # the real all-MiniLM-L6-v2, int8 on its recipe's backend
-"""
+    python -m benchmarks.rescue --model minilm    # the real all-MiniLM-L6-v2, int8 on its recipe's backend"""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""The whole text job: embedding a corpus with all-MiniLM-L6-v2, naive script vs sentence-transformers vs `accel-opt
-run`.
+"""The whole text job: embedding a corpus with all-MiniLM-L6-v2, a naive script against sentence-transformers and
+`accel-opt run`.
 
 The corpus is generated offline from examples/sentences.txt with the length distribution of real corpora: most
 texts a sentence or two, a long tail of paragraphs (some past the 256-token limit). Each side runs as a whole
@@ -10,8 +10,7 @@ over `--rounds` rounds, on all CPUs:
 - `accel-opt run` of signed-off builds (`--recipe text-encoder`): ONNX Runtime fp32 and OpenVINO fp32, plus OpenVINO
   int8 built with --no-fallback (it does not sign off: timed for its speed, judged by its agreement).
 Every side's embeddings are compared with sentence-transformers' (the fp32 reference): cosine per text and
-nearest-neighbour agreement over the distinct texts. A GEMM probe before and after shows the host's state.
-"""
+nearest-neighbour agreement over the distinct texts. A GEMM probe before and after shows the host's state."""
 
 from __future__ import annotations
 

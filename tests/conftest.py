@@ -63,8 +63,8 @@ FAST_BENCH = {"warmup_iterations": 1, "min_iterations": 5, "min_seconds": 0.05, 
 
 @pytest.fixture(scope="session")
 def tiny_cnn_path(tmp_path_factory) -> Path:
-    """A ResNet-layout classifier small enough to build in about a second: image [batch,3,32,32] -> logits
-    [batch,10]."""
+    """A ResNet-layout classifier small enough to build in about a second: image [batch,3,32,32] -> logits [batch,10].
+    """
     path = tmp_path_factory.mktemp("models") / "tiny_cnn.onnx"
     return zoo.save(zoo.resnet(layout=(1, 1), width=8, num_classes=10, image_size=32, seed=0), path)
 

@@ -1,7 +1,6 @@
 """Property-based tests (hypothesis) of the three surfaces a user feeds `accel-opt build`: recipe documents, data
-folders
-and their samples, and command-line flag combinations. The property is the contract of every refusal: an exit code in
-the documented set, one line on stderr, no traceback, and no artifact published after a refusal.
+folders and their samples, and command-line flag combinations. The property is the contract of every refusal: an exit
+code in the documented set, one line on stderr, no traceback, and no artifact published after a refusal.
 
 Seeded (derandomize) and small in the fast tier; `make test-all` runs more examples of each (the slow variants)."""
 

@@ -206,10 +206,10 @@ def _train_head(
     """
     import onnxruntime as ort
 
-    probe = onnx.ModelProto()
-    probe.CopyFrom(model)
-    probe.graph.output.append(helper.make_tensor_value_info(features, TensorProto.FLOAT, None))
-    session = ort.InferenceSession(probe.SerializeToString(), providers=["CPUExecutionProvider"])
+    tapped = onnx.ModelProto()
+    tapped.CopyFrom(model)
+    tapped.graph.output.append(helper.make_tensor_value_info(features, TensorProto.FLOAT, None))
+    session = ort.InferenceSession(tapped.SerializeToString(), providers=["CPUExecutionProvider"])
     feats = np.concatenate([session.run([features], s)[0] for s in samples]).astype(np.float64)
     mean = feats.mean(axis=0)
     _, _, directions = np.linalg.svd(feats - mean, full_matrices=False)

@@ -1,6 +1,5 @@
 """Labeled accuracy: the paired bound on the drop from fp32 holds its confidence, and refuses a real drop; labels are
-read
-from an ImageFolder layout or a file,label CSV, and bad labels are one-line input errors."""
+read from an ImageFolder layout or a file,label CSV, and bad labels are one-line input errors."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """A build judged on real labels: scikit-learn's digits (1797 labeled 8x8 images shipped in the package) as an
-ImageFolder
-of .npz samples and as a CSV, a softmax classifier trained on half of them at a fixed seed, built at fp32 and int8
-with the labels: fp32 and candidate accuracy reported on the held-out samples and the drop gated by its paired bound."""
+ImageFolder of .npz samples and as a CSV, a softmax classifier trained on half of them at a fixed seed, built at fp32
+and int8 with the labels: fp32 and candidate accuracy reported on the held-out samples and the drop gated by its paired
+bound."""
 
 from __future__ import annotations
 
@@ -160,10 +160,9 @@ def test_gating_on_labels_alone_needs_labels_and_a_limit(digits, tmp_path, label
 
 def test_auto_judges_a_labels_only_candidate_by_its_own_verdict(digits, tmp_path):
     """Issue 73: under `gate: labels`, `--precision int8` signs off while auto dropped the same candidate on an
-    agreement
-    check the recipe does not gate. Auto's record of the candidate now holds its gated checks only, so reading its
-    held-out verdict again (at auto's family-wise level) passes, and given the runoff's points it wins. The points are
-    injected: which build is faster on this host decides nothing here."""
+    agreement check the recipe does not gate. Auto's record of the candidate now holds its gated checks only, so reading
+    its held-out verdict again (at auto's family-wise level) passes, and given the runoff's points it wins. The points
+    are injected: which build is faster on this host decides nothing here."""
     from accel_opt.builder.auto import _fill
     from accel_opt.builder.choice import choose
     from accel_opt.builder.pipeline import build

@@ -368,9 +368,9 @@ def test_a_candidate_far_outside_the_gate_is_dropped_before_its_search(tmp_path)
     result, selection = build_auto(model, recipe, "onnxruntime", "auto", data, tmp_path / "out")
     fp32, int8 = selection.candidates
     assert result.precision == "fp32" and selection.winner is fp32
-    assert int8.artifact_dir is None and int8.verdict.startswith("dropped: its probes' loss is"), int8.verdict
+    assert int8.artifact_dir is None and int8.verdict.startswith("dropped: its steering samples' loss is"), int8.verdict
     assert "far outside what a rescue has recovered" in int8.verdict
     assert "benchmark" not in int8.stage_seconds  # stopped in its precision stage, before any search or timing
     assert any(e.step == "precision" and "FAILED" in e.detail for e in selection.progress
                if e.candidate.startswith("onnxruntime int8"))
-    assert "dropped: its probes' loss is" in (tmp_path / "out" / "det-auto-selection.md").read_text()
+    assert "dropped: its steering samples' loss is" in (tmp_path / "out" / "det-auto-selection.md").read_text()

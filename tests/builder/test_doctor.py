@@ -9,7 +9,7 @@ from accel_opt.cli import main
 
 
 def test_doctor_reports_this_machine_and_exits_0_without_a_gpu():
-    result = CliRunner().invoke(main, ["doctor", "--json", "--no-probe"])
+    result = CliRunner().invoke(main, ["doctor", "--json", "--no-measure"])
     assert result.exit_code == 0, result.stderr
     report = json.loads(result.stdout)
     assert report["cpu"]["available_cpus"] >= 1 and isinstance(report["gpus"], list)
@@ -18,14 +18,15 @@ def test_doctor_reports_this_machine_and_exits_0_without_a_gpu():
     assert set(by_name) == {"onnxruntime", "openvino", "torch", "tensorrt"}
     if not report["gpus"]:
         assert by_name["tensorrt"]["detail"].startswith("needs an NVIDIA GPU")
-    human = CliRunner().invoke(main, ["doctor", "--no-probe"])
+    human = CliRunner().invoke(main, ["doctor", "--no-measure"])
     assert human.exit_code == 0 and human.stdout.startswith("CPU ") and "onnxruntime" in human.stdout
+    assert CliRunner().invoke(main, ["doctor", "--no-probe"]).stdout == human.stdout  # the flag's earlier name
 
 
 def test_faster_precisions_are_measured_and_cached_per_cpu(tmp_path, monkeypatch):
     """Whatever this CPU is: every precision is timed against its backend's fp32, the verdict follows the ratios,
     and a second doctor reads the cache instead of timing again."""
-    from accel_opt.builder.cpu_probe import FASTER_ABOVE, faster_than_fp32, speedups
+    from accel_opt.builder.cpu_speed import FASTER_ABOVE, faster_than_fp32, speedups
     from accel_opt.machine.cpu import CpuProfile
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
@@ -42,7 +43,7 @@ def test_faster_precisions_are_measured_and_cached_per_cpu(tmp_path, monkeypatch
         expected = ["fp32"] + [p for p, r in ratios.items() if p != "fp32" and r >= FASTER_ABOVE]
         assert by_name[backend]["fast_precisions"] == expected == faster_than_fp32(backend, measured)
         assert all(f"{p} {r:.2f}x" in by_name[backend]["detail"] for p, r in ratios.items() if p != "fp32")
-    cached = list((tmp_path / "accel-opt" / "cpu-probe").glob("*.json"))
+    cached = list((tmp_path / "accel-opt" / "cpu-speed").glob("*.json"))
     assert len(cached) == 1
     reported = report["cpu"]  # the CPU doctor reported: its cache is keyed on that record
     doctor_cpu = CpuProfile(frozenset(reported["flags"]), reported["machine"], model=reported["model"])

@@ -4,8 +4,7 @@ rate is judged by its confidence bound, and too few held-out samples is its own 
 The constructed case: a classifier whose int8 error is concentrated on a known subset of inputs. Its input carries a
 constant channel of 100 that sets the input's int8 range (a step of ~0.4), while for the "hard" inputs a feature of
 -0.1 alone decides between two otherwise tied classes; int8 rounds it to 0, so every hard input's top-1 changes, and no
-other
-input's does (their classes are decided by margins of 5-6). Hard inputs are put where the split deals held-out
+other input's does (their classes are decided by margins of 5-6). Hard inputs are put where the split deals held-out
 samples only: the steering samples (what a small judged set would see) show no change, the held-out ones do."""
 
 from __future__ import annotations
@@ -42,8 +41,8 @@ def tie_classifier() -> object:
 
 def write_data(folder: Path, count: int, hard_share: float = 0.0, calibrates: bool = True,
                seed: int = 0) -> tuple[Path, set[int]]:
-    """`count` distinct samples; `hard_share` of them hard (int8 changes their top-1), all among the held-out
-    samples."""
+    """`count` distinct samples; `hard_share` of them hard (int8 changes their top-1), all among the held-out samples.
+    """
     split = split_roles([str(i) for i in range(count)], SplitConfig(), calibrates, 64, 300, seed=0)
     rng = np.random.default_rng(seed)
     hard = set(split.verdict[: round(hard_share * count)])
@@ -305,9 +304,8 @@ def _default_recipe_file(tmp_path: Path) -> Path:
 
 def test_the_default_recipe_does_not_sign_off_a_reduced_build_on_three_files(tiny_cnn_path, tmp_path):
     """The default recipe, int8, 3 .npz files: 1 calibrates, 1 steers, 1 is held out. None failing of 1 shows nothing
-    about
-    the share of inputs within tolerance: exit 6 with the numbers that would do. fp32 of the same files keeps its rule
-    (judged against the float32 noise floor, never refused for few samples)."""
+    about the share of inputs within tolerance: exit 6 with the numbers that would do. fp32 of the same files keeps its
+    rule (judged against the float32 noise floor, never refused for few samples)."""
     from tests.conftest import image_npz_folder
 
     data, recipe = image_npz_folder(tmp_path / "d3", 3), _default_recipe_file(tmp_path)
@@ -424,8 +422,8 @@ def test_groups_that_do_not_fit_the_samples_are_a_one_line_input_error(tmp_path)
 
 def test_run_and_verify_honour_a_folder_that_is_not_signed_off(tiny_cnn_path, tmp_path):
     """A folder its build did not sign off (too few held-out samples: exit 6): `run` refuses it with the build's own
-    code and reason, on both engines, writing nothing; --allow-not-signed-off runs it and says so; `verify` is not
-    ok."""
+    code and reason, on both engines, writing nothing; --allow-not-signed-off runs it and says so; `verify` is not ok.
+    """
     from tests.conftest import image_npz_folder
 
     data, recipe = image_npz_folder(tmp_path / "d3", 3), _default_recipe_file(tmp_path)

@@ -1,6 +1,6 @@
 """Each stage of a build hands on frozen results and never rewrites another stage's: checked on a real int8 build
-(every stage runs) by recording what each stage was handed and returned, and in the code by the builder's
-assignments."""
+(every stage runs) by recording what each stage was handed and returned, and in the code by the builder's assignments.
+"""
 
 import ast
 import dataclasses

@@ -91,9 +91,8 @@ def _steps(fallback: dict) -> list[tuple[str, str, str]]:
 @pytest.mark.slow
 def test_int8_collapse_is_rescued_by_the_measured_search(spiky, fast_recipe, tmp_path):
     """One channel x2000 breaks per-tensor int8 of one tensor: no whole-graph remedy alone saves it; restoring the 1x1
-    conv
-    group that reads it gains the most, measured; it is kept, and nothing that did not help is. The network's tail (its
-    last 2 of 8 layers) is measured first, and is not what restores it."""
+    conv group that reads it gains the most, measured; it is kept, and nothing that did not help is. The network's tail
+    (its last 2 of 8 layers) is measured first, and is not what restores it."""
     model, data = spiky
     recipe = fast_recipe.with_overrides(precision="int8", **ANY_SPEED,
                                         **{"precision_options.fallback.tail_layers": [2]})
@@ -280,7 +279,7 @@ def test_a_variant_the_converter_cannot_write_leaves_the_build_before_it(tiny_cn
     from accel_opt.precision import PrecisionReport
     from accel_opt.precision.callbacks import Actions
     from accel_opt.precision.diagnose import Diagnosis, LayerError
-    from accel_opt.precision.fallback import ProbeVerdict, run
+    from accel_opt.precision.fallback import VariantVerdict, run
     from accel_opt.recipe.stages import FallbackConfig
 
     first = onnx.load(str(tiny_cnn_path)).graph.node[0]
@@ -295,13 +294,14 @@ def test_a_variant_the_converter_cannot_write_leaves_the_build_before_it(tiny_cn
     layer = LayerError(node=first.name, op_type=first.op_type, depth=0, tensor=first.output[0], error=0.5,
                        input_error=0.0,
                        added_error=0.5, max_abs_reference=1.0)
-    actions = Actions(build=build, judge=lambda path: ProbeVerdict(passed=False, worst_cosine=0.5,
+    actions = Actions(build=build, judge=lambda path: VariantVerdict(passed=False, worst_cosine=0.5,
                                                                    failures=["y: cosine 0.5"],
                                                                    loss=3.0),
                       diagnose=lambda path: Diagnosis(samples=1, tensors_compared=1, tensors_unmatched=0,
                                                       layers=[layer]),
                       flops_of=lambda path: {})
-    report, fallback, chosen = run(Precision.fp16, FallbackConfig(), actions, tmp_path / "fp16.onnx", 4, "probes")
+    report, fallback, chosen = run(Precision.fp16, FallbackConfig(), actions, tmp_path / "fp16.onnx", 4,
+                                   "steering samples")
     assert fallback.status == "budget exhausted"
     assert fallback.reason == "no unit's restoration lowered the loss"
     tried = [s for s in fallback.steps if s.kind == "measure"]

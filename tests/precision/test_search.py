@@ -192,14 +192,14 @@ def _judged(loss: float, output_loss: float, changed: str) -> Build:
 
 
 def test_changed_predictions_decide_only_where_a_paired_sign_test_separates_the_builds():
-    base = _judged(1.96, 1.96, "")  # no probe changed; its numeric error is twice its limit
-    two_flips = _judged(12.0, 0.8, "ab")  # 2 of 32 changed (each ~6 loss units), error on every probe 2.4x lower
+    base = _judged(1.96, 1.96, "")  # no steering sample changed; its numeric error is twice its limit
+    two_flips = _judged(12.0, 0.8, "ab")  # 2 of 32 changed (each ~6 loss units), error on every sample 2.4x lower
     adopt, why = better(two_flips, base)
     assert adopt and "sign test p = 0.5: too few to tell" in why and "output error 1.96 -> 0.8" in why
     six_flips = _judged(36.0, 0.8, "abcdef")  # p = 2 / 64: a real difference in the task, whatever the error
     adopt, why = better(six_flips, base)
     assert not adopt and "changed predictions 0 -> 6 (sign test p = 0.031)" in why
-    # Paired: the probes that changed in both builds say nothing; 6 that changed in the base alone do.
+    # Paired: the steering samples that changed in both builds say nothing; 6 that changed in the base alone do.
     assert better(_judged(30.0, 2.5, "uvwxyz"), _judged(36.0, 2.0, "abcdefuvwxyz"))[0]
     assert better(_judged(42.0, 0.5, "abcdefg"), _judged(36.0, 2.0, "abcdef"))[0]  # 1 more changed: the error decides
     assert better(_judged(0.9, 0.9, "a"), _judged(0.5, 0.5, ""))[0] is False  # both pass: the error decides
@@ -324,8 +324,8 @@ OPENVINO_REMEDIES = int8_remedies(CalibrationConfig(), "openvino")
 
 
 def test_nncf_is_tried_on_openvino_last_and_instead_of_the_remedies_adopted(tmp_path):
-    """NNCF is another quantizer: its build resets what the remedies before it set, and it is named as replacing
-    them."""
+    """NNCF is another quantizer: its build resets what the remedies before it set, and it is named as replacing them.
+    """
     nncf = ["NNCF on OpenVINO", "NNCF on OpenVINO + SmoothQuant", "NNCF on OpenVINO + ChannelAlignment"]
     assert [r.name for r in OPENVINO_REMEDIES] == [r.name for r in REMEDIES] + nncf
     assert not any(r.name.startswith("NNCF") for r in REMEDIES)  # ONNX Runtime's builds: ONNX Q/DQ only

@@ -2,6 +2,7 @@ import pytest
 
 from accel_opt.errors import UsageError
 from accel_opt.recipe.load import load_recipe, parse_shapes
+from accel_opt.recipe.schema import Recipe
 from accel_opt.recipe.types import Precision
 
 
@@ -192,6 +193,15 @@ def test_a_recipe_extends_another_key_by_key(tmp_path):
     (tmp_path / "c.yaml").write_text("extends: nowhere\n")
     with pytest.raises(UsageError, match="recipe not found: nowhere"):
         load_recipe(tmp_path / "c.yaml")
+
+
+def test_the_search_samples_key_is_read_by_its_earlier_name_too(tmp_path):
+    """`precision_options.fallback.steering_samples` was `probe_samples` (a word the folder's re-check set keeps)."""
+    (tmp_path / "old.yaml").write_text("extends: default\nprecision_options:\n  fallback:\n    probe_samples: 12\n")
+    assert load_recipe(tmp_path / "old.yaml").precision_options.fallback.steering_samples == 12  # over the base's 32
+    assert Recipe().with_overrides(**{"precision_options.fallback.probe_samples": 8}).precision_options.fallback \
+        .steering_samples == 8
+    assert "probe_samples" not in Recipe().model_dump(mode="json")["precision_options"]["fallback"]
 
 
 def test_every_recipe_problem_is_named_at_once_with_its_line_and_the_key_it_was_meant_to_be(tmp_path):

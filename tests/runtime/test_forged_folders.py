@@ -242,8 +242,7 @@ def test_check_without_a_policy_is_as_strict_as_load(classifier, tmp_path):
 def test_a_tensorrt_ep_cache_in_an_unsigned_folder_is_refused_as_native_code_not_as_a_missing_gpu(classifier, tmp_path,
                                                                                                    forgery):
     """Issue 74: these ended exit 4 ("needs a GPU") where a GPU is missing, and would have loaded the engine where one
-    is
-    present. Refused before anything loads, exit 3, on any machine."""
+    is present. Refused before anything loads, exit 3, on any machine."""
     from accel_opt import runtime
 
     folder = Path(shutil.copytree(classifier, tmp_path / classifier.name))

@@ -20,7 +20,7 @@ from accel_opt import zoo
 from accel_opt.artifact.folder import MANIFEST, file_hashes
 from accel_opt.builder.pipeline import build
 from accel_opt.machine.cpu import CpuProfile, cpu_class
-from accel_opt.machine.gpu import CudaDevice, CudaProbe
+from accel_opt.machine.gpu import CudaDevice, CudaDevices
 from accel_opt.recipe.load import load_recipe
 from accel_opt.runtime.probe import PROBE_JSON, PROBE_NPZ, UINT8_IMAGE, _record_path
 
@@ -218,8 +218,8 @@ def test_a_gpu_sign_off_is_rechecked_on_another_gpu_model(built, monkeypatch):
     assert scope(built, h200, h200, device="cuda:0").same_class
     config = runtime.load(built).config.model_copy(update={"device": "cuda:0"})
     cpu = CpuProfile.of_class("amx")  # a GPU build's class is its GPU's, whatever the CPU
-    monkeypatch.setattr("accel_opt.machine.gpu.cuda_devices", lambda: CudaProbe((), None, "no driver"))
+    monkeypatch.setattr("accel_opt.machine.gpu.cuda_devices", lambda: CudaDevices((), None, "no driver"))
     assert runtime.machine_class(config, cpu) == "no GPU"
-    h200_here = CudaProbe((CudaDevice(0, "NVIDIA H200", "9.0", 143771),), "13.0")
+    h200_here = CudaDevices((CudaDevice(0, "NVIDIA H200", "9.0", 143771),), "13.0")
     monkeypatch.setattr("accel_opt.machine.gpu.cuda_devices", lambda: h200_here)
     assert runtime.machine_class(config, cpu) == h200

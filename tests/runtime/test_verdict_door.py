@@ -1,8 +1,8 @@
 """One verdict, made once by the build, recorded in the manifest and enforced where a folder is opened: the Python API
 (`runtime.load`), Ray's `Predictor`, `run`, `bench`, `verify --accuracy` and `compare` refuse a folder its build did not
 sign off unless the caller allows it, and say so when they run it. The benefit rule (a reduced precision must be
-measured
-faster than its fp32 build) is tested with injected timings, and end to end with a minimum no build can reach."""
+measured faster than its fp32 build) is tested with injected timings, and end to end with a minimum no build can reach.
+"""
 
 from __future__ import annotations
 

@@ -3,10 +3,9 @@ neighbours kept, samples within tolerance) is a count of successes among trials,
 the one-sided lower confidence bound of that rate clears the recipe's minimum.
 
 The bound is Clopper-Pearson's (the exact binomial interval, `statsmodels.proportion_confint(method="beta")`),
-one-sided:
-the rate is at least `lower` with probability `confidence` whatever the true rate is. With no failure in n trials it is
-(1 - confidence) ** (1 / n): 0 changed of 16 samples shows only >= 82.9% at 95%, so 16 samples can never certify 95%;
-that needs 59, 97% needs 99. Too few trials for any result to clear the minimum is its own answer
+one-sided: the rate is at least `lower` with probability `confidence` whatever the true rate is. With no failure in n
+trials it is (1 - confidence) ** (1 / n): 0 changed of 16 samples shows only >= 82.9% at 95%, so 16 samples can never
+certify 95%; that needs 59, 97% needs 99. Too few trials for any result to clear the minimum is its own answer
 ("insufficient"), with the count that would be enough. A minimum of 1 (no failure allowed, the per-sample check's
 default) is judged on the count itself: no finite sample can bound a rate to exactly 1, and one failure fails it; a
 bounded verdict then also needs enough trials for none failing to show the rate at least `floor` (the recipe's
@@ -19,8 +18,7 @@ each sample were one trial whose success is that share (`RateEvidence.of_samples
 per-sample rates, rounded down). A rate in [0, 1] is no more spread than a 0/1 outcome of the same mean (Hoeffding,
 1963), so the bound is at least as wide as a bound on whole-sample successes; tests/accuracy/test_coverage.py checks
 its coverage on rows that fail together. Rows pooled as if independent would claim, for 16 rows of 8 samples, what 16
-samples show. Identical inputs are dealt once (data.split_roles): a copy is left unused, never a second trial.
-"""
+samples show. Identical inputs are dealt once (data.split_roles): a copy is left unused, never a second trial."""
 
 from __future__ import annotations
 

@@ -91,7 +91,7 @@ def prepare_out_dir(out_dir: Path) -> Path:
     """Create `out_dir`; an unusable one is a usage error (exit 2) with one line, a full disk exit 5."""
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=out_dir, prefix=".write-probe-"):
+        with tempfile.NamedTemporaryFile(dir=out_dir, prefix=".write-check-"):
             pass
     except OSError as exc:
         raise _out_dir_error(out_dir, exc) from None

@@ -124,13 +124,13 @@ def accelerator_facts() -> AcceleratorFacts:
         providers = tuple(onnxruntime.get_available_providers())
     except ImportError:
         providers = ()
-    probe = cuda_devices()
-    if not probe:
-        return AcceleratorFacts(None, False, probe.reason, providers)
+    gpus = cuda_devices()
+    if not gpus:
+        return AcceleratorFacts(None, False, gpus.reason, providers)
     from accel_opt.backends.tensorrt.backend import TensorRtBackend
 
     availability = TensorRtBackend().available()
-    return AcceleratorFacts(probe.devices[0].name, bool(availability), availability.reason, providers)
+    return AcceleratorFacts(gpus.devices[0].name, bool(availability), availability.reason, providers)
 
 
 def auto_backend_choice(

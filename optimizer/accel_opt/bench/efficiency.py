@@ -1,4 +1,4 @@
-"""How close the build runs to the machine: FLOPs and bytes counted from the graph, against probes of the
+"""How close the build runs to the machine: FLOPs and bytes counted from the graph, against measurements of the
 host measured in the same run (an fp32 GEMM and a memory copy), and whether a batch is compute- or
 memory-bound (its arithmetic intensity against the machine's balance point, the roofline model).
 
@@ -97,13 +97,13 @@ def _node_flops(model_path, shapes: dict[str, list[int]]) -> tuple[dict[str, int
     return flops, model, inferred
 
 
-def probe_fp32_gflops(reps: int = 5) -> float:
+def measured_fp32_gflops(reps: int = 5) -> float:
     a = np.random.default_rng(0).standard_normal((GEMM_N, GEMM_N), dtype=np.float32)
     best = min(_seconds(lambda: a @ a) for _ in range(reps))
     return 2 * GEMM_N**3 / best / 1e9
 
 
-def probe_memory_gib_per_s(reps: int = 3) -> float:
+def measured_memory_gib_per_s(reps: int = 3) -> float:
     src = np.ones(COPY_MIB * 2**20 // 4, np.float32)
     dst = np.empty_like(src)
     best = min(_seconds(lambda: np.copyto(dst, src)) for _ in range(reps))
@@ -119,9 +119,9 @@ def _seconds(call) -> float:
 def efficiency(fp32_model_path, shapes_batch1: dict[str, list[int]], p50_ms_by_batch: dict[int, float],
                precision: str) -> Efficiency:
     """Efficiency of the candidate's measured p50s, from the fp32 graph's FLOPs (precision changes the
-    kernels, not the count) and the host probes taken now."""
+    kernels, not the count) and the host measurements taken now."""
     flops, weight_bytes, io_bytes_per_sample = count_flops(fp32_model_path, shapes_batch1)
-    ceiling, bandwidth = probe_fp32_gflops(), probe_memory_gib_per_s()
+    ceiling, bandwidth = measured_fp32_gflops(), measured_memory_gib_per_s()
     balance = ceiling * 1e9 / (bandwidth * 2**30)
     batches = []
     for batch, p50_ms in sorted(p50_ms_by_batch.items()):
@@ -132,7 +132,7 @@ def efficiency(fp32_model_path, shapes_batch1: dict[str, list[int]], p50_ms_by_b
                                        arithmetic_intensity=intensity,
                                        bound="compute" if intensity >= balance else "memory"))
     note = ("fp32: the ceiling is this precision's" if precision == "fp32" else
-            f"{precision}: its kernels' ceiling is higher than the fp32 GEMM's (no {precision} probe here); "
+            f"{precision}: its kernels' ceiling is higher than the fp32 GEMM's (no {precision} measurement here); "
             "a fraction above 1 means the reduced precision pays")
     return Efficiency(gflop_per_sample=flops / 1e9, weight_mib=weight_bytes / 2**20,
                       io_mib_per_sample=io_bytes_per_sample / 2**20,

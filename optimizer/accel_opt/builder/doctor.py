@@ -47,8 +47,8 @@ def cpu_features(flags: frozenset[str]) -> dict[str, bool]:
 
 
 def cpu_fast_precisions(features: dict[str, bool], backend: str) -> list[str]:
-    """Precisions the instruction set promises faster than fp32 for `backend` (what `doctor --no-probe` says;
-    the doctor's answer is measured, see cpu_probe)."""
+    """Precisions the instruction set promises faster than fp32 for `backend` (what `doctor --no-measure` says; the
+    doctor's answer is measured, see cpu_speed)."""
     fast = ["fp32"]
     if features["vnni"] or features["amx_int8"]:
         fast.append("int8")
@@ -72,9 +72,9 @@ def _version(dist: str) -> str | None:
         return None
 
 
-def diagnose(probe: bool = True, refresh: bool = False, cpu: CpuProfile | None = None) -> DoctorReport:
-    """This machine's report. `probe`: which CPU precisions are faster than fp32 comes from a short measurement
-    (cpu_probe, cached per CPU; `refresh` measures again); without it, from the instruction set. `cpu`: this
+def diagnose(measure: bool = True, refresh: bool = False, cpu: CpuProfile | None = None) -> DoctorReport:
+    """This machine's report. `measure`: which CPU precisions are faster than fp32 comes from a short measurement
+    (cpu_speed, cached per CPU; `refresh` measures again); without it, from the instruction set. `cpu`: this
     machine's profile (read here by default: doctor describes the host)."""
     cpu = cpu or CpuProfile.here()
     features = cpu_features(cpu.flags)
@@ -82,8 +82,8 @@ def diagnose(probe: bool = True, refresh: bool = False, cpu: CpuProfile | None =
     best_cc = max((g.compute_capability for g in gpus if g.compute_capability), default=None)
     backends = [_onnxruntime(features, gpus), _openvino(features), _torch(gpus, best_cc), _tensorrt(gpus, best_cc)]
     measured = None
-    if probe:
-        from accel_opt.builder.cpu_probe import faster_than_fp32, speedups
+    if measure:
+        from accel_opt.builder.cpu_speed import faster_than_fp32, speedups
 
         measured = speedups(cpu, refresh)
         for status in backends:

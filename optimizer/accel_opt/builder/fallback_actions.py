@@ -1,6 +1,7 @@
 """The fallback's actions for one build: how it builds a variant (the recipe's transform), judges it (the gate's
-tolerance on the probes, on the build's backend and, for int8, with Q/DQ emulated in float), diagnoses it layer by
-layer and counts its FLOPs. fallback.py decides what to keep; this wires those decisions to the build's context."""
+tolerance on the steering samples, on the build's backend and, for int8, with Q/DQ emulated in float), diagnoses it
+layer by layer and counts its FLOPs. fallback.py decides what to keep; this wires those decisions to the build's
+context."""
 
 from __future__ import annotations
 
@@ -37,8 +38,8 @@ log = logging.getLogger(__name__)
 SPEED_CHECK = BenchmarkConfig(warmup_iterations=3, min_iterations=20, min_seconds=0.5, max_iterations=400)
 
 
-def fallback_actions(ctx: BuildSoFar, probes: list[Sample], shapes: dict[str, list[int]]) -> Actions:
-    """The fallback's build / judge / diagnose: the recipe's transform, the gate's tolerance on the probes
+def fallback_actions(ctx: BuildSoFar, steering: list[Sample], shapes: dict[str, list[int]]) -> Actions:
+    """The fallback's build / judge / diagnose: the recipe's transform, the gate's tolerance on the steering samples
     run on the build's backend (compiled for `shapes`), and the per-layer diagnosis on ONNX Runtime (bf16 emulated)."""
     precision, recipe = ctx.recipe.precision, ctx.recipe
     cache_dir = ctx.setup.cache_dir
@@ -48,8 +49,9 @@ def fallback_actions(ctx: BuildSoFar, probes: list[Sample], shapes: dict[str, li
     tolerance = (fallback.stricter(gate), metrics)
     encoder = ctx.loaded.text_encoder
     padding = encoder.padding if encoder is not None else None  # texts of several lengths
-    timed = padding.same_length(probes) if padding is not None else probes  # timed batches have one shape
-    probe_labels = ctx.steering_labels[:len(probes)] if ctx.steering_labels else None  # the probes are steering's first
+    timed = padding.same_length(steering) if padding is not None else steering  # timed batches have one shape
+    # the first steering samples'
+    steering_labels = ctx.steering_labels[:len(steering)] if ctx.steering_labels else None
 
     def chosen(overrides: dict | None):
         return recipe.with_overrides(**overrides) if overrides else recipe
@@ -58,21 +60,22 @@ def fallback_actions(ctx: BuildSoFar, probes: list[Sample], shapes: dict[str, li
         return transform(ctx.fp32_path, precision, chosen(overrides), ctx.backend.name, ctx.samples.calibration, out,
                          calibration_cache, ctx.setup.cpu, keep_float=keep)
 
-    # The fp32 model's outputs and float32 noise on the probes: measured once, every build of the search reuses them.
+    # The fp32 model's outputs and float32 noise on the steering samples: measured once, every build of the search
+    # reuses them.
     noise_floor: dict[str, float] = {}
     reference_outputs: list[dict] = []
 
-    def verdict(candidate) -> fallback.ProbeVerdict:
-        result = compare(reference_runner(ctx.fp32_path, ctx.threads), candidate, probes, *tolerance,
+    def verdict(candidate) -> fallback.VariantVerdict:
+        result = compare(reference_runner(ctx.fp32_path, ctx.threads), candidate, steering, *tolerance,
                          batch_size=ctx.deploy_batch,
                          batch_axes=ctx.shapes.batch_axes, noise_floor=noise_floor or None,
                          noise_reference=None if noise_floor
                          else reference_runner(ctx.fp32_path, ctx.threads, optimize=True),
-                         reference_outputs=reference_outputs or None, padding=padding, labels=probe_labels,
+                         reference_outputs=reference_outputs or None, padding=padding, labels=steering_labels,
                          labels_config=recipe.accuracy.labels)
         noise_floor.update({o.name: o.noise_floor for o in result.outputs})
         reference_outputs[:] = result._reference_outputs
-        return fallback.ProbeVerdict(passed=result.passed, worst_cosine=result.worst_cosine,
+        return fallback.VariantVerdict(passed=result.passed, worst_cosine=result.worst_cosine,
                                      failures=result.failures[:3],
                                      loss=result.loss, output_loss=result.output_loss, changed=result.changed_samples)
 
@@ -81,12 +84,12 @@ def fallback_actions(ctx: BuildSoFar, probes: list[Sample], shapes: dict[str, li
     def deployed_runner(path: Path, as_precision: Precision = precision):
         if path not in compiled:
             compiled[path] = compile_for(ctx.backend, path, as_precision, recipe,
-                                         ctx.workdir / "probe" / path.stem, shapes)
+                                         ctx.workdir / "variants" / path.stem, shapes)
         graph = path if fallback.is_onnx(path) else ctx.fp32_path  # NNCF's IR keeps the fp32 model's inputs
         deployed = {spec.name: spec.dtype for spec in io_specs(onnx.load(str(graph), load_external_data=False))[0]}
-        return casting_inputs(ctx.backend.runner(compiled[path]), runtime.feed_dtypes_of(probes), deployed)
+        return casting_inputs(ctx.backend.runner(compiled[path]), runtime.feed_dtypes_of(steering), deployed)
 
-    def judge(path: Path) -> fallback.ProbeVerdict:
+    def judge(path: Path) -> fallback.VariantVerdict:
         return verdict(deployed_runner(path))
 
     def speedup(path: Path) -> float | None:
@@ -98,16 +101,17 @@ def fallback_actions(ctx: BuildSoFar, probes: list[Sample], shapes: dict[str, li
         candidate, fp32 = (m.batches[0].latency.p50_ms for m in report.models)
         return fp32 / candidate if candidate > 0 else None
 
-    def judge_emulated(path: Path) -> fallback.ProbeVerdict:  # Q/DQ in float, graph optimizations off: as diagnosed
+    def judge_emulated(path: Path) -> fallback.VariantVerdict:  # Q/DQ in float, graph optimizations off: as diagnosed
         return verdict(reference_runner(path, ctx.threads))
 
     def examine(path: Path) -> Diagnosis | None:
         if not fallback.is_onnx(path):  # NNCF's IR: the diagnosis runs ONNX graphs on ONNX Runtime
             return None
         if precision is Precision.bf16:
-            (ctx.workdir / "probe").mkdir(parents=True, exist_ok=True)
-            path = emulate_bfloat16(path, ctx.workdir / "probe" / f"emulated-{path.name}")
-        return diagnose(ctx.fp32_path, path, probes[: recipe.precision_options.fallback.diagnosis_samples], ctx.threads)
+            (ctx.workdir / "variants").mkdir(parents=True, exist_ok=True)
+            path = emulate_bfloat16(path, ctx.workdir / "variants" / f"emulated-{path.name}")
+        return diagnose(ctx.fp32_path, path, steering[: recipe.precision_options.fallback.diagnosis_samples],
+                        ctx.threads)
 
     batch1 = with_batch(ctx.shapes.shapes, 1, ctx.shapes.batch_axes) if ctx.shapes.batch_dynamic else ctx.shapes.shapes
 

@@ -284,23 +284,23 @@ def _stage_precision(ctx: BuildSoFar) -> Outcome:
         return torch_precision(ctx)
     # The search is steered by the steering samples only: neither calibration (the ranges fit those) nor the verdict's
     # held-out samples (a search that picks the variant doing best on them would judge itself).
-    probes = ctx.samples.steering[: config.probe_samples]
+    steering = ctx.samples.steering[: config.steering_samples]
     fixed = fallback.wide_weight_consumers(ctx.fp32_path) if precision is Precision.fp16 else []
     out = ctx.workdir / f"{precision.value}.onnx"
     _, _, hopeless = ctx.steering_gate()
     skipped = None
     if config.enabled and hopeless:
         skipped = ("insufficient evidence", f"not searched: {hopeless[0]}, so no build it rescued could sign off")
-    elif config.enabled and not probes:
+    elif config.enabled and not steering:
         skipped = ("disabled", "not searched: no steering samples to judge variants on (give --data with more samples)")
     if skipped:
         config = config.model_copy(update={"enabled": False})
     report, searched, candidate = fallback.run(
-        precision, config, fallback_actions(ctx, probes, deploy_shapes(ctx, fused=False)), out, len(probes),
+        precision, config, fallback_actions(ctx, steering, deploy_shapes(ctx, fused=False)), out, len(steering),
         "steering samples", fixed, ctx.setup.limits)
     if skipped:
         searched.status, searched.reason = skipped
-    searched.probe_slack = fallback.PROBE_MARGIN
+    searched.steering_slack = fallback.STEERING_MARGIN
     report.notes.append(f"Fallback: {searched.status}, {searched.reason}.")
     kept = len(report.kept_in_higher_precision)
     detail = f"{report.transform}; {kept} nodes kept in higher precision; fallback {searched.status}"

@@ -1,13 +1,12 @@
 """The precision stage of a torch build: a plan (precision and the submodules kept in float32) that the torch backend's
 compile() applies to the module before torch.export, instead of a rewritten ONNX graph.
 
-When a bf16/fp16 plan fails the recipe's tolerance and task metrics on the probe samples, the same measured search
+When a bf16/fp16 plan fails the recipe's tolerance and task metrics on the steering samples, the same measured search
 as the ONNX path's (precision/search.py) grows its block list: the units are groups of same-shaped leaf modules
 (the same layer of every repeated block), each measured restored to float32 alone, then added by measured gain and
 pruned. Its builds are the module transformed in eager PyTorch, judged against the eager fp32 module: compiling a
 package per variant would cost a minute each on a CPU. The compiled package is what the gate then judges, and the
-search does not time its variants (eager speed says nothing of Inductor's kernels): the build's benchmark does.
-"""
+search does not time its variants (eager speed says nothing of Inductor's kernels): the build's benchmark does."""
 
 from __future__ import annotations
 
@@ -18,7 +17,7 @@ from pathlib import Path
 from accel_opt.backends.torch.package import PLAN_SUFFIX, REDUCED_DTYPES, PrecisionPlan, write_plan
 from accel_opt.builder.context import BuildSoFar, Reduced
 from accel_opt.precision.callbacks import SearchActions
-from accel_opt.precision.fallback import PROBE_MARGIN, FallbackReport, ProbeVerdict, stricter
+from accel_opt.precision.fallback import STEERING_MARGIN, FallbackReport, VariantVerdict, stricter
 from accel_opt.precision.report import KeptNode, PrecisionReport
 from accel_opt.precision.search import Build, Unit, search
 from accel_opt.recipe.types import Precision
@@ -26,7 +25,8 @@ from accel_opt.report.results import StageStatus
 
 
 def torch_precision(ctx: BuildSoFar) -> tuple[StageStatus, str, dict[str, Reduced]]:
-    """Write the plan the compile stage exports (grown by the search when its probes fail); record what it does."""
+    """Write the plan the compile stage exports (grown by the search when it fails on the steering samples); record what
+    it does."""
     precision, config = ctx.recipe.precision, ctx.recipe.precision_options.fallback
     plan, searched = PrecisionPlan(precision=precision), None
     if precision is Precision.int8:
@@ -53,14 +53,15 @@ def _fallback(ctx: BuildSoFar, plan: PrecisionPlan) -> tuple[PrecisionPlan, Fall
     from accel_opt.backends.torch.runner import TorchRunner
 
     config = ctx.recipe.precision_options.fallback
-    probes = ctx.samples.steering[: config.probe_samples]  # never the held-out samples that judge the verdict
+    steering = ctx.samples.steering[: config.steering_samples]  # never the held-out samples that judge the verdict
     names = [o.name for o in ctx.outputs]
-    report = FallbackReport(status="not needed", reason="", precision=plan.precision.value, probe_samples=len(probes),
-                            probe_source="steering samples (eager PyTorch)", max_rounds=config.max_rounds,
+    report = FallbackReport(status="not needed", reason="", precision=plan.precision.value,
+                            steering_samples=len(steering),
+                            steering_source="steering samples (eager PyTorch)", max_rounds=config.max_rounds,
                             max_fp32_flops_fraction=config.max_fp32_flops_fraction, time_budget_s=config.time_budget_s,
-                            min_speedup=config.min_speedup, probe_slack=PROBE_MARGIN)
+                            min_speedup=config.min_speedup, steering_slack=STEERING_MARGIN)
     tolerance, metrics, hopeless = ctx.steering_gate()
-    if hopeless or not probes:
+    if hopeless or not steering:
         report.status = "insufficient evidence" if hopeless else "disabled"
         report.reason = (f"not searched: {hopeless[0]}, so no plan it found could sign off" if hopeless else
                          "not searched: no steering samples to judge plans on (give --data with more samples)")
@@ -73,7 +74,7 @@ def _fallback(ctx: BuildSoFar, plan: PrecisionPlan) -> tuple[PrecisionPlan, Fall
     def build_and_judge(keep: list[str], path: Path, calibration: str | None = None) -> Build:
         candidate = TorchRunner(precision_module(ctx.torch_module, plan.precision, keep), ctx.inputs, names,
                                 threads=ctx.threads, name=f"eager-{plan.precision.value}")
-        verdict = compare(reference, candidate, probes, tolerance, metrics, batch_axes=ctx.shapes.batch_axes,
+        verdict = compare(reference, candidate, steering, tolerance, metrics, batch_axes=ctx.shapes.batch_axes,
                           reference_outputs=reference_outputs or None)
         reference_outputs[:] = verdict._reference_outputs
         write_plan(path.with_suffix(PLAN_SUFFIX), PrecisionPlan(precision=plan.precision, keep_fp32=keep))
@@ -81,10 +82,10 @@ def _fallback(ctx: BuildSoFar, plan: PrecisionPlan) -> tuple[PrecisionPlan, Fall
                      worst_cosine=verdict.worst_cosine)
 
     naive = build_and_judge([], ctx.workdir / "naive")
-    report.naive = ProbeVerdict(passed=naive.passed, worst_cosine=naive.worst_cosine, failures=naive.failures,
+    report.naive = VariantVerdict(passed=naive.passed, worst_cosine=naive.worst_cosine, failures=naive.failures,
                                 loss=naive.loss)
     if naive.passed:
-        report.reason = "the plan passes the recipe's tolerance on the probe samples"
+        report.reason = "the plan passes the recipe's tolerance on the steering samples"
         return plan, report
     groups: dict[str, list[str]] = {}
     for name, module in leaf_modules(ctx.torch_module):

@@ -9,15 +9,16 @@ import click
 
 @click.command("doctor")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout.")
-@click.option("--no-probe", is_flag=True,
-              help="Say which precisions are faster from CPU flags alone, without timing them.")
-@click.option("--refresh", is_flag=True, help="Time the CPU probe again instead of using its cached result.")
-def doctor_command(as_json, no_probe, refresh):
+@click.option("--no-measure", "--no-probe", "no_measure", is_flag=True,
+              help="Say which precisions are faster from CPU flags alone, without timing them (--no-probe: its "
+                   "earlier name).")
+@click.option("--refresh", is_flag=True, help="Time the CPU's precisions again instead of using the cached result.")
+def doctor_command(as_json, no_measure, refresh):
     """What this machine can build and run: CPU features and class, GPUs, backends, which precisions are faster
-    than fp32 here (measured once per CPU by a short probe, then cached), what is missing."""
+    than fp32 here (measured once per CPU on a small model, then cached), what is missing."""
     from accel_opt.builder.doctor import diagnose
 
-    report = diagnose(probe=not no_probe, refresh=refresh)
+    report = diagnose(measure=not no_measure, refresh=refresh)
     if as_json:
         click.echo(report.model_dump_json())
         sys.exit(0)

@@ -57,8 +57,8 @@ _ONEDNN_CAPS = {"SSE41": "avx2", "AVX": "avx2", "AVX2": "avx2", "AVX2_VNNI": "av
 
 
 def cpu_class(flags: frozenset[str], machine: str) -> str:
-    """The kernel class of a CPU with these flags: avx2, avx512 (no VNNI), avx_vnni, avx512_vnni, amx, arm64 or
-    other."""
+    """The kernel class of a CPU with these flags: avx2, avx512 (no VNNI), avx_vnni, avx512_vnni, amx, arm64 or other.
+    """
     machine = machine.lower()
     if machine in ("aarch64", "arm64"):
         return "arm64"

@@ -1,7 +1,7 @@
 """NVIDIA GPUs as the CUDA driver sees them, found without importing TensorRT, torch or onnxruntime.
 
 TensorRT's runtime objects can crash a process on a machine without a GPU (seen: a segfault on
-exit), so everything that decides whether TensorRT may be imported asks here first. The probe
+exit), so everything that decides whether TensorRT may be imported asks here first. The gpus
 reads the driver library (libcuda) through ctypes: cuInit, cuDeviceGetCount, then each device's
 name, compute capability and memory. It honours CUDA_VISIBLE_DEVICES like any CUDA program.
 """
@@ -36,7 +36,7 @@ class CudaDevice:
 
 
 @dataclass(frozen=True)
-class CudaProbe:
+class CudaDevices:
     devices: tuple[CudaDevice, ...]
     driver_cuda_version: str | None  # the newest CUDA version the driver supports, "12.4"
     reason: str = ""  # why no device was found ("" when one was)
@@ -59,23 +59,23 @@ def _load_libcuda() -> ctypes.CDLL | None:
     return None
 
 
-def probe_devices() -> CudaProbe:
+def detect_devices() -> CudaDevices:
     """Every CUDA device this process may use, with the driver's CUDA version, or a reason for none."""
     if not _driver_present():
-        return CudaProbe((), None, "no NVIDIA GPU: no /dev/nvidia* device and no nvidia-smi (no NVIDIA driver)")
+        return CudaDevices((), None, "no NVIDIA GPU: no /dev/nvidia* device and no nvidia-smi (no NVIDIA driver)")
     lib = _load_libcuda()
     if lib is None:
-        return CudaProbe((), None, "no NVIDIA driver library (libcuda.so.1 not found)")
+        return CudaDevices((), None, "no NVIDIA driver library (libcuda.so.1 not found)")
     status = lib.cuInit(0)
     if status == CUDA_ERROR_NO_DEVICE:
-        return CudaProbe((), None, "the NVIDIA driver reports no CUDA device (check CUDA_VISIBLE_DEVICES)")
+        return CudaDevices((), None, "the NVIDIA driver reports no CUDA device (check CUDA_VISIBLE_DEVICES)")
     if status != 0:
-        return CudaProbe((), None, f"the CUDA driver failed to initialise (cuInit returned CUDA error {status})")
+        return CudaDevices((), None, f"the CUDA driver failed to initialise (cuInit returned CUDA error {status})")
     version, count = ctypes.c_int(0), ctypes.c_int(0)
     lib.cuDriverGetVersion(ctypes.byref(version))  # 12040 -> CUDA 12.4
     driver_cuda = f"{version.value // 1000}.{version.value % 1000 // 10}" if version.value else None
     if lib.cuDeviceGetCount(ctypes.byref(count)) != 0 or count.value == 0:
-        return CudaProbe((), driver_cuda, "the NVIDIA driver reports no CUDA device (check CUDA_VISIBLE_DEVICES)")
+        return CudaDevices((), driver_cuda, "the NVIDIA driver reports no CUDA device (check CUDA_VISIBLE_DEVICES)")
     devices = []
     for index in range(count.value):
         device, major, minor = ctypes.c_int(0), ctypes.c_int(0), ctypes.c_int(0)
@@ -88,13 +88,13 @@ def probe_devices() -> CudaProbe:
         lib.cuDeviceTotalMem_v2(ctypes.byref(memory), device)
         devices.append(CudaDevice(index, name.value.decode(errors="replace"), f"{major.value}.{minor.value}",
                                   memory.value // 2**20))
-    return CudaProbe(tuple(devices), driver_cuda, "" if devices else "no CUDA device could be queried")
+    return CudaDevices(tuple(devices), driver_cuda, "" if devices else "no CUDA device could be queried")
 
 
 @lru_cache(maxsize=1)
-def cuda_devices() -> CudaProbe:
-    """probe_devices(), once per process (the devices do not change while it runs)."""
-    return probe_devices()
+def cuda_devices() -> CudaDevices:
+    """detect_devices(), once per process (the devices do not change while it runs)."""
+    return detect_devices()
 
 
 def gpu_class(device: str = "cuda") -> str | None:
@@ -144,10 +144,10 @@ def gpu_precision_support(precision: Precision) -> Availability:
     """Whether CUDA device 0 has tensor cores for `precision` (both GPU backends ask)."""
     from accel_opt.machine.support import version_tuple
 
-    need, probe = GPU_PRECISION_MIN_CC.get(precision.value), cuda_devices()
-    if need is None or not probe:
+    need, gpus = GPU_PRECISION_MIN_CC.get(precision.value), cuda_devices()
+    if need is None or not gpus:
         return Availability(True)
-    device = probe.devices[0]
+    device = gpus.devices[0]
     if version_tuple(device.compute_capability, 2) < need:
         return Availability(False, f"{device.name} (compute capability {device.compute_capability}) has no "
                                    f"{precision.value} tensor cores; {need[0]}.{need[1]} or newer is needed")

@@ -1,5 +1,5 @@
-"""Whether something can run here, said with its reason, and the version numbers such answers compare: what the
-machine probes and every backend answer with."""
+"""Whether something can run here, said with its reason, and the version numbers such answers compare: what the machine
+checks and every backend answer with."""
 
 from __future__ import annotations
 

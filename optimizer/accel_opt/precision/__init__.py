@@ -54,8 +54,8 @@ def transform(
 
 
 def written_path(out_path: Path, precision: Precision, recipe: Recipe) -> Path:
-    """Where `transform(..., out_path)` writes: `out_path`, or its OpenVINO IR (.xml, beside it) where NNCF
-    quantizes."""
+    """Where `transform(..., out_path)` writes: `out_path`, or its OpenVINO IR (.xml, beside it) where NNCF quantizes.
+    """
     return Path(out_path).with_suffix(".xml") if _by_nncf(precision, recipe) else Path(out_path)
 
 

@@ -45,26 +45,26 @@ def _layers(float_model: onnx.ModelProto, quantized: onnx.ModelProto):
         yield layer.original, node, bias_dq, (rounded - layer.float_weight.astype(np.float64)).astype(np.float32)
 
 
-def _shift_probe(float_model: onnx.ModelProto, layers: list) -> onnx.ModelProto:
-    """The float model with one more output per layer: the mean, over everything but the channel, of the layer's
-    input through W_q - W (no bias)."""
-    probe = onnx.ModelProto()
-    probe.CopyFrom(float_model)
-    axes_as_input = opset_of(probe) >= 18  # ReduceMean takes its axes as an input from opset 18, an attribute before
+def _shift_taps(float_model: onnx.ModelProto, layers: list) -> onnx.ModelProto:
+    """The float model with one more output per layer: the mean, over everything but the channel, of the layer's input
+    through W_q - W (no bias)."""
+    tapped = onnx.ModelProto()
+    tapped.CopyFrom(float_model)
+    axes_as_input = opset_of(tapped) >= 18  # ReduceMean takes its axes as an input from opset 18, an attribute before
     for index, (original, _, _, delta) in enumerate(layers):
         name = f"{index}{_SUFFIX}"
-        probe.graph.initializer.append(numpy_helper.from_array(delta, f"{name}_weight"))
+        tapped.graph.initializer.append(numpy_helper.from_array(delta, f"{name}_weight"))
         layer = helper.make_node(original.op_type, [original.input[0], f"{name}_weight"], [f"{name}_out"])
         layer.attribute.extend(a for a in original.attribute if a.name != "beta")  # Gemm's beta scales C: absent here
         channel_axes = [0] if original.op_type == "Gemm" else [0, *range(2, delta.ndim)]
         if axes_as_input:
-            probe.graph.initializer.append(numpy_helper.from_array(np.array(channel_axes, np.int64), f"{name}_axes"))
+            tapped.graph.initializer.append(numpy_helper.from_array(np.array(channel_axes, np.int64), f"{name}_axes"))
             mean = helper.make_node("ReduceMean", [f"{name}_out", f"{name}_axes"], [name], keepdims=0)
         else:
             mean = helper.make_node("ReduceMean", [f"{name}_out"], [name], keepdims=0, axes=channel_axes)
-        probe.graph.node.extend([layer, mean])
-        probe.graph.output.append(helper.make_tensor_value_info(name, TensorProto.FLOAT, None))
-    return probe
+        tapped.graph.node.extend([layer, mean])
+        tapped.graph.output.append(helper.make_tensor_value_info(name, TensorProto.FLOAT, None))
+    return tapped
 
 
 def correct_biases(float_path: Path, quantized_path: Path, samples: list[Sample]) -> str:
@@ -79,10 +79,10 @@ def correct_biases(float_path: Path, quantized_path: Path, samples: list[Sample]
     layers = list(_layers(float_model, quantized))
     if not layers or not samples:
         return "bias correction: no quantized layer with a bias to correct"
-    probe = _shift_probe(float_model, layers)
+    tapped = _shift_taps(float_model, layers)
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL  # the layers as written
-    session = ort.InferenceSession(probe.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    session = ort.InferenceSession(tapped.SerializeToString(), options, providers=["CPUExecutionProvider"])
     names = [f"{i}{_SUFFIX}" for i in range(len(layers))]
     inputs = {i.name for i in session.get_inputs()}
     totals = [np.float64(0.0)] * len(layers)  # per layer, the sum over samples of its per-channel shift

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:  # annotations only: the modules that use these callbacks define what they pass
     from accel_opt.precision.diagnose import Diagnosis
-    from accel_opt.precision.fallback import ProbeVerdict
+    from accel_opt.precision.fallback import VariantVerdict
     from accel_opt.precision.report import PrecisionReport
     from accel_opt.precision.search import Build, Remedy, SearchStep
 
@@ -34,7 +34,7 @@ class Actions:
 
     # (nodes kept in fp32, out path, recipe keys of the adopted remedies or None) -> the transform's report
     build: Callable[[list[str], Path, dict | None], PrecisionReport]
-    judge: Callable[[Path], ProbeVerdict]  # the build, on the probe samples, against the recipe's tolerance
+    judge: Callable[[Path], VariantVerdict]  # the build, on the steering samples, against the recipe's tolerance
     diagnose: Callable[[Path], Diagnosis | None]  # per-layer errors of a build (None: not available for it)
     # Conv/MatMul/Gemm FLOPs per node of a build, counted on the naive build (its node names are the ones kept)
     flops_of: Callable[[Path], dict[str, int]]
@@ -44,7 +44,7 @@ class Actions:
     # The build judged like `judge`, but with its Q/DQ emulated in float (what `diagnose` sees). None: not checked.
     # The per-layer diagnosis sees the graph, not the deployed kernels: when only those fail, it would blame layers
     # that are not at fault.
-    judge_emulated: Callable[[Path], ProbeVerdict] | None = None
+    judge_emulated: Callable[[Path], VariantVerdict] | None = None
     # The build's speed-up against the same backend's fp32 build on the deployed kernels (None: not measurable)
     speedup: Callable[[Path], float | None] = lambda path: None
     remedies: tuple[Remedy, ...] = ()  # whole-graph remedies to try first (search.int8_remedies)
@@ -60,7 +60,8 @@ class Actions:
 @dataclass
 class SearchActions:
     """What the search needs from the build: a variant with `keep` in float (and the recipe keys of the remedies
-    adopted, or None), judged on the probes; and the speed-up of a variant against fp32 (None: not measurable here)."""
+    adopted, or None), judged on the steering samples; and the speed-up of a variant against fp32 (None: not measurable
+    here)."""
 
     build_and_judge: Callable[[list[str], Path, dict | None], Build]
     speedup: Callable[[Path], float | None]

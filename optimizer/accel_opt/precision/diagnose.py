@@ -1,7 +1,7 @@
 """Per-layer diagnosis: where a reduced-precision graph departs from its fp32 reference, node by node.
 
 Both graphs run on ONNX Runtime's CPU EP with graph optimizations off (the graphs' own semantics:
-a Q/DQ pair computes exactly its rounding) and the compared tensors marked as outputs, one probe
+a Q/DQ pair computes exactly its rounding) and the compared tensors marked as outputs, one steering
 sample at a time. Each tensor's error is reduced to a few sums at once, so memory holds one sample's
 tensors; when those would exceed MAX_EXPOSED_BYTES they are spread over several runs.
 
@@ -45,7 +45,7 @@ class LayerError(BaseModel):
     op_type: str
     depth: int  # position in the reference graph's topological order
     tensor: str  # the reference tensor compared
-    error: float  # mean |cand - ref| / scale over the probe samples (scale: the reference's std, as the gate)
+    error: float  # mean |cand - ref| / scale over the steering samples (scale: the reference's std, as the gate)
     input_error: float  # the worst error among the node's inputs
     added_error: float  # error - input_error: what this node contributes
     max_abs_reference: float  # the largest |value| in fp32: above 65504 it overflows float16

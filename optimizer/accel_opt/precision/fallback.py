@@ -1,14 +1,14 @@
-"""Accuracy-driven fallback: rescue a reduced-precision build that fails its probes, or say measured why not.
+"""Accuracy-driven fallback: rescue a reduced-precision build that fails its steering samples, or say measured why not.
 
-The naive build is judged on probe samples with the recipe's tolerance and task metrics (the gate's own rules).
+The naive build is judged on steering samples with the recipe's tolerance and task metrics (the gate's own rules).
 When it fails, the search in precision/search.py takes over: it times the naive build against fp32 first (no rescue
 can make a build pay that is not faster to begin with), tries whole-graph remedies for int8 (bias correction, other
 activation calibrations), measures what restoring each group of same-shaped layers to float gains, adds them in that
 order while the build stays `min_speedup` faster than fp32, and drops what did not help, within a wall-clock budget.
-For fp16 every node whose fp32 activations exceed `fp16_activation_max` on a probe (and every consumer of a weight
-beyond 65504) is kept in fp32 before the first build is judged, so a GPU build inherits it. The per-layer diagnosis
-(precision/diagnose.py) still ranks the layers for the report and chooses which groups to measure when there are too
-many.
+For fp16 every node whose fp32 activations exceed `fp16_activation_max` on a steering sample (and every consumer of a
+weight beyond 65504) is kept in fp32 before the first build is judged, so a GPU build inherits it. The per-layer
+diagnosis (precision/diagnose.py) still ranks the layers for the report and chooses which groups to measure when there
+are too many.
 
 The orchestration takes its actions as callables (build, judge, diagnose, speedup), so the pipeline chooses the
 backend that judges and this module stays testable on its own.
@@ -39,16 +39,16 @@ from accel_opt.recipe.types import Precision
 FP16_MAX = 65504.0
 FLOAT_BY_DESIGN = "accel_opt.float_by_design"  # metadata key: nodes the fallback left in float on purpose
 TABLE_ROWS = 10  # offenders shown before/after in the report
-PROBE_MARGIN = 0.5  # the search's probes must pass with half the gate's numeric slack (see stricter)
+STEERING_MARGIN = 0.5  # the search's steering samples must pass with half the gate's numeric slack (see stricter)
 
 
-class ProbeVerdict(BaseModel):
+class VariantVerdict(BaseModel):
     passed: bool
     worst_cosine: float
     failures: list[str]
     loss: float | None = None  # how far from passing, in units of each check's threshold (AccuracyReport.loss)
     output_loss: float | None = None  # its outputs' numeric part (AccuracyReport.output_loss)
-    changed: list[str] | None = None  # the probes whose task outcome changed (AccuracyReport.changed_samples)
+    changed: list[str] | None = None  # the steering samples whose task outcome changed (AccuracyReport.changed_samples)
 
 
 class LayerRow(BaseModel):
@@ -71,12 +71,12 @@ class FallbackReport(BaseModel):
                     "insufficient evidence", "cannot win"]
     reason: str
     precision: str
-    probe_samples: int
-    probe_source: str
-    probe_slack: float = 1.0  # the fraction of the gate's slack the probes may use
+    steering_samples: int
+    steering_source: str
+    steering_slack: float = 1.0  # the fraction of the gate's slack the steering samples may use
     max_rounds: int
     max_fp32_flops_fraction: float
-    naive: ProbeVerdict | None = None
+    naive: VariantVerdict | None = None
     kept: list[KeptNode] = []  # chosen by the fallback (the recipe's block lists are in the precision report)
     fp32_flops_fraction: float = 0.0
     layers: list[LayerRow] = []
@@ -90,19 +90,18 @@ class FallbackReport(BaseModel):
     min_speedup: float = 0.0
 
 
-def run(precision: Precision, config: FallbackConfig, actions: Actions, out_path: Path, probe_samples: int,
-        probe_source: str, fixed: Sequence[KeptNode] = (), limits: SearchLimits | None = None,
+def run(precision: Precision, config: FallbackConfig, actions: Actions, out_path: Path, steering_samples: int,
+        steering_source: str, fixed: Sequence[KeptNode] = (), limits: SearchLimits | None = None,
         ) -> tuple[PrecisionReport, FallbackReport, Path]:
-    """Build `precision` (keeping `fixed` in fp32), rescued by the fallback when the probes fail; returns the
+    """Build `precision` (keeping `fixed` in fp32), rescued by the fallback when the steering samples fail; returns the
     chosen build's report, the fallback's and its path (beside `out_path`; `out_path` itself when disabled).
     `limits` (SearchLimits: builder.context.CandidateLimits): a candidate of --precision auto: its share of the time
-    budget replaces
-    the recipe's, and a build that no rescue can make sign off or win is dropped (CandidateDropped) before its
-    search."""
+    budget replaces the recipe's, and a build that no rescue can make sign off or win is dropped (CandidateDropped)
+    before its search."""
     if limits is not None:
         config = config.model_copy(update={"time_budget_s": max(limits.search_budget_s, 0.0)})
-    report = FallbackReport(status="disabled", reason="", precision=precision.value, probe_samples=probe_samples,
-                            probe_source=probe_source, max_rounds=config.max_rounds,
+    report = FallbackReport(status="disabled", reason="", precision=precision.value, steering_samples=steering_samples,
+                            steering_source=steering_source, max_rounds=config.max_rounds,
                             max_fp32_flops_fraction=config.max_fp32_flops_fraction, time_budget_s=config.time_budget_s,
                             min_speedup=config.min_speedup)
     kept: dict[str, KeptNode] = {k.node: k for k in fixed}
@@ -120,11 +119,11 @@ def run(precision: Precision, config: FallbackConfig, actions: Actions, out_path
         return sum(actions.flops.get(n, 0) for n in kept) / total_flops
     report.naive_model = naive_path.name
     diagnosis = actions.diagnose(naive_path) if precision is Precision.fp16 else None
-    if diagnosis is not None:  # float16 overflow: certain on a GPU, whatever the CPU probe says
+    if diagnosis is not None:  # float16 overflow: certain on a GPU, whatever the CPU run says
         for layer in diagnosis.layers:
             if layer.max_abs_reference > config.fp16_activation_max and layer.node not in kept:
                 kept[layer.node] = KeptNode(node=layer.node, op_type=layer.op_type, reason=(
-                    f"fp16 overflow risk: fp32 activations reach {layer.max_abs_reference:.4g} on the probes "
+                    f"fp16 overflow risk: fp32 activations reach {layer.max_abs_reference:.4g} on the steering samples "
                     f"(> {config.fp16_activation_max:g}; float16 max {FP16_MAX:g})"))
         if len(kept) > len(fixed):
             precision_report = _build_with_companions(actions, kept, primaries, naive_path, 0, config)
@@ -132,11 +131,12 @@ def run(precision: Precision, config: FallbackConfig, actions: Actions, out_path
     report.naive = verdict = actions.judge(naive_path)
     current = naive_path
     if verdict.passed:
-        report.status, report.reason = "not needed", "the build passes the recipe's tolerance on the probe samples"
+        report.status, report.reason = "not needed", "the build passes the recipe's tolerance on the steering samples"
     elif (actions.judge_emulated is not None and is_onnx(naive_path)
           and (emulated := actions.judge_emulated(naive_path)).passed):
         report.status, report.reason = "kernels", (
-            f"the deployed kernels fail what the graph itself passes (probe worst cosine {verdict.worst_cosine:.4f} as "
+            f"the deployed kernels fail what the graph itself passes (steering worst cosine {verdict.worst_cosine:.4f} "
+            "as "
             f"deployed, {emulated.worst_cosine:.4f} with Q/DQ emulated in float): the per-layer diagnosis cannot see "
             "it, so no layer is kept in fp32. On a CPU without VNNI the int8 kernels saturate: build with 7-bit "
             "weights (--target-cpu, or precision_options.calibration.reduce_range: true) or on another backend")
@@ -156,7 +156,7 @@ def run(precision: Precision, config: FallbackConfig, actions: Actions, out_path
 
 
 def _search(precision: Precision, config: FallbackConfig, actions: Actions, report: FallbackReport,
-            kept: dict[str, KeptNode], primaries: set[str], naive_path: Path, out_path: Path, verdict: ProbeVerdict,
+            kept: dict[str, KeptNode], primaries: set[str], naive_path: Path, out_path: Path, verdict: VariantVerdict,
             groups: dict[str, str], diagnosis: Diagnosis | None, total_flops: int,
             precision_report: PrecisionReport, limits: SearchLimits | None = None) -> tuple[Path, PrecisionReport]:
     """The measured search (precision/search.py) from the failing naive build; fills `report` and `kept`, returns the
@@ -208,14 +208,14 @@ def _search(precision: Precision, config: FallbackConfig, actions: Actions, repo
         gain = found.gains.get(unit.label)
         for node in unit.nodes:
             kept[node] = KeptNode(node=node, op_type=groups.get(node, "").split(" ")[0], reason=(
-                f"restoring {unit.label} to float took {gain:.3g} off the probes' loss (measured)"
+                f"restoring {unit.label} to float took {gain:.3g} off the steering samples' loss (measured)"
                 if gain is not None else "restored by the search"))
     chosen = found.best.path
     return chosen, reports.get(chosen, precision_report)
 
 
-def _build(path: Path, judged: ProbeVerdict) -> Build:
-    """A build as the search sees it: its path and its verdict on the probes."""
+def _build(path: Path, judged: VariantVerdict) -> Build:
+    """A build as the search sees it: its path and its verdict on the steering samples."""
     return Build(path=path, loss=judged.loss if judged.loss is not None else (0.0 if judged.passed else math.inf),
                  passed=judged.passed, failures=judged.failures, worst_cosine=judged.worst_cosine,
                  output_loss=judged.output_loss,
@@ -223,7 +223,8 @@ def _build(path: Path, judged: ProbeVerdict) -> Build:
 
 
 # A build is hopeless when, even if restoring the `max_rounds` groups of layers the per-layer diagnosis blames most
-# removed all the error they add, the probes' loss would stay this many times the gate's limit. A loss alone does not
+# removed all the error they add, the steering samples' loss would stay this many times the gate's limit. A loss alone
+# does not
 # tell: int8 that collapsed on one tensor (worst cosine < 0.5, loss > 50: the test suite's spiky CNN) put ~all its
 # added error in one group and was rescued by restoring it, while a document-layout detector's int8 (cosine 0.73-0.82
 # against 0.99, loss 18-27, on an AVX-512 VNNI EPYC) was searched for minutes per candidate and rescued nothing.
@@ -231,7 +232,7 @@ HOPELESS_REMAINING_LOSS = 3.0
 
 
 def hopeless(loss: float | None, units: Sequence, diagnosis: Diagnosis, rounds: int) -> str | None:
-    """Why no rescue of a naive build with this probe `loss` can pass, judged before any search (None: it may).
+    """Why no rescue of a naive build with this steering `loss` can pass, judged before any search (None: it may).
     `units` are ranked by the error their layers add (search.Unit, worst first)."""
     total = sum(max(layer.added_error, 0.0) for layer in diagnosis.layers)
     if loss is None or not math.isfinite(loss) or loss <= HOPELESS_REMAINING_LOSS or total <= 0:
@@ -240,16 +241,18 @@ def hopeless(loss: float | None, units: Sequence, diagnosis: Diagnosis, rounds: 
     left = loss * (1 - share)
     if left <= HOPELESS_REMAINING_LOSS:
         return None
-    return (f"its probes' loss is {loss:.3g}x the gate's limit and the {min(rounds, len(units))} layer groups the "
+    return (f"its steering samples' loss is {loss:.3g}x the gate's limit and the {min(rounds, len(units))} layer "
+            "groups the "
             f"diagnosis blames most add only {share:.0%} of the error: restoring them all would still leave about "
             f"{left:.3g}x the limit, far outside what a rescue has recovered (a rescued collapse put ~all its error in "
             "one group)")
 
 
-def stricter(tolerance: Tolerance, factor: float = PROBE_MARGIN) -> Tolerance:
+def stricter(tolerance: Tolerance, factor: float = STEERING_MARGIN) -> Tolerance:
     """The gate's numeric limits with `factor` of their slack: the search keeps, of many variants, the one that does
     best on its steering samples, so it must pass them with a margin for the held-out ones to pass too (YOLOv8n,
-    judged in-sample: probes passed, the gate's recall was 0.87). Rates are aimed by accuracy.metrics.aimed_gate."""
+    judged in-sample: steering samples passed, the gate's recall was 0.87). Rates are aimed by
+    accuracy.metrics.aimed_gate."""
     return tolerance.model_copy(update={
         "max_error": tolerance.max_error * factor, "max_sample_error": tolerance.max_sample_error * factor,
         "min_cosine": 1 - (1 - tolerance.min_cosine) * factor,

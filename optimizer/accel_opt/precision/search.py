@@ -1,40 +1,39 @@
-"""The rescue of a reduced-precision build that fails its probes: a search, judged on the task, paid for in speed.
+"""The rescue of a reduced-precision build that fails its steering samples: a search, judged on the task, paid for in
+speed.
 
 Ranking layers by the error each adds in isolation does not say what restores the output (measured: a trained
 mobile classifier's int8 fallback kept every block's worst-ranked 1x1 projection in fp32, 25% of the FLOPs, and the
-probes' cosine went from 0.9859 to 0.9855). So every decision here is measured, cheapest remedy first:
+steering samples' cosine went from 0.9859 to 0.9855). So every decision here is measured, cheapest remedy first:
 
 1. Speed first: the naive build is timed against the same backend's fp32 build on the deployed kernels. If it is
    not `min_speedup` faster, no rescue can make it pay, and the search says so instead of spending its budget.
 2. Remedies that keep every layer reduced, one build each: bias correction (each bias absorbs the mean shift of its
    rounded weights), percentile, entropy or moving-average calibration of the activations, ONNX Runtime's other
    quantizer options (the weights' granularity flipped, Relu/Clip kept explicit), then AdaRound (each layer's
-   weights rounded to fit the float model's output; minutes). A remedy that makes the build better (`better`: passing,
-   else
-   fewer changed predictions where a paired sign test separates the two builds, else a lower numeric error on every
-   probe) is adopted and the next is tried on top of it; what is adopted is the base of what follows. On the OpenVINO
-   backend NNCF's quantizer of the OpenVINO model comes last (alone, with SmoothQuant, with ChannelAlignment): another
-   quantizer, tried instead of the remedies adopted, its IR shipped if it is better. One that needs a missing package
-   is recorded as skipped, with the install line; one whose build fails (NNCF's own error) as not better.
+   weights rounded to fit the float model's output; minutes). A remedy that makes the build better (`better`:
+   passing, else fewer changed predictions where a paired sign test separates the two builds, else a lower numeric
+   error on every steering sample) is adopted and the next is tried on top of it; what is adopted is the base of what
+   follows. On the OpenVINO backend NNCF's quantizer of the OpenVINO model comes last (alone, with SmoothQuant, with
+   ChannelAlignment): another quantizer, tried instead of the remedies adopted, its IR shipped if it is better. One
+   that needs a missing package is recorded as skipped, with the install line; one whose build fails (NNCF's own error)
+   as not better.
 3. The gain of each unit (a group of same-shaped layers: the same layer of every repeated block; or the network's
    tail, its last few layers, measured first) measured when it alone is restored to float with everything else
    reduced: one build per unit (the worst `max_measured_units` by the diagnosis when there are more). Once a unit
    gains, measuring stops where the budget left would no longer cover adding one (a build and its timing, twice).
 4. Units added in the order of their measured gain (those that pass alone first, fewest FLOPs first), each kept only
-   if it lowers the loss, each timed: a unit that would take the build below `min_speedup` is not added, and the
-   search stops there.
+   if it lowers the loss, each timed: a unit that would take the build below `min_speedup` is not added, and the search
+   stops there.
 5. Once units are restored, every adopted remedy is tried without: one that helped the all-reduced build may stand in
    the way once a layer is restored, and is dropped where the build is better without it (`better` again; remedies
-   cost no speed, so one that still helps stays). Once the probes pass, every kept unit is tried without (least gain
-   first):
-   what the probes pass without is dropped.
+   cost no speed, so one that still helps stays). Once the steering samples pass, every kept unit is tried without
+   (least gain first): what the steering samples pass without is dropped.
 
-The loss is how far the probes are from passing, in units of each threshold: the largest of each output's error,
-worst-sample error, cosine and gain shortfall, and each task metric's (top-k agreement, detection recall, embedding
-cosine) against its limit; at most 1 passes. The task metric therefore decides as much as the tensors do. Every
-build, measure and decision is a step of the report, with its loss, gain, speed and seconds, so a reviewer can replay
-the search. A wall-clock budget (`time_budget_s`) bounds it; it is checked before each build.
-"""
+The loss is how far the steering samples are from passing, in units of each threshold: the largest of each output's
+error, worst-sample error, cosine and gain shortfall, and each task metric's (top-k agreement, detection recall,
+embedding cosine) against its limit; at most 1 passes. The task metric therefore decides as much as the tensors do.
+Every build, measure and decision is a step of the report, with its loss, gain, speed and seconds, so a reviewer can
+replay the search. A wall-clock budget (`time_budget_s`) bounds it; it is checked before each build."""
 
 from __future__ import annotations
 
@@ -149,7 +148,7 @@ def tail_units(layers: Sequence[str], sizes: Sequence[int], flops: dict[str, int
     remedy, and no group of same-shaped layers covers it: a repeated block's layers are spread over the network, the
     head is not. Measured, not assumed: on a trained EfficientNet-Lite0 with OpenVINO (AVX-512 VNNI), its last 10 of
     50 layers in float changed 4 held-out top-1 answers of 144 against the all-int8 build's 6 (within chance), and on
-    the search's 32 probes neither tail gained."""
+    the search's 32 steering samples neither tail gained."""
     flops = flops or {}
     return [Unit(key=f"the last {k} of {len(layers)} layers", nodes=list(layers[-k:]), tail=True,
                  flops=sum(flops.get(n, 0) for n in layers[-k:]))
@@ -162,7 +161,7 @@ class SearchStep(BaseModel):
     step: int
     kind: Literal["speed", "remedy", "calibration", "measure", "add", "drop", "stop"]  # "calibration": older folders
     what: str
-    loss: float | None = None  # the probes' loss of this build (<= 1 passes)
+    loss: float | None = None  # the steering samples' loss of this build (<= 1 passes)
     gain: float | None = None  # the loss it took away, against the build it was compared with
     passed: bool | None = None
     speedup: float | None = None  # against the same backend's fp32 build, on the deployed kernels
@@ -178,21 +177,25 @@ class Build:
     failures: list[str]
     worst_cosine: float
     output_loss: float | None = None  # the outputs' numeric part of `loss`: continuous
-    changed: frozenset[str] | None = None  # the probes whose task outcome changed (None: no metric counts them)
+    # the steering samples whose task outcome changed (None: no metric counts them)
+    changed: frozenset[str] | None = None
 
 
-# Two builds' changed predictions on the same probes decide between them only when a two-sided exact sign test on the
-# probes that changed in one build alone says the difference is not chance at this level. Measured on a trained
+# Two builds' changed predictions on the same steering samples decide between them only when a two-sided exact sign test
+# on the
+# steering samples that changed in one build alone says the difference is not chance at this level. Measured on a
+# trained
 # EfficientNet-Lite0: AdaRound on top of bias correction + percentile changed 2 of 32 steering crops against their 0
 # (p = 0.5) and was rejected on that, while on 144 held-out crops it changed 7 against 13, its logit error 2.1x lower.
 SIGN_TEST_LEVEL = 0.05
 
 
 def better(tried: Build, base: Build) -> tuple[bool, str]:
-    """Whether `tried` is a better build than `base` on the same probes, and on what. Passing beats failing; then the
-    task outcome, paired (which probes changed in one build and not the other), where the sign test separates the
-    two; otherwise the outputs' numeric loss, which moves with every probe (a remedy changes the whole graph a little:
-    its few flipped near-ties say less than its error on all the probes). Without those measures: the loss."""
+    """Whether `tried` is a better build than `base` on the same steering samples, and on what. Passing beats failing;
+    then the task outcome, paired (which steering samples changed in one build and not the other), where the sign test
+    separates the two; otherwise the outputs' numeric loss, which moves with every steering sample (a remedy changes the
+    whole graph a little: its few flipped near-ties say less than its error on all the steering samples). Without those
+    measures: the loss."""
     if tried.passed != base.passed:
         return tried.passed, "passes" if tried.passed else "fails"
     if tried.changed is None or base.changed is None or tried.output_loss is None or base.output_loss is None:
@@ -292,7 +295,8 @@ def search(naive: Build, units: Sequence[Unit], actions: SearchActions, work: Pa
         if adopt:
             base, adopted = tried, trial
         if tried.passed:
-            return result("rescued", f"the probes pass with every layer reduced, with {' and '.join(adopted)}", tried,
+            return result("rescued",
+                          f"the steering samples pass with every layer reduced, with {' and '.join(adopted)}", tried,
                           [], adopted)
     overrides = _merged(adopted) or None
 
@@ -317,7 +321,8 @@ def search(naive: Build, units: Sequence[Unit], actions: SearchActions, work: Pa
         record("measure", f"restore {unit.label} alone", alone, gain=gain, started=started,
                decision="gains" if gain > 0 else "no gain")
         measured.append((gain, unit, alone.passed))
-    # The units that pass alone first, cheapest first: on a few dozen probes one flipped near-tie can be what fails,
+    # The units that pass alone first, cheapest first: on a few dozen steering samples one flipped near-tie can be what
+    # fails,
     # and then most units pass alone, their gains apart only by their numeric error, which the unit with the most
     # FLOPs lowers most (measured on EfficientNet-Lite0 with AdaRound: 24 of 32 units passed alone; the four 1152x192
     # 1x1 convs, taken by gain, left the build at 1.37x fp32's speed; one 240-channel 3x3 depthwise conv, taken
@@ -392,13 +397,14 @@ def search(naive: Build, units: Sequence[Unit], actions: SearchActions, work: Pa
             record("drop", f"without {unit.label}", tried, started=started, decision="dropped: passes without it")
         else:
             record("drop", f"without {unit.label}", tried, started=started, decision="kept: needed")
-    return result("rescued", f"passes the probes with {len(kept)} unit(s) ({len(_nodes(kept))} layers) restored"
+    return result("rescued",
+                  f"passes the steering samples with {len(kept)} unit(s) ({len(_nodes(kept))} layers) restored"
                   + (f" with {' and '.join(adopted)}" if adopted else ""), current, kept, adopted, gains)
 
 
 def _alongside(trial: dict[str, dict], adopted: dict[str, dict], name: str) -> str:
-    """What a remedy's build holds besides it: the adopted remedies it kept (with) and those it replaced (instead
-    of)."""
+    """What a remedy's build holds besides it: the adopted remedies it kept (with) and those it replaced (instead of).
+    """
     kept = [n for n in trial if n != name]
     replaced = [n for n in adopted if n not in trial]
     parts = ([f"with {', '.join(kept)}"] if kept else []) + ([f"instead of {', '.join(replaced)}"] if replaced else [])

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, model_validator
 
@@ -128,8 +128,17 @@ NNCF_REPLACES: dict[str, object] = {
 
 class FallbackConfig(_Strict):
     """Accuracy-driven fallback for int8/fp16/bf16: when the reduced build fails the recipe's tolerance and task
-    metrics on the probe samples, a measured search (other calibrations, then groups of layers restored to float in
+    metrics on the steering samples, a measured search (other calibrations, then groups of layers restored to float in
     the order of their measured gain) looks for a build that passes while it still pays in speed."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _earlier_names(cls, data: Any) -> Any:
+        """`probe_samples`, the key's earlier name, still read; where an `extends:` base gives `steering_samples` too,
+        the recipe's own `probe_samples` wins (the bundled recipes say `steering_samples`)."""
+        if isinstance(data, dict) and "probe_samples" in data:
+            data = {k: v for k, v in data.items() if k != "probe_samples"} | {"steering_samples": data["probe_samples"]}
+        return data
 
     enabled: bool = True
     max_rounds: int = Field(default=8, ge=1)  # groups of layers added to the float set, at most
@@ -147,14 +156,15 @@ class FallbackConfig(_Strict):
     tail_layers: list[Annotated[int, Field(ge=1)]] = Field(default_factory=lambda: [4, 10])  # []: none
     # An optional cap on the Conv/MatMul/Gemm FLOPs left in float; the speed budget decides by default.
     max_fp32_flops_fraction: float = Field(default=1.0, gt=0, le=1)
-    # The first steering samples (at most accuracy.split.max_steering, 32), judged for every variant of the search.
-    # All 32: aimed at what the held-out verdict certifies, the probes may show no change, and a build changing 5% of
-    # its answers shows none on 16 samples 44% of the time (0.95^16), on 32 19%. Measured on EfficientNet-Lite0 with
-    # OpenVINO (AVX-512 VNNI): the search stopped at 91.7% held-out top-1 agreement on 16 probes, 95.1% on 32.
-    probe_samples: int = Field(default=32, ge=1)
-    diagnosis_samples: int = Field(default=4, ge=1)  # the first probes, run layer by layer (the costly part)
-    # fp16: nodes whose fp32 activations exceed this on a probe sample stay fp32 before any build is judged
-    # (float16 holds at most 65504; the margin covers inputs larger than the probes).
+    # The first steering samples (at most accuracy.split.max_steering, 32), judged for every variant of the search
+    # (`probe_samples`: the key's earlier name, still read). All 32: aimed at what the held-out verdict certifies, they
+    # may show no change, and a build changing 5% of its answers shows none on 16 samples 44% of the time (0.95^16),
+    # on 32 19%. Measured on EfficientNet-Lite0 with OpenVINO (AVX-512 VNNI): the search stopped at 91.7% held-out
+    # top-1 agreement on 16 steering samples, 95.1% on 32.
+    steering_samples: int = Field(default=32, ge=1)
+    diagnosis_samples: int = Field(default=4, ge=1)  # the first steering samples, run layer by layer (the costly part)
+    # fp16: nodes whose fp32 activations exceed this on a steering sample stay fp32 before any build is judged
+    # (float16 holds at most 65504; the margin covers inputs larger than the steering samples).
     fp16_activation_max: float = Field(default=8192.0, gt=0, le=65504)
 
 

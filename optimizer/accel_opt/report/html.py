@@ -155,13 +155,13 @@ def _fallback(build: dict) -> str:
     fb = build.get("fallback")
     if not fb or fb["status"] == "disabled" or not fb.get("naive"):
         return ""
-    slack = "" if fb.get("probe_slack", 1) == 1 else f" at {fb['probe_slack']:.0%} of their slack"
+    slack = "" if fb.get("steering_slack", 1) == 1 else f" at {fb['steering_slack']:.0%} of their slack"
     remedies = fb.get("remedies") or ([f"{fb['calibration']} calibration"] if fb.get("calibration") else [])  # older
     calibration = f"; remedies adopted: {escape(', '.join(remedies))}" if remedies else ""
     out = [f"<h2>Fallback (measured search): {escape(fb['status'])}</h2>",
            f"<p>{escape(fb['reason'])}. Judged with the gate's tolerance and task metrics{slack} on "
-           f"{fb['probe_samples']} "
-           f"{escape(fb['probe_source'])}; searched {fb.get('search_seconds', 0):.0f} s of a "
+           f"{fb['steering_samples']} "
+           f"{escape(fb['steering_source'])}; searched {fb.get('search_seconds', 0):.0f} s of a "
            f"{fb.get('time_budget_s', 0):.0f} s "
            f"budget, at least {fb.get('min_speedup', 0):.2f}x the fp32 build's speed; {fb['fp32_flops_fraction']:.1%} "
            "of "
@@ -255,7 +255,8 @@ def _benchmark(bench: dict) -> str:
     if eff:
         out.append("<h3>Efficiency</h3>"
                    + f"<p>{eff['gflop_per_sample']:.3g} GFLOP per sample, {eff['weight_mib']:.3g} MiB of "
-                   f"weights; in this run the fp32 GEMM probe ran {eff['fp32_ceiling_gflops']:.0f} GFLOP/s and memory "
+                   f"weights; in this run the fp32 GEMM measurement ran {eff['fp32_ceiling_gflops']:.0f} GFLOP/s and "
+                   "memory "
                    f"{eff['memory_gib_per_s']:.1f} GiB/s; {escape(eff['precision_note'])}.</p>" + _table(
                        ["batch", "achieved GFLOP/s", "of the fp32 ceiling", "FLOP/byte", "bound"],
                        [[b["batch_size"], f"{b['achieved_gflops']:.1f}", f"{b['fraction_of_fp32_ceiling']:.0%}",

@@ -199,18 +199,20 @@ def fallback_markdown(fallback: FallbackReport, bench: BenchmarkReport | None) -
               if fallback.time_budget_s else f"budget {fallback.max_rounds} rounds")
     out = ["## Fallback (measured search)", "",
            f"**{fallback.status}**: {fallback.reason}. Judged with the gate's tolerance and task metrics"
-           f"{'' if fallback.probe_slack == 1 else f' at {fallback.probe_slack:.0%} of their slack'} on "
-           f"{fallback.probe_samples} {fallback.probe_source}; {budget}; searched {fallback.search_seconds:.0f} s; "
+           f"{'' if fallback.steering_slack == 1 else f' at {fallback.steering_slack:.0%} of their slack'} on "
+           f"{fallback.steering_samples} {fallback.steering_source}; {budget}; "
+           f"searched {fallback.search_seconds:.0f} s; "
            f"{fallback.fp32_flops_fraction:.1%} of the Conv/MatMul/Gemm FLOPs in float"
            + (f"; remedies adopted: {', '.join(fallback.remedies)}" if fallback.remedies else "") + ".", ""]
     if fallback.naive is None:
         return out
-    out.append(f"The naive build: worst cosine {fallback.naive.worst_cosine:.6f}, probes "
+    out.append(f"The naive build: worst cosine {fallback.naive.worst_cosine:.6f}, steering samples "
                f"{'pass' if fallback.naive.passed else 'FAIL'}" + (f" (loss {fallback.naive.loss:.3g}: 1 is the limit)"
                                                                   if fallback.naive.loss is not None else "")
                + (f": {'; '.join(fallback.naive.failures)}" if fallback.naive.failures else "") + ".")
     if fallback.steps:
-        out += ["", "Every step of the search, in order (loss: how far the probes are from passing, 1 at the limit; "
+        out += ["", "Every step of the search, in order (loss: how far the steering samples are from passing, 1 at the "
+                    "limit; "
                 "gain: the loss it took away; speed-up: against the fp32 build on the deployed kernels):", ""]
         out.append(_table(["step", "kind", "what", "loss", "gain", "speed-up", "seconds", "decision"],
                           [[str(s.step), s.kind, s.what, "-" if s.loss is None else _error(s.loss),
@@ -317,7 +319,7 @@ def benchmark_markdown(model_name: str, bench: BenchmarkReport) -> str:
         eff = bench.efficiency
         out += ["", f"Efficiency: {eff.gflop_per_sample:.3g} GFLOP and {eff.io_mib_per_sample:.3g} MiB of "
                     "inputs/outputs per "
-                f"sample, {eff.weight_mib:.3g} MiB of weights; host probes in this run: fp32 GEMM "
+                f"sample, {eff.weight_mib:.3g} MiB of weights; host measurements in this run: fp32 GEMM "
                 f"{eff.fp32_ceiling_gflops:.0f} "
                 f"GFLOP/s, memory copy {eff.memory_gib_per_s:.1f} GiB/s (balance {eff.machine_balance:.0f} FLOP/byte); "
                 f"{eff.precision_note}.", ""]

@@ -1,7 +1,6 @@
 """`--precision auto`'s report, as data: each candidate's record (its steering and held-out verdicts, its runoff
 timings, where its build's minutes went), the progress record and the selection (builder/choice.py chooses,
-builder/auto.py
-builds the candidates)."""
+builder/auto.py builds the candidates)."""
 
 from __future__ import annotations
 

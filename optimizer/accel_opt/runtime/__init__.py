@@ -367,8 +367,8 @@ def _config_problem(config: ResourceConfig, listed: dict[str, str], policy: Trus
 
 
 def _backend_of(config: ResourceConfig, cpu: CpuProfile):
-    """The backend as the build ran it (a GPU EP recorded there, or the torch package's device, is required here
-    too)."""
+    """The backend as the build ran it (a GPU EP recorded there, or the torch package's device, is required here too).
+    """
     return get_backend(config.backend, providers=config.settings.get("providers_requested"),
                        allow_cpu_nodes=config.settings.get("cpu_ep_fallback") == "allowed", device=config.device,
                        cpu=cpu)

@@ -21,10 +21,10 @@ def list_inputs(items: Iterable[str | os.PathLike], exclude: Path | None = None,
                 texts: bool = False) -> list[str]:
     """The one input-listing rule of both engines (`accel-opt run` and `--engine ray`): files as given; folders
     recursively, as their image and .npz files (`texts`: their text files), sorted by path; globs (`**` too) expanded;
-    URIs (file://, s3://,
-    gs://: any file system pyarrow reads) listed through pyarrow. A path that matches nothing stays in the list,
-    to be rejected as not found. Files under `exclude` (an output folder) are left out. Without `remote`, a URI
-    of another file system than file:// is a usage error (the local engine reads files on this machine only)."""
+    URIs (file://, s3://, gs://: any file system pyarrow reads) listed through pyarrow. A path that matches nothing
+    stays in the list, to be rejected as not found. Files under `exclude` (an output folder) are left out. Without
+    `remote`, a URI of another file system than file:// is a usage error (the local engine reads files on this machine
+    only)."""
     listed: list[str] = []
     for item in items:
         text = str(item)

@@ -37,15 +37,15 @@ from accel_opt.backends.tensorrt.build_config import ShapeRange
 from accel_opt.errors import Unsupported
 from accel_opt.files import install_line
 from accel_opt.machine import gpu as cuda_device
-from accel_opt.machine.gpu import CudaDevice, CudaProbe
+from accel_opt.machine.gpu import CudaDevice, CudaDevices
 from accel_opt.recipe.schema import Recipe
 from accel_opt.recipe.types import Precision
 from tests.conftest import matmul_model, save
 
 ROOT = Path(__file__).resolve().parents[3]
 INSTALL_HINT = f"pip uninstall -y onnxruntime && {install_line('gpu')}"
-NO_GPU = CudaProbe((), None, "no NVIDIA GPU: no /dev/nvidia* device and no nvidia-smi (no NVIDIA driver)")
-H200 = CudaProbe((CudaDevice(0, "NVIDIA H200", "9.0", 143771),), "12.8")
+NO_GPU = CudaDevices((), None, "no NVIDIA GPU: no /dev/nvidia* device and no nvidia-smi (no NVIDIA driver)")
+H200 = CudaDevices((CudaDevice(0, "NVIDIA H200", "9.0", 143771),), "12.8")
 CPU_BUILD = ["AzureExecutionProvider", CPU_PROVIDER]
 GPU_BUILD = [TENSORRT_PROVIDER, CUDA_PROVIDER, CPU_PROVIDER]
 
@@ -128,31 +128,31 @@ def test_cpu_sessions_are_unchanged(mlp):
     assert compiled.device == "cpu" and "execution_provider" not in compiled.settings and not compiled.extra_files
 
 
-# --- availability reasons (the probe and the build's provider list injected; nothing is run) --------
+# --- availability reasons (the GPUs seen and the build's provider list injected; nothing is run) --------
 
-@pytest.mark.parametrize(("probe", "available", "ok", "says", "hint"), [
+@pytest.mark.parametrize(("gpus", "available", "ok", "says", "hint"), [
     (NO_GPU, CPU_BUILD, False, "needs an NVIDIA GPU: no NVIDIA GPU", True),
     (H200, CPU_BUILD, False, "is not in this onnxruntime build (1.32.0", True),
-    # onnxruntime-gpu lists CUDA without a GPU (ORT #17394): the device probe decides, not the list.
+    # onnxruntime-gpu lists CUDA without a GPU (ORT #17394): the devices seen decide, not the list.
     (NO_GPU, GPU_BUILD, False, "needs an NVIDIA GPU: no NVIDIA GPU", False),
     (H200, GPU_BUILD, True, "", False),
 ])
-def test_availability_asks_for_a_device_before_trusting_the_provider_list(probe, available, ok, says, hint):
+def test_availability_asks_for_a_device_before_trusting_the_provider_list(gpus, available, ok, says, hint):
     for provider in (CUDA_PROVIDER, TENSORRT_PROVIDER):
-        result = provider_availability(provider, probe=probe, available=available, version="1.32.0")
+        result = provider_availability(provider, gpus=gpus, available=available, version="1.32.0")
         assert bool(result) is ok and says in result.reason and (INSTALL_HINT in result.reason) is hint
         assert "\n" not in result.reason
 
 
 def test_unknown_providers_are_named():
-    reason = provider_availability("OpenVINOExecutionProvider", probe=H200, available=GPU_BUILD, version="1.32").reason
+    reason = provider_availability("OpenVINOExecutionProvider", gpus=H200, available=GPU_BUILD, version="1.32").reason
     assert "'OpenVINOExecutionProvider' is not supported" in reason and CUDA_PROVIDER in reason
 
 
 def test_precision_support_per_provider(monkeypatch):
     assert not OnnxRuntimeBackend().supports(Precision.bf16)
     assert "int8" in OnnxRuntimeBackend([CUDA_PROVIDER]).supports(Precision.int8).reason
-    t4 = CudaProbe((CudaDevice(0, "Tesla T4", "7.5", 15360),), "12.8")
+    t4 = CudaDevices((CudaDevice(0, "Tesla T4", "7.5", 15360),), "12.8")
     monkeypatch.setattr(ort_gpu, "cuda_devices", lambda: t4)
     monkeypatch.setattr(cuda_device, "cuda_devices", lambda: t4)  # the precision check both GPU backends share
     trt = OnnxRuntimeBackend([TENSORRT_PROVIDER])

@@ -38,7 +38,7 @@ from accel_opt.errors import InputRejected, InternalError, ResourceExhausted, Us
 from accel_opt.files import install_line
 from accel_opt.graph.inspect import TensorSpec
 from accel_opt.machine.cpu import CpuProfile
-from accel_opt.machine.gpu import CudaDevice, CudaProbe
+from accel_opt.machine.gpu import CudaDevice, CudaDevices
 from accel_opt.recipe.schema import Recipe
 from accel_opt.recipe.types import BackendName, Precision
 
@@ -251,19 +251,19 @@ def test_get_backend_refuses_tensorrt_in_one_line_without_importing_it():
 
 
 def test_availability_reasons_follow_the_probe(monkeypatch):
-    """The decision order, with the device probe's answer injected (no GPU is faked into a result)."""
+    """The decision order, with the devices seen injected (no GPU is faked into a result)."""
     from accel_opt.machine import gpu as cuda_device
 
-    monkeypatch.setattr(trt_backend, "cuda_devices", lambda: CudaProbe((), None, "no NVIDIA driver library"))
+    monkeypatch.setattr(trt_backend, "cuda_devices", lambda: CudaDevices((), None, "no NVIDIA driver library"))
     reason = trt_backend.TensorRtBackend().available().reason
     assert reason.startswith("no NVIDIA driver library; TensorRT needs an NVIDIA GPU")
     if trt_backend.importlib.util.find_spec("tensorrt") is None:
-        gpu = CudaProbe((CudaDevice(0, "NVIDIA L4", "8.9", 23034),), "12.8")
+        gpu = CudaDevices((CudaDevice(0, "NVIDIA L4", "8.9", 23034),), "12.8")
         monkeypatch.setattr(trt_backend, "cuda_devices", lambda: gpu)
         monkeypatch.setattr(cuda_device, "cuda_devices", lambda: gpu)
         assert trt_backend.TensorRtBackend().available().reason.startswith("tensorrt is not installed: pip install")
         assert trt_backend.TensorRtBackend().supports(Precision.bf16)  # L4 (8.9) has bf16 tensor cores
-        old = CudaProbe((CudaDevice(0, "Tesla T4", "7.5", 15360),), "12.8")
+        old = CudaDevices((CudaDevice(0, "Tesla T4", "7.5", 15360),), "12.8")
         monkeypatch.setattr(trt_backend, "cuda_devices", lambda: old)
         monkeypatch.setattr(cuda_device, "cuda_devices", lambda: old)  # the precision check both GPU backends share
         assert "no bf16 tensor cores" in trt_backend.TensorRtBackend().supports(Precision.bf16).reason

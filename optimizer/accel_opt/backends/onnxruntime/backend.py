@@ -159,11 +159,11 @@ def _strict_refusal(path: Path, provider: str, threads: int, optimize: bool,
     """Why ORT refused the strict session, in one line: the EP did not load, or it leaves nodes to the
     CPU EP (which, named by op, a second session with CPU nodes allowed tells)."""
     try:
-        probe = open_session(path, provider, threads, optimize, None, provider_options, allow_cpu_nodes=True)
+        session = open_session(path, provider, threads, optimize, None, provider_options, allow_cpu_nodes=True)
     except Unsupported as exc:
         return str(exc)
-    counts, ops = nodes_by_provider(probe) or {}, ops_by_provider(probe, CPU_PROVIDER)
-    del probe
+    counts, ops = nodes_by_provider(session) or {}, ops_by_provider(session, CPU_PROVIDER)
+    del session
     on_cpu = f"{counts[CPU_PROVIDER]} node(s)" if CPU_PROVIDER in counts else "some nodes"
     if ops:
         on_cpu += f" ({', '.join(ops)})"

@@ -32,7 +32,7 @@ import numpy as np
 
 from accel_opt.backends.base import INSTALL
 from accel_opt.machine.gpu import (
-    CudaProbe,
+    CudaDevices,
     cuda_devices,
     gpu_precision_support,  # noqa: F401 - onnxruntime.py takes it from here
 )
@@ -61,11 +61,11 @@ def is_gpu_provider(provider: str) -> bool:
     return provider in GPU_PROVIDERS
 
 
-def provider_availability(provider: str, probe: CudaProbe | None = None,
+def provider_availability(provider: str, gpus: CudaDevices | None = None,
                           available: list[str] | None = None, version: str | None = None) -> Availability:
     """Whether `provider` can run here, with a one-line reason when not. A CUDA device is looked for
     before the build's provider list is believed (onnxruntime-gpu lists CUDA without a GPU).
-    `probe`, `available` and `version` default to this machine (injected in tests)."""
+    `gpus`, `available` and `version` default to this machine (injected in tests)."""
     if provider == CPU_PROVIDER:
         return Availability(True)
     if provider not in GPU_PROVIDERS:
@@ -78,12 +78,12 @@ def provider_availability(provider: str, probe: CudaProbe | None = None,
             return Availability(False, f"onnxruntime is not installed: {ORT_GPU_INSTALL}")
         available = list(ort.get_available_providers()) if available is None else available
         version = ort.__version__ if version is None else version
-    probe = cuda_devices() if probe is None else probe
+    gpus = cuda_devices() if gpus is None else gpus
     cpu_build = provider not in available
     build_note = (f"; and onnxruntime {version} is the CPU build (providers: {', '.join(available)}): {ORT_GPU_INSTALL}"
                   if cpu_build else "")
-    if not probe:
-        return Availability(False, f"{provider} needs an NVIDIA GPU: {probe.reason}{build_note}")
+    if not gpus:
+        return Availability(False, f"{provider} needs an NVIDIA GPU: {gpus.reason}{build_note}")
     if cpu_build:
         return Availability(False, f"{provider} is not in this onnxruntime build ({version}, providers: "
                                    f"{', '.join(available)}): {ORT_GPU_INSTALL}")
@@ -227,11 +227,11 @@ class TrtEpCache:
 
 
 def gpu_facts() -> dict[str, Any]:
-    probe = cuda_devices()
-    device = probe.devices[0] if probe else None
+    gpus = cuda_devices()
+    device = gpus.devices[0] if gpus else None
     return {"gpu_name": device.name if device else None,
             "compute_capability": device.compute_capability if device else None,
-            "cuda_driver_version": probe.driver_cuda_version}
+            "cuda_driver_version": gpus.driver_cuda_version}
 
 
 def trt_cache_mismatch(recorded: dict[str, Any], here: dict[str, Any]) -> str | None:

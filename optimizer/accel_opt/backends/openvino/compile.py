@@ -1,6 +1,6 @@
 """OpenVINO's compile layer: precision hints and what the CPU supports, reading and compiling a model (static or
-dynamic shapes), and reading back which precision each layer really runs, so what ran is recorded, not what was
-asked."""
+dynamic shapes), and reading back which precision each layer really runs, so what ran is recorded, not what was asked.
+"""
 
 from __future__ import annotations
 

@@ -95,12 +95,12 @@ def _driver_version() -> str | None:
 def here_facts() -> dict[str, Any]:
     """What an engine depends on, for this machine: GPU 0, its driver, the TensorRT installed (imported
     only when a GPU was found). Keys as trt_plan.ENGINE_FACTS."""
-    probe = cuda_devices()
+    gpus = cuda_devices()
     facts: dict[str, Any] = {"gpu_name": None, "compute_capability": None, "tensorrt_version": None,
-                             "cuda_driver_version": probe.driver_cuda_version, "driver_version": None}
-    if not probe:
+                             "cuda_driver_version": gpus.driver_cuda_version, "driver_version": None}
+    if not gpus:
         return facts
-    device = probe.devices[0]
+    device = gpus.devices[0]
     facts.update(gpu_name=device.name, compute_capability=device.compute_capability, gpu_memory_mib=device.memory_mib,
                  driver_version=_driver_version())
     if importlib.util.find_spec("tensorrt") is not None:
@@ -168,10 +168,10 @@ class TensorRtBackend:
         self._runners: weakref.WeakSet = weakref.WeakSet()
 
     def available(self) -> Availability:
-        probe = cuda_devices()  # no TensorRT import before a GPU is known to be there
-        if not probe:
+        gpus = cuda_devices()  # no TensorRT import before a GPU is known to be there
+        if not gpus:
             return Availability(False,
-                                f"{probe.reason}; TensorRT needs an NVIDIA GPU and driver, then {TENSORRT_INSTALL}")
+                                f"{gpus.reason}; TensorRT needs an NVIDIA GPU and driver, then {TENSORRT_INSTALL}")
         if importlib.util.find_spec("tensorrt") is None:
             return Availability(False, f"tensorrt is not installed: {TENSORRT_INSTALL}")
         try:

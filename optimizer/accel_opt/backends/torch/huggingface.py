@@ -127,9 +127,8 @@ class HfFolder:
 
     def image_preprocessing(self) -> dict[str, Any]:
         """The image processor's settings as the recipe's preprocessing: resize the shorter side, centre-crop,
-        normalize.
-        A processor that resizes to a fixed height x width (ViT) is taken as a square crop of that size: the fp32
-        reference and every candidate see the same pixels, so the gate judges like with like."""
+        normalize. A processor that resizes to a fixed height x width (ViT) is taken as a square crop of that size: the
+        fp32 reference and every candidate see the same pixels, so the gate judges like with like."""
         processor = _json(self.path / "preprocessor_config.json") or {}
         size, crop_size = processor.get("size") or 224, processor.get("crop_size") or {}
         side = size if isinstance(size, int) else size.get("shortest_edge") or size.get("height") or 224

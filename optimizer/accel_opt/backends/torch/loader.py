@@ -4,9 +4,7 @@ The C++ loader unpacks the package into a new folder under the temporary folder 
 random characters) and removes it when the loaded model is freed; when the load fails (a package of another torch,
 a broken library), nothing removes it, and each failed `run` left one behind (measured with torch 2.13: the folder
 stays after the loader's exception). So the loader unpacks into a folder of ours (mode 0700, from `tempfile.mkdtemp`),
-removed when
-the load fails and when the loaded model is freed.
-"""
+removed when the load fails and when the loaded model is freed."""
 
 from __future__ import annotations
 

@@ -50,7 +50,7 @@ TORCH_CUDA_HINT = ("install a CUDA build of torch on a machine with an NVIDIA GP
 
 def require_cuda(torch: Any, device: str = "cuda") -> None:
     """Unsupported (exit 4) naming what is missing when torch cannot run on `device`: a CPU-only torch
-    build, no GPU or driver (machine/gpu.py's probe says which), or a device index beyond those visible."""
+    build, no GPU or driver (machine/gpu.py's gpus says which), or a device index beyond those visible."""
     if torch.cuda.is_available():
         index = torch.device(device).index or 0
         if index >= torch.cuda.device_count():
@@ -60,11 +60,11 @@ def require_cuda(torch: Any, device: str = "cuda") -> None:
     from accel_opt.machine.gpu import cuda_devices
 
     build = "a CPU-only build" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}"
-    probe = cuda_devices()
-    if not probe:
-        seen = probe.reason
+    gpus = cuda_devices()
+    if not gpus:
+        seen = gpus.reason
     else:
-        seen = (f"the driver sees {probe.devices[0].name} (driver supports CUDA {probe.driver_cuda_version}) but "
+        seen = (f"the driver sees {gpus.devices[0].name} (driver supports CUDA {gpus.driver_cuda_version}) but "
                 "torch cannot use it")
     raise Unsupported(f"PyTorch on {device}: torch.cuda.is_available() is False: torch {torch.__version__} is {build}; "
                       f"{seen}; {TORCH_CUDA_HINT}")

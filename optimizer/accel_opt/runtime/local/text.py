@@ -4,13 +4,12 @@ Padding every text to the longest allowed length spends most of a corpus of shor
 reads `text.sort_window` texts ahead, tokenizes them in one call (the Rust tokenizer runs the batch in parallel),
 sorts them by token count, and runs batches that grow to the token budget (`Padding.plan`), each padded only to its
 own longest text (or the next `text.length_buckets` length where the backend compiles per shape). The answers are
-written back in input order, one write per window, so memory
-stays bounded by the window and the output reads as if no sorting happened. The gate checked exactly this: the
-candidate on padded batches against the reference on each text alone.
+written back in input order, one write per window, so memory stays bounded by the window and the output reads as if no
+sorting happened. The gate checked exactly this: the candidate on padded batches against the reference on each text
+alone.
 
 Batches are answered by runtime.answer.answer_texts, the one answering function of both engines (this job and the Ray
-actors).
-"""
+actors)."""
 
 from __future__ import annotations
 

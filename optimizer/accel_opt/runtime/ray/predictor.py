@@ -190,8 +190,8 @@ class Predictor:
         return f.name
 
     def _infer(self, batch: list[tuple[str, dict]]) -> list[tuple[dict[str, Any], bytes | None] | str]:
-        """Each input's (record, .npz bytes or None), or the reason it failed; a failed batch is retried input by
-        input."""
+        """Each input's (record, .npz bytes or None), or the reason it failed; a failed batch is retried input by input.
+        """
         from accel_opt.runtime.answer import infer_batch
 
         try:

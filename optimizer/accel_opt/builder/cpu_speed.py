@@ -3,8 +3,7 @@
 A flag table said "int8: none faster" on an AVX2-only Zen 3 where a ResNet-50-layout int8 build ran 1.92x faster
 than fp32 on ONNX Runtime; VNNI, AMX and the runtimes' kernels decide together, so the doctor times a small
 convolutional network (a ResNet block stack at 112x112, batch 8; ~10 s in all) in each precision, interleaved, once
-per CPU and tool versions, and caches the ratios in the user's cache (~/.cache/accel-opt/cpu-probe/).
-"""
+per CPU and tool versions, and caches the ratios in the user's cache (~/.cache/accel-opt/cpu-speed/)."""
 
 from __future__ import annotations
 
@@ -23,22 +22,22 @@ from accel_opt.machine.cpu import CpuProfile, available_cpus
 
 log = logging.getLogger(__name__)
 
-PROBE_FORMAT = 1
+CACHE_FORMAT = 1
 FASTER_ABOVE = 1.15  # a precision counts as faster than fp32 when its p50 is at least this much lower
 ROUNDS, CALLS = 3, 8  # interleaved rounds x timed calls per variant
 BATCH = 8
-PROBE_SIZE = 112  # pixels: convolutions large enough that the kernels, not the call overhead, dominate
+IMAGE_SIZE_PX = 112  # pixels: convolutions large enough that the kernels, not the call overhead, dominate
 
 
 def _cache_path(cpu: CpuProfile) -> Path:
-    identity = json.dumps({"cpu": cpu.record(), "tools": tool_versions(), "format": PROBE_FORMAT},
+    identity = json.dumps({"cpu": cpu.record(), "tools": tool_versions(), "format": CACHE_FORMAT},
                           sort_keys=True)
-    return user_cache_dir("cpu-probe") / f"{hashlib.sha256(identity.encode()).hexdigest()[:24]}.json"
+    return user_cache_dir("cpu-speed") / f"{hashlib.sha256(identity.encode()).hexdigest()[:24]}.json"
 
 
 def speedups(cpu: CpuProfile, refresh: bool = False) -> dict[str, dict[str, float]]:
-    """{backend: {precision: fp32 p50 / precision p50}} measured on this CPU, whose profile is `cpu` (cached;
-    `refresh` measures again)."""
+    """{backend: {precision: fp32 p50 / precision p50}} measured on this CPU, whose profile is `cpu` (cached; `refresh`
+    measures again)."""
     path = _cache_path(cpu)
     if not refresh:
         try:
@@ -51,7 +50,7 @@ def speedups(cpu: CpuProfile, refresh: bool = False) -> dict[str, dict[str, floa
         write_json(path, {"cpu_class": cpu.cpu_class, "measured_utc": now_utc(),
                                     "speedups": measured})
     except OSError as exc:  # a read-only home: measured, not remembered
-        log.warning("could not cache the CPU probe: %s", exc)
+        log.warning("could not cache the CPU speed measurement: %s", exc)
     return measured
 
 
@@ -70,12 +69,13 @@ def _measure(cpu: CpuProfile) -> dict[str, dict[str, float]]:
 
     threads = available_cpus()
     rng = np.random.default_rng(0)
-    feed = {"image": rng.standard_normal((BATCH, 3, PROBE_SIZE, PROBE_SIZE), dtype=np.float32)}
-    calibration = [{"image": rng.standard_normal((1, 3, PROBE_SIZE, PROBE_SIZE), dtype=np.float32)} for _ in range(8)]
+    feed = {"image": rng.standard_normal((BATCH, 3, IMAGE_SIZE_PX, IMAGE_SIZE_PX), dtype=np.float32)}
+    calibration = [{"image": rng.standard_normal((1, 3, IMAGE_SIZE_PX, IMAGE_SIZE_PX), dtype=np.float32)}
+                   for _ in range(8)]
     runs: dict[tuple[str, str], object] = {}
-    with tempfile.TemporaryDirectory(prefix="accel-opt-cpu-probe-") as tmp_name:
+    with tempfile.TemporaryDirectory(prefix="accel-opt-cpu-speed-") as tmp_name:
         tmp = Path(tmp_name)
-        fp32 = zoo.save(zoo.resnet(layout=(1, 1), width=64, num_classes=10, image_size=PROBE_SIZE, seed=0),
+        fp32 = zoo.save(zoo.resnet(layout=(1, 1), width=64, num_classes=10, image_size=IMAGE_SIZE_PX, seed=0),
                         tmp / "fp32.onnx")
         int8 = {}
         for backend in ("onnxruntime", "openvino"):
