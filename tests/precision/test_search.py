@@ -4,11 +4,16 @@ torch backend's in tests/backends/torch/test_torch_package.py, and benchmarks/re
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from pathlib import Path
 
+import pytest
+
 from accel_opt.precision.callbacks import SearchActions
-from accel_opt.precision.search import Build, Remedy, Unit, better, int8_remedies, search, tail_units
+from accel_opt.precision.remedies import REMEDIES as REGISTRY
+from accel_opt.precision.remedies import REMEDY_KEYS, ModelSize, Planned, plan
+from accel_opt.precision.search import LOOP_SHARE, Build, Unit, better, search, tail_units
 from accel_opt.recipe.stages import CalibrationConfig
 
 UNITS = [Unit("Conv 16x16x1x1", ["p1", "p2", "p3"], flops=300, added_error=9.0),  # the diagnosis blames it most...
@@ -106,7 +111,11 @@ BIAS = ("precision_options.calibration.bias_correction", True)
 PERCENTILE = ("precision_options.calibration.method", "percentile")
 ENTROPY = ("precision_options.calibration.method", "entropy")
 NOT_AVERAGED = ("precision_options.calibration.moving_average", False)
-REMEDIES = int8_remedies(CalibrationConfig())
+REMEDIES = plan(CalibrationConfig())
+
+
+def _named(*names: str) -> list[Planned]:
+    return [r for r in REMEDIES if r.name in names]
 
 
 def test_a_remedy_that_passes_ends_the_search_before_any_layer_leaves_int8(tmp_path):
@@ -114,7 +123,8 @@ def test_a_remedy_that_passes_ends_the_search_before_any_layer_leaves_int8(tmp_p
     found = _run(model, tmp_path, remedies=REMEDIES)
     assert found.status == "rescued" and list(found.remedies) == ["percentile calibration"] and found.kept == []
     assert [(s.kind, s.decision.split(":")[0]) for s in found.steps] == [
-        ("speed", "fast enough to search"), ("remedy", "not better"), ("remedy", "adopted"), ("stop", found.reason)]
+        ("speed", "fast enough to search"), *[("remedy", "not better")] * 4, ("remedy", "adopted"),
+        ("stop", found.reason)]
     assert "AdaRound" not in [s.what for s in found.steps]  # minutes: only once the cheap remedies have not passed
 
 
@@ -123,18 +133,18 @@ def test_remedies_add_up_and_what_follows_is_built_with_them(tmp_path):
     adopted; AdaRound gains nothing here. Every later build carries both adopted remedies."""
     model = Model({"Conv 16x1x3x3": 1.3}, remedy_gains={BIAS: 0.5, PERCENTILE: 0.3, ENTROPY: 0.1})
     found = _run(model, tmp_path, remedies=REMEDIES)
-    assert [r.name for r in REMEDIES] == ["bias correction", "percentile calibration", "entropy calibration",
-                                          "moving-average calibration", "per-tensor weights", "Relu/Clip kept explicit",
-                                          "AdaRound"]
+    assert [r.name for r in REMEDIES] == ["per-tensor weights", "Relu/Clip kept explicit", "bias correction",
+                                          "moving-average calibration", "percentile calibration", "entropy calibration",
+                                          "AdaRound", "weight fit (distillation)"]  # cheapest first
     assert [s.decision.split(":")[0] for s in found.steps if s.kind == "remedy"] == [
-        "adopted", "adopted", "not better", "not better", "not better", "not better", "not better"]
+        "not better", "not better", "adopted", "not better", "adopted", "not better", "not better", "not better"]
     assert found.status == "rescued" and list(found.remedies) == ["bias correction", "percentile calibration"]
     assert sorted(found.kept) == ["d1", "d2"]  # 3 - 0.5 - 0.3 = 2.2; with the depthwise pair restored, 0.9 passes
     with_both = dict([BIAS, PERCENTILE, NOT_AVERAGED])
     assert all(with_both == o for o in model.overrides[1 + len(REMEDIES):-2])  # measured and added with both
     assert [(s.what, s.decision) for s in found.steps if s.kind == "drop"] == [  # each still needed: 1.2, 1.4 without
         ("without percentile calibration", "kept: needed: fails"), ("without bias correction", "kept: needed: fails")]
-    assert not int8_remedies(CalibrationConfig(bias_correction=True, method="percentile"))[0].name.startswith("bias")
+    assert not plan(CalibrationConfig(bias_correction=True, method="percentile"))[0].name.startswith("bias")
 
 
 ADAROUND = ("precision_options.calibration.weight_rounding", "adaround")
@@ -144,8 +154,8 @@ def test_adaround_is_adopted_on_its_gain_and_skipped_with_the_install_line_witho
     model = Model({"Conv 16x1x3x3": 1.5}, remedy_gains={ADAROUND: 2.2})
     found = _run(model, tmp_path, remedies=REMEDIES)
     assert found.status == "rescued" and list(found.remedies) == ["AdaRound"] and found.kept == []
-    without_torch = [r if r.name != "AdaRound" else Remedy(r.name, r.overrides, "needs PyTorch: pip install "
-                                                                                 "'.[ptq]'") for r in REMEDIES]
+    without_torch = [r if r.name != "AdaRound" else replace(r, unavailable="needs PyTorch: pip install '.[ptq]'")
+                     for r in REMEDIES]
     model = Model({"Conv 16x1x3x3": 2.5}, remedy_gains={ADAROUND: 2.2})
     found = _run(model, tmp_path, remedies=without_torch)
     assert ("remedy", "AdaRound", "skipped: needs PyTorch: pip install '.[ptq]'") in [
@@ -154,13 +164,10 @@ def test_adaround_is_adopted_on_its_gain_and_skipped_with_the_install_line_witho
     assert found.status == "rescued" and sorted(found.kept) == ["d1", "d2"]
 
 
-def test_the_time_budget_is_exceeded_by_one_build_at_most(tmp_path, monkeypatch):
-    import accel_opt.precision.search as search_module
-
+def test_the_time_budget_is_exceeded_by_one_build_at_most(tmp_path):
     clock = Clock()  # the search's clock, injected: what it reaches may not depend on this host's speed
-    monkeypatch.setattr(search_module, "time", clock)
     model = TimedBuilds(clock, 0.2, gains={"Conv 16x1x3x3": 2.5})
-    found = _run(model, tmp_path, time_budget_s=0.3)
+    found = _run(model, tmp_path, time_budget_s=0.3, clock=clock.monotonic)
     searched_s = clock.now - 0.2  # the naive build (_run's, before the search starts) took one build's 0.2 s
     assert found.status == "time budget" and 0.3 <= searched_s <= 0.3 + 0.2
 
@@ -180,7 +187,7 @@ class Interfering(Model):
 
 
 def test_a_remedy_in_the_way_of_the_rescue_is_dropped_once_units_are_restored(tmp_path):
-    found = _run(Interfering({}), tmp_path, remedies=REMEDIES[:1], min_speedup=0.0)
+    found = _run(Interfering({}), tmp_path, remedies=_named("bias correction"), min_speedup=0.0)
     assert found.status == "rescued" and sorted(found.kept) == ["d1", "d2"] and found.remedies == {}
     assert ("drop", "without bias correction", "dropped: better without it: passes") in [
         (s.kind, s.what, s.decision) for s in found.steps]
@@ -191,18 +198,19 @@ def _judged(loss: float, output_loss: float, changed: str) -> Build:
                  output_loss=output_loss, changed=frozenset(changed))
 
 
-def test_changed_predictions_decide_only_where_a_paired_sign_test_separates_the_builds():
+def test_changed_predictions_decide_and_the_numeric_error_only_breaks_their_ties():
     base = _judged(1.96, 1.96, "")  # no steering sample changed; its numeric error is twice its limit
     two_flips = _judged(12.0, 0.8, "ab")  # 2 of 32 changed (each ~6 loss units), error on every sample 2.4x lower
     adopt, why = better(two_flips, base)
-    assert adopt and "sign test p = 0.5: too few to tell" in why and "output error 1.96 -> 0.8" in why
-    six_flips = _judged(36.0, 0.8, "abcdef")  # p = 2 / 64: a real difference in the task, whatever the error
-    adopt, why = better(six_flips, base)
+    assert not adopt and why == "changed predictions 0 -> 2 (sign test p = 0.5)"  # never adopted on its error
+    adopt, why = better(_judged(36.0, 0.8, "abcdef"), base)
     assert not adopt and "changed predictions 0 -> 6 (sign test p = 0.031)" in why
-    # Paired: the steering samples that changed in both builds say nothing; 6 that changed in the base alone do.
-    assert better(_judged(30.0, 2.5, "uvwxyz"), _judged(36.0, 2.0, "abcdefuvwxyz"))[0]
-    assert better(_judged(42.0, 0.5, "abcdefg"), _judged(36.0, 2.0, "abcdef"))[0]  # 1 more changed: the error decides
-    assert better(_judged(0.9, 0.9, "a"), _judged(0.5, 0.5, ""))[0] is False  # both pass: the error decides
+    # Paired: the steering samples that changed in both builds count for neither.
+    assert better(_judged(30.0, 2.5, "uvwxyz"), _judged(36.0, 2.0, "abcdefuvwxyz"))[0]  # fewer changed: better
+    assert not better(_judged(42.0, 0.5, "abcdefg"), _judged(36.0, 2.0, "abcdef"))[0]  # 1 more changed: worse
+    adopt, why = better(_judged(12.0, 0.5, "ab"), _judged(12.0, 0.9, "cd"))  # as many changed: the error decides
+    assert adopt and why == "changed predictions 2 -> 2; output error 0.9 -> 0.5 of its limit"
+    assert better(_judged(0.9, 0.9, "a"), _judged(0.5, 0.5, ""))[0] is False  # both pass: one more changed is worse
     no_counts = Build(Path("x"), loss=2.0, passed=False, failures=[], worst_cosine=1.0)  # a detector: loss alone
     assert better(no_counts, _judged(3.0, 0.1, ""))[0] and not better(_judged(3.0, 0.1, ""), no_counts)[0]
 
@@ -220,11 +228,14 @@ class Flipping(Model):
         return replace(_judged(loss, output_loss, changed), path=path.with_name("+".join(sorted(keep)) or "naive"))
 
 
-def test_a_remedy_that_flips_a_few_probes_but_lowers_the_error_on_all_is_the_base_of_the_rescue(tmp_path):
-    found = _run(Flipping({}), tmp_path, remedies=REMEDIES[-1:], min_speedup=0.0)
-    assert [(s.what, s.decision.split(":")[0]) for s in found.steps if s.kind in ("remedy", "drop")] == [
-        ("AdaRound", "adopted"), ("without AdaRound", "kept")]
-    assert found.status == "rescued" and list(found.remedies) == ["AdaRound"] and sorted(found.kept) == ["d1", "d2"]
+def test_a_remedy_that_changes_more_steering_predictions_is_not_adopted_on_its_lower_error(tmp_path):
+    """AdaRound would flip 2 steering crops while lowering the error on all of them (and pass with the depthwise pair
+    restored on top): the verdict counts changed predictions, so it is not adopted, and the rescue goes on without it.
+    """
+    found = _run(Flipping({}), tmp_path, remedies=_named("AdaRound"), min_speedup=0.0, time_budget_s=1e6)
+    assert [(s.what, s.decision) for s in found.steps if s.kind == "remedy"] == [
+        ("AdaRound", "not better: changed predictions 0 -> 2 (sign test p = 0.5)")]
+    assert found.remedies == {} and found.status == "budget exhausted"
 
 
 class Clock:
@@ -250,15 +261,12 @@ class TimedBuilds(Model):
         return super().build_and_judge(keep, path, overrides)
 
 
-def test_a_drop_that_would_relearn_adaround_past_the_budget_is_not_started(tmp_path, monkeypatch):
-    import accel_opt.precision.search as search_module
-
+def test_a_drop_that_would_relearn_adaround_past_the_budget_is_not_started(tmp_path):
     clock = Clock()
-    monkeypatch.setattr(search_module, "time", clock)
     # AdaRound and percentile adopted (3 -> 2), the depthwise pair restored passes (0.5): five AdaRound builds by then
     # (the remedy, three measures, the addition), 550 s of a 650 s budget.
     model = TimedBuilds(clock, 0.0, 110.0, gains={"Conv 16x1x3x3": 1.5}, remedy_gains={PERCENTILE: 0.5, ADAROUND: 0.5})
-    found = _run(model, tmp_path, remedies=REMEDIES, time_budget_s=650.0)
+    found = _run(model, tmp_path, remedies=REMEDIES, time_budget_s=650.0, clock=clock.monotonic)
     assert found.status == "rescued" and set(found.remedies) == {"percentile calibration", "AdaRound"}
     drops = [(s.what, s.decision) for s in found.steps if s.kind == "drop"]
     assert drops[0][0] == "without AdaRound" and drops[0][1].startswith("kept")  # percentile is cached: built
@@ -267,15 +275,13 @@ def test_a_drop_that_would_relearn_adaround_past_the_budget_is_not_started(tmp_p
     assert clock.now <= 650.0
 
 
-def test_measuring_stops_where_the_budget_left_is_needed_to_add_what_gains(tmp_path, monkeypatch):
+def test_measuring_stops_where_the_budget_left_is_needed_to_add_what_gains(tmp_path):
     """10 s a build, 25 s of budget: the first unit measured passes alone (3 -> 0.5). Measuring the other two would
     leave no time to add it (EfficientNet-Lite0's case, measured: all 31 units measured, 24 passing alone, none
     added); with the 20 s kept for adding, it is added and the build passes."""
-    import accel_opt.precision.search as search_module
-
     clock = Clock()
-    monkeypatch.setattr(search_module, "time", clock)
-    found = _run(TimedBuilds(clock, 10.0, gains={"Conv 16x16x1x1": 2.5}), tmp_path, time_budget_s=25.0)
+    found = _run(TimedBuilds(clock, 10.0, gains={"Conv 16x16x1x1": 2.5}), tmp_path, time_budget_s=25.0,
+                 clock=clock.monotonic)
     assert found.status == "rescued" and sorted(found.kept) == ["p1", "p2", "p3"]
     assert [(s.kind, s.what, s.decision) for s in found.steps][1:3] == [
         ("measure", "restore Conv 16x16x1x1 (3 layers) alone", "gains"),
@@ -283,7 +289,8 @@ def test_measuring_stops_where_the_budget_left_is_needed_to_add_what_gains(tmp_p
          "skipped: 15 s of the budget left, kept to add what was measured (~10 s a unit)")]
     # Nothing gained yet: measuring goes on whatever is left (nothing could be added).
     clock.now = 0.0
-    found = _run(TimedBuilds(clock, 10.0, gains={"Gemm 10x16": 2.5}), tmp_path, time_budget_s=25.0)
+    found = _run(TimedBuilds(clock, 10.0, gains={"Gemm 10x16": 2.5}), tmp_path, time_budget_s=25.0,
+                 clock=clock.monotonic)
     assert [s.kind for s in found.steps] == ["speed", *["measure"] * 3, "stop"] and found.status == "time budget"
 
 
@@ -320,14 +327,16 @@ def test_a_tail_is_measured_first_and_kept_beside_a_group_sharing_a_layer_with_i
 
 
 NNCF = ("precision_options.calibration.quantizer", "nncf")
-OPENVINO_REMEDIES = int8_remedies(CalibrationConfig(), "openvino")
+OPENVINO_REMEDIES = plan(CalibrationConfig(), "openvino")
 
 
-def test_nncf_is_tried_on_openvino_last_and_instead_of_the_remedies_adopted(tmp_path):
-    """NNCF is another quantizer: its build resets what the remedies before it set, and it is named as replacing them.
-    """
+def test_nncf_is_tried_on_openvino_before_the_long_remedies_and_instead_of_those_adopted(tmp_path):
+    """NNCF is another quantizer (about 10 s on EfficientNet-Lite0, AdaRound minutes): its build resets what the
+    remedies before it set, and it is named as replacing them."""
     nncf = ["NNCF on OpenVINO", "NNCF on OpenVINO + SmoothQuant", "NNCF on OpenVINO + ChannelAlignment"]
-    assert [r.name for r in OPENVINO_REMEDIES] == [r.name for r in REMEDIES] + nncf
+    names = [r.name for r in REMEDIES]
+    at = names.index("percentile calibration")
+    assert [r.name for r in OPENVINO_REMEDIES] == names[:at] + nncf + names[at:]
     assert not any(r.name.startswith("NNCF") for r in REMEDIES)  # ONNX Runtime's builds: ONNX Q/DQ only
     model = Model({"Conv 16x1x3x3": 1.5}, remedy_gains={BIAS: 0.5, NNCF: 2.2})
     found = _run(model, tmp_path, remedies=OPENVINO_REMEDIES)
@@ -339,8 +348,77 @@ def test_nncf_is_tried_on_openvino_last_and_instead_of_the_remedies_adopted(tmp_
 
 
 def test_nncf_is_offered_only_where_the_recipe_keeps_what_it_replaces():
-    assert int8_remedies(CalibrationConfig(quantizer="nncf"), "openvino") == ()  # NNCF already: nothing to add
-    assert not any(r.name.startswith("NNCF") for r in int8_remedies(CalibrationConfig(reduce_range=True), "openvino"))
-    fused = [r for r in int8_remedies(CalibrationConfig(), "openvino",
+    assert plan(CalibrationConfig(quantizer="nncf"), "openvino") == ()  # NNCF already: nothing to add
+    assert not any(r.name.startswith("NNCF") for r in plan(CalibrationConfig(reduce_range=True), "openvino"))
+    fused = [r for r in plan(CalibrationConfig(), "openvino",
                                       fused_preprocessing=True) if r.name.startswith("NNCF")]
     assert fused and all("preprocessing.fused" in r.unavailable for r in fused)
+
+
+SIZE = ModelSize(gflops=0.78, calibration_samples=64)  # EfficientNet-Lite0's, where the estimates were measured
+
+
+def test_remedies_are_planned_cheapest_first_from_the_registry_by_the_models_size():
+    planned = plan(CalibrationConfig(), "openvino", size=SIZE)
+    assert [p.estimate_s for p in planned] == sorted(p.estimate_s for p in planned)
+    by_name = {p.name: p for p in planned}
+    assert 300 < by_name["AdaRound"].estimate_s < 450 and by_name["NNCF on OpenVINO"].estimate_s < 20
+    assert by_name["AdaRound"].budget_key.endswith("adaround_time_budget_s") and by_name["AdaRound"].budget_s == 600
+    bigger = {p.name: p.estimate_s for p in plan(CalibrationConfig(), size=ModelSize(7.8, 64))}
+    assert bigger["AdaRound"] == pytest.approx(10 * by_name["AdaRound"].estimate_s, rel=0.01)
+    # Everything the plan and NNCF's resets know comes from the registry: a remedy is one class there.
+    assert set(REMEDY_KEYS) == {k for r in REGISTRY if not r.replaces_quantizer for k in r.keys}
+    assert {p.name for p in planned} <= {r.offered(CalibrationConfig(), "openvino")[0] for r in REGISTRY}
+
+
+class CostedBuilds(Model):
+    """Each remedy's build takes `seconds[name]` on the search's clock (its own loop stopping at the budget key the
+    search gives it); every other build `build_s`."""
+
+    def __init__(self, clock: Clock, seconds: dict[str, float], build_s: float = 1.0, **gains):
+        super().__init__(**gains)
+        self.clock, self.seconds, self.build_s = clock, seconds, build_s
+
+    def build_and_judge(self, keep, path, overrides):
+        taken = self.build_s
+        for remedy in REMEDIES:
+            if remedy.overrides.items() <= (overrides or {}).items():
+                loop_s = (overrides or {}).get(remedy.budget_key, math.inf) if remedy.budget_key else math.inf
+                taken = max(taken, min(self.seconds.get(remedy.name, self.build_s), loop_s + self.build_s))
+        self.clock.now += taken
+        return super().build_and_judge(keep, path, overrides)
+
+
+def test_a_remedy_starts_only_where_its_estimate_fits_the_budget_left(tmp_path):
+    clock = Clock()
+    remedies = [replace(r, estimate_s=e) for r, e in zip(_named("bias correction", "AdaRound"), (10.0, 500.0))]
+    model = CostedBuilds(clock, {"bias correction": 10.0, "AdaRound": 500.0}, gains={"Conv 16x1x3x3": 2.5})
+    found = _run(model, tmp_path, remedies=remedies, time_budget_s=300.0, clock=clock.monotonic)
+    assert [(s.what, s.decision.split(":")[0]) for s in found.steps if s.kind == "remedy"] == [
+        ("bias correction", "not better"), ("AdaRound", "skipped")]
+    assert "~500 s estimated, 290 s of the budget left" in found.steps[2].decision
+    assert ADAROUND not in [item for o in model.overrides for item in (o or {}).items()]  # never built
+
+
+def test_estimates_are_scaled_by_how_long_the_builds_before_took_against_theirs(tmp_path):
+    """This host runs the remedies 3x slower than their estimates: the 40 s one, 120 s here, does not fit in 100."""
+    clock = Clock()
+    remedies = [replace(r, estimate_s=e) for r, e in zip(_named("per-tensor weights", "percentile calibration"),
+                                                         (20.0, 40.0))]
+    model = CostedBuilds(clock, {"per-tensor weights": 60.0, "percentile calibration": 120.0}, gains={})
+    found = _run(model, tmp_path, remedies=remedies, time_budget_s=160.0, clock=clock.monotonic)
+    assert found.steps[2].what == "percentile calibration"
+    assert found.steps[2].decision == "skipped: ~120 s estimated, 100 s of the budget left"
+
+
+def test_a_long_remedys_own_loop_gets_what_is_left_and_the_search_ends_within_a_step_of_its_budget(tmp_path):
+    """AdaRound's estimate fits, but its recipe's 600 s loop would not: the search gives it 90% of what is left, and
+    with it, however long AdaRound would have run, the search ends at most one build past its budget."""
+    clock = Clock()
+    remedies = [replace(r, estimate_s=100.0) for r in _named("AdaRound")]
+    model = CostedBuilds(clock, {"AdaRound": 5000.0}, build_s=5.0, gains={"Gemm 10x16": 2.5})
+    found = _run(model, tmp_path, remedies=remedies, time_budget_s=300.0, clock=clock.monotonic)
+    built = next(o for o in model.overrides if o and ADAROUND in o.items())
+    assert built[remedies[0].budget_key] == round(LOOP_SHARE * 300.0)  # all 300 s were left
+    assert clock.now - 5.0 <= 300.0 + 5.0  # the naive build's 5 s came before the search; one 5 s build past it
+    assert found.status == "rescued"  # the 25 s AdaRound left were enough to measure and add the Gemm

@@ -24,8 +24,8 @@ from accel_opt.graph.inspect import io_specs, with_batch
 from accel_opt.precision import fallback, transform, written_path
 from accel_opt.precision.callbacks import Actions
 from accel_opt.precision.diagnose import Diagnosis, diagnose, emulate_bfloat16
+from accel_opt.precision.remedies import ModelSize, plan
 from accel_opt.precision.report import PrecisionReport
-from accel_opt.precision.search import int8_remedies
 from accel_opt.recipe.stages import BenchmarkConfig
 from accel_opt.recipe.types import Precision
 
@@ -115,20 +115,28 @@ def fallback_actions(ctx: BuildSoFar, steering: list[Sample], shapes: dict[str, 
 
     batch1 = with_batch(ctx.shapes.shapes, 1, ctx.shapes.batch_axes) if ctx.shapes.batch_dynamic else ctx.shapes.shapes
 
+    counted: dict[Path, dict[str, int]] = {}  # the fp32 graph's: the remedies' plan and the fallback both read them
+
     def flops_of(path: Path) -> dict[str, int]:
-        try:
-            return node_flops(path, batch1)
-        except (ValueError, RuntimeError, onnx.shape_inference.InferenceError) as exc:  # > 2 GB protos, odd graphs
-            log.warning("no FLOP counts for the fallback budget: %s", first_line(exc))
-            return {}
+        if path not in counted:
+            try:
+                counted[path] = node_flops(path, batch1)
+            except (ValueError, RuntimeError, onnx.shape_inference.InferenceError) as exc:  # > 2 GB protos, odd graphs
+                log.warning("no FLOP counts for the fallback budget: %s", first_line(exc))
+                counted[path] = {}
+        return counted[path]
+
     companions = None
     if precision is Precision.int8 and isinstance(ctx.backend, OnnxRuntimeBackend):
         def companions(path: Path) -> list[str]:
             return float_run_quantized_ops(path, ctx.threads)
-    fused = recipe.preprocessing is not None and recipe.preprocessing.fused
-    remedies = int8_remedies(recipe.precision_options.calibration, ctx.backend.name, fused) \
-        if precision is Precision.int8 else ()
+    remedies = ()
+    if precision is Precision.int8:  # planned cheapest first for this model's size
+        calibration = recipe.precision_options.calibration
+        size = ModelSize(gflops=sum(flops_of(ctx.fp32_path).values()) / 1e9,
+                         calibration_samples=min(len(ctx.samples.calibration), calibration.samples))
+        remedies = plan(calibration, ctx.backend.name, ctx.fused, size)
     return Actions(build=build, judge=judge, diagnose=examine, flops_of=flops_of, companions=companions,
-                            judge_emulated=judge_emulated if precision is Precision.int8 else None, speedup=speedup,
-                            remedies=remedies, structure=ctx.fp32_path,
-                            written=lambda path, overrides: written_path(path, precision, chosen(overrides)))
+                   judge_emulated=judge_emulated if precision is Precision.int8 else None, speedup=speedup,
+                   remedies=remedies, structure=ctx.fp32_path,
+                   written=lambda path, overrides: written_path(path, precision, chosen(overrides)))

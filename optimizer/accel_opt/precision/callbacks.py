@@ -13,8 +13,9 @@ from typing import TYPE_CHECKING, Protocol
 if TYPE_CHECKING:  # annotations only: the modules that use these callbacks define what they pass
     from accel_opt.precision.diagnose import Diagnosis
     from accel_opt.precision.fallback import VariantVerdict
+    from accel_opt.precision.remedies import Planned
     from accel_opt.precision.report import PrecisionReport
-    from accel_opt.precision.search import Build, Remedy, SearchStep
+    from accel_opt.precision.search import Build, SearchStep
 
 
 class SearchLimits(Protocol):
@@ -47,7 +48,7 @@ class Actions:
     judge_emulated: Callable[[Path], VariantVerdict] | None = None
     # The build's speed-up against the same backend's fp32 build on the deployed kernels (None: not measurable)
     speedup: Callable[[Path], float | None] = lambda path: None
-    remedies: tuple[Remedy, ...] = ()  # whole-graph remedies to try first (search.int8_remedies)
+    remedies: tuple[Planned, ...] = ()  # whole-graph remedies to try first, cheapest first (remedies.plan)
     flops: dict[str, int] = field(default_factory=dict)  # flops_of(the naive build), set by run()
     # (the out path given to `build`, the recipe keys of its remedies) -> the file it writes (precision.written_path):
     # an OpenVINO IR (.xml) where NNCF quantizes

@@ -7,16 +7,18 @@ steering samples' cosine went from 0.9859 to 0.9855). So every decision here is 
 
 1. Speed first: the naive build is timed against the same backend's fp32 build on the deployed kernels. If it is
    not `min_speedup` faster, no rescue can make it pay, and the search says so instead of spending its budget.
-2. Remedies that keep every layer reduced, one build each: bias correction (each bias absorbs the mean shift of its
-   rounded weights), percentile, entropy or moving-average calibration of the activations, ONNX Runtime's other
-   quantizer options (the weights' granularity flipped, Relu/Clip kept explicit), then AdaRound (each layer's
-   weights rounded to fit the float model's output; minutes). A remedy that makes the build better (`better`:
-   passing, else fewer changed predictions where a paired sign test separates the two builds, else a lower numeric
-   error on every steering sample) is adopted and the next is tried on top of it; what is adopted is the base of what
-   follows. On the OpenVINO backend NNCF's quantizer of the OpenVINO model comes last (alone, with SmoothQuant, with
-   ChannelAlignment): another quantizer, tried instead of the remedies adopted, its IR shipped if it is better. One
-   that needs a missing package is recorded as skipped, with the install line; one whose build fails (NNCF's own error)
-   as not better.
+2. Remedies that keep every layer reduced, one build each (precision/remedies.py, planned cheapest first by their
+   estimates from the model's size): the weights' granularity flipped, Relu/Clip kept explicit, bias correction (each
+   bias absorbs the mean shift of its rounded weights), moving-average, percentile or entropy calibration of the
+   activations, on the OpenVINO backend NNCF's quantizer of the OpenVINO model (alone, with SmoothQuant, with
+   ChannelAlignment: another quantizer, tried instead of the remedies adopted, its IR shipped if it is better), then
+   AdaRound (each layer's weights rounded to fit the float model's output; minutes) and the weight fit
+   (quantization-aware distillation of the int8 weights to the float model's outputs; minutes). A remedy that makes
+   the build better (`better`: passing, else fewer changed predictions, else a lower numeric error on every steering
+   sample) is adopted and the next is tried on top of it; what is adopted is the base of what follows. One starts
+   only where its estimate, scaled by how the builds before it ran against theirs, fits the budget left; AdaRound's
+   and the weight fit's own loops get what is left and stop there with what they have. One that needs a missing
+   package is recorded as skipped, with the install line; one whose build fails (NNCF's own error) as not better.
 3. The gain of each unit (a group of same-shaped layers: the same layer of every repeated block; or the network's
    tail, its last few layers, measured first) measured when it alone is restored to float with everything else
    reduced: one build per unit (the worst `max_measured_units` by the diagnosis when there are more). Once a unit
@@ -33,12 +35,13 @@ The loss is how far the steering samples are from passing, in units of each thre
 error, worst-sample error, cosine and gain shortfall, and each task metric's (top-k agreement, detection recall,
 embedding cosine) against its limit; at most 1 passes. The task metric therefore decides as much as the tensors do.
 Every build, measure and decision is a step of the report, with its loss, gain, speed and seconds, so a reviewer can
-replay the search. A wall-clock budget (`time_budget_s`) bounds it; it is checked before each build."""
+replay the search. A wall-clock budget (`time_budget_s`) bounds it: checked before each build, and inside the long
+remedies' loops, so the search ends at most one step past it."""
 
 from __future__ import annotations
 
-import importlib.util
 import math
+import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -47,83 +50,9 @@ from typing import Literal
 
 from pydantic import BaseModel
 
-from accel_opt.files import install_line, progress
+from accel_opt.files import progress
 from accel_opt.precision.callbacks import SearchActions
-from accel_opt.recipe.stages import CalibrationConfig
-
-
-@dataclass(frozen=True)
-class Remedy:
-    """A change to how the whole graph is reduced (no layer leaves the reduced precision): the recipe keys it sets."""
-
-    name: str  # "bias correction", "percentile calibration"
-    overrides: dict[str, object]
-    unavailable: str | None = None  # why it cannot be tried here (a missing optional package): recorded, skipped
-
-
-def int8_remedies(calibration: CalibrationConfig, backend_name: str = "onnxruntime",
-                  fused_preprocessing: bool = False) -> tuple[Remedy, ...]:
-    """The remedies an int8 search tries on top of the recipe's `calibration`, cheapest and most general first:
-    seconds each, but AdaRound minutes (it learns every layer's rounding for the activation ranges chosen before it,
-    so it comes after them and is learned once). Then, on the OpenVINO backend, NNCF's quantizer of the OpenVINO model
-    (nncf_remedies): another quantizer, tried instead of what was adopted, not on top of it."""
-    if calibration.quantizer == "nncf":
-        return ()  # NNCF's own presets: the remedies below set keys it replaces
-    key = "precision_options.calibration."
-    remedies = [] if calibration.bias_correction else [Remedy("bias correction", {key + "bias_correction": True})]
-    remedies += [Remedy(f"{method} calibration", {key + "method": method, key + "moving_average": False})
-                 for method in ("percentile", "entropy") if method != calibration.method.value]
-    # ONNX Runtime's quantizer options, seconds each: another activation range, the weights' granularity flipped (per
-    # tensor where the recipe has per channel: a range per filter is finer, but a few large filters can be what
-    # holds), Relu/Clip kept explicit instead of folded into the ranges.
-    if not calibration.moving_average:  # replaces another method: it averages min/max ranges
-        remedies.append(Remedy("moving-average calibration", {key + "method": "minmax", key + "moving_average": True}))
-    remedies.append(Remedy(f"per-{'tensor' if calibration.per_channel else 'channel'} weights",
-                           {key + "per_channel": not calibration.per_channel}))
-    if not calibration.keep_removable_activations and not _preset_keeps_activations(calibration, backend_name):
-        remedies.append(Remedy("Relu/Clip kept explicit", {key + "keep_removable_activations": True}))
-    if calibration.weight_rounding != "adaround":
-        missing = None if importlib.util.find_spec("torch") else f"needs PyTorch: {install_line('ptq')}"
-        remedies.append(Remedy("AdaRound", {key + "weight_rounding": "adaround"}, missing))
-    return tuple(remedies) + (nncf_remedies(calibration, fused_preprocessing) if backend_name == "openvino" else ())
-
-
-def nncf_remedies(calibration: CalibrationConfig, fused_preprocessing: bool = False) -> tuple[Remedy, ...]:
-    """NNCF's post-training quantization of the OpenVINO model (full bias correction), alone and with each of the
-    algorithms NNCF runs on that backend only: each a whole quantizer, whose keys reset every key of the remedies above,
-    so the search tries it instead of them (`search`: a remedy replaces those adopted that set the same keys). Offered
-    where the recipe keeps the defaults of what NNCF replaces beyond those (per_channel, op_types, target, ...)."""
-    from accel_opt.precision.nncf_openvino import missing
-    from accel_opt.recipe.stages import NNCF_REPLACES
-
-    calibration_key = "precision_options.calibration."
-    resets = {calibration_key + key: getattr(default, "value", default) for key, default in NNCF_REPLACES.items()
-              if key in REMEDY_KEYS}
-    if any(getattr(calibration, key) != default for key, default in NNCF_REPLACES.items() if key not in REMEDY_KEYS):
-        return ()
-    unavailable = ("the recipe fuses the preprocessing into the ONNX graph (preprocessing.fused), and NNCF's "
-                   "OpenVINO IR is not one") if fused_preprocessing else missing()
-    return tuple(Remedy(name, {calibration_key + "quantizer": "nncf", **resets,
-                               **{calibration_key + key: True for key in algorithms}}, unavailable)
-                 for name, algorithms in (("NNCF on OpenVINO", ()), ("NNCF on OpenVINO + SmoothQuant",
-                                                                     ("smooth_quant",)),
-                                          ("NNCF on OpenVINO + ChannelAlignment", ("channel_alignment",))))
-
-
-# The calibration keys the remedies of this search set, and NNCF's reset (the recipe's other NNCF_REPLACES keys, which
-# no remedy changes, must keep their defaults for NNCF to be offered).
-REMEDY_KEYS = ("method", "moving_average", "per_channel", "keep_removable_activations", "bias_correction",
-               "weight_rounding", "bias_fit", "weight_fit")
-
-
-def _preset_keeps_activations(calibration: CalibrationConfig, backend_name: str) -> bool:
-    from accel_opt.errors import Unsupported
-    from accel_opt.precision.int8_presets import resolve_preset
-
-    try:
-        return resolve_preset(calibration.target, backend_name).keep_removable_activations
-    except Unsupported:  # no preset for this backend: its build says so
-        return True
+from accel_opt.precision.remedies import Planned
 
 
 @dataclass
@@ -181,21 +110,19 @@ class Build:
     changed: frozenset[str] | None = None
 
 
-# Two builds' changed predictions on the same steering samples decide between them only when a two-sided exact sign test
-# on the
-# steering samples that changed in one build alone says the difference is not chance at this level. Measured on a
-# trained
-# EfficientNet-Lite0: AdaRound on top of bias correction + percentile changed 2 of 32 steering crops against their 0
-# (p = 0.5) and was rejected on that, while on 144 held-out crops it changed 7 against 13, its logit error 2.1x lower.
-SIGN_TEST_LEVEL = 0.05
+# The share of the budget left that a long remedy's own loop may take (AdaRound's layers, the weight fit's steps): the
+# rest finishes its build and judges it.
+LOOP_SHARE = 0.9
 
 
 def better(tried: Build, base: Build) -> tuple[bool, str]:
     """Whether `tried` is a better build than `base` on the same steering samples, and on what. Passing beats failing;
-    then the task outcome, paired (which steering samples changed in one build and not the other), where the sign test
-    separates the two; otherwise the outputs' numeric loss, which moves with every steering sample (a remedy changes the
-    whole graph a little: its few flipped near-ties say less than its error on all the steering samples). Without those
-    measures: the loss."""
+    then the verdict's own measure, the task outcome: a build that changes more steering predictions is worse, one that
+    changes fewer better, whatever their numeric errors; the outputs' numeric loss ranks only where the counts tie.
+    (The committed OpenVINO search on EfficientNet-Lite0 adopted AdaRound on its lower output error while its changed
+    predictions went 1 -> 3: the numeric tie-break moved the held-out verdict's measure the wrong way.) The paired
+    sign test's p-value on the samples that changed in one build alone says how much the count difference is worth.
+    Without those measures: the loss."""
     if tried.passed != base.passed:
         return tried.passed, "passes" if tried.passed else "fails"
     if tried.changed is None or base.changed is None or tried.output_loss is None or base.output_loss is None:
@@ -204,11 +131,9 @@ def better(tried: Build, base: Build) -> tuple[bool, str]:
 
     only_tried, only_base = len(tried.changed - base.changed), len(base.changed - tried.changed)
     counts = f"changed predictions {len(base.changed)} -> {len(tried.changed)}"
-    if only_tried + only_base:
+    if only_tried != only_base:
         p_value = binomtest(only_tried, only_tried + only_base).pvalue
-        if p_value < SIGN_TEST_LEVEL:
-            return only_tried < only_base, f"{counts} (sign test p = {p_value:.2g})"
-        counts += f" (sign test p = {p_value:.2g}: too few to tell)"
+        return only_tried < only_base, f"{counts} (sign test p = {p_value:.2g})"
     return (tried.output_loss < base.output_loss,
             f"{counts}; output error {base.output_loss:.3g} -> {tried.output_loss:.3g} of its limit")
 
@@ -230,38 +155,40 @@ class SearchResult:
 
 
 def search(naive: Build, units: Sequence[Unit], actions: SearchActions, work: Path, *, time_budget_s: float,
-           min_speedup: float, max_additions: int, remedies: Sequence[Remedy] = (),
+           min_speedup: float, max_additions: int, remedies: Sequence[Planned] = (),
            max_flops_fraction: float = 1.0, total_flops: int = 1,
            cannot_win: Callable[[float | None], str | None] | None = None,
-           on_step: Callable[[SearchStep], None] | None = None) -> SearchResult:
-    """Search for a passing build from the failing `naive` one (see the module's docstring). `cannot_win`: given the
-    naive build's speed-up, why no rescue of it could win (auto's other candidates); the search then stops there.
-    `on_step`: called with every step as it is recorded (the live progress line)."""
-    deadline = time.monotonic() + time_budget_s
+           on_step: Callable[[SearchStep], None] | None = None,
+           clock: Callable[[], float] = time.monotonic) -> SearchResult:
+    """Search for a passing build from the failing `naive` one (see the module's docstring). `remedies`: tried in
+    their order (remedies.plan: cheapest first). `cannot_win`: given the naive build's speed-up, why no rescue of it
+    could win (auto's other candidates); the search then stops there. `on_step`: called with every step as it is
+    recorded (the live progress line). `clock`: seconds, what the budget is read on (injected by tests)."""
+    deadline = clock() + time_budget_s
     steps: list[SearchStep] = []
 
     def record(kind, what, build: Build | None = None, gain=None, speedup=None, started=None,
                decision="") -> SearchStep:
         step = SearchStep(step=len(steps) + 1, kind=kind, what=what, loss=build.loss if build else None, gain=gain,
                           passed=build.passed if build else None, speedup=speedup, decision=decision,
-                          seconds=round(time.monotonic() - started, 2) if started else 0.0)
+                          seconds=round(clock() - started, 2) if started else 0.0)
         steps.append(step)
         progress.info("step %d: %s %s%s (%.0f s of %.0f s left)", step.step, kind, what,
-                      f": {decision}" if decision else "", max(0.0, deadline - time.monotonic()), time_budget_s)
+                      f": {decision}" if decision else "", max(0.0, deadline - clock()), time_budget_s)
         if on_step is not None:
             on_step(step)
         return step
 
     def out_of_time() -> bool:
-        return time.monotonic() >= deadline
+        return clock() >= deadline
 
     def result(status, reason, best, kept, adopted, gains=None) -> SearchResult:
         record("stop", status, decision=reason)
         return SearchResult(status, reason, best, list(kept), dict(adopted), steps, gains or {})
 
-    started = time.monotonic()
+    started = clock()
     speed = actions.speedup(naive.path)
-    timing_s = time.monotonic() - started  # what timing a build takes: every unit added is timed
+    timing_s = clock() - started  # what timing a build takes: every unit added is timed
     record("speed", "the naive build against fp32", naive, speedup=speed, started=started,
            decision="not timed here: the build's benchmark times the result" if speed is None else
            "fast enough to search" if speed >= min_speedup else "too slow to rescue")
@@ -275,21 +202,33 @@ def search(naive: Build, units: Sequence[Unit], actions: SearchActions, work: Pa
 
     base, adopted = naive, {}
     remedy_seconds: dict[str, float] = {}  # what each remedy's build took: what a build relearning it will take again
+    # How long the remedies' builds took against their estimates (measured on another host, for another model): the
+    # median scales the estimates of those still to come.
+    host_ratios: list[float] = []
     for remedy in remedies:  # 2. remedies on the whole graph, each on top of those adopted before it
         if out_of_time():
             return result("time budget", f"the {time_budget_s:.0f} s budget ran out trying remedies", base, [], adopted)
         if remedy.unavailable:
             record("remedy", remedy.name, decision=f"skipped: {remedy.unavailable}")
             continue
-        started = time.monotonic()
+        left_s = deadline - clock()
+        expected_s = remedy.estimate_s * (statistics.median(host_ratios) if host_ratios else 1.0)
+        if expected_s > left_s:
+            record("remedy", remedy.name, decision=f"skipped: ~{expected_s:.0f} s estimated, {left_s:.0f} s of the "
+                   "budget left")
+            continue
+        own = dict(remedy.overrides)
+        if remedy.budget_key and remedy.budget_s is not None and LOOP_SHARE * left_s < remedy.budget_s:
+            own[remedy.budget_key] = round(max(1.0, LOOP_SHARE * left_s))  # its loop stops with what it has
+        started = clock()
         # A remedy that sets the keys of one adopted before (another calibration method) replaces it.
-        trial = {n: o for n,
-                 o in adopted.items() if not o.keys() & remedy.overrides.keys()} | {remedy.name: remedy.overrides}
+        trial = {n: o for n, o in adopted.items() if not o.keys() & own.keys()} | {remedy.name: own}
         tried = actions.build_and_judge([], work / f"remedy-{len(steps)}.onnx", _merged(trial))
         adopt, why = better(tried, base)
         if tried.loss == math.inf and tried.failures:  # not built (NNCF's own error): say why
             why = tried.failures[0]
-        remedy_seconds[remedy.name] = time.monotonic() - started
+        remedy_seconds[remedy.name] = clock() - started
+        host_ratios.append(remedy_seconds[remedy.name] / max(remedy.estimate_s, 0.5))
         record("remedy", remedy.name + _alongside(trial, adopted, remedy.name), tried,
                gain=base.loss - tried.loss, started=started, decision=("adopted: " if adopt else "not better: ") + why)
         if adopt:
@@ -306,24 +245,23 @@ def search(naive: Build, units: Sequence[Unit], actions: SearchActions, work: Pa
     for unit in units:  # 3. what restoring each unit alone gains, everything else reduced
         if out_of_time():
             break
-        left_s = deadline - time.monotonic()
+        left_s = deadline - clock()
         if left_s < reserve_s and any(gain > 0 for gain, _, _ in measured):
             # Measured on EfficientNet-Lite0: AdaRound left 195 s, measuring all 31 units took them, 24 of which
             # passed alone, and the search ended with none added.
             record("measure", f"the other {len(units) - len(measured)} unit(s)", decision=f"skipped: {left_s:.0f} s "
                    f"of the budget left, kept to add what was measured (~{reserve_s / 2:.0f} s a unit)")
             break
-        started = time.monotonic()
+        started = clock()
         alone = actions.build_and_judge(unit.nodes, work / f"measure-{len(steps)}.onnx", overrides)
-        reserve_s = max(reserve_s, 2 * (time.monotonic() - started + timing_s))
+        reserve_s = max(reserve_s, 2 * (clock() - started + timing_s))
         gain = base.loss - alone.loss
         gains[unit.label] = gain
         record("measure", f"restore {unit.label} alone", alone, gain=gain, started=started,
                decision="gains" if gain > 0 else "no gain")
         measured.append((gain, unit, alone.passed))
     # The units that pass alone first, cheapest first: on a few dozen steering samples one flipped near-tie can be what
-    # fails,
-    # and then most units pass alone, their gains apart only by their numeric error, which the unit with the most
+    # fails, and then most units pass alone, their gains apart only by their numeric error, which the unit with the most
     # FLOPs lowers most (measured on EfficientNet-Lite0 with AdaRound: 24 of 32 units passed alone; the four 1152x192
     # 1x1 convs, taken by gain, left the build at 1.37x fp32's speed; one 240-channel 3x3 depthwise conv, taken
     # cheapest first, passed too and left 1.56x). Then by gain.
@@ -344,7 +282,7 @@ def search(naive: Build, units: Sequence[Unit], actions: SearchActions, work: Pa
             record("add", f"restore {unit.label}", decision=f"skipped: {flops / total_flops:.0%} of the FLOPs in float "
                    f"> the recipe's cap {max_flops_fraction:.0%}")
             continue
-        started = time.monotonic()
+        started = clock()
         tried = actions.build_and_judge(_nodes([*kept, unit]), work / f"add-{len(steps)}.onnx", overrides)
         gain = current.loss - tried.loss
         if gain <= 0 and not tried.passed:
@@ -370,12 +308,12 @@ def search(naive: Build, units: Sequence[Unit], actions: SearchActions, work: Pa
         # Without a remedy learned before another (percentile ranges before AdaRound), the later one is learned
         # again: a build as long as its own (AdaRound on EfficientNet-Lite0: ~285 s on 2 vCPUs). One that would
         # overrun the budget is not started (measured: begun with little time left, it took a 600 s search to 868 s).
-        expected_s, left_s = max((remedy_seconds.get(n, 0.0) for n in rest), default=0.0), deadline - time.monotonic()
+        expected_s, left_s = max((remedy_seconds.get(n, 0.0) for n in rest), default=0.0), deadline - clock()
         if expected_s > left_s:
             record("drop", f"without {name}", decision=f"skipped: its build may take ~{expected_s:.0f} s, "
                    f"{left_s:.0f} s of the budget left")
             continue
-        started = time.monotonic()
+        started = clock()
         tried = actions.build_and_judge(_nodes(kept), work / f"unremedy-{len(steps)}.onnx", _merged(rest) or None)
         drop, why = better(tried, current)  # remedies cost no speed: kept while they help
         record("drop", f"without {name}", tried, gain=current.loss - tried.loss, started=started,
@@ -390,7 +328,7 @@ def search(naive: Build, units: Sequence[Unit], actions: SearchActions, work: Pa
         if len(kept) == 1 or out_of_time():
             break
         rest = [u for u in kept if u is not unit]
-        started = time.monotonic()
+        started = clock()
         tried = actions.build_and_judge(_nodes(rest), work / f"drop-{len(steps)}.onnx", overrides)
         if tried.passed:
             kept, current = rest, tried
