@@ -66,6 +66,25 @@ def test_sigterm_cleans_up_like_ctrl_c(tiny_cnn_path, tmp_path):
     assert not list(out.rglob(MANIFEST))
 
 
+def test_a_termination_a_library_swallowed_still_ends_the_command_as_terminated(monkeypatch, capsys):
+    """SIGTERM's exception can land inside a library that catches it and raises its own error (Polygraphy's array
+    dispatch did: exit 70, an "internal error"); the command still ends as terminated, exit 143."""
+    import accel_opt.errors as errors
+    from accel_opt.cli.common import fail
+
+    monkeypatch.setattr(errors, "_TERMINATION", [])
+    assert errors.termination_requested() is None
+    try:
+        try:
+            errors.request_termination(signal.SIGTERM)
+        except BaseException:  # noqa: BLE001 - what the library did
+            raise RuntimeError("Function: shape is unsupported for objects of type: ndarray") from None
+    except RuntimeError as exc:
+        with pytest.raises(SystemExit) as ended:
+            fail(exc, verbose=False, as_json=False)
+    assert ended.value.code == 143 and "terminated" in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_a_killed_builds_folder_is_removed_by_the_next_build(tiny_cnn_path, fast_recipe, tmp_path):
     out = tmp_path / "out"

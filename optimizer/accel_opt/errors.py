@@ -96,6 +96,22 @@ class Terminated(KeyboardInterrupt):
         self.signum = signum
 
 
+_TERMINATION: list[int] = []  # the signal that asked this process to stop, once its handler ran
+
+
+def request_termination(signum: int, _frame: object = None) -> None:
+    """SIGTERM's handler: remembered, then raised. Remembered because the exception can land inside a library that
+    swallows it and raises its own (measured: Polygraphy's array dispatch, `try: import numpy` with a bare except,
+    then "shape is unsupported for objects of type: ndarray", exit 70 instead of 143)."""
+    _TERMINATION.append(signum)
+    raise Terminated(signum)
+
+
+def termination_requested() -> Terminated | None:
+    """The Terminated a signal raised in this process, whoever caught it since; None if none was asked."""
+    return Terminated(_TERMINATION[0]) if _TERMINATION else None
+
+
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 
 

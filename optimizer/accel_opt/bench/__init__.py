@@ -26,6 +26,7 @@ from accel_opt.bench.memory import peak_rss_mib, reset_peak_rss_mib
 from accel_opt.bench.sweep import Capacity, Recommendation, SweepPoint
 from accel_opt.bench.text_capacity import LengthBucket
 from accel_opt.data import BatchAxes, Sample, batch_of
+from accel_opt.errors import termination_requested
 from accel_opt.files import progress
 from accel_opt.recipe.stages import BenchmarkConfig
 
@@ -125,7 +126,8 @@ def latency_stats(seconds: list[float]) -> LatencyStats:
 
 def timed_calls(call: Callable[[], object], min_iterations: int, min_seconds: float,
                 max_iterations: int) -> list[float]:
-    """Per-call wall seconds: at least `min_iterations` and `min_seconds`, at most `max_iterations`."""
+    """Per-call wall seconds: at least `min_iterations` and `min_seconds`, at most `max_iterations`. A SIGTERM that a
+    runtime swallowed while a call ran still ends the loop (errors.termination_requested)."""
     times: list[float] = []
     clock = time.perf_counter
     deadline = clock() + min_seconds
@@ -133,6 +135,8 @@ def timed_calls(call: Callable[[], object], min_iterations: int, min_seconds: fl
         start = clock()
         call()
         times.append(clock() - start)
+        if (asked := termination_requested()) is not None:
+            raise asked
     return times
 
 

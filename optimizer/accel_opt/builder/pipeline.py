@@ -38,7 +38,7 @@ from accel_opt.builder.sources import factory_of, recipe_for
 from accel_opt.builder.staging import batch_problem, deploy_shapes, stage_deployment
 from accel_opt.builder.torch_plan import torch_precision
 from accel_opt.data.npz import array_names
-from accel_opt.errors import AccelOptError, Unsupported, UsageError, no_space_error
+from accel_opt.errors import AccelOptError, Unsupported, UsageError, no_space_error, termination_requested
 from accel_opt.files import ensure_free_space, mark_made, progress, sha256_file
 from accel_opt.graph.inspect import io_specs
 from accel_opt.graph.load import load_model
@@ -176,6 +176,8 @@ def _run_stage(ctx: BuildSoFar, name: str, stage: Stage, stages: list[StageResul
         if on_stage:
             on_stage(stages[-1])
         raise
+    if (asked := termination_requested()) is not None:  # a SIGTERM a library swallowed: stop here all the same
+        raise asked
     stages.append(StageResult(name=name, status=status, seconds=time.perf_counter() - started, detail=detail))
     if on_stage:
         on_stage(stages[-1])

@@ -9,7 +9,7 @@ import signal
 import click
 
 from accel_opt import __version__
-from accel_opt.cli.common import terminate
+from accel_opt.errors import request_termination
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
@@ -17,7 +17,7 @@ from accel_opt.cli.common import terminate
 def main() -> None:
     """accel-opt: build a model into a deployable, signed-off artifact (precision, backend, accuracy, benchmark)."""
     # SIGTERM (a CI job cancelled, a container stopped) cleans up like Ctrl-C: staging removed, exit 143.
-    signal.signal(signal.SIGTERM, terminate)
+    signal.signal(signal.SIGTERM, request_termination)
 
 
 from accel_opt.cli.build import build, export_command  # noqa: E402

@@ -19,9 +19,9 @@ from accel_opt.errors import (
     AccelOptError,
     InternalError,
     ResourceExhausted,
-    Terminated,
     first_line,
     no_space_error,
+    termination_requested,
     write_crash_log,
 )
 
@@ -68,7 +68,10 @@ def setup_logging(verbose: bool) -> None:
 
 
 def fail(exc: BaseException, verbose: bool, as_json: bool) -> None:
-    """Print one line on stderr (a traceback only with --verbose) and exit with the mapped code."""
+    """Print one line on stderr (a traceback only with --verbose) and exit with the mapped code; after a SIGTERM, the
+    error a library raised where it swallowed the termination is the termination (exit 143)."""
+    if (asked := termination_requested()) is not None:
+        interrupted(asked)
     if isinstance(exc, MemoryError):
         exc = ResourceExhausted("out of memory")
     exc = no_space_error(exc) or exc
@@ -83,10 +86,6 @@ def fail(exc: BaseException, verbose: bool, as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps({"exit_code": exc.exit_code, "signed_off": False, "error": line, "artifact_dir": None}))
     sys.exit(exc.exit_code)
-
-
-def terminate(signum, _frame) -> None:
-    raise Terminated(signum)
 
 
 def interrupted(exc: KeyboardInterrupt, what: str = "no artifact was written") -> None:

@@ -34,8 +34,8 @@ from accel_opt.precision.calibration import calibration_errors
 from accel_opt.precision.finite import refuse_nonfinite_ranges, refuse_nonfinite_weights
 from accel_opt.precision.fp16 import validate
 from accel_opt.precision.int8_presets import QuantPreset, resolve_preset, weight_range
+from accel_opt.precision.remedies import Refining, refine
 from accel_opt.precision.report import CalibrationReport, KeptNode, PrecisionReport
-from accel_opt.precision.weight_remedies import refine
 from accel_opt.recipe.stages import CalibrationConfig
 from accel_opt.recipe.types import CalibrationMethod, Precision
 
@@ -129,8 +129,8 @@ def quantize(model_path: Path, samples: list[Sample], config: CalibrationConfig,
             overrides = _signed_input_overrides(prepared, ranges) if settings.preset.symmetric_signed_inputs else {}
             _quantize_with_ranges(prepared, ranges, overrides, settings, staged, large, [*exclude, *movers])
             if not large:  # a model beyond protobuf's 2 GB is refined nowhere yet
-                notes += refine(prepared, staged, samples, settings, cache_dir, rounding_key, fit_key,
-                                key if exclude else None)
+                notes += refine(Refining(prepared, staged, samples, settings, cache_dir, rounding_key, fit_key,
+                                         key if exclude else None))
             validate(staged, run_session=True, tmp=tmp)
             for produced in staged.parent.iterdir():
                 shutil.move(str(produced), str(out_path.parent / produced.name))

@@ -1,7 +1,8 @@
 """The rescue search's whole-graph remedies: one small protocol, and the ordered registry the search's plan, the
 calibration keys the remedies set (REMEDY_KEYS, which NNCF's quantizer resets) and the reports' names come from.
-Adding a remedy is one class in REMEDIES and the recipe field it sets (recipe/stages.py CalibrationConfig), which the
-int8 transform reads.
+Adding a remedy is one class in REMEDIES and the recipe field it sets (recipe/stages.py CalibrationConfig): the int8
+transform reads the field, and a remedy that changes the Q/DQ graph's integers after the quantizer placed them says how
+in its `refine` (run by `refine` below, in the registry's `refine_order`).
 
 Each remedy estimates its cost from the model's size: seconds per GFLOP-sample (the model's Conv/MatMul/Gemm FLOPs
 at batch 1 times the calibration samples), measured on EfficientNet-Lite0 (0.78 GFLOP, 64 calibration crops: 50
@@ -16,10 +17,15 @@ from __future__ import annotations
 
 import importlib.util
 from dataclasses import dataclass
-from typing import Any, ClassVar, Protocol
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
+from accel_opt.data import Sample
 from accel_opt.files import install_line
 from accel_opt.recipe.stages import CalibrationConfig
+
+if TYPE_CHECKING:
+    from accel_opt.precision.int8 import QuantSettings
 
 KEY = "precision_options.calibration."  # the recipe keys the remedies set live here
 
@@ -67,6 +73,40 @@ class Remedy(Protocol):
     def cost_s(self, calibration: CalibrationConfig, size: ModelSize) -> float:
         """Its estimated seconds on the host the constants were measured on."""
 
+    refine_order: int | None  # where it changes a placed Q/DQ graph's integers (each builds on the ones before)
+
+    def refine(self, job: Refining) -> str | None:
+        """Change `job.staged` in place where `job.settings` turns this remedy on; a line for the build's notes."""
+
+
+@dataclass(frozen=True)
+class Refining:
+    """A Q/DQ graph the quantizer placed (`staged`), and what the remedies that change its integers learn from: the
+    float model, the calibration samples, the build's settings, and where what they learn is kept (`learned`)."""
+
+    float_path: Path
+    staged: Path
+    samples: list[Sample]
+    settings: QuantSettings
+    cache_dir: Path | None
+    rounding_key: str  # the graph's key before any integer changed: what AdaRound learns is kept under it
+    fit_key: str  # the whole graph's key: the fits learned there serve the builds keeping layers in float
+    own_key: str | None = None  # this graph's own key where it keeps layers in float, else None
+
+    def learned(self, whole_graph_key: str, kind: str) -> Path | None:
+        """Where what a remedy learns is read and kept. Learned on the graph with every layer quantized, it is kept
+        under `whole_graph_key` and reused by the builds that keep layers in float (the rescue search makes many,
+        after that graph). A build that keeps layers in float and finds none learns on its own graph, and keeps that
+        under its own key: each layer's rounding or fit there answers the float layers it was learned beside, so
+        reused by the whole graph it made every one of EfficientNet-Lite0's layers worse (logit RMS error 0.079 ->
+        0.095)."""
+        if self.cache_dir is None:
+            return None
+        whole_graph = Path(self.cache_dir) / f"{whole_graph_key}.{kind}.npz"
+        if self.own_key is None or whole_graph.is_file():
+            return whole_graph
+        return Path(self.cache_dir) / f"{self.own_key}.{kind}.npz"
+
 
 class _Remedy:
     """What most remedies share: one calibration and quantization, its cost proportional to the GFLOP-samples."""
@@ -75,6 +115,7 @@ class _Remedy:
     keys: tuple[str, ...] = ()
     budget_key: str | None = None
     replaces_quantizer = False
+    refine_order: int | None = None
     seconds_per_gflop_sample: ClassVar[float] = 0.1
 
     def offered(self, calibration: CalibrationConfig, backend: str) -> tuple[str, dict[str, Any]] | None:
@@ -86,14 +127,22 @@ class _Remedy:
     def cost_s(self, calibration: CalibrationConfig, size: ModelSize) -> float:
         return self.seconds_per_gflop_sample * size.gflop_samples
 
+    def refine(self, job: Refining) -> str | None:
+        return None
+
 
 class BiasCorrection(_Remedy):
-    """Each bias absorbs the mean shift of its rounded weights (bias_correction.py)."""
+    """Each bias absorbs the mean shift of its rounded weights (bias_correction.py), after AdaRound's rounding."""
 
-    name, keys, seconds_per_gflop_sample = "bias correction", ("bias_correction",), 0.09
+    name, keys, seconds_per_gflop_sample, refine_order = "bias correction", ("bias_correction",), 0.09, 2
 
     def offered(self, calibration, backend):
         return None if calibration.bias_correction else (self.name, {KEY + "bias_correction": True})
+
+    def refine(self, job):
+        from accel_opt.precision.bias_correction import correct_biases
+
+        return correct_biases(job.float_path, job.staged, job.samples) if job.settings.bias_correction else None
 
 
 class _Method(_Remedy):
@@ -159,12 +208,22 @@ class AdaRound(_NeedsTorch):
     chosen before it, so it is learned once, after the cheaper remedies."""
 
     name, keys, budget_key = "AdaRound", ("weight_rounding",), "adaround_time_budget_s"
-    seconds_per_gflop_sample = 7.5  # at 300 steps per layer
+    seconds_per_gflop_sample, refine_order = 7.5, 1  # at 300 steps per layer; first: the others build on its integers
 
     def offered(self, calibration, backend):
         if calibration.weight_rounding == "adaround":
             return None
         return self.name, {KEY + "weight_rounding": "adaround"}
+
+    def refine(self, job):
+        from accel_opt.precision.adaround import round_weights
+
+        settings = job.settings
+        if settings.weight_rounding != "adaround":
+            return None
+        return round_weights(job.float_path, job.staged, job.samples, settings.reduce_range,
+                             settings.adaround_iterations, settings.adaround_time_budget_s,
+                             job.learned(job.rounding_key, "rounding"))
 
     def cost_s(self, calibration, size):
         return self.seconds_per_gflop_sample * size.gflop_samples * calibration.adaround_iterations / 300
@@ -176,12 +235,26 @@ class WeightFit(_NeedsTorch):
     held back to keep the best checkpoint; what ships is the same Q/DQ graph with other integers."""
 
     name, keys, budget_key = "weight fit (distillation)", ("weight_fit", "bias_fit"), "weight_fit_time_budget_s"
-    seconds_per_gflop_step_sample = 0.16  # Lite0: 600 steps of 8 in 595 s
+    seconds_per_gflop_step_sample, refine_order = 0.16, 3  # Lite0: 600 steps of 8 in 595 s
 
     def offered(self, calibration, backend):
         if calibration.weight_fit:
             return None
         return self.name, {KEY + "weight_fit": True}
+
+    def refine(self, job):
+        """The bias fit, or the weight fit (which trains the biases too: one fit)."""
+        from accel_opt.precision.output_fit import fit_file
+        from accel_opt.precision.qdq_weights import int8_weight_range
+
+        settings = job.settings
+        if not (settings.bias_fit or settings.weight_fit):
+            return None
+        weights = settings.weight_fit
+        steps, budget_s = ((settings.weight_fit_steps, settings.weight_fit_time_budget_s) if weights else
+                           (settings.bias_fit_steps, settings.bias_fit_time_budget_s))
+        return fit_file(job.float_path, job.staged, job.samples, steps, budget_s, job.learned(job.fit_key, "fit"),
+                        weights=weights, weight_range=int8_weight_range(settings.reduce_range))
 
     def cost_s(self, calibration, size):
         from accel_opt.precision.output_fit import BATCH
@@ -236,6 +309,13 @@ REMEDIES: tuple[Remedy, ...] = (
 # The calibration keys the remedies on top of the recipe's quantizer set: NNCF's quantizer resets them (and the recipe's
 # other NNCF_REPLACES keys, which no remedy changes, must keep their defaults for NNCF to be offered).
 REMEDY_KEYS = tuple(dict.fromkeys(key for r in REMEDIES if not r.replaces_quantizer for key in r.keys))
+
+
+def refine(job: Refining) -> list[str]:
+    """Apply the remedies `job.settings` turns on to the Q/DQ graph at `job.staged`, in place, each building on the
+    ones before (AdaRound's rounding, bias correction, the fits); a line per remedy for the build's notes."""
+    refiners = sorted((r for r in REMEDIES if r.refine_order is not None), key=lambda r: r.refine_order)
+    return [note for remedy in refiners if (note := remedy.refine(job)) is not None]
 
 
 def plan(calibration: CalibrationConfig, backend_name: str = "onnxruntime", fused_preprocessing: bool = False,
