@@ -1,10 +1,10 @@
 """The one orchestrator: the order of stages, their timing and status, and the artifact folder.
 
-Domain modules are plain functions (path in -> path out, data in -> report out); only this module
-knows the sequence load -> cleanup -> precision -> compile -> accuracy -> benchmark -> artifacts.
-A stage either passes, is skipped (with the reason), or fails: a failed accuracy gate still
-produces reports (not signed off, exit 1); any other failure raises and leaves no artifact.
-"""
+Domain modules are plain functions (path in -> path out, data in -> report out); only this module knows the
+sequence export -> load -> cleanup -> precision -> compile -> accuracy -> benchmark -> verdict -> reports. Each stage
+returns its frozen result (builder/context.py), handed to the next in a new BuildSoFar. A stage passes, is skipped
+(with the reason), or fails: a failed accuracy gate still produces reports (not signed off, exit 1); any other failure
+raises and leaves no artifact."""
 
 from __future__ import annotations
 
@@ -184,11 +184,11 @@ def _run_stage(ctx: BuildSoFar, name: str, stage: Stage, stages: list[StageResul
     return replace(ctx, **results)
 
 
-# ---- stages: each returns (status, detail) or raises _Skip / AccelOptError -----------------------
+# ---- stages: each returns (status, detail, its results by BuildSoFar field) or raises _Skip / AccelOptError ----
 
 
 def _stage_export(ctx: BuildSoFar) -> Outcome:
-    factory, recipe, notes = ctx.setup.factory, ctx.recipe, []
+    factory, recipe = ctx.setup.factory, ctx.recipe
     if factory is None:
         raise _Skip("the input is an ONNX model")
     from accel_opt.accuracy.export_check import verify
