@@ -15,7 +15,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from accel_opt.cli import main
 
-from .conftest import FAST_BENCH, make_model, save
+from .conftest import FAST_BENCH, image_npz_folder, make_model, save
 
 X = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3, 8, 8])
 Y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 10])
@@ -35,11 +35,7 @@ def _classifier(extra_nodes=(), outputs=(Y,), inputs=(X,), initializers=()) -> o
 @pytest.fixture(scope="module")
 def data(tmp_path_factory) -> Path:
     """40 random [1,3,8,8] samples."""
-    folder = tmp_path_factory.mktemp("data")
-    rng = np.random.default_rng(1)
-    for i in range(40):
-        np.savez(folder / f"s{i:02d}.npz", x=rng.standard_normal((1, 3, 8, 8)).astype(np.float32))
-    return folder
+    return image_npz_folder(tmp_path_factory.mktemp("fuzzed") / "data", 40, seed=1, name="x", size=8)
 
 
 @pytest.fixture(scope="module")

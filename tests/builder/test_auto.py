@@ -22,19 +22,16 @@ from accel_opt.recipe.types import BackendName
 from accel_opt.report import selection
 from accel_opt.report.selection import AutoSelection
 from tests.conftest import CPU_CLASSES as CLASSES
+from tests.conftest import image_npz_folder
 
 TARGET = 2  # a batch size FAST_BENCH measures
 
 
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory) -> Path:
-    folder = tmp_path_factory.mktemp("auto-data")
-    rng = np.random.default_rng(0)
     # 140: an int8 candidate holds 87 out, enough for none failing to show >= 95% within tolerance at the family-wise
     # level of up to 3 planned reduced candidates (98.3%: 80 samples)
-    for i in range(140):
-        np.savez(folder / f"s{i:02d}.npz", image=rng.standard_normal((1, 3, 32, 32)).astype(np.float32))
-    return folder
+    return image_npz_folder(tmp_path_factory.mktemp("auto") / "data", 140)
 
 
 @pytest.fixture()

@@ -92,4 +92,4 @@ def test_each_stage_adds_only_its_own_results_and_leaves_earlier_ones_as_they_we
     # The accuracy stage's deployment records where outputs hold a batch's samples; the compiled one is left as it was.
     assert final.checked.deployment is not final.compiled.deployment
     assert final.compiled.deployment.config.output_batch_axes == {}
-    assert final.checked.deployment.config.output_batch_axes == final.accuracy.evaluation.output_batch_axes
+    assert final.checked.deployment.config.output_batch_axes == final.checked.accuracy.evaluation.output_batch_axes

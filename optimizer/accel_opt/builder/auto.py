@@ -99,13 +99,15 @@ def promise(precision: str, cpu: CpuProfile) -> float:
 class _Clock:
     """The run's time budget and its progress record."""
 
-    def __init__(self, budget_s: float | None, on_progress: Callable[[ProgressEvent], None] | None):
-        self.started, self.budget_s, self.on_progress = time.monotonic(), budget_s, on_progress
+    def __init__(self, budget_s: float | None, on_progress: Callable[[ProgressEvent], None] | None,
+                 now: Callable[[], float] = time.monotonic):
+        self.now = now  # seconds (injected by tests)
+        self.started, self.budget_s, self.on_progress = now(), budget_s, on_progress
         self.events: list[ProgressEvent] = []
 
     @property
     def elapsed(self) -> float:
-        return time.monotonic() - self.started
+        return self.now() - self.started
 
     @property
     def remaining(self) -> float | None:

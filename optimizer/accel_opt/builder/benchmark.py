@@ -37,42 +37,42 @@ def benchmark_build(ctx: BuildSoFar, unfused_shapes: dict[str, list[int]],
                     image_input: str) -> tuple[StageStatus, str, BenchmarkReport]:
     """The build's benchmark stage: the deployment next to the fp32 baseline (and the naive build, and PyTorch)
     interleaved; the concurrency and batch sweep, the recommendation and the capacity check; the application's
-    stages and jobs on the --data files; efficiency against the FLOP count. It times ctx.samples.timed (texts
+    stages and jobs on the --data files; efficiency against the FLOP count. It times ctx.dealt.samples.timed (texts
     padded to one length; the verdict's samples stay as the gate judged them). `unfused_shapes`: the deployed shapes
     without fused preprocessing (how the baselines compile); `image_input`: the input the naive job feeds. Returns the
     status, its detail and the measurements."""
-    targets = [deployment_target(ctx.deployment, runtime.feed_dtypes_of(ctx.samples.timed_deployed),
-                                 samples=ctx.samples.timed_deployed)]
+    backend, workdir, samples = ctx.setup.backend, ctx.setup.workdir, ctx.dealt.samples
+    targets = [deployment_target(ctx.deployment, runtime.feed_dtypes_of(samples.timed_deployed),
+                                 samples=samples.timed_deployed)]
     if ctx.recipe.precision is not Precision.fp32:
-        baseline = compile_for(ctx.backend, ctx.fp32_path, Precision.fp32, ctx.recipe, ctx.workdir / "baseline",
-                               unfused_shapes)
-        targets.append(Target(f"{ctx.backend.name}-fp32", ctx.backend.runner(baseline), ctx.backend.synchronize))
+        baseline = compile_for(backend, ctx.fp32_path, Precision.fp32, ctx.recipe, workdir / "baseline", unfused_shapes)
+        targets.append(Target(f"{backend.name}-fp32", backend.runner(baseline), backend.synchronize))
     if ctx.fallback is not None and ctx.fallback.kept:  # the fallback's speed cost, in the same interleaved run
-        naive = compile_for(ctx.backend, ctx.workdir / ctx.fallback.naive_model, ctx.recipe.precision, ctx.recipe,
-                            ctx.workdir / "naive-build", unfused_shapes)
-        targets.append(Target(f"{ctx.backend.name}-{ctx.recipe.precision.value}-naive", ctx.backend.runner(naive),
-                              ctx.backend.synchronize))
+        naive = compile_for(backend, workdir / ctx.fallback.naive_model, ctx.recipe.precision, ctx.recipe,
+                            workdir / "naive-build", unfused_shapes)
+        targets.append(Target(f"{backend.name}-{ctx.recipe.precision.value}-naive", backend.runner(naive),
+                              backend.synchronize))
     if ctx.torch_module is not None:
         from accel_opt.backends.torch.factory import torch_runner
 
-        targets.append(Target("pytorch-eager", torch_runner(ctx.torch_module, ctx.model_path, ctx.threads)))
+        targets.append(Target("pytorch-eager", torch_runner(ctx.torch_module, ctx.model_path, ctx.setup.threads)))
     batch_sizes = ctx.recipe.benchmark.batch_sizes if ctx.shapes.batch_dynamic else [ctx.shapes.batch_size]
     if ctx.recipe.precision is not Precision.fp32:  # the verdict's benefit is read at the deployed batch: time it
         batch_sizes = sorted({*batch_sizes, ctx.deploy_batch})
     axes = ctx.shapes.batch_axes
-    bench = run_benchmark(targets, ctx.samples.timed, batch_sizes, ctx.recipe.benchmark, ctx.threads, axes,
-                              rounds=rounds_needed(ctx.recipe.accuracy.confidence))
-    streams = getattr(ctx.backend, "concurrency_sweep", None)
+    bench = run_benchmark(targets, samples.timed, batch_sizes, ctx.recipe.benchmark, ctx.setup.threads, axes,
+                          rounds=rounds_needed(ctx.recipe.accuracy.confidence))
+    streams = getattr(backend, "concurrency_sweep", None)
     if streams is not None:  # streams x async requests: the concurrency a server would run
-        feed = batch_of(ctx.samples.timed_deployed, ctx.deploy_batch, axes)
+        feed = batch_of(samples.timed_deployed, ctx.deploy_batch, axes)
         bench.concurrency = streams(ctx.deployment.compiled, feed,
                                     seconds=max(0.2, ctx.recipe.benchmark.min_seconds / 2))
-    config, dtypes = ctx.recipe.benchmark, runtime.feed_dtypes_of(ctx.samples.timed_deployed)
-    bench.sweep = sweep(lambda: ctx.deployment.runner(dtypes), ctx.samples.timed_deployed, batch_sizes, config, axes,
-                            ctx.backend.synchronize)
+    config, dtypes = ctx.recipe.benchmark, runtime.feed_dtypes_of(samples.timed_deployed)
+    bench.sweep = sweep(lambda: ctx.deployment.runner(dtypes), samples.timed_deployed, batch_sizes, config, axes,
+                        backend.synchronize)
     bench.recommended, bench.recommendation = recommend(bench.sweep, config)
     bench.capacity = capacity(bench.sweep, config, lambda: ctx.deployment.runner(dtypes), ctx.dealt.max_feed,
-                                  ctx.backend.synchronize)
+                              backend.synchronize)
     bench.checks = sweep_checks(bench.recommended, bench.recommendation, bench.capacity, config)
     if ctx.loaded.text_encoder is not None:  # activations grow with the tokens: a batch size per length
         encoder = ctx.loaded.text_encoder
@@ -85,8 +85,8 @@ def benchmark_build(ctx: BuildSoFar, unfused_shapes: dict[str, list[int]],
     application_times(ctx, bench, batch_sizes, image_input)
     batch1 = with_batch(ctx.shapes.shapes, 1, axes) if ctx.shapes.batch_dynamic else ctx.shapes.shapes
     try:
-        bench.efficiency = efficiency(ctx.fp32_path, batch1, {b.batch_size: b.latency.p50_ms for b in
-                                                                  bench.models[0].batches}, ctx.recipe.precision.value)
+        p50_ms = {b.batch_size: b.latency.p50_ms for b in bench.models[0].batches}
+        bench.efficiency = efficiency(ctx.fp32_path, batch1, p50_ms, ctx.recipe.precision.value)
     except (ValueError, RuntimeError, onnx.shape_inference.InferenceError) as exc:  # > 2 GB protos, odd graphs
         log.warning("no efficiency figures: %s", first_line(exc))
     first = bench.models[0].batches[0]
@@ -117,9 +117,9 @@ def application_times(ctx: BuildSoFar, bench: BenchmarkReport, batch_sizes: list
                                          ctx.recipe.preprocessing.host_part() if ctx.recipe.preprocessing else None)
     candidate = bench.models[0]
     outputs, device = {}, {}
-    with ctx.deployment.runner(runtime.feed_dtypes_of(ctx.samples.timed_deployed)) as runner:
+    with ctx.deployment.runner(runtime.feed_dtypes_of(ctx.dealt.samples.timed_deployed)) as runner:
         for b in batch_sizes:  # GPU runners time h2d / compute / d2h apart, each ended by a synchronization
-            feed = batch_of(ctx.samples.timed_deployed, b, ctx.shapes.batch_axes)
+            feed = batch_of(ctx.dealt.samples.timed_deployed, b, ctx.shapes.batch_axes)
             outputs[b] = runner.infer(feed, check_inputs=False)
             calls = [last_stage_ms(runner)]
             if calls[0]:
@@ -140,7 +140,7 @@ def application_times(ctx: BuildSoFar, bench: BenchmarkReport, batch_sizes: list
     bench.jobs = [accel_opt_job(job_files, ctx.deployment)]
     try:  # the naive job runs the fp32 model on ONNX Runtime, the portable default
         ort = OnnxRuntimeBackend()
-        naive_runner = ort.runner(ort.compile(ctx.fp32_path, Precision.fp32, ctx.recipe, ctx.workdir / "naive"))
+        naive_runner = ort.runner(ort.compile(ctx.fp32_path, Precision.fp32, ctx.recipe, ctx.setup.workdir / "naive"))
         naive = (application.naive_text_job(job_files, naive_runner, encoder, ctx.deploy_batch)
                  if encoder is not None else application.naive_job(job_files, naive_runner, pre, image_input))
         bench.jobs.insert(0, naive)
@@ -159,10 +159,10 @@ def max_feed(ctx: BuildSoFar, fused: bool) -> Sample | None:
     base = with_batch(ctx.shapes.shapes, batch,
                       ctx.shapes.batch_axes) if ctx.shapes.batch_dynamic else ctx.shapes.shapes
     # checks ranks, fixed dims
-    resolved = resolve_shapes(ctx.inputs, {**base, **given}, given_batch_axes=ctx.recipe.batch_axes)
-    feed = synthetic_samples(ctx.inputs, resolved.shapes, 1, ctx.recipe.accuracy.seed,
+    resolved = resolve_shapes(ctx.loaded.inputs, {**base, **given}, given_batch_axes=ctx.recipe.batch_axes)
+    feed = synthetic_samples(ctx.loaded.inputs, resolved.shapes, 1, ctx.recipe.accuracy.seed,
                              ctx.loaded.model.index_bounds)[0][0]
-    return {name: array.astype(ctx.samples.timed[0][name].dtype) for name, array in feed.items()}
+    return {name: array.astype(ctx.dealt.samples.timed[0][name].dtype) for name, array in feed.items()}
 
 
 def accel_opt_job(files: list[Path], deployment) -> JobTiming:

@@ -84,7 +84,7 @@ def exercise_image_path(deployment, data_source: str, workdir: Path, seed: int =
 def refuse_recipe_misfits(ctx) -> None:
     """UsageError (exit 2) for a recipe that does not fit the loaded model, before any sample is read: an output it
     names that the model lacks (a task metric's, the postprocess's), or fused preprocessing where it cannot apply."""
-    recipe, outputs = ctx.recipe, [o.name for o in ctx.outputs]
+    recipe, outputs = ctx.recipe, [o.name for o in ctx.loaded.outputs]
     named = [(f"accuracy.task_metrics[{i}].output", m.output) for i, m in enumerate(recipe.accuracy.task_metrics)]
     if recipe.postprocess is not None:
         named.append(("postprocess.output", recipe.postprocess.output))
@@ -97,7 +97,7 @@ def refuse_recipe_misfits(ctx) -> None:
     from accel_opt.accuracy.detection import output_misfit
 
     for i, metric in enumerate(recipe.accuracy.task_metrics):
-        spec = next((o for o in ctx.outputs if o.name == metric.output), ctx.outputs[0])
+        spec = next((o for o in ctx.loaded.outputs if o.name == metric.output), ctx.loaded.outputs[0])
         if metric.kind == "detection" and (misfit := output_misfit(spec.shape, metric.decoded, metric.layout,
                                                                    metric.has_objectness)):
             raise UsageError(f"the recipe's accuracy.task_metrics[{i}] (detection) reads output {spec.name!r}, which "

@@ -216,33 +216,15 @@ class BuildSoFar:
             return self.loaded.model.path
         return self.exported.onnx_path if self.exported is not None else self.setup.model_path
 
-    @property
-    def backend(self) -> Backend:
-        return self.setup.backend
 
-    @property
-    def threads(self) -> int:
-        return self.setup.threads
 
-    @property
-    def workdir(self) -> Path:
-        return self.setup.workdir
 
     @property
     def torch_module(self):
         return self.exported.torch_module if self.exported is not None else None
 
-    @property
-    def inputs(self) -> list[TensorSpec]:
-        return self.loaded.inputs
 
-    @property
-    def outputs(self) -> list[TensorSpec]:
-        return self.loaded.outputs
 
-    @property
-    def samples(self) -> Samples:
-        return self.dealt.samples
 
     @property
     def shapes(self) -> ResolvedShapes:
@@ -269,9 +251,6 @@ class BuildSoFar:
     def deployment(self) -> Deployment:
         return (self.checked or self.compiled).deployment
 
-    @property
-    def accuracy(self) -> AccuracyReport:
-        return self.checked.accuracy
 
     @property
     def notes(self) -> list[str]:
@@ -282,7 +261,7 @@ class BuildSoFar:
     @property
     def torch(self) -> bool:
         """The build ships the PyTorch module (--backend torch), not an ONNX graph."""
-        return self.backend.name == "torch"
+        return self.setup.backend.name == "torch"
 
     @property
     def fused(self) -> bool:
@@ -295,7 +274,7 @@ class BuildSoFar:
         from accel_opt.preprocess.fit import image_input
 
         pre = self.recipe.preprocessing
-        return image_input(pre, self.inputs).name if pre else self.inputs[0].name
+        return image_input(pre, self.loaded.inputs).name if pre else self.loaded.inputs[0].name
 
     @property
     def eval_groups(self) -> list[str] | None:
@@ -331,4 +310,4 @@ class BuildSoFar:
             return tolerance, metrics, []
         if self.recipe.accuracy.labels.labels_only:  # agreement is reported, not gated: it cannot make a build hopeless
             return tolerance, metrics, []
-        return aimed_gate(tolerance, metrics, len(self.samples.held_out), self.recipe.accuracy.confidence)
+        return aimed_gate(tolerance, metrics, len(self.dealt.samples.held_out), self.recipe.accuracy.confidence)

@@ -57,8 +57,8 @@ def fallback_actions(ctx: BuildSoFar, steering: list[Sample], shapes: dict[str, 
         return recipe.with_overrides(**overrides) if overrides else recipe
 
     def build(keep: list[str], out: Path, overrides: dict | None = None) -> PrecisionReport:
-        return transform(ctx.fp32_path, precision, chosen(overrides), ctx.backend.name, ctx.samples.calibration, out,
-                         calibration_cache, ctx.setup.cpu, keep_float=keep)
+        return transform(ctx.fp32_path, precision, chosen(overrides), ctx.setup.backend.name,
+                         ctx.dealt.samples.calibration, out, calibration_cache, ctx.setup.cpu, keep_float=keep)
 
     # The fp32 model's outputs and float32 noise on the steering samples: measured once, every build of the search
     # reuses them.
@@ -66,11 +66,11 @@ def fallback_actions(ctx: BuildSoFar, steering: list[Sample], shapes: dict[str, 
     reference_outputs: list[dict] = []
 
     def verdict(candidate) -> fallback.VariantVerdict:
-        result = compare(reference_runner(ctx.fp32_path, ctx.threads), candidate, steering, *tolerance,
+        result = compare(reference_runner(ctx.fp32_path, ctx.setup.threads), candidate, steering, *tolerance,
                          batch_size=ctx.deploy_batch,
                          batch_axes=ctx.shapes.batch_axes, noise_floor=noise_floor or None,
                          noise_reference=None if noise_floor
-                         else reference_runner(ctx.fp32_path, ctx.threads, optimize=True),
+                         else reference_runner(ctx.fp32_path, ctx.setup.threads, optimize=True),
                          reference_outputs=reference_outputs or None, padding=padding, labels=steering_labels,
                          labels_config=recipe.accuracy.labels)
         noise_floor.update({o.name: o.noise_floor for o in result.outputs})
@@ -83,11 +83,11 @@ def fallback_actions(ctx: BuildSoFar, steering: list[Sample], shapes: dict[str, 
 
     def deployed_runner(path: Path, as_precision: Precision = precision):
         if path not in compiled:
-            compiled[path] = compile_for(ctx.backend, path, as_precision, recipe,
-                                         ctx.workdir / "variants" / path.stem, shapes)
+            compiled[path] = compile_for(ctx.setup.backend, path, as_precision, recipe,
+                                         ctx.setup.workdir / "variants" / path.stem, shapes)
         graph = path if fallback.is_onnx(path) else ctx.fp32_path  # NNCF's IR keeps the fp32 model's inputs
         deployed = {spec.name: spec.dtype for spec in io_specs(onnx.load(str(graph), load_external_data=False))[0]}
-        return casting_inputs(ctx.backend.runner(compiled[path]), runtime.feed_dtypes_of(steering), deployed)
+        return casting_inputs(ctx.setup.backend.runner(compiled[path]), runtime.feed_dtypes_of(steering), deployed)
 
     def judge(path: Path) -> fallback.VariantVerdict:
         return verdict(deployed_runner(path))
@@ -95,23 +95,24 @@ def fallback_actions(ctx: BuildSoFar, steering: list[Sample], shapes: dict[str, 
     def speedup(path: Path) -> float | None:
         """The build against the same backend's fp32 build, on the deployed kernels at the deployed batch, timed
         interleaved (the host's noise hits both alike): fp32's p50 over the build's."""
-        targets = [Target("candidate", deployed_runner(path), ctx.backend.synchronize),
-                   Target("fp32", deployed_runner(ctx.fp32_path, Precision.fp32), ctx.backend.synchronize)]
-        report = run_benchmark(targets, timed, [ctx.deploy_batch], SPEED_CHECK, ctx.threads, ctx.shapes.batch_axes)
+        targets = [Target("candidate", deployed_runner(path), ctx.setup.backend.synchronize),
+                   Target("fp32", deployed_runner(ctx.fp32_path, Precision.fp32), ctx.setup.backend.synchronize)]
+        report = run_benchmark(targets, timed, [ctx.deploy_batch], SPEED_CHECK, ctx.setup.threads,
+                               ctx.shapes.batch_axes)
         candidate, fp32 = (m.batches[0].latency.p50_ms for m in report.models)
         return fp32 / candidate if candidate > 0 else None
 
     def judge_emulated(path: Path) -> fallback.VariantVerdict:  # Q/DQ in float, graph optimizations off: as diagnosed
-        return verdict(reference_runner(path, ctx.threads))
+        return verdict(reference_runner(path, ctx.setup.threads))
 
     def examine(path: Path) -> Diagnosis | None:
         if not fallback.is_onnx(path):  # NNCF's IR: the diagnosis runs ONNX graphs on ONNX Runtime
             return None
         if precision is Precision.bf16:
-            (ctx.workdir / "variants").mkdir(parents=True, exist_ok=True)
-            path = emulate_bfloat16(path, ctx.workdir / "variants" / f"emulated-{path.name}")
+            (ctx.setup.workdir / "variants").mkdir(parents=True, exist_ok=True)
+            path = emulate_bfloat16(path, ctx.setup.workdir / "variants" / f"emulated-{path.name}")
         return diagnose(ctx.fp32_path, path, steering[: recipe.precision_options.fallback.diagnosis_samples],
-                        ctx.threads)
+                        ctx.setup.threads)
 
     batch1 = with_batch(ctx.shapes.shapes, 1, ctx.shapes.batch_axes) if ctx.shapes.batch_dynamic else ctx.shapes.shapes
 
@@ -127,15 +128,15 @@ def fallback_actions(ctx: BuildSoFar, steering: list[Sample], shapes: dict[str, 
         return counted[path]
 
     companions = None
-    if precision is Precision.int8 and isinstance(ctx.backend, OnnxRuntimeBackend):
+    if precision is Precision.int8 and isinstance(ctx.setup.backend, OnnxRuntimeBackend):
         def companions(path: Path) -> list[str]:
-            return float_run_quantized_ops(path, ctx.threads)
+            return float_run_quantized_ops(path, ctx.setup.threads)
     remedies = ()
     if precision is Precision.int8:  # planned cheapest first for this model's size
         calibration = recipe.precision_options.calibration
         size = ModelSize(gflops=sum(flops_of(ctx.fp32_path).values()) / 1e9,
-                         calibration_samples=min(len(ctx.samples.calibration), calibration.samples))
-        remedies = plan(calibration, ctx.backend.name, ctx.fused, size)
+                         calibration_samples=min(len(ctx.dealt.samples.calibration), calibration.samples))
+        remedies = plan(calibration, ctx.setup.backend.name, ctx.fused, size)
     return Actions(build=build, judge=judge, diagnose=examine, flops_of=flops_of, companions=companions,
                    judge_emulated=judge_emulated if precision is Precision.int8 else None, speedup=speedup,
                    remedies=remedies, structure=ctx.fp32_path,

@@ -141,11 +141,11 @@ def build(
             result = BuildResult(
                 model=str(model), precision=recipe.precision.value, backend=backend.name, verdict=ctx.verdict,
                 artifact_dir=str(final), stages=stages,
-                worst_cosine=ctx.accuracy.worst_cosine, data=data_record(ctx),
-                evaluated=ctx.accuracy.evaluation.deployment,
-                samples_needed=ctx.accuracy.samples_needed, trial_unit=ctx.accuracy.trial_unit,
-                data_samples_needed=data_samples_needed(ctx, ctx.accuracy.samples_needed),
-                timed_samples=ctx.samples.timed_deployed,
+                worst_cosine=ctx.checked.accuracy.worst_cosine, data=data_record(ctx),
+                evaluated=ctx.checked.accuracy.evaluation.deployment,
+                samples_needed=ctx.checked.accuracy.samples_needed, trial_unit=ctx.checked.accuracy.trial_unit,
+                data_samples_needed=data_samples_needed(ctx, ctx.checked.accuracy.samples_needed),
+                timed_samples=ctx.dealt.samples.timed_deployed,
             )
             fill_headline(result, ctx.measured)
             write_manifest(ctx, staging, result)  # last file: the folder is complete when it is renamed into place
@@ -202,10 +202,10 @@ def _stage_export(ctx: BuildSoFar) -> Outcome:
         raise UsageError(f"{factory.spec}: a PyTorch factory needs --shapes to build its example inputs")
     module = factory()
     if ctx.torch:  # what ships is torch.export's program: a module it cannot trace fails here, with its reason
-        ctx.backend.check_traceable(module, recipe.shapes, factory.export_hints.get("input_dtypes"))
-    onnx_path = ctx.workdir / "export" / ctx.model_path.name
+        ctx.setup.backend.check_traceable(module, recipe.shapes, factory.export_hints.get("input_dtypes"))
+    onnx_path = ctx.setup.workdir / "export" / ctx.model_path.name
     exported = export(module, recipe.shapes, onnx_path, **factory.export_hints)
-    verification = verify(module, onnx_path, recipe.shapes, threads=ctx.threads)  # GateFailed on mismatch
+    verification = verify(module, onnx_path, recipe.shapes, threads=ctx.setup.threads)  # GateFailed on mismatch
     record = {"factory": factory.spec, "export": exported.model_dump(mode="json"),
               "verification": verification.model_dump(mode="json")}
     notes = [*exported.notes, f"Exported from {factory.spec} ({exported.exporter} exporter, opset {exported.opset}); "
@@ -220,14 +220,14 @@ def _reference(ctx: BuildSoFar):
     if ctx.torch_module is not None:
         from accel_opt.backends.torch.factory import torch_runner
 
-        return torch_runner(ctx.torch_module, ctx.model_path, ctx.threads, name="reference-pytorch")
-    return reference_runner(ctx.model_path, ctx.threads)
+        return torch_runner(ctx.torch_module, ctx.model_path, ctx.setup.threads, name="reference-pytorch")
+    return reference_runner(ctx.model_path, ctx.setup.threads)
 
 
 def _stage_load(ctx: BuildSoFar) -> Outcome:
     source = ctx.model_path
     data_dir = ctx.setup.data_dir
-    model = load_model(source, ctx.workdir, fed=array_names(data_dir) if data_dir else set())
+    model = load_model(source, ctx.setup.workdir, fed=array_names(data_dir) if data_dir else set())
     inputs, outputs = io_specs(model.proto)
     notes = list(model.notes)
     recipe = fit_preprocessing(ctx.recipe, inputs, notes)  # before any image is read
@@ -266,12 +266,13 @@ def _stage_cleanup(ctx: BuildSoFar) -> Outcome:
         raise _Skip("disabled by the recipe")
     if ctx.torch:
         raise _Skip("the torch backend compiles the PyTorch module, not the ONNX graph")
-    checked_on = (ctx.samples.steering or ctx.samples.calibration)[:CLEANUP_VERIFY_SAMPLES]  # never held-out ones
+    samples = ctx.dealt.samples
+    checked_on = (samples.steering or samples.calibration)[:CLEANUP_VERIFY_SAMPLES]  # never held-out ones
     if not checked_on:
         raise _Skip("no steering sample to check the rewrite on (held-out samples judge the verdict only)")
     total_bytes = sum(p.stat().st_size for p in [ctx.model_path, *ctx.loaded.model.external_data_files])
     cleaned = Cleaned(*cleanup(ctx.model_path, total_bytes, checked_on, ctx.recipe.accuracy.tolerances[Precision.fp32],
-                               ctx.threads, ctx.workdir / "cleaned.onnx"))
+                               ctx.setup.threads, ctx.setup.workdir / "cleaned.onnx"))
     report = cleaned.report
     if not report.applied:
         raise _Skip(report.reason, cleaned=cleaned)
@@ -286,9 +287,9 @@ def _stage_precision(ctx: BuildSoFar) -> Outcome:
         return torch_precision(ctx)
     # The search is steered by the steering samples only: neither calibration (the ranges fit those) nor the verdict's
     # held-out samples (a search that picks the variant doing best on them would judge itself).
-    steering = ctx.samples.steering[: config.steering_samples]
+    steering = ctx.dealt.samples.steering[: config.steering_samples]
     fixed = fallback.wide_weight_consumers(ctx.fp32_path) if precision is Precision.fp16 else []
-    out = ctx.workdir / f"{precision.value}.onnx"
+    out = ctx.setup.workdir / f"{precision.value}.onnx"
     _, _, hopeless = ctx.steering_gate()
     skipped = None
     if config.enabled and hopeless:
@@ -336,7 +337,7 @@ def _stage_compile(ctx: BuildSoFar) -> Outcome:
 
 
 def _stage_accuracy(ctx: BuildSoFar) -> Outcome:
-    recipe, deployment, samples = ctx.recipe, ctx.deployment, ctx.samples
+    recipe, deployment, samples = ctx.recipe, ctx.deployment, ctx.dealt.samples
     reference = _reference(ctx)
     identity = f"{reference.name}:{ctx.loaded.model_sha256}"
     caches = ctx.setup.reference_caches
@@ -345,7 +346,7 @@ def _stage_accuracy(ctx: BuildSoFar) -> Outcome:
     accuracy = compare(
         reference, candidate, samples.held_out, recipe.tolerance, recipe.accuracy.task_metrics,
         names=samples.held_out_names, batch_size=deployment.batch_size, batch_axes=deployment.batch_axes,
-        candidate_samples=samples.held_out_deployed, noise_reference=reference_runner(ctx.model_path, ctx.threads,
+        candidate_samples=samples.held_out_deployed, noise_reference=reference_runner(ctx.model_path, ctx.setup.threads,
                                                                                       optimize=True),
         padding=deployment.padding, confidence=recipe.accuracy.confidence, bounded=ctx.bounded, reference_cache=cache,
         groups=ctx.eval_groups, labels=ctx.eval_labels, labels_config=recipe.accuracy.labels)
@@ -364,10 +365,10 @@ def _stage_accuracy(ctx: BuildSoFar) -> Outcome:
     # What the gate found (where each output holds a batch's samples) is part of how the artifact runs.
     deployment = replace(deployment, config=deployment.config.model_copy(
         update={"output_batch_axes": accuracy.evaluation.output_batch_axes}))
-    notes = exercise_image_path(deployment, ctx.dealt.data.source, ctx.workdir, recipe.accuracy.seed)
+    notes = exercise_image_path(deployment, ctx.dealt.data.source, ctx.setup.workdir, recipe.accuracy.seed)
     if ctx.torch and ctx.dealt.data.source == "images":  # the folder takes its device path's own image inputs
         notes.append(image_path_agreement(_reference(ctx), samples.held_out_deployed, accuracy._reference_outputs,
-                                          ctx.outputs[0].name))
+                                          ctx.loaded.outputs[0].name))
     checked = {"checked": Checked(accuracy=accuracy, deployment=deployment, notes=tuple(notes))}
     evaluation = accuracy.evaluation
     calls = (f"{evaluation.calls} calls of batch {evaluation.batch_size}" if evaluation.mode == "batched"
@@ -396,7 +397,7 @@ def _stage_verdict(ctx: BuildSoFar) -> Outcome:
     if ctx.recipe.precision is not Precision.fp32:
         benefit = benefit_of(ctx.measured, ctx.deploy_batch, ctx.recipe.benchmark.min_speedup,
                              ctx.recipe.accuracy.confidence)
-    verdict = decide(ctx.accuracy, ctx.measured.failures, benefit)
+    verdict = decide(ctx.checked.accuracy, ctx.measured.failures, benefit)
     return ("passed" if verdict.signed_off else "failed"), verdict.line(), {"verdict": verdict}
 
 

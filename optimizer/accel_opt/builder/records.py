@@ -72,7 +72,7 @@ def reuse(ctx: BuildSoFar, final: Path, model: str, stages: list[StageResult], o
         artifact_dir=str(final), stages=stages,
         worst_cosine=accuracy.worst_cosine, data=data_record(ctx), evaluated=accuracy.evaluation.deployment,
         reused=True,
-        timed_samples=ctx.samples.timed_deployed,
+        timed_samples=ctx.dealt.samples.timed_deployed,
     )
     fill_headline(result, bench)
     return result
@@ -132,7 +132,7 @@ def artifact_name(ctx: BuildSoFar) -> str:
         sort_keys=True,
     )
     digest = hashlib.sha256(identity.encode()).hexdigest()[:10]
-    return f"{ctx.model_path.stem}-{ctx.recipe.precision.value}-{ctx.backend.name}-{digest}"
+    return f"{ctx.model_path.stem}-{ctx.recipe.precision.value}-{ctx.setup.backend.name}-{digest}"
 
 
 def input_record(ctx: BuildSoFar) -> dict[str, Any]:
@@ -148,11 +148,11 @@ def input_record(ctx: BuildSoFar) -> dict[str, Any]:
 
 def data_record(ctx: BuildSoFar) -> DataRecord:
     dealt = ctx.dealt
-    data, eval_data = dealt.data, dealt.eval_data
+    data, eval_data, samples = dealt.data, dealt.eval_data, dealt.samples
     held = eval_data if eval_data is not None and eval_data is not data else None
     return DataRecord(source=data.source, path=data.path, synthetic=data.synthetic,
-                      samples=data.count + (held.count if held else 0), evaluation_samples=len(ctx.samples.held_out),
-                      calibration_samples=len(ctx.samples.calibration), steering_samples=len(ctx.samples.steering),
+                      samples=data.count + (held.count if held else 0), evaluation_samples=len(samples.held_out),
+                      calibration_samples=len(samples.calibration), steering_samples=len(samples.steering),
                       eval_path=eval_data.path if eval_data is not None else None, held_out_max=dealt.verdict_max)
 
 
@@ -162,7 +162,7 @@ def write_manifest(ctx: BuildSoFar, folder: Path, result: BuildResult) -> None:
         created_utc=now_utc(),
         verdict=result.verdict,
         precision=ctx.recipe.precision.value,
-        backend=ctx.backend.name,
+        backend=ctx.setup.backend.name,
         input_model=input_record(ctx),
         recipe={"name": ctx.recipe.name, "fingerprint": ctx.recipe.fingerprint(),
                 "resolved": ctx.recipe.model_dump(mode="json")},
@@ -181,7 +181,7 @@ def write_manifest(ctx: BuildSoFar, folder: Path, result: BuildResult) -> None:
         tools=tool_versions(),
         cpu=cpu.record(),
         command_line=command_line(),
-        cpu_class=cpu.kernel_class(ctx.backend.name),
+        cpu_class=cpu.kernel_class(ctx.setup.backend.name),
         gpu=gpu_class(device) if device.startswith("cuda") else None,
     )
     write_json(folder / MANIFEST, manifest)
@@ -192,12 +192,12 @@ def write_probe_set(ctx: BuildSoFar, folder: Path) -> int:
     them and the gate's tolerance, so another CPU can re-check the sign-off (runtime.probe)."""
     from accel_opt.runtime import probe
 
-    noise = {o.name: o.noise_floor for o in ctx.accuracy.outputs if o.noise_floor}
-    count = probe.probe_count(len(ctx.samples.held_out_names), ctx.recipe.accuracy.probe_samples)
+    noise = {o.name: o.noise_floor for o in ctx.checked.accuracy.outputs if o.noise_floor}
+    count = probe.probe_count(len(ctx.dealt.samples.held_out_names), ctx.recipe.accuracy.probe_samples)
     config = ctx.compiled.resource_config
     preprocessing = config.preprocessing
-    return probe.write_probe(folder, ctx.samples.held_out_deployed, ctx.accuracy._reference_outputs,
-                             ctx.samples.held_out_names, count,
+    return probe.write_probe(folder, ctx.dealt.samples.held_out_deployed, ctx.checked.accuracy._reference_outputs,
+                             ctx.dealt.samples.held_out_names, count,
                              ctx.recipe.tolerance, ctx.recipe.accuracy.task_metrics, noise,
                              runtime.machine_class(config, ctx.setup.cpu),
                              preprocessing.host_part() if preprocessing else None,
@@ -209,10 +209,11 @@ def write_reports(ctx: BuildSoFar) -> str:
     (the manifest comes after, in write_manifest); returns the stage's one-line detail."""
     staging, name, bench, reduced = ctx.setup.staging, ctx.model_path.stem, ctx.measured, ctx.reduced
     precision, limits, config = reduced.precision if reduced else None, ctx.setup.limits, ctx.compiled.resource_config
-    write_json(staging / "accuracy.json", ctx.accuracy)
+    accuracy = ctx.checked.accuracy
+    write_json(staging / "accuracy.json", accuracy)
     write_text(
         staging / "signoff.md",
-        signoff_markdown(name, ctx.verdict, ctx.accuracy, precision, ctx.dealt.data, len(ctx.samples.calibration),
+        signoff_markdown(name, ctx.verdict, accuracy, precision, ctx.dealt.data, len(ctx.dealt.samples.calibration),
                          ctx.notes + (precision.notes if precision else [])
                          + ([limits.family_note] if limits and limits.family_note else [])
                          + [f"Benchmark gate failed: {line}" for line in bench.failures],

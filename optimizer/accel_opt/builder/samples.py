@@ -50,14 +50,15 @@ def read_and_split(ctx: BuildSoFar) -> Dealt:
     data_dir, eval_data_dir = ctx.setup.data_dir, ctx.setup.eval_data_dir
     if data_dir is None and eval_data_dir is None:
         steering = min(accuracy.split.max_steering, accuracy.synthetic_samples)
-        shapes = resolve_shapes(ctx.inputs, recipe.shapes, given_batch_axes=recipe.batch_axes)
-        samples, data = synthetic_samples(ctx.inputs, shapes.shapes, steering + accuracy.synthetic_samples,
+        shapes = resolve_shapes(ctx.loaded.inputs, recipe.shapes, given_batch_axes=recipe.batch_axes)
+        samples, data = synthetic_samples(ctx.loaded.inputs, shapes.shapes, steering + accuracy.synthetic_samples,
                                           accuracy.seed, index_bounds)
         split = DataSplit(seed=accuracy.seed, steering=list(range(steering)),
                           verdict=list(range(steering, len(samples))))
         notes.append(f"No --data given: {len(samples)} synthetic samples (seed {accuracy.seed}) were used: "
                      f"{accuracy.synthetic_samples} for the accuracy check, {steering} to steer choices.")
-        return _dealt(ctx, samples, [], data, None, split, data.names, [], None, [], None, shapes, notes)
+        return _dealt(ctx, samples, [], shapes, notes, data=data, eval_data=None, split=split, sample_names=data.names,
+                      sample_keys=[], sample_groups=None, sample_labels=[], verdict_max=None)
     samples: list[Sample] = []
     deployed: list[Sample] = []  # as the folder takes them, where that differs (_read_data)
     held_out, data, eval_data, names, labels = None, None, None, [], []
@@ -74,7 +75,7 @@ def read_and_split(ctx: BuildSoFar) -> Dealt:
         samples, deployed = samples + held, deployed + held_deployed
         data = data or eval_data
     refuse_out_of_range_indices(samples, names, index_bounds)
-    shapes = resolve_shapes(ctx.inputs, recipe.shapes, shapes_of(samples), recipe.batch_axes)
+    shapes = resolve_shapes(ctx.loaded.inputs, recipe.shapes, shapes_of(samples), recipe.batch_axes)
     given = len(samples) - len(held_out or [])
     verdict_max = _verdict_memory_cap(ctx, accuracy.max_samples, notes)
     eval_names = eval_data.names if eval_data_dir is not None else []  # as named under their own folder
@@ -93,8 +94,9 @@ def read_and_split(ctx: BuildSoFar) -> Dealt:
                             f"--data holds only {len(split.calibration + split.steering)} distinct sample(s), "
                             "all taken to calibrate and steer: none is left to judge the build; give more distinct "
                             "samples")
-    return _dealt(ctx, samples, deployed, data, eval_data, split, names, keys, groups, labels, verdict_max,
-                  shapes, notes)
+    return _dealt(ctx, samples, deployed, shapes, notes, data=data, eval_data=eval_data, split=split,
+                  sample_names=names, sample_keys=keys, sample_groups=groups, sample_labels=labels,
+                  verdict_max=verdict_max)
 
 
 def too_few_to_certify(ctx: BuildSoFar) -> TooFewToCertify | None:
@@ -125,7 +127,7 @@ def _verdict_memory_cap(ctx: BuildSoFar, max_samples: int, notes: list[str]) -> 
     """accuracy.max_samples, lowered where every judged sample's outputs would not fit VERDICT_MEMORY_MIB (outputs
     with static dims only: a 640x640 detector head of 705,600 values takes ~38 MiB per sample to judge)."""
     elements = 0
-    for spec in ctx.outputs:
+    for spec in ctx.loaded.outputs:
         if not all(isinstance(d, int) for d in spec.shape[1:]):
             return max_samples  # a dynamic dim besides the batch: the size is not known before the model runs
         batch = spec.shape[0] if spec.shape and isinstance(spec.shape[0], int) else 1
@@ -158,15 +160,15 @@ def _read_data(ctx: BuildSoFar, folder: Path, flag: str) -> tuple[list[Sample], 
     draft = pre is not None and pre.draft_decode and not any(folder.glob("*.npz"))
     reference_pre = pre.model_copy(update={"draft_decode": False}) if draft else pre
     if not ctx.fused:
-        samples, data = load_samples(folder, ctx.inputs, reference_pre, text=ctx.loaded.text_encoder, flag=flag,
+        samples, data = load_samples(folder, ctx.loaded.inputs, reference_pre, text=ctx.loaded.text_encoder, flag=flag,
                                      by_class=by_class)
         if ctx.torch and data.source == "images":  # the candidate takes what its job's tensor path makes
             from accel_opt.preprocess.tensor_images import tensor_path_samples
 
             files = [folder / name for name in data.names]
-            return samples, data, tensor_path_samples(files, pre, ctx.image_input, ctx.backend.device, flag)
+            return samples, data, tensor_path_samples(files, pre, ctx.image_input, ctx.setup.backend.device, flag)
         if draft:  # the candidate takes what `accel-opt run` will feed it; the reference, full decodes
-            return samples, data, load_samples(folder, ctx.inputs, pre, flag=flag, by_class=by_class)[0]
+            return samples, data, load_samples(folder, ctx.loaded.inputs, pre, flag=flag, by_class=by_class)[0]
         return samples, data, []
     name = ctx.image_input
     spec = TensorSpec(name=name, dtype="uint8", shape=["batch", pre.crop, pre.crop, 3])
@@ -178,19 +180,17 @@ def _read_data(ctx: BuildSoFar, folder: Path, flag: str) -> tuple[list[Sample], 
                              by_class=by_class)[0]
     samples = [{name: to_model_input(c[name], pre)} for c in crops]
     for sample, where in zip(samples, data.names):
-        check_sample(sample, ctx.inputs, f"{flag} {where}")
+        check_sample(sample, ctx.loaded.inputs, f"{flag} {where}")
     return samples, data, host_crops
 
 
-def _dealt(ctx: BuildSoFar, samples: list[Sample], deployed: list[Sample], data: DataSummary,
-           eval_data: DataSummary | None, split: DataSplit, names: list[str], keys: list[str],
-           groups: list[str] | None, labels: list[int], verdict_max: int | None, shapes: ResolvedShapes,
-           notes: list[str]) -> Dealt:
-    """The samples read (in index order) dealt into their roles by `split`, each also as the folder takes it
+def _dealt(ctx: BuildSoFar, samples: list[Sample], deployed: list[Sample], shapes: ResolvedShapes, notes: list[str],
+           **record) -> Dealt:
+    """The samples read (in index order) dealt into their roles by `record`'s split, each also as the folder takes it
     (`deployed`, where that differs from the reference's: fused preprocessing's host crops, draft decoding and the
-    torch device path's job inputs)."""
+    torch device path's job inputs); `record`: the rest of Dealt's fields."""
     deployed = deployed or samples
-    recipe = ctx.recipe
+    split, names = record["split"], record["sample_names"]
 
     def pick(indices: list[int], source: list[Sample]) -> list[Sample]:
         return [source[i] for i in indices]
@@ -204,7 +204,5 @@ def _dealt(ctx: BuildSoFar, samples: list[Sample], deployed: list[Sample], data:
                     held_out=held_out, held_out_deployed=held_out_deployed,
                     held_out_names=[names[i] for i in split.verdict],
                     timed=timed or held_out, timed_deployed=timed or held_out_deployed)
-    deploy_batch = recipe.selection.target_batch_size if shapes.batch_dynamic else shapes.batch_size
-    return Dealt(data=data, eval_data=eval_data, split=split, sample_names=names, sample_keys=keys,
-                 sample_groups=groups, sample_labels=labels, verdict_max=verdict_max, samples=roles, shapes=shapes,
-                 deploy_batch=deploy_batch, notes=(*notes, *shapes.notes))
+    deploy_batch = ctx.recipe.selection.target_batch_size if shapes.batch_dynamic else shapes.batch_size
+    return Dealt(samples=roles, shapes=shapes, deploy_batch=deploy_batch, notes=(*notes, *shapes.notes), **record)

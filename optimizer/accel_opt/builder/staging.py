@@ -27,29 +27,29 @@ from accel_opt.preprocess.fuse import fuse_normalize, fused_shape
 def stage_deployment(ctx: BuildSoFar, shapes: dict[str, list[int]]) -> Compiled:
     """Write the model, the backend's compiled files and the resource config into the staged artifact,
     then load it back through the runtime: from here on the build checks and times that folder."""
-    pre, staging = ctx.recipe.preprocessing, ctx.setup.staging
+    pre, staging, backend, workdir = ctx.recipe.preprocessing, ctx.setup.staging, ctx.setup.backend, ctx.setup.workdir
+    inputs, outputs = ctx.loaded.inputs, ctx.loaded.outputs
     if ctx.torch:  # the AOTInductor package is what ships; its inputs and outputs are the exported module's
         # What compile() exports (and the benchmark's fp32 baseline too): the module, its inputs and outputs, and the
         # calibration samples of an int8 plan.
-        ctx.backend.bind(ctx.torch_module, ctx.inputs, ctx.outputs, ctx.shapes.batch_axes, ctx.samples.calibration,
-                         cache_dir=ctx.setup.cache_dir)
-        c = compile_for(ctx.backend, ctx.candidate_path, ctx.recipe.precision, ctx.recipe,
-                        ctx.workdir / "torch", shapes)
+        backend.bind(ctx.torch_module, inputs, outputs, ctx.shapes.batch_axes, ctx.dealt.samples.calibration,
+                     cache_dir=ctx.setup.cache_dir)
+        c = compile_for(backend, ctx.candidate_path, ctx.recipe.precision, ctx.recipe, workdir / "torch", shapes)
         shutil.copy2(c.path, staging / c.path.name)
-        deployed_inputs, deployed_outputs = ctx.inputs, ctx.outputs
+        deployed_inputs, deployed_outputs = inputs, outputs
     elif not is_onnx(ctx.candidate_path):  # NNCF's OpenVINO IR (calibration.quantizer: nncf): it ships as written
         model_file = staging / f"model{IR_SUFFIX}"
         for source, target in zip(ir_files(ctx.candidate_path), ir_files(model_file)):
             shutil.copy2(source, target)
-        c = compile_for(ctx.backend, model_file, ctx.recipe.precision, ctx.recipe, ctx.workdir, shapes)
-        deployed_inputs, deployed_outputs = ctx.inputs, ctx.outputs  # NNCF keeps the fp32 model's inputs and outputs
+        c = compile_for(backend, model_file, ctx.recipe.precision, ctx.recipe, workdir, shapes)
+        deployed_inputs, deployed_outputs = inputs, outputs  # NNCF keeps the fp32 model's inputs and outputs
     else:
         model_file = staging / "model.onnx"
         source = ctx.candidate_path
         if pre is not None and pre.fused:
-            source = fuse_normalize(source, image_input(pre, ctx.inputs).name, pre, ctx.workdir / "fused" / source.name)
+            source = fuse_normalize(source, image_input(pre, inputs).name, pre, workdir / "fused" / source.name)
         save_model(onnx.load(str(source)), model_file)  # external data resolved next to the source
-        c = compile_for(ctx.backend, model_file, ctx.recipe.precision, ctx.recipe, ctx.workdir, shapes)
+        c = compile_for(backend, model_file, ctx.recipe.precision, ctx.recipe, workdir, shapes)
         deployed_inputs, deployed_outputs = io_specs(onnx.load(str(model_file), load_external_data=False))
     for extra in c.extra_files:
         if extra.parent != staging:
@@ -82,8 +82,8 @@ def batch_problem(ctx: BuildSoFar) -> str | None:
     if ctx.deploy_batch == 1 or all(a is not None for a in axes.values()):
         return None
     try:
-        with ctx.deployment.runner(runtime.feed_dtypes_of(ctx.samples.held_out_deployed)) as runner:
-            runner.infer(batch_of(ctx.samples.held_out_deployed, ctx.deploy_batch, axes), check_inputs=False)
+        with ctx.deployment.runner(runtime.feed_dtypes_of(ctx.dealt.samples.held_out_deployed)) as runner:
+            runner.infer(batch_of(ctx.dealt.samples.held_out_deployed, ctx.deploy_batch, axes), check_inputs=False)
     except AccelOptError:
         raise
     except Exception as exc:  # the runtime's own error types

@@ -31,7 +31,7 @@ def torch_precision(ctx: BuildSoFar) -> tuple[StageStatus, str, dict[str, Reduce
     plan, searched = PrecisionPlan(precision=precision), None
     if precision is Precision.int8:
         transform = ("PT2E static int8 (X86InductorQuantizer: uint8 activations, int8 per-channel weights), "
-                     f"calibrated on {len(ctx.samples.calibration)} samples")
+                     f"calibrated on {len(ctx.dealt.samples.calibration)} samples")
     else:
         transform = (f"{REDUCED_DTYPES[precision]} weights and compute (module transform before torch.export), "
                      "float32 inputs and outputs")
@@ -40,7 +40,7 @@ def torch_precision(ctx: BuildSoFar) -> tuple[StageStatus, str, dict[str, Reduce
     opset = ctx.loaded.model.opset
     report = PrecisionReport(precision=precision, transform=transform, opset_before=opset, opset_after=opset,
                              keep_io_types=True, kept_in_higher_precision=list(searched.kept if searched else []))
-    reduced = Reduced(candidate_path=write_plan(ctx.workdir / f"{precision.value}{PLAN_SUFFIX}", plan),
+    reduced = Reduced(candidate_path=write_plan(ctx.setup.workdir / f"{precision.value}{PLAN_SUFFIX}", plan),
                       precision=report, fallback=searched)
     detail = f"{transform}; {len(plan.keep_fp32)} submodules kept in float32"
     return "passed", detail + (f"; fallback {searched.status}" if searched else ""), {"reduced": reduced}
@@ -53,8 +53,8 @@ def _fallback(ctx: BuildSoFar, plan: PrecisionPlan) -> tuple[PrecisionPlan, Fall
     from accel_opt.backends.torch.runner import TorchRunner
 
     config = ctx.recipe.precision_options.fallback
-    steering = ctx.samples.steering[: config.steering_samples]  # never the held-out samples that judge the verdict
-    names = [o.name for o in ctx.outputs]
+    steering = ctx.dealt.samples.steering[: config.steering_samples]  # never the held-out samples, which judge
+    names = [o.name for o in ctx.loaded.outputs]
     report = FallbackReport(status="not needed", reason="", precision=plan.precision.value,
                             steering_samples=len(steering),
                             steering_source="steering samples (eager PyTorch)", max_rounds=config.max_rounds,
@@ -68,12 +68,13 @@ def _fallback(ctx: BuildSoFar, plan: PrecisionPlan) -> tuple[PrecisionPlan, Fall
         return plan, report
     tolerance = stricter(tolerance)
 
-    reference = TorchRunner(ctx.torch_module, ctx.inputs, names, threads=ctx.threads, name="reference-pytorch")
+    reference = TorchRunner(ctx.torch_module, ctx.loaded.inputs, names, threads=ctx.setup.threads,
+                            name="reference-pytorch")
     reference_outputs: list[dict] = []  # the eager fp32 module's, run once: every variant is judged against them
 
     def build_and_judge(keep: list[str], path: Path, calibration: str | None = None) -> Build:
-        candidate = TorchRunner(precision_module(ctx.torch_module, plan.precision, keep), ctx.inputs, names,
-                                threads=ctx.threads, name=f"eager-{plan.precision.value}")
+        candidate = TorchRunner(precision_module(ctx.torch_module, plan.precision, keep), ctx.loaded.inputs, names,
+                                threads=ctx.setup.threads, name=f"eager-{plan.precision.value}")
         verdict = compare(reference, candidate, steering, tolerance, metrics, batch_axes=ctx.shapes.batch_axes,
                           reference_outputs=reference_outputs or None)
         reference_outputs[:] = verdict._reference_outputs
@@ -81,7 +82,7 @@ def _fallback(ctx: BuildSoFar, plan: PrecisionPlan) -> tuple[PrecisionPlan, Fall
         return Build(path=path, loss=verdict.loss, passed=verdict.passed, failures=verdict.failures[:3],
                      worst_cosine=verdict.worst_cosine)
 
-    naive = build_and_judge([], ctx.workdir / "naive")
+    naive = build_and_judge([], ctx.setup.workdir / "naive")
     report.naive = VariantVerdict(passed=naive.passed, worst_cosine=naive.worst_cosine, failures=naive.failures,
                                 loss=naive.loss)
     if naive.passed:
@@ -96,7 +97,7 @@ def _fallback(ctx: BuildSoFar, plan: PrecisionPlan) -> tuple[PrecisionPlan, Fall
     limits = ctx.setup.limits
     budget_s = limits.search_budget_s if limits is not None else config.time_budget_s
     found = search(naive, units, SearchActions(build_and_judge=build_and_judge, speedup=lambda path: None),
-                   ctx.workdir / "search", time_budget_s=budget_s, min_speedup=config.min_speedup,
+                   ctx.setup.workdir / "search", time_budget_s=budget_s, min_speedup=config.min_speedup,
                    max_additions=config.max_rounds, on_step=limits.on_step if limits is not None else None)
     report.search_seconds = round(time.monotonic() - started, 1)
     report.status, report.reason, report.steps = found.status, found.reason, found.steps

@@ -110,7 +110,8 @@ class Refining:
 
 
 class _Remedy:
-    """What most remedies share: one calibration and quantization, its cost proportional to the GFLOP-samples."""
+    """What most remedies share: one calibration and quantization, its cost proportional to the GFLOP-samples. Each
+    subclass says what it sets (`offered`)."""
 
     name = ""
     keys: tuple[str, ...] = ()
@@ -119,9 +120,6 @@ class _Remedy:
     refine_order: int | None = None
     min_calibration_samples = 0  # offered only with at least this many (what it learns overfits fewer)
     seconds_per_gflop_sample: ClassVar[float] = 0.1
-
-    def offered(self, calibration: CalibrationConfig, backend: str) -> tuple[str, dict[str, Any]] | None:
-        raise NotImplementedError
 
     def unavailable(self, fused_preprocessing: bool) -> str | None:
         return None
